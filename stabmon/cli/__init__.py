@@ -1,0 +1,45 @@
+"""The ``stabmon`` command line. Each command group lives in its own module and registers itself on ``app``.
+
+Commands are thin: they parse options, call library functions and print. Nothing in the library imports the CLI.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+import stabmon
+
+app = typer.Typer(
+    name="stabmon",
+    help="Training-stability monitor with an intervention runbook engine.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Each module defines ``register(app: typer.Typer) -> None``.
+COMMAND_MODULES = [
+]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"stabmon {stabmon.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """Training-stability monitor with an intervention runbook engine."""
+
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(f"stabmon.cli.{_name}").register(app)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,222 @@
+"""Events passed between stabmon's stages.
+
+Data flows one way, one event type per arrow::
+
+    collectors -> StepRecord -> detectors -> Anomaly -> engine -> Decision
+    executor -> InterventionRecord;  engine (after observing) -> Outcome
+
+Every event is a frozen dataclass with plain-Python fields (str, int, float, tuples, dicts of those), so it can be
+pickled, compared, serialised to JSON with :func:`to_dict` and written to SQL without further conversion.
+Metric names are flat strings; the well-known ones are listed in :class:`Metric`. Per-module metrics append
+``/<module name>`` to a base name, e.g. ``grad_norm/transformer.h.0``.
+
+>>> r = StepRecord(step=3, metrics={"loss": 2.5, "grad_norm": 0.7})
+>>> r.get("loss"), r.get("loss_scale")
+(2.5, None)
+>>> to_dict(r)["metrics"]["grad_norm"]
+0.7
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Metric:
+    """Well-known metric names. Importers and collectors must use these for the signals they share."""
+
+    LOSS = "loss"
+    VAL_LOSS = "val_loss"
+    GRAD_NORM = "grad_norm"  # global L2 norm of the (unscaled) gradients, before clipping
+    LOSS_SCALE = "loss_scale"  # fp16 dynamic loss scale in force for the step
+    OVERFLOW = "overflow"  # 1.0 when the step overflowed (optimizer update skipped by the scaler), else 0.0
+    SKIPPED = "skipped"  # 1.0 when stabmon's own skip_step guard discarded this update
+    NONFINITE = "nonfinite"  # count of non-finite gradient elements (0 on healthy steps)
+    STEP_TIME = "step_time"  # host wall-clock seconds for the step
+    LR = "lr"  # learning rate in force (param group 0), overrides included
+    BETA2 = "beta2"
+    WEIGHT_DECAY = "weight_decay"
+    CLIP = "clip"  # max_norm in force (inf when not clipping)
+    TOKENS_PER_SEC = "tokens_per_sec"
+    # per-module prefixes: f"{prefix}/{name}"
+    GRAD_NORM_PREFIX = "grad_norm/"
+    ACT_RMS_PREFIX = "act_rms/"
+    EMB_DRIFT_PREFIX = "emb_drift/"  # ||W - W0|| / ||W0||
+    EMB_UPDATE_PREFIX = "emb_update/"  # ||W_t - W_{t-1}|| / ||W_t||
+
+
+class Severity(str, Enum):
+    """How bad an anomaly is. Ordered: ``INFO < WARNING < ERROR < CRITICAL``."""
+
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+    CRITICAL = "critical"
+
+    @property
+    def rank(self) -> int:
+        return _SEVERITY_RANK[self]
+
+    def __ge__(self, other: object) -> bool:  # type: ignore[override]
+        if not isinstance(other, Severity):
+            return NotImplemented
+        return self.rank >= other.rank
+
+    def __gt__(self, other: object) -> bool:  # type: ignore[override]
+        if not isinstance(other, Severity):
+            return NotImplemented
+        return self.rank > other.rank
+
+    def __le__(self, other: object) -> bool:  # type: ignore[override]
+        if not isinstance(other, Severity):
+            return NotImplemented
+        return self.rank <= other.rank
+
+    def __lt__(self, other: object) -> bool:  # type: ignore[override]
+        if not isinstance(other, Severity):
+            return NotImplemented
+        return self.rank < other.rank
+
+
+_SEVERITY_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2, Severity.CRITICAL: 3}
+
+
+def new_id() -> str:
+    """A short random identifier for events (12 hex characters)."""
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """Everything measured for one optimizer step.
+
+    ``metrics`` maps metric names (see :class:`Metric`) to floats; NaN and inf are legal values and mean the
+    training produced them. A metric that was not measured this step is absent, not NaN.
+    ``batch_index`` is the data position of the step's batch (the monitor's data cursor), when known.
+    ``time`` is a UNIX timestamp taken when the step ended, when known.
+    """
+
+    step: int
+    metrics: Mapping[str, float]
+    batch_index: int | None = None
+    time: float | None = None
+
+    def get(self, name: str, default: float | None = None) -> float | None:
+        return self.metrics.get(name, default)
+
+    def finite(self, name: str) -> float | None:
+        """The metric's value if present and finite, else None."""
+        v = self.metrics.get(name)
+        return v if v is not None and math.isfinite(v) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Anomaly:
+    """A detector's finding: ``metric`` behaved like ``kind`` at ``step``.
+
+    ``evidence`` holds the recent (step, value) window the detector judged, oldest first, including the flagged
+    point. ``score`` is detector-specific (higher = more anomalous); ``threshold`` is the score it had to reach.
+    """
+
+    kind: str  # spike | nonfinite | missing | loss_scale_collapse | drift | frozen_embedding | step_time | hang
+    metric: str
+    step: int
+    score: float
+    severity: Severity
+    detector: str
+    evidence: tuple[tuple[int, float], ...] = ()
+    threshold: float | None = None
+    message: str = ""
+    id: str = field(default_factory=new_id)
+
+
+class DecisionStatus(str, Enum):
+    PROPOSED = "proposed"  # waiting for a human (propose mode)
+    APPROVED = "approved"  # a human said yes; to be applied at the next flush
+    APPLY = "apply"  # apply mode: apply now
+    APPLIED = "applied"
+    REJECTED = "rejected"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The engine's choice of ONE intervention in answer to an anomaly.
+
+    ``action`` names an intervention (``scale_lr``, ``set_clip``, ``set_beta2``, ``set_weight_decay``,
+    ``rollback``, ``checkpoint_and_stop``, ``skip_step``, ``alert_only``) or ``revert`` (undo the intervention
+    named in ``params["intervention_id"]``). ``rule`` and ``rung`` locate it in the runbook.
+    """
+
+    step: int
+    action: str
+    params: Mapping[str, Any]
+    status: DecisionStatus
+    runbook: str
+    rule: str
+    rung: int
+    reason: str
+    anomaly_id: str | None = None
+    incident_id: str | None = None
+    id: str = field(default_factory=new_id)
+
+
+@dataclass(frozen=True, slots=True)
+class InterventionRecord:
+    """What applying (or reverting) a decision changed: the values in force before and after."""
+
+    decision_id: str
+    step: int
+    action: str
+    before: Mapping[str, Any]
+    after: Mapping[str, Any]
+    reverted: bool = False  # True for the record of a revert
+    simulated: bool = False  # True in replay
+    id: str = field(default_factory=new_id)
+
+
+class Verdict(str, Enum):
+    RESOLVED = "resolved"
+    ESCALATED = "escalated"  # not resolved; the next rung follows
+    REVERTED = "reverted"  # not resolved and the change was undone
+    STOPPED = "stopped"  # the ladder ended in a stop
+    EXHAUSTED = "exhausted"  # not resolved and no rung left
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The engine's judgement of an intervention after its observation window."""
+
+    intervention_id: str | None
+    decision_id: str
+    step: int
+    verdict: Verdict
+    evidence: Mapping[str, Any]  # the metrics that judged it (e.g. signal max, loss vs baseline)
+    incident_id: str | None = None
+    id: str = field(default_factory=new_id)
+
+
+Event = StepRecord | Anomaly | Decision | InterventionRecord | Outcome
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def to_dict(event: Event) -> dict[str, Any]:
+    """A JSON-ready dict of an event (enums as their values, tuples as lists), with its type under ``type``."""
+    out = {f.name: _plain(getattr(event, f.name)) for f in dataclasses.fields(event)}
+    out["type"] = type(event).__name__
+    return out

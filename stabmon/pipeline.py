@@ -1,0 +1,111 @@
+"""The one pipeline that live monitoring and replay share.
+
+``StepRecord -> detectors -> Anomaly -> engine -> Decision -> executor -> InterventionRecord``; the engine later
+emits ``Outcome``. The live :class:`~stabmon.monitor.Monitor` and :func:`stabmon.replay.replay` both build a
+:class:`Pipeline` and call :meth:`Pipeline.process` once per StepRecord, so replaying a live run's recorded metrics
+reproduces its anomalies and decisions exactly. The executor is the only part that differs: the live one changes
+the optimizer, the replay one simulates.
+
+The protocols below are the plug points; concrete classes live in ``stabmon.detect``, ``stabmon.runbook`` and
+``stabmon.interventions``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from stabmon.events import Anomaly, Decision, DecisionStatus, Event, InterventionRecord, Outcome, StepRecord
+
+
+@runtime_checkable
+class DetectorSuiteLike(Protocol):
+    """Runs every configured detector on a StepRecord."""
+
+    def update(self, record: StepRecord) -> list[Anomaly]: ...
+
+    def enter_grace(self, steps: int | None = None) -> None:
+        """Re-enter the grace period (after an intervention, a rollback or a resume)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class EngineLike(Protocol):
+    """The runbook state machine: pure, no torch, no I/O."""
+
+    def process(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]: ...
+
+    def answer(self, decision_id: str, approved: bool, step: int) -> list[Decision | Outcome]:
+        """A human's answer to a proposed decision."""
+
+    def applied(self, decision: Decision, record: InterventionRecord) -> None:
+        """Tell the engine what applying ``decision`` changed (so it can judge and revert it later)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class ExecutorLike(Protocol):
+    """Applies decisions: to the live training state, or simulated in replay."""
+
+    def execute(self, decision: Decision) -> InterventionRecord | None: ...
+
+
+class Pipeline:
+    """Detectors, then engine, then executor, for one StepRecord at a time."""
+
+    def __init__(
+        self,
+        detectors: DetectorSuiteLike,
+        engine: EngineLike | None = None,
+        executor: ExecutorLike | None = None,
+    ) -> None:
+        self.detectors = detectors
+        self.engine = engine
+        self.executor = executor
+
+    def process(self, record: StepRecord) -> list[Event]:
+        """Run one record through the pipeline; return every event it produced, in causal order."""
+        anomalies = self.detectors.update(record)
+        events: list[Event] = list(anomalies)
+        if self.engine is not None:
+            events.extend(self._run_engine(self.engine.process(record, anomalies)))
+        return events
+
+    def answer(self, decision_id: str, approved: bool, step: int) -> list[Event]:
+        """Feed a human's answer to a proposal through the engine and executor."""
+        if self.engine is None:
+            return []
+        return self._run_engine(self.engine.answer(decision_id, approved, step))
+
+    def _run_engine(self, produced: Sequence[Decision | Outcome]) -> list[Event]:
+        assert self.engine is not None
+        events: list[Event] = []
+        for ev in produced:
+            events.append(ev)
+            if not isinstance(ev, Decision) or ev.status not in (DecisionStatus.APPLY, DecisionStatus.APPROVED):
+                continue
+            if self.executor is None:
+                continue
+            record = self.executor.execute(ev)
+            if record is not None:
+                events.append(record)
+                self.engine.applied(ev, record)
+                self.detectors.enter_grace()
+        return events
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "detectors": self.detectors.state_dict(),
+            "engine": self.engine.state_dict() if self.engine is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.detectors.load_state_dict(state["detectors"])
+        if self.engine is not None and state.get("engine") is not None:
+            self.engine.load_state_dict(state["engine"])

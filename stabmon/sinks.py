@@ -1,0 +1,59 @@
+"""The protocols through which the monitor and replay hand events to storage and alerting.
+
+Dependencies are passed in (``store=``, ``notifier=``), never global. Implementations: :class:`stabmon.store.Store`
+(SQL through a background writer) and :class:`stabmon.alerts.Notifier` (apprise on a background thread). Every
+method here is called from the training thread and must return at once; failures are caught, logged, counted and
+spooled by the implementation, never raised into training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from stabmon.events import Anomaly, Decision, Event, InterventionRecord, Outcome, StepRecord
+
+LowVolumeEvent = Anomaly | Decision | InterventionRecord | Outcome
+
+
+@runtime_checkable
+class Sink(Protocol):
+    def start_run(
+        self,
+        *,
+        name: str,
+        kind: str = "live",
+        config: Mapping[str, Any] | None = None,
+        environment: Mapping[str, Any] | None = None,
+        resume_run_id: str | None = None,
+    ) -> str:
+        """Create (or reopen, with ``resume_run_id``) a run and return its id. ``kind``: live | replay | import."""
+
+    def write_steps(self, *, run_id: str, records: Sequence[StepRecord]) -> None:
+        """Queue per-step metrics; never blocks on the database."""
+
+    def write_events(self, *, run_id: str, events: Sequence[LowVolumeEvent]) -> None:
+        """Queue anomalies, decisions, interventions and outcomes."""
+
+    def write_checkpoint(self, *, run_id: str, step: int, path: str, nbytes: int, valid: bool = True) -> None: ...
+
+    def write_skipped_batches(self, *, run_id: str, step: int, batch_indices: Sequence[int]) -> None: ...
+
+    def poll_answers(self, *, run_id: str) -> list[tuple[str, bool]]:
+        """Human answers (decision id, approved) to proposals not yet picked up. May touch the database:
+        the monitor calls it at flush time only."""
+
+    def end_run(self, *, run_id: str, status: str) -> None: ...
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far is written (True) or the timeout passes (False)."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class NotifierLike(Protocol):
+    def handle(self, *, run_id: str, run_name: str, events: Sequence[Event]) -> None:
+        """Look at freshly produced events and queue alerts for those that warrant one; never blocks."""
+
+    def close(self, timeout: float | None = None) -> None: ...
