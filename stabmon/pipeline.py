@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from stabmon.events import Anomaly, Decision, DecisionStatus, Event, InterventionRecord, Outcome, StepRecord
+from stabmon.overrides import Overrides
 
 
 @runtime_checkable
@@ -54,6 +55,28 @@ class ExecutorLike(Protocol):
     """Applies decisions: to the live training state, or simulated in replay."""
 
     def execute(self, decision: Decision) -> InterventionRecord | None: ...
+
+
+@runtime_checkable
+class InterventionTarget(Protocol):
+    """What interventions act on: the live :class:`~stabmon.monitor.Monitor`, or a replay simulator."""
+
+    overrides: Overrides
+
+    @property
+    def step(self) -> int:
+        """The current optimizer step."""
+
+    def hparams(self) -> dict[str, float]:
+        """Values in force now: ``lr``, ``beta2``, ``weight_decay``, ``clip`` (absent when not applicable)."""
+
+    def rollback(self, *, onset_step: int, lookback: int, skip_batches: int) -> dict[str, Any]:
+        """Restore the last-known-good checkpoint saved at least ``lookback`` steps before ``onset_step`` and skip
+        the next ``skip_batches`` batches of data. Returns what happened (checkpoint path and step, restored step,
+        skipped batch range) for the audit row."""
+
+    def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
+        """Save a checkpoint and ask the training loop to stop with the documented exit code."""
 
 
 class Pipeline:
