@@ -21,6 +21,17 @@ app = typer.Typer(
 
 # Each module defines ``register(app: typer.Typer) -> None``.
 COMMAND_MODULES = [
+    "alert",
+    "db",
+    "runs",
+    "importing",
+    "replay",
+    "eval",
+    "tune",
+    "runbook",
+    "decisions",
+    "trace",
+    "events",
 ]
 
 

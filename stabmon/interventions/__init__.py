@@ -1,0 +1,50 @@
+"""Interventions: the changes a runbook can make to a training run, one file per action.
+
+``INTERVENTIONS`` maps action names to classes; :func:`get_intervention` looks one up, :func:`register` adds a
+custom one (it then becomes usable in runbooks loaded afterwards). :class:`LiveExecutor` applies decisions.
+
+>>> sorted(INTERVENTIONS)  # doctest: +NORMALIZE_WHITESPACE
+['alert_only', 'checkpoint_and_stop', 'rollback', 'scale_lr', 'set_beta2', 'set_clip', 'set_weight_decay',
+ 'skip_step']
+"""
+
+from __future__ import annotations
+
+from stabmon.interventions.alert_only import AlertOnly
+from stabmon.interventions.base import Intervention, InterventionError, Params
+from stabmon.interventions.checkpoint_and_stop import STOP_EXIT_CODE, CheckpointAndStop
+from stabmon.interventions.executor import LiveExecutor
+from stabmon.interventions.rollback import Rollback
+from stabmon.interventions.scale_lr import ScaleLr
+from stabmon.interventions.set_beta2 import SetBeta2
+from stabmon.interventions.set_clip import SetClip
+from stabmon.interventions.set_weight_decay import SetWeightDecay
+from stabmon.interventions.skip_step import SkipStep
+
+INTERVENTIONS: dict[str, type[Intervention]] = {
+    cls.name: cls
+    for cls in (ScaleLr, SetClip, SetBeta2, SetWeightDecay, Rollback, CheckpointAndStop, SkipStep, AlertOnly)
+}
+
+
+def get_intervention(name: str) -> type[Intervention]:
+    """The intervention class registered under ``name``."""
+    try:
+        return INTERVENTIONS[name]
+    except KeyError:
+        raise KeyError(f"unknown intervention {name!r}; known: {', '.join(sorted(INTERVENTIONS))}") from None
+
+
+def register(cls: type[Intervention]) -> type[Intervention]:
+    """Register a custom intervention class (usable as a decorator)."""
+    if not cls.name or cls.name == "revert":
+        raise ValueError(f"intervention.name must be a non-empty name other than 'revert', got {cls.name!r}")
+    INTERVENTIONS[cls.name] = cls
+    return cls
+
+
+__all__ = [
+    "INTERVENTIONS", "STOP_EXIT_CODE", "AlertOnly", "CheckpointAndStop", "Intervention", "InterventionError",
+    "LiveExecutor", "Params", "Rollback", "ScaleLr", "SetBeta2", "SetClip", "SetWeightDecay", "SkipStep",
+    "get_intervention", "register",
+]

@@ -1,0 +1,258 @@
+"""A tiny character-level GPT (in the spirit of nanoGPT's train.py) that trains on text it writes itself.
+
+The corpus is generated from a seed: lines of two-digit additions such as ``37+45=82;``. The model has two
+pre-LayerNorm transformer blocks (d=64, 4 heads, block 64) and trains with AdamW under linear warm-up then cosine
+decay; it runs on two CPU cores.
+
+Stable setting (the default): peak lr 3e-3, gradient clipping at 1.0. The loss falls steadily.
+
+Unstable setting (``--unstable``): peak lr 3e-2 after the same warm-up, no clipping, beta2 0.99 and no weight
+decay (:data:`UNSTABLE`). Shortly after warm-up ends the gradient norm starts spiking while the loss still looks
+normal; a few dozen steps later the loss jumps and the run does not recover within the budget. It is reproducible
+with the seed (the thread count is pinned). The monitor sees the spikes before the loss blows up.
+
+Run it::
+
+    python examples/tiny_gpt.py                       # stable, unmonitored
+    python examples/tiny_gpt.py --unstable --db sqlite:///tiny.db --runbook default --mode apply
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+VOCAB = "0123456789+=;"
+
+
+@dataclass
+class TrainConfig:
+    """Everything the example trains with; ``--unstable`` swaps in :data:`UNSTABLE`."""
+
+    steps: int = 600
+    batch_size: int = 16
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 50
+    beta2: float = 0.95
+    weight_decay: float = 0.1
+    clip: float | None = 1.0
+    seed: int = 1337
+    threads: int = 2
+    corpus_chars: int = 200_000
+    log_every: int = 50
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"config.{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"config.n_embd must be divisible by config.n_head, got {self.n_embd}/{self.n_head}")
+        if not self.lr > 0:
+            raise ValueError(f"config.lr must be > 0, got {self.lr}")
+
+
+UNSTABLE = dict(lr=3e-2, clip=None, beta2=0.99, weight_decay=0.0)
+"""The documented unstable setting: 10x the peak learning rate, no clipping, a faster second moment."""
+
+
+def unstable(config: TrainConfig | None = None) -> TrainConfig:
+    return dataclasses.replace(config or TrainConfig(), **UNSTABLE)
+
+
+# -- data -----------------------------------------------------------------------------------------------------
+def make_corpus(n_chars: int, seed: int) -> torch.Tensor:
+    """Token ids of ``a+b=c;`` lines drawn with ``seed``."""
+    rng = random.Random(seed)
+    parts, total = [], 0
+    while total < n_chars:
+        a, b = rng.randrange(100), rng.randrange(100)
+        line = f"{a}+{b}={a + b};"
+        parts.append(line)
+        total += len(line)
+    text = "".join(parts)[:n_chars]
+    lookup = {c: i for i, c in enumerate(VOCAB)}
+    return torch.tensor([lookup[c] for c in text], dtype=torch.long)
+
+
+class Batches:
+    """``steps`` random (x, y) windows of the corpus, the same ones on every pass (seeded)."""
+
+    def __init__(self, data: torch.Tensor, config: TrainConfig) -> None:
+        self.data, self.config = data, config
+
+    def __len__(self) -> int:
+        return self.config.steps
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.config
+        gen = torch.Generator().manual_seed(c.seed + 1)
+        for _ in range(c.steps):
+            ix = torch.randint(len(self.data) - c.block_size - 1, (c.batch_size,), generator=gen)
+            x = torch.stack([self.data[i : i + c.block_size] for i in ix.tolist()])
+            y = torch.stack([self.data[i + 1 : i + 1 + c.block_size] for i in ix.tolist()])
+            yield x, y
+
+
+# -- model ----------------------------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, c: TrainConfig) -> None:
+        super().__init__()
+        self.n_head = c.n_head
+        self.ln_1 = nn.LayerNorm(c.n_embd)
+        self.attn = nn.Linear(c.n_embd, 3 * c.n_embd)
+        self.proj = nn.Linear(c.n_embd, c.n_embd)
+        self.ln_2 = nn.LayerNorm(c.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(c.n_embd, 4 * c.n_embd), nn.GELU(), nn.Linear(4 * c.n_embd, c.n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: TrainConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(len(VOCAB), c.n_embd)
+        self.wpe = nn.Embedding(c.block_size, c.n_embd)
+        self.h = nn.ModuleList([Block(c) for _ in range(c.n_layer)])
+        self.ln_f = nn.LayerNorm(c.n_embd)
+        self.lm_head = nn.Linear(c.n_embd, len(VOCAB), bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def lr_lambda(c: TrainConfig) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < c.warmup:
+            return (step + 1) / c.warmup
+        progress = min(1.0, (step - c.warmup) / max(1, c.steps - c.warmup))
+        return (c.min_lr + 0.5 * (c.lr - c.min_lr) * (1 + math.cos(math.pi * progress))) / c.lr
+
+    return factor
+
+
+def build(config: TrainConfig) -> tuple[GPT, torch.optim.Optimizer, Any, Batches]:
+    """Model, optimizer, scheduler and batches, all seeded."""
+    config.validate()
+    torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    model = GPT(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, config.beta2),
+                            weight_decay=config.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config))
+    return model, opt, sched, Batches(make_corpus(config.corpus_chars, config.seed), config)
+
+
+# -- training -------------------------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    steps: int = 0
+    seconds: float = 0.0
+    exit_code: int = 0
+    monitor: Any = None
+
+    @property
+    def final_loss(self) -> float:
+        tail = self.losses[-20:]
+        return sum(tail) / len(tail) if tail else float("nan")
+
+    @property
+    def diverged(self) -> bool:
+        return not math.isfinite(self.final_loss) or self.final_loss > 2.0 * min(self.losses, default=math.inf) + 0.5
+
+
+MonitorFactory = Callable[[nn.Module, torch.optim.Optimizer, Any], Any]
+
+
+def train(config: TrainConfig, monitor: MonitorFactory | None = None) -> TrainResult:
+    """Train; with ``monitor`` (a factory ``(model, optimizer, scheduler) -> Monitor``) the loop is monitored
+    and the monitor clips. Losses are read back every ``log_every`` steps only (the monitor reads nothing)."""
+    model, opt, sched, batches = build(config)
+    mon = monitor(model, opt, sched) if monitor is not None else None
+    result, pending = TrainResult(monitor=mon), []
+    t0 = time.perf_counter()
+    steps = mon.steps(batches) if mon is not None else enumerate(batches)
+    try:
+        for step, (x, y) in steps:
+            loss = model(x, y)
+            loss.backward()
+            if mon is not None:
+                mon.observe(loss=loss)
+            elif config.clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip, foreach=True)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            pending.append(loss.detach())
+            if len(pending) == config.log_every or step == config.steps - 1:
+                result.losses.extend(torch.stack(pending).tolist())
+                pending = []
+            result.steps += 1
+    finally:
+        if pending:
+            result.losses.extend(torch.stack(pending).tolist())
+        if mon is not None:
+            mon.close()
+            result.exit_code = mon.exit_code
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--unstable", action="store_true", help="the documented unstable setting (see UNSTABLE)")
+    p.add_argument("--steps", type=int, default=TrainConfig.steps)
+    p.add_argument("--runbook", default=None, help="runbook name or path (default: none, observe only)")
+    p.add_argument("--mode", default="propose", choices=["propose", "apply", "observe"])
+    p.add_argument("--db", default=None, help="store URL; monitored when given (or with --runbook)")
+    p.add_argument("--seed", type=int, default=TrainConfig.seed)
+    args = p.parse_args(argv)
+    config = TrainConfig(steps=args.steps, seed=args.seed)
+    if args.unstable:
+        config = unstable(config)
+    factory = None
+    if args.db or args.runbook:
+        from stabmon.monitor import Monitor, MonitorConfig
+
+        def factory(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> Monitor:
+            return Monitor(model, opt, scheduler=sched, store=args.db or "default", runbook=args.runbook,
+                           mode=args.mode, config=MonitorConfig(clip=config.clip),
+                           run_name=f"tiny-gpt{'-unstable' if args.unstable else ''}")
+
+    result = train(config, monitor=factory)
+    for i in range(0, len(result.losses), config.log_every):
+        print(f"step {i:5d}  loss {result.losses[i]:.4f}")
+    print(f"{result.steps} steps in {result.seconds:.1f}s, final loss {result.final_loss:.4f}"
+          f"{' (diverged)' if result.diverged else ''}")
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

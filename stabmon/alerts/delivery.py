@@ -1,0 +1,277 @@
+"""Sending alerts through apprise, one background thread per channel, with a timeout and retries.
+
+Each channel has its own FIFO queue and thread, so a hanging webhook delays only its own channel, and a
+channel's alerts arrive in order (a PagerDuty ``resolve`` never overtakes its ``trigger``). ``submit`` only
+appends to a deque under a lock the thread holds for a few instructions: the caller never waits for the
+network. Failed attempts back off exponentially (``backoff_initial * 2**(n-1)``, capped at ``backoff_max``) up
+to ``max_attempts``; every attempt updates the alert's row through the recorder.
+
+PagerDuty goes through apprise's ``pagerduty://`` plugin, which speaks Events v2 and accepts ``action`` and
+``dedup`` URL parameters: each send adds ``action=trigger|resolve``, ``dedup=<incident key>`` and the alert's
+``severity`` (unless the URL sets one) to the configured URL.
+
+>>> ch = Channel(ChannelConfig.parse("json://127.0.0.1:9/hook"), timeout=0.5)
+>>> ch.name
+'json://127.0.0.1:9/***'
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import apprise
+
+from stabmon.alerts.config import AlertsConfig, ChannelConfig
+from stabmon.alerts.message import Alert
+from stabmon.alerts.record import AlertRecorder
+from stabmon.alerts.redact import install_log_scrubber, redact, register_secrets, scrub
+from stabmon.alerts.routing import RESOLVE
+from stabmon.events import Severity
+
+log = logging.getLogger("stabmon.alerts")
+
+_NOTIFY_TYPE = {
+    Severity.INFO: apprise.NotifyType.INFO,
+    Severity.WARNING: apprise.NotifyType.WARNING,
+    Severity.ERROR: apprise.NotifyType.FAILURE,
+    Severity.CRITICAL: apprise.NotifyType.FAILURE,
+}
+
+
+class _ThreadCapture(logging.Handler):
+    """Collects apprise's warnings raised on one thread (apprise reports HTTP errors only through its log)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.thread = threading.get_ident()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self.thread:
+            self.messages.append(record.getMessage())
+
+
+class Channel:
+    """One apprise destination. ``name`` (the redacted URL unless configured) is what logs and rows show."""
+
+    def __init__(self, config: ChannelConfig, *, timeout: float, path: str = "alerts.channels[0]") -> None:
+        register_secrets(config.url)
+        install_log_scrubber()
+        if apprise.Apprise.instantiate(config.url) is None:
+            raise ValueError(
+                f"{path}.url: apprise cannot use {redact(config.url)} (unknown scheme or bad URL)"
+            )
+        self.config = config
+        self.timeout = timeout
+        self.name = config.name or redact(config.url)
+
+    def url_for(self, alert: Alert | None, action: str) -> str:
+        """The URL of one send: for PagerDuty, with the Events v2 action, dedup key and severity added."""
+        if not self.config.is_pagerduty or alert is None:
+            return self.config.url
+        parts = urlsplit(self.config.url)
+        query = [
+            (k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in ("action", "dedup")
+        ]
+        query += [("action", "resolve" if action == RESOLVE else "trigger"), ("dedup", alert.dedup_key)]
+        if not any(k == "severity" for k, _ in query):
+            query.append(("severity", alert.severity.value))
+        return urlunsplit(parts._replace(query=urlencode(query)))
+
+    def send(
+        self, *, title: str, body: str, notify_type: Any, alert: Alert | None = None, action: str = "notify"
+    ) -> tuple[bool, str | None]:
+        """One delivery attempt: (delivered, scrubbed error)."""
+        capture = _ThreadCapture()
+        apprise_log = logging.getLogger("apprise")
+        apprise_log.addHandler(capture)
+        try:
+            plugin = apprise.Apprise.instantiate(self.url_for(alert, action))
+            if plugin is None:
+                return False, "apprise could not build the channel"
+            plugin.socket_connect_timeout = self.timeout
+            plugin.socket_read_timeout = self.timeout
+            plugin.request_rate_per_sec = 0  # stabmon rate-limits per channel itself
+            ok = bool(plugin.notify(body=body, title=title, notify_type=notify_type))
+        except Exception as exc:  # noqa: BLE001 - any plugin failure is a failed attempt, never a crash
+            return False, scrub(f"{type(exc).__name__}: {exc}")
+        finally:
+            apprise_log.removeHandler(capture)
+        if ok:
+            return True, None
+        detail = " | ".join(dict.fromkeys(capture.messages)) or "delivery failed (apprise gave no detail)"
+        return False, scrub(detail)[:2000]
+
+    def send_alert(self, alert: Alert, action: str) -> tuple[bool, str | None]:
+        notify_type = apprise.NotifyType.SUCCESS if alert.resolves else _NOTIFY_TYPE[alert.severity]
+        return self.send(
+            title=alert.title, body=alert.body, notify_type=notify_type, alert=alert, action=action
+        )
+
+
+@dataclass
+class Job:
+    alert: Alert
+    action: str
+    alert_id: str
+    attempts: int = 0
+    recorded: bool = False
+
+
+class ChannelWorker:
+    """The queue and delivery thread of one channel (module docstring)."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        config: AlertsConfig,
+        recorder: AlertRecorder | None,
+        counters: dict[str, int],
+        count_lock: threading.Lock,
+    ) -> None:
+        self.channel = channel
+        self.config = config
+        self.recorder = recorder
+        self.counters = counters
+        self._count_lock = count_lock
+        self._queue: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._abort = False
+        self._thread: threading.Thread | None = None
+
+    # -- training thread ------------------------------------------------------------------------------------
+    def submit(self, job: Job) -> bool:
+        """Queue ``job``; False (and nothing queued) when the queue is full or the worker is closed."""
+        with self._cond:
+            if self._closing or len(self._queue) >= self.config.queue_size:
+                return False
+            self._queue.append(job)
+            self._cond.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"stabmon-alerts[{self.channel.name}]", daemon=True
+                )
+                self._thread.start()
+        return True
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def wait_idle(self, deadline: float) -> bool:
+        """Wait until every queued alert is sent, failed or abandoned, or ``deadline`` (monotonic) passes."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue, timeout=max(0.0, deadline - time.monotonic()))
+
+    # -- closing --------------------------------------------------------------------------------------------
+    def begin_close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+    def join(self, deadline: float) -> bool:
+        """Wait until the queue is drained or ``deadline`` (monotonic) passes; then abandon what is left."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            self._abort = True
+            left = list(self._queue)[1:] if thread is not None and thread.is_alive() else list(self._queue)
+            for job in left:
+                self._queue.remove(job)
+            self._cond.notify_all()
+        for job in left:
+            self._record_add(job)
+            self._record_update(job, "abandoned", "notifier closed before delivery")
+            self._count("abandoned")
+        return not left and (thread is None or not thread.is_alive())
+
+    # -- delivery thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue or self._abort:
+                    return
+                job = self._queue[0]
+            try:
+                self._deliver(job)
+            except Exception:  # noqa: BLE001 - the delivery thread must survive anything
+                log.exception("alert delivery to %s failed unexpectedly", self.channel.name)
+                self._count("errors")
+            with self._cond:
+                if self._queue and self._queue[0] is job:
+                    self._queue.popleft()
+                self._cond.notify_all()
+
+    def _deliver(self, job: Job) -> None:
+        self._record_add(job)
+        while True:
+            ok, error = self.channel.send_alert(job.alert, job.action)
+            job.attempts += 1
+            if ok:
+                self._record_update(job, "sent", None)
+                self._count("sent")
+                return
+            if job.attempts >= self.config.max_attempts or self._abort:
+                log.warning(
+                    "alert to %s failed after %d attempts: %s", self.channel.name, job.attempts, error
+                )
+                status = "abandoned" if self._abort else "failed"
+                self._record_update(job, status, error)
+                self._count(status)
+                return
+            self._record_update(job, "retrying", error)
+            self._count("retries")
+            self._backoff(job.attempts)
+
+    def _backoff(self, attempts: int) -> None:
+        delay = min(self.config.backoff_max, self.config.backoff_initial * 2 ** (attempts - 1))
+        with self._cond:
+            if self._closing:  # draining: keep retrying, but do not sit out long backoffs
+                delay = min(delay, self.config.backoff_initial)
+            self._cond.wait_for(lambda: self._abort, timeout=delay)
+
+    def _record_add(self, job: Job) -> None:
+        if self.recorder is None or job.recorded:
+            return
+        job.recorded = True
+        a = job.alert
+        try:
+            self.recorder.add_alert(
+                alert_id=job.alert_id,
+                run_id=a.run_id,
+                channel=self.channel.name,
+                severity=a.severity.value,
+                status="queued",
+                dedup_key=a.dedup_key,
+                incident_id=a.incident_id or a.incident_key,
+                event_id=a.event_id,
+                title=scrub(a.title),
+            )
+        except Exception:  # noqa: BLE001 - recording must not stop delivery
+            log.exception("recording alert for %s failed", self.channel.name)
+            self._count("record_errors")
+
+    def _record_update(self, job: Job, status: str, error: str | None) -> None:
+        if self.recorder is None:
+            return
+        try:
+            self.recorder.update_alert(
+                alert_id=job.alert_id, status=status, attempts=job.attempts, error=error
+            )
+        except Exception:  # noqa: BLE001 - recording must not stop delivery
+            log.exception("recording alert status for %s failed", self.channel.name)
+            self._count("record_errors")
+
+    def _count(self, name: str) -> None:
+        with self._count_lock:
+            self.counters[name] = self.counters.get(name, 0) + 1

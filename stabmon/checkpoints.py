@@ -1,0 +1,286 @@
+"""Checkpoints that are distrusted until checked: atomic saves, a registry, validation, last-known-good.
+
+:class:`CheckpointManager` saves state dicts atomically (temporary file in the same directory, ``fsync``,
+rename,
+``fsync`` of the directory), keeps the newest ``keep`` of its own files, and records every checkpoint (its
+own and the user's, via :meth:`CheckpointManager.register`) with step, path and byte count in
+``registry.json`` beside the files, and in the store when a sink is given. Before a checkpoint is used it
+is validated, in order: the file exists -> its size is the recorded byte count -> it loads
+(``torch.load(weights_only=True)`` unless told otherwise) -> every floating-point tensor in it is finite.
+:meth:`CheckpointManager.last_known_good` walks from the newest checkpoint saved before a step to older
+ones and returns the first that passes.
+
+:class:`KillSwitch` watches for a file whose appearance asks the run to checkpoint and stop; the process
+then exits
+with :data:`STOP_EXIT_CODE`.
+
+torch is imported only when a checkpoint is saved or loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STOP_EXIT_CODE = 86
+"""Exit code of a run stopped on purpose by stabmon (``checkpoint_and_stop`` or the kill switch)."""
+
+REGISTRY_NAME = "registry.json"
+
+
+class NoValidCheckpointError(RuntimeError):
+    """No registered checkpoint passed validation; ``reasons`` maps each candidate path to why it was
+    refused."""
+
+    def __init__(self, message: str, reasons: Mapping[str, str]) -> None:
+        details = "; ".join(f"{p}: {r}" for p, r in reasons.items()) or "no checkpoints registered"
+        super().__init__(f"{message} ({details})")
+        self.reasons = dict(reasons)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One registered checkpoint: the training step it holds, its path, its byte count at save time, and
+    whether stabmon wrote it (``own``; only own files are pruned)."""
+
+    step: int
+    path: str
+    nbytes: int
+    own: bool = True
+
+
+class CheckpointManager:
+    """Save, register, validate and choose checkpoints in one directory.
+
+    ``every``: save interval in steps for :meth:`maybe_save` (None: only explicit saves).
+    ``keep``: how many of its own checkpoints to keep (older ones are deleted; registered user files never
+    are).
+    ``sink``/``run_id``: also record checkpoints in the store. ``weights_only``: load with
+    ``torch.load(weights_only=True)`` (safe; state dicts of tensors and plain Python values pass).
+
+    >>> import tempfile, torch
+    >>> d = tempfile.mkdtemp()
+    >>> m = CheckpointManager(d, keep=2)
+    >>> _ = m.save({"w": torch.ones(2)}, step=10); _ = m.save({"w": torch.full((2,), float("nan"))}, step=20)
+    >>> info, state = m.last_known_good(before_step=100)
+    >>> info.step, state["w"].tolist()
+    (10, [1.0, 1.0])
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        every: int | None = None,
+        keep: int = 3,
+        prefix: str = "ckpt",
+        sink: Any = None,
+        run_id: str | None = None,
+        weights_only: bool = True,
+    ) -> None:
+        if every is not None and every <= 0:
+            raise ValueError(f"checkpoints.every must be > 0, got {every}")
+        if keep < 1:
+            raise ValueError(f"checkpoints.keep must be >= 1, got {keep}")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.every, self.keep, self.prefix = every, keep, prefix
+        self.sink, self.run_id, self.weights_only = sink, run_id, weights_only
+        self.store_errors = 0
+        self._entries: list[CheckpointInfo] = self._read_registry()
+
+    # -- registry --
+    @property
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Registered checkpoints, oldest step first."""
+        return sorted(self._entries, key=lambda e: e.step)
+
+    def _read_registry(self) -> list[CheckpointInfo]:
+        path = self.directory / REGISTRY_NAME
+        if not path.is_file():
+            return []
+        try:
+            return [CheckpointInfo(**e) for e in json.loads(path.read_text())["checkpoints"]]
+        except (ValueError, KeyError, TypeError):
+            log.exception("stabmon: unreadable checkpoint registry %s; starting a new one", path)
+            return []
+
+    def _write_registry(self) -> None:
+        payload = json.dumps({"checkpoints": [asdict(e) for e in self.checkpoints]}, indent=1).encode()
+        _atomic_write(self.directory / REGISTRY_NAME, lambda f: f.write(payload))
+
+    def _record(self, info: CheckpointInfo, *, valid: bool = True) -> None:
+        if self.sink is None or self.run_id is None:
+            return
+        try:
+            self.sink.write_checkpoint(run_id=self.run_id, step=info.step, path=info.path, nbytes=info.nbytes,
+                                       valid=valid)
+        except Exception:  # noqa: BLE001 - store failures never reach training
+            self.store_errors += 1
+            log.exception("stabmon: could not record checkpoint %s in the store", info.path)
+
+    def _add(self, info: CheckpointInfo) -> CheckpointInfo:
+        self._entries = [e for e in self._entries if e.path != info.path] + [info]
+        self._prune()
+        self._write_registry()
+        self._record(info)
+        return info
+
+    def _prune(self) -> None:
+        own = [e for e in self.checkpoints if e.own]
+        for old in own[: max(0, len(own) - self.keep)]:
+            self._entries.remove(old)
+            try:
+                Path(old.path).unlink(missing_ok=True)
+            except OSError:
+                log.exception("stabmon: could not delete old checkpoint %s", old.path)
+
+    # -- saving --
+    def save(self, state: Mapping[str, Any], *, step: int) -> CheckpointInfo:
+        """Write ``state`` atomically with ``torch.save`` and register it."""
+        import torch
+
+        path = self.directory / f"{self.prefix}-{step:09d}.pt"
+        nbytes = _atomic_write(path, lambda f: torch.save(dict(state), f))
+        return self._add(CheckpointInfo(step=step, path=str(path), nbytes=nbytes, own=True))
+
+    def maybe_save(self, state_fn: Callable[[], Mapping[str, Any]], *, step: int) -> CheckpointInfo | None:
+        """Save ``state_fn()`` when ``step`` is a positive multiple of ``every``."""
+        if self.every is None or step <= 0 or step % self.every:
+            return None
+        return self.save(state_fn(), step=step)
+
+    def register(self, path: str | os.PathLike[str], *, step: int) -> CheckpointInfo:
+        """Register a checkpoint the user saved themselves; its current byte count becomes the expected
+        one."""
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"cannot register checkpoint {p}: no such file")
+        return self._add(CheckpointInfo(step=step, path=str(p), nbytes=p.stat().st_size, own=False))
+
+    # -- validation and choice --
+    def validate(self, info: CheckpointInfo) -> tuple[dict[str, Any] | None, str | None]:
+        """``(state, None)`` when ``info`` passes every check, else ``(None, reason)``."""
+        p = Path(info.path)
+        if not p.is_file():
+            return None, "file does not exist"
+        size = p.stat().st_size
+        if size != info.nbytes:
+            return None, f"byte count {size} differs from the {info.nbytes} recorded at save"
+        try:
+            import torch
+
+            state = torch.load(p, map_location="cpu", weights_only=self.weights_only)
+        except Exception as exc:  # noqa: BLE001 - any load failure disqualifies the file
+            first = (str(exc).splitlines() or [""])[0]
+            return None, f"does not load: {type(exc).__name__}: {first}"
+        bad = next(_nonfinite(state, ""), None)
+        if bad is not None:
+            return None, f"non-finite values in {bad or 'the state'}"
+        return state, None
+
+    def last_known_good(self, before_step: int | None = None) -> tuple[CheckpointInfo, dict[str, Any]]:
+        """The newest checkpoint saved at or before ``before_step`` that validates, with its loaded state.
+
+        Invalid candidates are logged and recorded in the store as invalid; raises
+        :class:`NoValidCheckpointError` when none is left.
+        """
+        reasons: dict[str, str] = {}
+        for info in reversed(self.checkpoints):
+            if before_step is not None and info.step > before_step:
+                continue
+            state, reason = self.validate(info)
+            if state is not None:
+                return info, state
+            reasons[info.path] = str(reason)
+            log.warning("stabmon: checkpoint %s (step %d) refused: %s", info.path, info.step, reason)
+            self._record(info, valid=False)
+        where = f"at or before step {before_step}" if before_step is not None else "at all"
+        raise NoValidCheckpointError(f"no valid checkpoint {where} in {self.directory}", reasons)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"checkpoints": [asdict(e) for e in self.checkpoints]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._entries = [CheckpointInfo(**e) for e in state["checkpoints"]]
+        self._write_registry()
+
+
+class KillSwitch:
+    """A file whose appearance asks the run to checkpoint and stop. :meth:`triggered` costs one ``stat``
+    and is only performed every ``every`` calls (call it once per step).
+
+    >>> import tempfile, pathlib
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "STOP"
+    >>> ks = KillSwitch(path, every=1)
+    >>> ks.triggered()
+    False
+    >>> _ = path.write_text("maintenance"); ks.triggered(), ks.reason()  # doctest: +ELLIPSIS
+    (True, 'kill switch file ... maintenance')
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, every: int = 10) -> None:
+        if every < 1:
+            raise ValueError(f"kill_switch.every must be >= 1, got {every}")
+        self.path, self.every, self._calls = Path(path), every, 0
+
+    def triggered(self) -> bool:
+        self._calls += 1
+        if self._calls % self.every:
+            return False
+        return self.path.exists()
+
+    def reason(self) -> str:
+        try:
+            text = self.path.read_text(errors="replace").strip()[:200]
+        except OSError:
+            text = ""
+        return f"kill switch file {self.path} appeared" + (f": {text}" if text else "")
+
+
+def _atomic_write(path: Path, write: Callable[[Any], Any]) -> int:
+    """Write through ``write(fileobj)`` to a temporary file beside ``path``, fsync, rename; return the
+    size."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:  # some filesystems cannot fsync a directory
+        pass
+    return path.stat().st_size
+
+
+def _nonfinite(obj: Any, where: str) -> Iterable[str]:
+    """Paths of floating-point tensors holding NaN or inf, depth first (plain floats such as an infinite clip
+    threshold are legitimate state and are not checked)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if (obj.is_floating_point() or obj.is_complex()) and not bool(torch.isfinite(obj).all()):
+            yield where
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _nonfinite(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _nonfinite(v, f"{where}[{i}]")

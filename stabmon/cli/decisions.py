@@ -1,0 +1,97 @@
+"""``stabmon approve RUN DECISION`` / ``stabmon reject RUN DECISION``: answer a proposal in propose mode.
+
+The answer is written to the store; the training process picks it up at its next flush (``poll_answers``) and
+applies an approved decision there. ``DECISION`` may be a unique prefix of the decision id.
+"""
+
+from __future__ import annotations
+
+import getpass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
+
+import typer
+
+from stabmon.cli._common import DbOption, db_url, fail, print_json
+
+RunArg = Annotated[str, typer.Argument(help="Run id, unique id prefix, name, or 'latest'.")]
+DecisionArg = Annotated[str, typer.Argument(help="Decision id (or a unique prefix).")]
+ByOption = Annotated[str | None, typer.Option("--by", help="Who answers (default: the current user).")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the answered decision as JSON.")]
+
+
+@contextmanager
+def store_session(db: str | None) -> Iterator[Any]:
+    """A session on an existing, upgraded store, committed on success; one-line errors otherwise."""
+    from sqlalchemy.orm import Session
+
+    from stabmon.store import StoreError, make_engine
+    from stabmon.store.engine import require_schema, safe_url, sqlite_path
+
+    url = db_url(db)
+    path = sqlite_path(url)
+    if path is not None and not path.exists():
+        fail(f"no stabmon database at {path} (run `stabmon db upgrade --db {safe_url(url)}` or pass --db)")
+    try:
+        engine = make_engine(url)
+        require_schema(engine)
+    except StoreError as exc:
+        fail(str(exc))
+    try:
+        with Session(engine) as session, session.begin():
+            yield session
+    except StoreError as exc:
+        fail(str(exc))
+    finally:
+        engine.dispose()
+
+
+def _answer(run: str, decision: str, approved: bool, db: str | None, by: str | None, as_json: bool) -> None:
+    from stabmon.events import Decision, to_dict
+    from stabmon.store import AnswerError, RunNotFoundError, repo
+
+    with store_session(db) as s:
+        try:
+            run_id = repo.resolve_run(session=s, ref=run).id
+            ids = {e.id for e in repo.load_events(session=s, run_id=run_id) if isinstance(e, Decision)}
+            matches = sorted(i for i in ids if i.startswith(decision))
+            if decision in ids:
+                matches = [decision]
+            if len(matches) != 1:
+                fail(f"run {run_id} has {'no' if not matches else 'several'} decisions matching {decision!r}"
+                     + (f": {', '.join(matches)}" if matches else ""))
+            answered = repo.answer_decision(session=s, run_id=run_id, decision_id=matches[0],
+                                            approved=approved, by=by or _user())
+        except (AnswerError, RunNotFoundError) as exc:
+            fail(str(exc))
+    if as_json:
+        print_json(to_dict(answered))
+        return
+    verb = "approved" if approved else "rejected"
+    typer.echo(f"{verb} {answered.id}: {answered.action} {dict(answered.params)} (run {run_id}, rule "
+               f"{answered.rule}, rung {answered.rung + 1}); the run picks it up at its next flush")
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 - no login name in some containers
+        return "cli"
+
+
+def approve(run: RunArg, decision: DecisionArg, db: DbOption = None, by: ByOption = None,
+            as_json: JsonOption = False) -> None:
+    """Approve a proposed decision; the run applies it at its next flush."""
+    _answer(run, decision, True, db, by, as_json)
+
+
+def reject(run: RunArg, decision: DecisionArg, db: DbOption = None, by: ByOption = None,
+           as_json: JsonOption = False) -> None:
+    """Reject a proposed decision; the run drops it and its incident closes."""
+    _answer(run, decision, False, db, by, as_json)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("approve")(approve)
+    app.command("reject")(reject)

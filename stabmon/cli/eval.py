@@ -1,0 +1,104 @@
+"""``stabmon eval``: stabmon and the peer rules against labelled incidents."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from stabmon.cli._common import fail, print_json
+from stabmon.cli.replay import SetOption
+from stabmon.replay.progress import progress_bar, wanted
+
+
+def eval_command(
+    labels: Annotated[Path, typer.Option("--labels", help="LABELS.csv (file paths relative to it).")],
+    runbook: Annotated[str, typer.Option("--runbook", help="Runbook for stabmon's decisions.")] = "default",
+    sets: SetOption = None,
+    jobs: Annotated[int, typer.Option("--jobs", help="Runs evaluated in parallel processes.")] = 1,
+    pre: Annotated[int, typer.Option("--pre", help="Steps before step_start that still count.")] = 100,
+    min_severity: Annotated[str, typer.Option("--min-severity", help="Lowest anomaly severity that alerts.")] = (
+        "warning"),
+    peers: Annotated[bool, typer.Option("--peers/--no-peers", help="Also run the peer rules.")] = True,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per row, one per line.")] = False,
+) -> None:
+    """Per labelled incident: detected, first alert, lead steps; per run: false alarms; for stabmon and the peer
+    rules (LLM Foundry, OLMo-core, ZClip, Lightning, Megatron) side by side."""
+    from stabmon.events import Severity
+    from stabmon.replay.eval import count_runs, evaluate
+
+    if not labels.is_file():
+        fail(f"no such labels file: {labels}")
+    if jobs < 1:
+        fail(f"--jobs must be >= 1, got {jobs}")
+    try:
+        severity = Severity(min_severity)
+        _check_runbook(runbook)
+        total = count_runs(labels)
+        with progress_bar("eval", total=total, enabled=wanted(json_output)) as advance:
+            report = evaluate(labels, runbook=runbook, overrides=tuple(sets or ()), jobs=jobs, pre=pre,
+                              min_severity=severity, peers=peers, progress=advance)
+    except ValueError as exc:
+        fail(str(exc).splitlines()[0])
+    if json_output:
+        for row in report.rows():
+            print_json(row)
+        for method, s in report.summary.items():
+            print_json({"type": "summary", "method": method, **s})
+        return
+    _print(report)
+
+
+def _check_runbook(runbook: str) -> None:
+    from stabmon.runbook import load_runbook
+
+    try:
+        load_runbook(runbook)
+    except Exception as exc:  # noqa: BLE001 - a runbook that does not load is a user error here
+        raise ValueError(f"runbook {runbook!r}: {exc}") from exc
+
+
+def _print(report: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    methods = list(report.summary)
+    for category, title in (("numeric", "numeric incidents"), ("control", "healthy controls"),
+                            ("other", "other incidents (reported separately)")):
+        rows = [r for r in report.incidents if r["category"] == category]
+        if not rows:
+            continue
+        table = Table("file", "steps", "kind", *methods, title=title)
+        keys = list(dict.fromkeys((r["file"], r["step_start"], r["step_end"], r["kind"]) for r in rows))
+        for key in keys:
+            cells = []
+            for m in methods:
+                r = next(x for x in rows if (x["file"], x["step_start"], x["step_end"], x["kind"]) == key
+                         and x["method"] == m)
+                cells.append("error" if r["error"] else (f"lead {r['lead_steps']}" if r["detected"] else "-"))
+            table.add_row(key[0][-48:], f"{key[1]}-{key[2]}", key[3][:28], *cells)
+        console.print(table)
+    fa = Table("run", "steps", *methods, title="false alarms (alert steps outside incident windows)")
+    for run in dict.fromkeys(r["file"] for r in report.files):
+        rows = {r["method"]: r for r in report.files if r["file"] == run}
+        first = next(iter(rows.values()))
+        fa.add_row(run[-48:], str(first["steps"]), *(str(rows[m]["false_alarms"]) for m in methods))
+    console.print(fa)
+    summary = Table("method", "recall", "recall (author/paper)", "median lead", "false alarms", "per 10k steps",
+                    title="summary")
+    for m, s in report.summary.items():
+        summary.add_row(m, str(s["recall"]), str(s["recall_ground_truth"]), str(s["median_lead_steps"]),
+                        str(s["false_alarms"]), str(s["false_alarms_per_10k"]))
+    console.print(summary)
+    stab = [r for r in report.files if r["method"] == "stabmon" and r.get("intervention_decisions")]
+    for r in stab:
+        console.print(f"stabmon would have intervened {r['intervention_decisions']} time(s) on {r['file']}")
+    errors = {r["file"]: r["error"] for r in report.files if r["error"]}
+    for run, err in errors.items():
+        console.print(f"[yellow]not evaluated[/yellow] {run}: {err}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval")(eval_command)

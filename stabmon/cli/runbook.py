@@ -1,0 +1,67 @@
+"""``stabmon runbook validate FILE | list | show NAME``: check and read runbooks."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from stabmon.cli._common import fail, print_json
+
+runbook_app = typer.Typer(help="Validate, list and show runbooks.", no_args_is_help=True)
+
+
+@runbook_app.command("validate")
+def validate(file: Annotated[str, typer.Argument(help="Runbook YAML file (or a bundled name).")]) -> None:
+    """Validate a runbook; print every problem as FILE:LINE: field.path: message."""
+    from stabmon.runbook import RunbookError, load_runbook
+
+    try:
+        rb = load_runbook(file)
+    except RunbookError as exc:
+        for issue in exc.issues:
+            typer.echo(str(issue), err=True)
+        raise typer.Exit(code=1) from None
+    rungs = sum(len(r.ladder) for r in rb.rules)
+    typer.echo(f"ok: {rb.name} ({rb.mode} mode, {len(rb.rules)} rules, {rungs} rungs)")
+
+
+@runbook_app.command("list")
+def list_(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """List the runbooks shipped with stabmon."""
+    from stabmon.runbook import bundled_runbooks, load_runbook
+
+    rows = []
+    for name, path in bundled_runbooks().items():
+        rb = load_runbook(path)
+        rows.append({"name": name, "mode": rb.mode, "rules": [r.name for r in rb.rules],
+                     "description": rb.description, "path": str(path)})
+    if as_json:
+        print_json(rows)
+        return
+    for r in rows:
+        typer.echo(f"{r['name']:<16} {r['mode']:<8} {r['description']}")
+
+
+@runbook_app.command("show")
+def show(
+    name: Annotated[str, typer.Argument(help="Bundled runbook name or a file.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the validated runbook as JSON.")] = False,
+) -> None:
+    """Print a runbook file (its header says where the numbers come from), or its validated form."""
+    from stabmon.runbook import RunbookError, load_runbook
+    from stabmon.runbook.loader import resolve
+
+    try:
+        path = resolve(name)
+        rb = load_runbook(path)
+    except RunbookError as exc:
+        fail(str(exc.issues[0]))
+    if as_json:
+        print_json(rb.model_dump(mode="json"))
+    else:
+        typer.echo(path.read_text(), nl=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(runbook_app, name="runbook")

@@ -1,0 +1,149 @@
+"""``stabmon runs`` and ``stabmon metrics``: what the store holds."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
+
+import typer
+
+from stabmon.cli._common import DbOption, db_url, fail, print_json
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
+
+
+@contextmanager
+def _session(db: str | None) -> Iterator[Any]:
+    """A read session on an existing, upgraded store; one-line errors otherwise."""
+    from sqlalchemy.orm import Session
+
+    from stabmon.store import StoreError, make_engine
+    from stabmon.store.engine import require_schema, safe_url, sqlite_path
+
+    url = db_url(db)
+    path = sqlite_path(url)
+    if path is not None and not path.exists():
+        fail(f"no stabmon database at {path} (run `stabmon db upgrade --db {safe_url(url)}` or pass --db)")
+    try:
+        engine = make_engine(url)
+        require_schema(engine)
+    except StoreError as exc:
+        fail(str(exc))
+    try:
+        with Session(engine) as session:
+            yield session
+    except StoreError as exc:
+        fail(str(exc))
+    finally:
+        engine.dispose()
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return ""
+    return f"{v:.6g}" if math.isfinite(v) else str(v)
+
+
+def runs(db: DbOption = None, as_json: JsonOption = False) -> None:
+    """List recorded runs, newest first."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from stabmon.store import repo
+
+    with _session(db) as s:
+        found = repo.list_runs(session=s)
+    if as_json:
+        print_json([r.to_json() for r in found])
+        return
+    table = Table("id", "name", "kind", "status", "steps", "anomalies", "started")
+    for r in found:
+        table.add_row(
+            r.id,
+            r.name,
+            r.kind,
+            r.status,
+            str(r.steps),
+            str(r.anomalies),
+            r.started_at.strftime("%Y-%m-%d %H:%M:%S"),
+        )
+    Console().print(table)
+
+
+def summarize(df: Any) -> list[dict[str, Any]]:
+    """Per metric: points, non-finite count, last step and value, min / max / mean of the finite values."""
+    import polars as pl
+
+    if df.is_empty():
+        return []
+    finite = pl.col("value").is_finite()
+    out = (
+        df.group_by("name", maintain_order=True)
+        .agg(
+            pl.len().alias("points"),
+            (~finite).sum().alias("nonfinite"),
+            pl.col("step").last().alias("last_step"),
+            pl.col("value").last().alias("last"),
+            pl.col("value").filter(finite).min().alias("min"),
+            pl.col("value").filter(finite).max().alias("max"),
+            pl.col("value").filter(finite).mean().alias("mean"),
+        )
+        .sort("name")
+    )
+    return out.to_dicts()
+
+
+def metrics(
+    run: Annotated[str, typer.Argument(help="Run id, unique name or id prefix, or 'latest'.")],
+    name: Annotated[list[str] | None, typer.Option("--name", help="Only these metrics (repeatable).")] = None,
+    db: DbOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Summarise a run's metrics (last value, min / max / mean); --json prints every row."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from stabmon.store import repo
+
+    with _session(db) as s:
+        r = repo.resolve_run(session=s, ref=run)
+        df = repo.get_metrics(session=s, run_id=r.id, names=name or None)
+    if name and df.is_empty():
+        fail(f"run {r.id} has no metric named {', '.join(name)}")
+    if as_json:
+        rows = [
+            {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in row.items()}
+            for row in df.to_dicts()
+        ]
+        print_json({"run_id": r.id, "name": r.name, "rows": rows})
+        return
+    table = Table(
+        "metric",
+        "points",
+        "non-finite",
+        "last step",
+        "last",
+        "min",
+        "max",
+        "mean",
+        title=f"{r.name} ({r.id})",
+    )
+    for m in summarize(df):
+        table.add_row(
+            m["name"],
+            str(m["points"]),
+            str(m["nonfinite"]),
+            str(m["last_step"]),
+            _fmt(m["last"]),
+            _fmt(m["min"]),
+            _fmt(m["max"]),
+            _fmt(m["mean"]),
+        )
+    Console().print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("runs")(runs)
+    app.command("metrics")(metrics)

@@ -1,0 +1,130 @@
+"""Configuration of the live monitor and its collectors.
+
+Each collector owns a small nested config; every field has a docstring and invalid values raise a one-line
+``ValueError`` naming the dotted path.
+
+>>> cfg = MonitorConfig(clip=1.0, activations=ActivationConfig(every=5))
+>>> cfg.activations.every, cfg.flush_every
+(5, 20)
+>>> MonitorConfig(flush_every=0)
+Traceback (most recent call last):
+...
+ValueError: config.flush_every must be >= 1, got 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from stabmon.checkpoints import STOP_EXIT_CODE
+
+EXIT_STOP = STOP_EXIT_CODE
+"""Exit code a training script should use when the monitor asked it to stop (checkpoint-and-stop, kill switch):
+the project-wide :data:`stabmon.checkpoints.STOP_EXIT_CODE`, distinct from success (0) and crashes (1, signals)."""
+
+
+@dataclass
+class GradConfig:
+    """Gradient norms: global (always) and per layer."""
+
+    layers: tuple[str, ...] | None = None
+    """Regular expressions matched (``re.match``) against parameter names; each distinct matched prefix is one
+    layer, e.g. ``r"transformer\\.h\\.\\d+"``. None: one layer per block (each child of the first ModuleList) and
+    per other leaf module. An empty tuple turns per-layer norms off."""
+    skip_ema: float = 0.98
+    """Decay of the running mean of the grad norm used by the skip_step guard."""
+
+    def validate(self, path: str) -> None:
+        if not 0.0 < self.skip_ema < 1.0:
+            raise ValueError(f"{path}.skip_ema must be in (0, 1), got {self.skip_ema}")
+        if self.layers is not None and isinstance(self.layers, str):
+            raise ValueError(f"{path}.layers must be a sequence of patterns, not a string")
+
+
+@dataclass
+class ActivationConfig:
+    """Activation RMS of selected modules' outputs, through forward hooks on sampled steps only."""
+
+    every: int = 10
+    """Sample every ``every`` steps (0 turns activation norms off)."""
+    modules: tuple[str, ...] | None = None
+    """Regular expressions fully matched against module names. None: each child of the first ModuleList
+    (the transformer blocks), else each top-level child module."""
+
+    def validate(self, path: str) -> None:
+        if self.every < 0:
+            raise ValueError(f"{path}.every must be >= 0, got {self.every}")
+        if self.modules is not None and isinstance(self.modules, str):
+            raise ValueError(f"{path}.modules must be a sequence of patterns, not a string")
+
+
+@dataclass
+class EmbeddingConfig:
+    """Drift ``||W - W0|| / ||W0||`` and update ratio ``||W_t - W_{t-1}|| / ||W_t||`` of every nn.Embedding."""
+
+    every: int = 10
+    """Sample every ``every`` steps (0 turns embedding signals off). The update ratio is always one step's."""
+
+    def validate(self, path: str) -> None:
+        if self.every < 0:
+            raise ValueError(f"{path}.every must be >= 0, got {self.every}")
+
+
+@dataclass
+class MonitorConfig:
+    """Everything the live :class:`~stabmon.monitor.Monitor` needs besides the objects it watches."""
+
+    flush_every: int = 20
+    """Steps between flushes: one device-to-host copy, then detectors, runbook engine and store."""
+    clip: float | None = None
+    """Gradient clipping max_norm applied by the monitor (do not clip yourself). None measures only; an
+    intervention can still set one through overrides."""
+    grads: GradConfig = field(default_factory=GradConfig)
+    activations: ActivationConfig = field(default_factory=ActivationConfig)
+    embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps through the checkpoint manager (0 = never; rollback needs some)."""
+    kill_switch: str | None = None
+    """A file path: when it exists at a flush, the monitor checkpoints and asks the loop to stop."""
+    exit_code: int = EXIT_STOP
+    """Exit code reported by :attr:`Monitor.exit_code` after a requested stop."""
+    grace_steps: int | None = None
+    """Detector grace period after a resume (None: the detectors' own default)."""
+    hang_timeout: float | None = 1800.0
+    """Seconds without a completed step before a ``hang`` anomaly is raised from a watchdog thread (None: off)."""
+    history: int = 10_000
+    """How many recent StepRecords :attr:`Monitor.records` keeps in memory (0 keeps none)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.flush_every < 1:
+            raise ValueError(f"config.flush_every must be >= 1, got {self.flush_every}")
+        if self.clip is not None and not (self.clip > 0 and not math.isnan(self.clip)):
+            raise ValueError(f"config.clip must be > 0 or None, got {self.clip}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"config.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.hang_timeout is not None and not self.hang_timeout > 0:
+            raise ValueError(f"config.hang_timeout must be > 0 or None, got {self.hang_timeout}")
+        if self.history < 0:
+            raise ValueError(f"config.history must be >= 0, got {self.history}")
+        if not 0 <= self.exit_code <= 255:
+            raise ValueError(f"config.exit_code must be in [0, 255], got {self.exit_code}")
+        self.grads.validate("config.grads")
+        self.activations.validate("config.activations")
+        self.embeddings.validate("config.embeddings")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MonitorConfig:
+        data = dict(data)
+        for key, sub in (("grads", GradConfig), ("activations", ActivationConfig), ("embeddings", EmbeddingConfig)):
+            if isinstance(data.get(key), dict):
+                data[key] = sub(**data[key])
+        return cls(**data)

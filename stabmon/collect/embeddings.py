@@ -1,0 +1,74 @@
+"""Embedding drift and update ratio for every ``nn.Embedding``, on sampled steps.
+
+Keeps ``W0`` (the weights when monitoring began) and one scratch copy per embedding on the device. On a sampled
+step :meth:`EmbeddingDrift.before_update` copies ``W`` into the scratch buffer just before ``optimizer.step()``
+and :meth:`EmbeddingDrift.after_update` computes ``||W - W0|| / ||W0||`` and ``||W - W_prev|| / ||W||``, so
+the update ratio is exactly one step's even though it is sampled every k steps.
+
+>>> import torch
+>>> emb = torch.nn.Embedding(10, 4)
+>>> drift = EmbeddingDrift(torch.nn.Sequential(emb))
+>>> drift.names
+['0']
+>>> drift.before_update()
+>>> with torch.no_grad():
+...     _ = emb.weight.mul_(2.0)
+>>> names, values = drift.after_update()
+>>> names, [round(v, 3) for v in values.tolist()]
+(['emb_drift/0', 'emb_update/0'], [1.0, 0.5])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from stabmon.events import Metric
+
+
+class EmbeddingDrift:
+    """Drift from the initial weights and one-step update ratio of each embedding; see the module docstring."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._embs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+        self.names = [n for n, _ in self._embs]
+        self._w0 = [m.weight.detach().clone() for _, m in self._embs]
+        self._prev = [torch.empty_like(w) for w in self._w0]
+        self._metric_names = [f"{Metric.EMB_DRIFT_PREFIX}{n}" for n in self.names] + [
+            f"{Metric.EMB_UPDATE_PREFIX}{n}" for n in self.names
+        ]
+        self._ready = False
+
+    def __bool__(self) -> bool:
+        return bool(self._embs)
+
+    def before_update(self) -> None:
+        with torch.no_grad():
+            for (_, m), prev in zip(self._embs, self._prev, strict=True):
+                prev.copy_(m.weight.detach())
+        self._ready = True
+
+    def after_update(self) -> tuple[list[str], torch.Tensor | None]:
+        if not self._ready or not self._embs:
+            return [], None
+        self._ready = False
+        with torch.no_grad():
+            weights = [m.weight.detach() for _, m in self._embs]
+            d0 = torch._foreach_sub(weights, self._w0)
+            dp = torch._foreach_sub(weights, self._prev)
+            n_d0 = torch.stack(torch._foreach_norm(d0, 2, dtype=torch.float32))
+            n_w0 = torch.stack(torch._foreach_norm(self._w0, 2, dtype=torch.float32))
+            n_dp = torch.stack(torch._foreach_norm(dp, 2, dtype=torch.float32))
+            n_w = torch.stack(torch._foreach_norm(weights, 2, dtype=torch.float32))
+            values = torch.cat([n_d0 / n_w0, n_dp / n_w])
+        return self._metric_names, values
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"w0": {n: w.cpu() for n, w in zip(self.names, self._w0, strict=True)}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for i, n in enumerate(self.names):
+            if n in state.get("w0", {}):
+                self._w0[i].copy_(state["w0"][n])

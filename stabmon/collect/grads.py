@@ -1,0 +1,151 @@
+"""Gradient norms from one fused foreach pass, reused for clipping.
+
+:meth:`GradNorms.compute` runs ``torch._foreach_norm`` over every gradient once and stacks the per-tensor norms.
+From that one vector it derives the global norm, the per-layer norms (a scatter-add of squared norms) and the
+count of non-finite gradient tensors; :meth:`GradNorms.clip_` then scales the gradients by the clamped
+coefficient with ``torch._foreach_mul_``. Nothing is read back to the host.
+
+>>> import torch
+>>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+>>> norms = GradNorms(model)
+>>> norms.layer_names
+['0', '1']
+>>> model(torch.ones(1, 2)).sum().backward()
+>>> out = norms.compute()
+>>> bool(torch.isclose(out.total, torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+True
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def default_blocks(model: nn.Module) -> list[str]:
+    """Names of the children of the first ModuleList in ``model`` (the transformer blocks), or ``[]``."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            return [f"{name}.{child}" if name else child for child, _ in module.named_children()]
+    return []
+
+
+def default_layer_of(model: nn.Module) -> dict[str, str]:
+    """Map each parameter name to its layer: its block when it lives in one, else its owning module."""
+    blocks = default_blocks(model)
+    out = {}
+    for pname, _ in model.named_parameters():
+        block = next((b for b in blocks if pname.startswith(b + ".")), None)
+        out[pname] = block if block is not None else (pname.rsplit(".", 1)[0] if "." in pname else pname)
+    return out
+
+
+def pattern_layer_of(model: nn.Module, patterns: Sequence[str], *, path: str) -> dict[str, str]:
+    """Map parameter names to the prefix matched by the first matching pattern; unknown patterns raise."""
+    names = [n for n, _ in model.named_parameters()]
+    compiled = []
+    for pat in patterns:
+        try:
+            compiled.append(re.compile(pat))
+        except re.error as exc:
+            raise ValueError(f"{path}: invalid pattern {pat!r}: {exc}") from None
+    out: dict[str, str] = {}
+    for rx in compiled:
+        hits = {n: m.group(0) for n in names if (m := rx.match(n))}
+        if not hits:
+            raise ValueError(f"{path}: pattern {rx.pattern!r} matches no parameter of the model")
+        for n, layer in hits.items():
+            out.setdefault(n, layer)
+    return out
+
+
+@dataclass
+class GradResult:
+    """Device tensors of one step: global norm, per-layer norms and the non-finite tensor count."""
+
+    total: torch.Tensor
+    layers: torch.Tensor | None
+    nonfinite: torch.Tensor
+    grads: list[torch.Tensor]
+
+
+class GradNorms:
+    """Per-tensor gradient norms, fused, with global and per-layer reductions; see the module docstring."""
+
+    def __init__(self, model: nn.Module, layers: Sequence[str] | None = None, *, path: str = "config.grads.layers"):
+        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if layers is None:
+            layer_of = default_layer_of(model)
+        elif len(layers) == 0:
+            layer_of = {}
+        else:
+            layer_of = pattern_layer_of(model, layers, path=path)
+        self.layer_names: list[str] = list(dict.fromkeys(layer_of[n] for n, _ in self._named if n in layer_of))
+        index = {name: i for i, name in enumerate(self.layer_names)}
+        self._layer_idx = [index.get(layer_of.get(n, ""), -1) for n, _ in self._named]
+        self._cache: dict[tuple[bool, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for _, p in self._named]
+
+    def _layer_index(self, present: tuple[bool, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(positions among present grads, layer ids) for grads that belong to a layer; cached per grad mask."""
+        if present not in self._cache:
+            pos, ids = [], []
+            j = 0
+            for has, idx in zip(present, self._layer_idx, strict=True):
+                if has:
+                    if idx >= 0:
+                        pos.append(j)
+                        ids.append(idx)
+                    j += 1
+            self._cache[present] = (
+                (torch.tensor(pos, device=device), torch.tensor(ids, device=device)) if pos else None
+            )
+        return self._cache[present]
+
+    def compute(self) -> GradResult | None:
+        """Norms of the current gradients, or None when no parameter has one."""
+        present = tuple(p.grad is not None for _, p in self._named)
+        grads = [p.grad for _, p in self._named if p.grad is not None]
+        if not grads:
+            return None
+        device = grads[0].device
+        per_tensor = _foreach_norms(grads, device)
+        sq = per_tensor.square()
+        total = sq.sum().sqrt()
+        layers = None
+        if self.layer_names:
+            idx = self._layer_index(present, device)
+            layers = torch.zeros(len(self.layer_names), device=device, dtype=sq.dtype)
+            if idx is not None:
+                layers.index_add_(0, idx[1], sq.index_select(0, idx[0]))
+            layers = layers.sqrt()
+        nonfinite = (~torch.isfinite(per_tensor)).sum()
+        return GradResult(total=total, layers=layers, nonfinite=nonfinite, grads=grads)
+
+    @staticmethod
+    def clip_(result: GradResult, max_norm: float, skip: torch.Tensor | None = None) -> None:
+        """Scale gradients by ``min(1, max_norm / (total + 1e-6))`` (as clip_grad_norm_) without a host sync."""
+        coef = (max_norm / (result.total + 1e-6)).clamp(max=1.0)
+        if skip is not None:
+            coef = torch.where(skip, torch.zeros_like(coef), coef)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in result.grads:
+            by_device.setdefault(g.device, []).append(g)
+        for dev, grads in by_device.items():
+            torch._foreach_mul_(grads, coef.to(dev))
+
+
+def _foreach_norms(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Stacked fp32 L2 norms of each tensor, one fused kernel per device."""
+    devices = {g.device for g in grads}
+    if len(devices) == 1:
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    norms = [torch._foreach_norm([g], 2, dtype=torch.float32)[0].to(device) for g in grads]
+    return torch.stack(norms)

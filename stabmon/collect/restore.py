@@ -1,0 +1,84 @@
+"""What a checkpoint holds, how it is restored, and rollback to the last-known-good checkpoint.
+
+:func:`training_state` is everything needed to continue exactly: model, optimizer, GradScaler, scheduler and the
+monitor's own state (step counter, data position and skipped batches, overrides, detector/engine/executor state).
+:func:`rollback` asks the :class:`~stabmon.checkpoints.CheckpointManager` for the newest checkpoint that
+validates (exists -> byte count -> loads -> finite) saved at least ``lookback`` steps before the anomaly's onset,
+restores the training state and step counter from it, keeps the detectors, engine, executor and overrides as they
+are now (the engine is in the middle of handling the incident), and skips the next ``skip_batches`` batches.
+
+>>> import torch
+>>> from stabmon.monitor import Monitor
+>>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> mon = Monitor(model, opt, store=None)
+>>> sorted(training_state(mon))
+['model', 'monitor', 'optimizer', 'scaler', 'scheduler']
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def training_state(monitor: Any) -> dict[str, Any]:
+    return {
+        "model": monitor.model.state_dict(),
+        "optimizer": monitor.optimizer.state_dict(),
+        "scaler": monitor.scaler.state_dict() if monitor.scaler is not None else None,
+        "scheduler": monitor.scheduler.state_dict() if monitor.scheduler is not None else None,
+        "monitor": monitor.state_dict(),
+    }
+
+
+def load_training_state(monitor: Any, state: dict[str, Any], *, pipeline: bool = True) -> None:
+    """Restore everything :func:`training_state` saved (``pipeline=False`` keeps detector/engine state)."""
+    monitor.model.load_state_dict(state["model"])
+    monitor.optimizer.load_state_dict(state["optimizer"])
+    if monitor.scaler is not None and state.get("scaler") is not None:
+        monitor.scaler.load_state_dict(state["scaler"])
+    if monitor.scheduler is not None and state.get("scheduler") is not None:
+        monitor.scheduler.load_state_dict(state["scheduler"])
+    if state.get("monitor") is not None:
+        monitor.load_state_dict(state["monitor"], pipeline=pipeline)
+
+
+def rollback(monitor: Any, *, onset_step: int, lookback: int, skip_batches: int,
+             checkpoint_dir: str | None = None) -> dict[str, Any]:
+    """Restore the last-known-good checkpoint and skip data; returns the audit facts. Raises when no checkpoint
+    validates (the executor records the failure and the engine escalates)."""
+    manager = monitor.checkpoints
+    if checkpoint_dir is not None:
+        from stabmon.checkpoints import CheckpointManager
+
+        manager = CheckpointManager(checkpoint_dir)
+    if manager is None:
+        raise RuntimeError("rollback needs checkpoints: create the Monitor with checkpoint_dir=...")
+    from_step, from_position = monitor.step, monitor.cursor.position
+    info, state = manager.last_known_good(before_step=onset_step - lookback)
+    overrides = monitor.overrides.state_dict()
+    skipped_before = set(monitor.cursor.skip)
+    load_training_state(monitor, state, pipeline=False)
+    monitor.overrides.load_state_dict(overrides)  # interventions in force stay in force
+    monitor.cursor.skip |= skipped_before
+    if monitor.cursor.rewindable:
+        monitor.cursor.rewind(monitor.cursor.position)
+    else:  # a one-shot iterator cannot be rewound: the data keeps flowing forward
+        monitor.cursor.position = from_position
+    start = monitor.cursor.position
+    skipped = monitor.cursor.skip_range(start, skip_batches)
+    if skipped:
+        monitor._guard("store", lambda: monitor.store.write_skipped_batches(
+            run_id=monitor.run_id, step=monitor.step, batch_indices=skipped))
+    log.warning("stabmon: rolled back from step %d to checkpoint step %d (%s); skipping batches [%d, %d)",
+                from_step, info.step, info.path, start, start + skip_batches)
+    return {
+        "checkpoint_path": info.path,
+        "checkpoint_step": info.step,
+        "restored_step": monitor.step,
+        "from_step": from_step,
+        "skipped": [start, start + skip_batches],
+        "rewound_data": monitor.cursor.rewindable,
+    }

@@ -1,0 +1,177 @@
+"""The detector contract, in river's shape.
+
+A detector watches one metric (``self.metric``) of the metric mapping ``x`` of each
+:class:`~stabmon.events.StepRecord`. It has river's anomaly-detector methods:
+
+- ``learn_one(x)`` updates its statistics (a missing metric is ignored);
+- ``score_one(x)`` returns how anomalous ``x`` is, higher = more anomalous, and 0.0 during the grace period
+  and when the metric is absent; it never divides by a zero variance.
+
+:meth:`Detector.update` is the public method the suite calls once per record. It owns the bookkeeping that
+every detector shares: the evidence window of recent ``(step, value)`` pairs, the grace period, the *protect
+filter* (a point whose score reaches the threshold is reported and NOT learned, so a spike never becomes the
+new baseline, as in river's ``anomaly.ThresholdFilter``), the count of consecutive flagged points that drives
+severity, and re-baselining after a long run of flags (a shift that lasts ``relearn_after`` points is a new
+regime: it has been reported, and the detector re-enters grace instead of alarming forever). Subclasses
+implement ``_learn``, ``_score``, ``_severity`` and ``_message``, and list their statistics in
+``_state_attrs`` for ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from stabmon.events import Anomaly, Severity
+
+X = Mapping[str, float]
+
+
+class Detector:
+    """Base class; see the module docstring. ``name`` is the config key, ``kind`` the Anomaly kind it
+    emits."""
+
+    name: ClassVar[str] = ""
+    kind: ClassVar[str] = ""
+    Config: ClassVar[type] = object
+    _state_attrs: ClassVar[tuple[str, ...]] = ()
+    #: why (if at all) this detector keeps firing during grace; safety rules (NaN, a loss scale at its floor)
+    #: must not be silenced by a grace period that an intervention or a resume started.
+    grace_exempt: ClassVar[str] = ""
+
+    def __init__(self, metric: str, config: Any = None) -> None:
+        self.metric = metric
+        self.config = config if config is not None else self.Config()
+        self._evidence: deque[tuple[int, float]] = deque(maxlen=getattr(self.config, "evidence", 16))
+        self._grace_left = int(getattr(self.config, "grace_period", 0))
+        self._streak = 0
+        self.n_learned = 0
+        self._reset()
+
+    # --- subclass hooks -------------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        """(Re)create the statistics."""
+
+    def _value(self, x: X) -> float | None:
+        v = x.get(self.metric)
+        return float(v) if v is not None and math.isfinite(v) else None
+
+    def _learn(self, v: float, x: X) -> None:
+        raise NotImplementedError
+
+    def _score(self, v: float, x: X) -> float:
+        raise NotImplementedError
+
+    @property
+    def threshold(self) -> float:
+        raise NotImplementedError
+
+    def _severity(self, score: float, streak: int) -> Severity:
+        return Severity.WARNING
+
+    def _message(self, v: float | None, score: float) -> str:
+        return f"{self.metric} {self.kind}: score {score:.3g} >= {self.threshold:.3g}"
+
+    def _on_flag(self) -> None:
+        """Called after a point is flagged (and not learned)."""
+
+    # --- river-shaped API -----------------------------------------------------------------------------------
+    @property
+    def in_grace(self) -> bool:
+        return self._grace_left > 0
+
+    def learn_one(self, x: X) -> None:
+        v = self._value(x)
+        if v is None:
+            return
+        self._learn(v, x)
+        self.n_learned += 1
+        if self._grace_left > 0:
+            self._grace_left -= 1
+
+    def score_one(self, x: X) -> float:
+        if self._grace_left > 0:
+            return 0.0
+        v = self._value(x)
+        if v is None:
+            return 0.0
+        score = self._score(v, x)
+        return score if math.isfinite(score) else 0.0
+
+    def enter_grace(self, steps: int | None = None) -> None:
+        """Re-enter the grace period: score 0 and learn the next ``steps`` points (default:
+        ``grace_period``)."""
+        self._grace_left = int(getattr(self.config, "grace_period", 0) if steps is None else steps)
+        self._streak = 0
+
+    def update(self, step: int, x: X) -> Anomaly | None:
+        """Score, then learn unless flagged; return the Anomaly when the score reaches the threshold."""
+        raw = x.get(self.metric)
+        if raw is not None:
+            self._evidence.append((step, float(raw)))
+        score = self.score_one(x)
+        if score > 0 and score >= self.threshold:
+            self._streak += 1
+            anomaly = Anomaly(
+                kind=self.kind,
+                metric=self.metric,
+                step=step,
+                score=float(score),
+                severity=self._severity(score, self._streak),
+                detector=self.name,
+                evidence=tuple(self._evidence),
+                threshold=float(self.threshold),
+                message=self._message(None if raw is None else float(raw), score),
+            )
+            self._on_flag()
+            relearn = getattr(self.config, "relearn_after", 0)
+            if relearn and self._streak >= relearn:
+                self._reset()
+                self.n_learned = 0
+                self.enter_grace()
+            return anomaly
+        self._streak = 0
+        self.learn_one(x)
+        return None
+
+    # --- state ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values plus pickled river statistics (bytes), safe for ``torch.save`` / ``weights_only``."""
+        return {
+            "class": type(self).__name__,
+            "metric": self.metric,
+            "grace_left": self._grace_left,
+            "streak": self._streak,
+            "n_learned": self.n_learned,
+            "evidence": [list(e) for e in self._evidence],
+            "stats": {a: pickle.dumps(getattr(self, a)) for a in self._state_attrs},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("class") != type(self).__name__:
+            raise ValueError(f"state is for {state.get('class')!r}, not {type(self).__name__}")
+        self.metric = state["metric"]
+        self._grace_left = int(state["grace_left"])
+        self._streak = int(state["streak"])
+        self.n_learned = int(state["n_learned"])
+        evidence = ((int(s), float(v)) for s, v in state["evidence"])
+        self._evidence = deque(evidence, maxlen=self._evidence.maxlen)
+        for a, blob in state["stats"].items():
+            setattr(self, a, pickle.loads(blob))
+
+    def clone(self) -> Detector:
+        return copy.deepcopy(self)
+
+    # --- contract examples (used by the contract test suite and the docs) -----------------------------------
+    @classmethod
+    def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:
+        """``(metric, healthy stream, a bad stream this detector must flag somewhere after the healthy
+        one)``."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(metric={self.metric!r}, config={self.config!r})"

@@ -1,0 +1,257 @@
+"""Rule detectors: non-finite values, a metric that stops arriving, fp16 loss-scale collapse.
+
+These need no learned baseline to speak of; they still follow the detector contract (grace, protect filter,
+state round-trip) so the suite and the contract tests treat every detector alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from river import stats, utils
+
+from stabmon.detect.base import Detector, X
+from stabmon.detect.config import (
+    at_least_one,
+    at_least_two,
+    non_empty,
+    non_negative,
+    open_unit,
+    param,
+    positive,
+)
+from stabmon.events import Metric, Severity
+
+
+@dataclass(frozen=True)
+class NonFiniteConfig:
+    """Parameters of :class:`NonFinite` (config key ``nonfinite``)."""
+
+    enabled: bool = param(True, doc="run this detector")
+    metrics: tuple[str, ...] = param((Metric.LOSS, Metric.GRAD_NORM), non_empty, "must stay finite")
+    evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
+
+
+class NonFinite(Detector):
+    """NaN or Inf in the loss or the gradient norm: always ``critical``, no grace period.
+
+    An fp16 step the loss scaler skipped (``overflow == 1``) has an infinite *gradient norm* by design; that
+    is healthy dynamic loss scaling (judged by :class:`LossScaleCollapse`), not a non-finite training state. A
+    non-finite *loss* is flagged whatever the scaler did.
+
+    >>> d = NonFinite("loss")
+    >>> d.update(1, {"loss": 2.0}) is None
+    True
+    >>> d.update(2, {"loss": float("nan")}).severity.value
+    'critical'
+    >>> NonFinite("grad_norm").update(3, {"grad_norm": float("inf"), "overflow": 1.0}) is None
+    True
+    """
+
+    name = "nonfinite"
+    kind = "nonfinite"
+    Config = NonFiniteConfig
+    grace_exempt = "a non-finite loss is critical whenever it happens"
+
+    def _value(self, x: X) -> float | None:
+        v = x.get(self.metric)
+        return None if v is None else float(v)
+
+    def _learn(self, v: float, x: X) -> None:
+        pass
+
+    def _score(self, v: float, x: X) -> float:
+        if math.isfinite(v):
+            return 0.0
+        if self.metric != Metric.LOSS and x.get(Metric.OVERFLOW, 0.0) == 1.0:
+            return 0.0
+        return 1.0
+
+    def score_one(self, x: X) -> float:  # a NaN score is the point here: do not let the base class zero it
+        v = self._value(x)
+        return 0.0 if v is None else self._score(v, x)
+
+    @property
+    def threshold(self) -> float:
+        return 1.0
+
+    def _severity(self, score: float, streak: int) -> Severity:
+        return Severity.CRITICAL
+
+    def _message(self, v: float | None, score: float) -> str:
+        return f"{self.metric} is {v}"
+
+    @classmethod
+    def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:
+        return Metric.LOSS, [{Metric.LOSS: 3.0 - 0.01 * i} for i in range(20)], [{Metric.LOSS: math.nan}]
+
+
+@dataclass(frozen=True)
+class MissingConfig:
+    """Parameters of :class:`MissingMetric` (config key ``missing``)."""
+
+    enabled: bool = param(True, doc="run this detector")
+    metrics: tuple[str, ...] = param((Metric.LOSS, Metric.GRAD_NORM), non_empty, "expected each step")
+    min_streak: int = param(10, at_least_one, "records in a row a metric must have arrived on to be expected")
+    evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
+
+
+class MissingMetric(Detector):
+    """A metric that arrived on every one of the last ``min_streak`` records and is absent now (``warning``).
+
+    Judged on records that carry another of the watched metrics (an evaluation-only record says nothing about
+    the training loss). Reported once per outage: the count restarts when the metric comes back. Metrics a run
+    never reports, or
+    reports only now and then (validation loss, a loss scale printed only on overflow), never build a streak.
+    Megatron prints no ``lm loss`` on the step that diverged (BigScience tr8-104B exp12 it9027).
+
+    >>> d = MissingMetric("loss", MissingConfig(min_streak=3))
+    >>> [d.update(s, {"loss": 2.0}) for s in range(3)]
+    [None, None, None]
+    >>> d.update(3, {"grad_norm": 1.0}).kind
+    'missing'
+    >>> d.update(4, {"grad_norm": 1.0}) is None
+    True
+    """
+
+    name = "missing"
+    kind = "missing"
+    Config = MissingConfig
+    _state_attrs = ("_present",)
+
+    def _reset(self) -> None:
+        self._present = 0
+
+    def _value(self, x: X) -> float | None:
+        if self.metric in x:
+            return 1.0
+        # judged only on records that carry another watched metric: an evaluation-only record says nothing
+        return 0.0 if any(m in x for m in self.config.metrics if m != self.metric) else None
+
+    def _learn(self, v: float, x: X) -> None:
+        self._present = self._present + 1 if v else 0
+
+    def _score(self, v: float, x: X) -> float:
+        return 1.0 if not v and self._present >= self.config.min_streak else 0.0
+
+    def _on_flag(self) -> None:
+        self._present = 0
+
+    @property
+    def threshold(self) -> float:
+        return 1.0
+
+    def _message(self, v: float | None, score: float) -> str:
+        return f"{self.metric} stopped arriving after {self._present} consecutive records"
+
+    @classmethod
+    def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:
+        return Metric.LOSS, [{Metric.LOSS: 2.0} for _ in range(20)], [{Metric.GRAD_NORM: 1.0}]
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Parameters of :class:`LossScaleCollapse` (config key ``loss_scale``)."""
+
+    enabled: bool = param(True, doc="run this detector")
+    metrics: tuple[str, ...] = param((Metric.LOSS_SCALE,), non_empty, "the loss-scale metric")
+    min_scale: float = param(1.0, positive, "a scale at or below this has collapsed (DeepSpeed's floor)")
+    window: int = param(20, at_least_two, "steps over which the overflow rate is measured")
+    max_overflow_rate: float = param(0.25, open_unit, "overflow rate in the window that is a collapse")
+    grace_period: int = param(50, non_negative, "steps before the rate rule applies (initial scale search)")
+    evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
+
+
+class LossScaleCollapse(Detector):
+    """fp16 dynamic loss scaling that has stopped working.
+
+    Two rules. *Floor*: the scale is at or below ``min_scale`` - gradients no longer fit fp16 even unscaled
+    (``critical``; applies during grace too). *Rate*: more than ``max_overflow_rate`` of the last ``window``
+    steps overflowed (``error``). Healthy dynamic scaling grows the scale every few hundred clean steps and is
+    knocked back by one (with hysteresis, two) overflows - about 1-2 % of steps, far below 25 %; the initial
+    scale search (a burst of overflows in the first steps, 65536 -> 2048 in DeepSpeed-Chat's OPT SFT log) is
+    covered by the 50-step grace period. A falling scale on its own is therefore never flagged.
+
+    >>> d = LossScaleCollapse("loss_scale", LossScaleConfig(grace_period=0, window=10))
+    >>> [d.update(s, {"overflow": 0.0}) for s in range(10)][-1] is None
+    True
+    >>> found = [d.update(s, {"overflow": 1.0, "loss_scale": 2.0 ** (20 - s)}) for s in range(10, 13)]
+    >>> found[-1].kind, found[-1].severity.value
+    ('loss_scale_collapse', 'error')
+    >>> d.update(13, {"loss_scale": 1.0}).severity.value
+    'critical'
+    >>> d.update(14, {"loss_scale": 1.0}) is None   # still at the floor: reported once
+    True
+    """
+
+    name = "loss_scale"
+    kind = "loss_scale_collapse"
+    Config = LossScaleConfig
+    grace_exempt = "a scale at its floor is critical whenever it happens (the rate rule respects grace)"
+    _state_attrs = ("_overflows", "_at_floor")
+
+    def _reset(self) -> None:
+        self._overflows: Any = utils.Rolling(stats.Sum, window_size=self.config.window)
+        self._at_floor = False
+
+    def _value(self, x: X) -> float | None:
+        if Metric.OVERFLOW in x or self.metric in x:
+            return 1.0
+        return None
+
+    def _learn(self, v: float, x: X) -> None:
+        self._overflows.update(1.0 if x.get(Metric.OVERFLOW, 0.0) == 1.0 else 0.0)
+
+    def _floor_hit(self, x: X) -> bool:
+        scale = x.get(self.metric)
+        return scale is not None and not math.isnan(scale) and scale <= self.config.min_scale
+
+    def _rate(self, x: X) -> float:
+        window = self._overflows.window
+        total = float(self._overflows.get() or 0.0)
+        if len(window) >= self.config.window:
+            total -= float(window[0][0][0])
+        total += 1.0 if x.get(Metric.OVERFLOW, 0.0) == 1.0 else 0.0
+        return total / self.config.window
+
+    def _score(self, v: float, x: X) -> float:
+        return self._rate(x) / self.config.max_overflow_rate
+
+    def score_one(self, x: X) -> float:
+        if self._value(x) is None:
+            return 0.0
+        floor = 1.0 if self._floor_hit(x) else 0.0
+        return max(floor, super().score_one(x))
+
+    @property
+    def threshold(self) -> float:
+        return 1.0
+
+    def update(self, step: int, x: X) -> Any:
+        self._floor = self._floor_hit(x)
+        anomaly = super().update(step, x)
+        if self.metric in x:  # a scale stuck at the floor is reported once, again after it has recovered
+            repeat = self._floor and self._at_floor
+            self._at_floor = self._floor
+            if repeat and anomaly is not None and anomaly.severity is Severity.CRITICAL:
+                return None
+        return anomaly
+
+    def _severity(self, score: float, streak: int) -> Severity:
+        return Severity.CRITICAL if getattr(self, "_floor", False) else Severity.ERROR
+
+    def _message(self, v: float | None, score: float) -> str:
+        if getattr(self, "_floor", False):
+            return f"loss scale {v} is at its floor ({self.config.min_scale})"
+        rate = score * self.config.max_overflow_rate
+        return f"{rate:.0%} of the last {self.config.window} steps overflowed (loss scale {v})"
+
+    @classmethod
+    def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:
+        stream = [{Metric.OVERFLOW: 0.0, Metric.LOSS_SCALE: 65536.0} for _ in range(60)]
+        return Metric.LOSS_SCALE, stream, [{Metric.OVERFLOW: 1.0, Metric.LOSS_SCALE: 0.5}]
+
+
+RULE_DETECTORS: tuple[type[Detector], ...] = (NonFinite, MissingMetric, LossScaleCollapse)

@@ -1,0 +1,141 @@
+"""The configured set of detectors that the pipeline runs on every StepRecord."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from stabmon.detect.base import Detector
+from stabmon.detect.config import apply_overrides, build
+from stabmon.detect.rules import RULE_DETECTORS
+from stabmon.detect.spike import SPIKE_DETECTORS
+from stabmon.detect.trends import TREND_DETECTORS
+from stabmon.events import Anomaly, StepRecord
+
+DETECTORS: dict[str, type[Detector]] = {
+    c.name: c for c in (*SPIKE_DETECTORS, *RULE_DETECTORS, *TREND_DETECTORS)
+}
+ROOT = "detectors"
+
+
+def _is_glob(pattern: str) -> bool:
+    return any(ch in pattern for ch in "*?[")
+
+
+def parse_config(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Validate a ``{detector name: {param: value}}`` mapping (or ``{"detectors": {...}}``) into config
+    objects."""
+    raw: Any = dict(cfg or {})
+    if set(raw) == {ROOT}:
+        raw = raw[ROOT]
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{ROOT} must be a mapping of detector names, got {raw!r}")
+    unknown = sorted(set(raw) - set(DETECTORS))
+    if unknown:
+        known = ", ".join(sorted(DETECTORS))
+        raise ValueError(f"{ROOT}.{unknown[0]} is not a known detector (known: {known})")
+    return {name: build(cls.Config, raw.get(name), f"{ROOT}.{name}") for name, cls in DETECTORS.items()}
+
+
+class DetectorSuite:
+    """Runs every enabled detector on each record; one Anomaly per (kind, metric, step).
+
+    Exact metric names get their detector up front; glob patterns (``act_rms/*``, ``emb_update/*``) get one
+    detector per matching metric the first time it appears. When two detectors report the same kind of event
+    on the same metric and step (``spike`` and ``robust_spike``), the more severe report is kept.
+    Deterministic, pickleable, and ``state_dict`` / ``load_state_dict`` round-trip.
+
+    >>> suite = DetectorSuite.from_config(overrides={"spike.grace_period": 2, "robust_spike.grace_period": 2})
+    >>> for s in range(20):
+    ...     _ = suite.update(StepRecord(step=s, metrics={"loss": 3.0, "grad_norm": 0.5}))
+    >>> found = suite.update(StepRecord(20, {"loss": 3.0, "grad_norm": 9.0}))
+    >>> [(a.kind, a.metric, a.severity.value) for a in found]
+    [('spike', 'grad_norm', 'warning')]
+    """
+
+    def __init__(self, configs: Mapping[str, Any] | None = None) -> None:
+        self.configs = dict(configs) if configs is not None else parse_config(None)
+        self._detectors: dict[tuple[str, str], Detector] = {}
+        self._patterns: dict[str, list[str]] = {}
+        self._seen: set[str] = set()
+        for name, config in self.configs.items():
+            if not config.enabled:
+                continue
+            self._patterns[name] = [m for m in config.metrics if _is_glob(m)]
+            for metric in config.metrics:
+                if not _is_glob(metric):
+                    self._add(name, metric)
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | None = None, *,
+                    overrides: Mapping[str, Any] | Iterable[str] | None = None) -> DetectorSuite:
+        """Build from a nested mapping (None = defaults) plus ``detector.param`` overrides."""
+        raw: Any = dict(cfg or {})
+        if set(raw) == {ROOT}:
+            raw = raw[ROOT]
+        if overrides:
+            raw = apply_overrides(raw, overrides)
+        return cls(parse_config(raw))
+
+    def _add(self, name: str, metric: str) -> Detector:
+        det = DETECTORS[name](metric, self.configs[name])
+        self._detectors[(name, metric)] = det
+        return det
+
+    def _discover(self, metrics: Iterable[str]) -> None:
+        for metric in metrics:
+            if metric in self._seen:
+                continue
+            self._seen.add(metric)
+            for name, patterns in self._patterns.items():
+                new = (name, metric) not in self._detectors
+                if new and any(fnmatch.fnmatchcase(metric, p) for p in patterns):
+                    self._add(name, metric)
+
+    @property
+    def detectors(self) -> list[Detector]:
+        return list(self._detectors.values())
+
+    def update(self, record: StepRecord) -> list[Anomaly]:
+        """Every detector sees the record; return the anomalies found, most severe first per (kind,
+        metric)."""
+        self._discover(record.metrics)
+        best: dict[tuple[str, str], Anomaly] = {}
+        for det in self._detectors.values():
+            found = det.update(record.step, record.metrics)
+            if found is None:
+                continue
+            key = (found.kind, found.metric)
+            old = best.get(key)
+            if old is None or _rank(found) > _rank(old):
+                best[key] = found
+        return list(best.values())
+
+    def enter_grace(self, steps: int | None = None) -> None:
+        """Every detector re-enters its grace period (after an intervention, rollback, resume or LR
+        warm-up)."""
+        for det in self._detectors.values():
+            det.enter_grace(steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "seen": sorted(self._seen),
+            "detectors": {f"{n}|{m}": det.state_dict() for (n, m), det in self._detectors.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported detector state version {state.get('version')!r}")
+        for key, det_state in state["detectors"].items():
+            name, metric = key.split("|", 1)
+            if name not in DETECTORS or name not in self._patterns:
+                continue  # a detector disabled in this configuration
+            det = self._detectors.get((name, metric)) or self._add(name, metric)
+            det.load_state_dict(det_state)
+        self._seen = set(state.get("seen", ()))
+
+
+def _rank(a: Anomaly) -> tuple[int, float]:
+    return a.severity.rank, a.score / a.threshold if a.threshold else a.score

@@ -1,0 +1,246 @@
+"""Slow detectors: upward drift, frozen embeddings, step-time regression."""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from river import drift, stats
+
+from stabmon.detect.base import Detector, X
+from stabmon.detect.config import (
+    at_least_one,
+    at_least_two,
+    non_empty,
+    non_negative,
+    open_unit,
+    param,
+    positive,
+)
+from stabmon.events import Anomaly, Metric
+
+
+@dataclass(frozen=True)
+class DriftConfig:
+    """Parameters of :class:`Drift` (config key ``drift``)."""
+
+    enabled: bool = param(True, doc="run this detector")
+    metrics: tuple[str, ...] = param((Metric.GRAD_NORM, Metric.ACT_RMS_PREFIX + "*"), non_empty,
+                                     "metrics watched (globs allowed)")
+    delta: float = param(0.005, non_negative, "tolerated upward deviation of the log-value per step")
+    threshold: float = param(25.0, positive, "Page-Hinkley statistic (log units) that signals a drift")
+    min_instances: int = param(100, at_least_one, "observations before the test can fire")
+    alpha: float = param(0.999, open_unit, "forgetting factor of the cumulative sum")
+    grace_period: int = param(0, non_negative, "observations learned before scoring starts")
+    evidence: int = param(32, at_least_one, "length of the (step, value) evidence window")
+
+
+class Drift(Detector):
+    """Slow upward trend of a log-metric (grad norm, activation RMS): river's ``drift.PageHinkley``, mode
+    ``up``.
+
+    The Page-Hinkley statistic accumulates ``log(x) - mean - delta``; a level that creeps up by a few percent
+    per hundred steps crosses ``threshold`` after a few hundred steps, long before a spike detector would
+    notice (OPT-175B run 12.43: activation norms and grad norm drifting up ahead of divergence). ``warning``
+    severity - a trend is a reason to look, not to intervene on its own. After reporting, the test restarts.
+
+    >>> d = Drift("grad_norm", DriftConfig(min_instances=20, threshold=2.0))
+    >>> found = [d.update(s, {"grad_norm": 1.0 + (0.0 if s < 50 else 0.02 * (s - 50))}) for s in range(200)]
+    >>> first = next(a for a in found if a is not None)
+    >>> first.kind, first.step > 50
+    ('drift', True)
+    """
+
+    name = "drift"
+    kind = "drift"
+    Config = DriftConfig
+    _state_attrs = ("_ph",)
+
+    def _reset(self) -> None:
+        c = self.config
+        self._ph = drift.PageHinkley(min_instances=c.min_instances, delta=c.delta, threshold=c.threshold,
+                                     alpha=c.alpha, mode="up")
+
+    def _value(self, x: X) -> float | None:
+        v = x.get(self.metric)
+        return math.log(v) if v is not None and math.isfinite(v) and v > 0 else None
+
+    def _learn(self, v: float, x: X) -> None:
+        self._ph.update(v)
+
+    def _score(self, v: float, x: X) -> float:
+        ph = self._ph
+        try:  # what the test statistic would be after seeing v, without changing the detector
+            n, mean = ph._x_mean.n, ph._x_mean.get()
+            new_mean = mean + (v - mean) / (n + 1)
+            s = ph.alpha * ph._sum_increase + (v - new_mean) - ph.delta
+            stat = s - min(ph._min_increase, s)
+            return stat if n + 1 >= ph.min_instances else 0.0
+        except AttributeError:  # a river release with different internals: probe a copy
+            probe = copy.deepcopy(ph)
+            probe.update(v)
+            return self.threshold if probe.drift_detected else 0.0
+
+    @property
+    def threshold(self) -> float:
+        return float(self.config.threshold)
+
+    def _on_flag(self) -> None:
+        self._reset()
+
+    def _message(self, v: float | None, score: float) -> str:
+        return f"{self.metric} is drifting upward (Page-Hinkley {score:.3g} >= {self.threshold:.3g}), now {v}"
+
+    @classmethod
+    def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:
+        stream = [{Metric.GRAD_NORM: 1.0 + 0.01 * (i % 2)} for i in range(150)]
+        return Metric.GRAD_NORM, stream, [{Metric.GRAD_NORM: 1e30}]
+
+
+@dataclass(frozen=True)
+class FrozenEmbeddingConfig:
+    """Parameters of :class:`FrozenEmbedding` (config key ``frozen_embedding``)."""
+
+    enabled: bool = param(True, doc="run this detector")
+    metrics: tuple[str, ...] = param((Metric.EMB_UPDATE_PREFIX + "*",), non_empty, "update-ratio metrics")
+    epsilon: float = param(1e-7, positive, "update ratio below which a matrix did not move")
+    patience: int = param(100, at_least_one, "consecutive frozen steps that are reported")
+    evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
+
+
+class FrozenEmbedding(Detector):
+    """An embedding whose update ratio ``||W_t - W_{t-1}|| / ||W_t||`` stays below ``epsilon`` for
+    ``patience`` steps while the rest of the model moves (non-zero finite grad norm, learning rate not 0).
+    ``warning``.
+
+    ``epsilon = 1e-7`` is about fp32's relative precision: a smaller ratio cannot be told from no update at
+    all. OPT-175B trained for a while with frozen positional embeddings without anyone noticing.
+
+    >>> d = FrozenEmbedding("emb_update/wpe", FrozenEmbeddingConfig(patience=3))
+    >>> found = [d.update(s, {"emb_update/wpe": 0.0, "grad_norm": 0.5}) for s in range(3)]
+    >>> found[-1].kind
+    'frozen_embedding'
+    >>> d.update(3, {"emb_update/wpe": 0.0, "grad_norm": 0.0}) is None   # nothing moves at all
+    True
+    """
+
+    name = "frozen_embedding"
+    kind = "frozen_embedding"
+    Config = FrozenEmbeddingConfig
+    _state_attrs = ("_frozen",)
+
+    def _reset(self) -> None:
+        self._frozen = 0
+
+    @staticmethod
+    def _rest_moves(x: X) -> bool:
+        g = x.get(Metric.GRAD_NORM)
+        lr = x.get(Metric.LR)
+        return g is not None and math.isfinite(g) and g > 0 and (lr is None or lr > 0)
+
+    def _is_frozen(self, v: float, x: X) -> bool:
+        return abs(v) < self.config.epsilon and self._rest_moves(x)
+
+    def _learn(self, v: float, x: X) -> None:
+        self._frozen = self._frozen + 1 if self._is_frozen(v, x) else 0
+
+    def _score(self, v: float, x: X) -> float:
+        return float(self._frozen + 1) if self._is_frozen(v, x) else 0.0
+
+    def _on_flag(self) -> None:
+        self._frozen = 0
+
+    @property
+    def threshold(self) -> float:
+        return float(self.config.patience)
+
+    def _message(self, v: float | None, score: float) -> str:
+        return f"{self.metric} below {self.config.epsilon:g} for {score:.0f} steps while the model trains"
+
+    @classmethod
+    def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:
+        m = Metric.EMB_UPDATE_PREFIX + "wte"
+        stream = [{m: 1e-4, Metric.GRAD_NORM: 1.0} for _ in range(20)]
+        return m, stream, [{m: 0.0, Metric.GRAD_NORM: 1.0}] * 100
+
+
+@dataclass(frozen=True)
+class StepTimeConfig:
+    """Parameters of :class:`StepTimeRegression` (config key ``step_time``)."""
+
+    enabled: bool = param(True, doc="run this detector")
+    metrics: tuple[str, ...] = param((Metric.STEP_TIME,), non_empty, "step-time metric")
+    max_regression: float = param(0.05, positive, "relative slow-down of the recent median that is reported")
+    short_window: int = param(20, at_least_two, "recent steps whose median is compared")
+    long_window: int = param(500, at_least_two, "baseline steps (median)")
+    grace_period: int = param(50, non_negative, "observations learned before scoring starts")
+    evidence: int = param(20, at_least_one, "length of the (step, value) evidence window")
+
+
+class StepTimeRegression(Detector):
+    """A sustained step-time regression: the median of the last ``short_window`` steps is ``max_regression``
+    (5 %) above the baseline median (river ``stats.RollingQuantile`` over ``long_window`` unflagged steps).
+
+    Medians make it blind to single slow steps (checkpoint saves, evaluation); more than half of the recent
+    window must be slow. 5 % is the cost of one slow GPU in BLOOM-176B's run, where it went unnoticed for
+    days. ``warning``, reported once per episode.
+
+    >>> d = StepTimeRegression("step_time", StepTimeConfig(short_window=4, grace_period=8))
+    >>> found = [d.update(s, {"step_time": 1.0 if s < 20 else 1.2}) for s in range(30)]
+    >>> [a.step for a in found if a is not None]
+    [21]
+    """
+
+    name = "step_time"
+    kind = "step_time"
+    Config = StepTimeConfig
+    _state_attrs = ("_baseline", "_recent", "_reported")
+
+    def _reset(self) -> None:
+        self._baseline = stats.RollingQuantile(q=0.5, window_size=self.config.long_window)
+        self._recent: deque[float] = deque(maxlen=self.config.short_window - 1)
+        self._reported = False
+
+    def _value(self, x: X) -> float | None:
+        v = x.get(self.metric)
+        return float(v) if v is not None and math.isfinite(v) and v > 0 else None
+
+    def _learn(self, v: float, x: X) -> None:
+        self._baseline.update(v)
+
+    def _score(self, v: float, x: X) -> float:
+        base = self._baseline.get()
+        if not base or len(self._recent) < self._recent.maxlen:  # type: ignore[operator]
+            return 0.0
+        return max(0.0, statistics.median([*self._recent, v]) / base - 1.0)
+
+    @property
+    def threshold(self) -> float:
+        return float(self.config.max_regression)
+
+    def update(self, step: int, x: X) -> Anomaly | None:
+        anomaly = super().update(step, x)
+        v = self._value(x)
+        if v is not None:
+            self._recent.append(v)
+        if anomaly is None:
+            self._reported = False if self._streak == 0 else self._reported
+            return None
+        if self._reported:
+            return None
+        self._reported = True
+        return anomaly
+
+    def _message(self, v: float | None, score: float) -> str:
+        return f"step time regressed by {score:.1%} (recent median vs baseline {self._baseline.get():.4g})"
+
+    @classmethod
+    def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:
+        stream = [{Metric.STEP_TIME: 1.0 + 0.001 * (i % 3)} for i in range(120)]
+        return Metric.STEP_TIME, stream, [{Metric.STEP_TIME: 2.0}] * 20
+
+
+TREND_DETECTORS: tuple[type[Detector], ...] = (Drift, FrozenEmbedding, StepTimeRegression)

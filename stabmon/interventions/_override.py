@@ -1,0 +1,59 @@
+"""Shared machinery for the interventions that set one field of :class:`~stabmon.overrides.Overrides`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from stabmon.interventions.base import Intervention
+
+
+class OverrideIntervention(Intervention):
+    """Sets ``target.overrides.<field>`` to ``_new_value()``; reverting restores the previous override.
+
+    ``hparam`` names the :meth:`~stabmon.pipeline.InterventionTarget.hparams` key whose value in force is
+    recorded beside the override, so the audit row shows what the optimizer actually used (where the two share
+    a name, ``before`` holds the value in force).
+    """
+
+    field: ClassVar[str] = ""
+    hparam: ClassVar[str] = ""
+    revertible = True
+
+    def _new_value(self, current: Any) -> Any:
+        raise NotImplementedError
+
+    def _in_force(self) -> Any:
+        try:
+            return self.target.hparams().get(self.hparam)
+        except Exception:  # noqa: BLE001 - a target that cannot report its hparams still gets the change
+            return None
+
+    def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        overrides = self.target.overrides
+        old = getattr(overrides, self.field)
+        new = self._new_value(old)
+        in_force = self._in_force()
+        setattr(overrides, self.field, new)
+        try:
+            overrides.validate()
+        except ValueError:
+            setattr(overrides, self.field, old)
+            raise
+        self._undo = {"value": old}
+        before, after = {self.field: old}, {self.field: new}
+        if self.hparam != self.field:  # the value in force beside the override
+            before[self.hparam], after[self.hparam] = in_force, self._expected(in_force, old, new)
+        elif in_force is not None:  # same name: record what the optimizer used rather than "no override"
+            before[self.field] = in_force
+        return before, after
+
+    def _expected(self, in_force: Any, old: Any, new: Any) -> Any:
+        """The hyper-parameter value in force once the override applies (at the next optimizer step)."""
+        return new
+
+    def _revert(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        overrides = self.target.overrides
+        current = getattr(overrides, self.field)
+        setattr(overrides, self.field, self._undo["value"])
+        return {self.field: current}, {self.field: self._undo["value"]}

@@ -1,0 +1,34 @@
+"""``alert_only``: change nothing; the decision itself is announced by the notifier and kept on the record."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from stabmon.interventions.base import Intervention, Params
+
+
+class AlertOnlyParams(Params):
+    """``message``: optional text for the alert."""
+
+    message: str = ""
+
+
+class AlertOnly(Intervention):
+    """Tell a human, touch nothing.
+
+    >>> from stabmon.overrides import Overrides
+    >>> class T:
+    ...     overrides = Overrides(); step = 5
+    ...     def hparams(self): return {}
+    >>> dict(AlertOnly(T(), {"message": "look"}, decision_id="d").apply().after)
+    {'message': 'look'}
+    """
+
+    name = "alert_only"
+    Params = AlertOnlyParams
+    revertible = False
+
+    def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        assert isinstance(self.params, AlertOnlyParams)
+        return {}, {"message": self.params.message} if self.params.message else {}

@@ -1,0 +1,163 @@
+"""The intervention base class: it owns the guard and the audit record; subclasses only change things.
+
+An intervention is created for one :class:`~stabmon.events.Decision` and acts on an
+:class:`~stabmon.pipeline.InterventionTarget` (the live monitor or the replay simulator).
+:meth:`Intervention.apply` and :meth:`Intervention.revert` are the public methods: they check the state
+(an intervention is applied once and reverted at most once, after it was applied), hold the target's lock
+so no two interventions change the target at the same time, and build the
+:class:`~stabmon.events.InterventionRecord` with the values in force before and after. Subclasses
+implement ``_apply`` (returns ``(before, after)``) and, when they can be undone, ``_revert``.
+
+Parameters are validated by a pydantic model per intervention (``Params``), the same model the runbook
+schema uses, so a runbook that loads is a runbook whose rungs can be built.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from stabmon.events import InterventionRecord
+from stabmon.pipeline import InterventionTarget
+
+
+class InterventionError(RuntimeError):
+    """An intervention could not be applied or reverted (wrong state, or the target refused)."""
+
+
+class Params(BaseModel):
+    """Base of every intervention's parameter model: unknown fields and silent type coercion are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def target_lock(target: Any) -> threading.RLock:
+    """The one lock per target under which interventions change it (targets that cannot be weakly referenced
+    share a module lock)."""
+    with _LOCKS_GUARD:
+        try:
+            lock = _LOCKS.get(target)
+            if lock is None:
+                lock = _LOCKS[target] = threading.RLock()
+            return lock
+        except TypeError:
+            return _FALLBACK_LOCK
+
+
+_FALLBACK_LOCK = threading.RLock()
+
+
+class Intervention:
+    """One change to a training run, applied once and possibly reverted.
+
+    Subclasses set ``name``, ``Params`` (a :class:`Params` model) and ``revertible``, and implement ``_apply``
+    and ``_revert``.
+
+    >>> from stabmon.overrides import Overrides
+    >>> class T:  # a minimal target
+    ...     overrides = Overrides(); step = 10
+    ...     def hparams(self): return {"lr": 1e-3}
+    >>> class Halve(Intervention):
+    ...     name = "halve_lr"
+    ...     def _apply(self):
+    ...         before = self.target.overrides.lr_scale
+    ...         self.target.overrides.lr_scale = before / 2
+    ...         return {"lr_scale": before}, {"lr_scale": before / 2}
+    >>> rec = Halve(T(), {}, decision_id="d1").apply()
+    >>> rec.action, dict(rec.before), dict(rec.after)
+    ('halve_lr', {'lr_scale': 1.0}, {'lr_scale': 0.5})
+    """
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type[Params]] = Params
+    revertible: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        target: InterventionTarget,
+        params: Mapping[str, Any] | None = None,
+        *,
+        decision_id: str,
+        simulated: bool = False,
+    ) -> None:
+        self.target = target
+        self.params = type(self).Params.model_validate(dict(params or {}))
+        self.decision_id = decision_id
+        self.simulated = simulated
+        self.record: InterventionRecord | None = None
+        self.revert_record: InterventionRecord | None = None
+        self._undo: dict[str, Any] = {}
+
+    @property
+    def applied(self) -> bool:
+        return self.record is not None
+
+    @property
+    def reverted(self) -> bool:
+        return self.revert_record is not None
+
+    def apply(self) -> InterventionRecord:
+        """Apply the change once; return the audit record (before / after values)."""
+        with target_lock(self.target):
+            if self.record is not None:
+                raise InterventionError(f"{self.name} for decision {self.decision_id} was already applied")
+            before, after = self._apply()
+            self.record = InterventionRecord(
+                decision_id=self.decision_id, step=int(self.target.step), action=self.name,
+                before=dict(before), after=dict(after), simulated=self.simulated,
+            )
+            return self.record
+
+    def revert(self, *, decision_id: str) -> InterventionRecord:
+        """Undo the change (for the revert decision ``decision_id``); return the audit record of the
+        revert."""
+        with target_lock(self.target):
+            if not self.revertible:
+                raise InterventionError(f"{self.name} cannot be reverted")
+            if self.record is None:
+                raise InterventionError(f"{self.name} for decision {self.decision_id} was never applied")
+            if self.revert_record is not None:
+                raise InterventionError(f"{self.name} for decision {self.decision_id} was already reverted")
+            before, after = self._revert()
+            self.revert_record = InterventionRecord(
+                decision_id=decision_id, step=int(self.target.step), action=self.name,
+                before=dict(before), after=dict(after), reverted=True, simulated=self.simulated,
+            )
+            return self.revert_record
+
+    def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        raise NotImplementedError
+
+    def _revert(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        raise NotImplementedError
+
+    # -- state (so a resumed run can still revert a change made before the restart) --
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "params": self.params.model_dump(),
+            "decision_id": self.decision_id,
+            "record_id": self.record.id if self.record else None,
+            "undo": dict(self._undo),
+            "reverted": self.reverted,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._undo = dict(state["undo"])
+        if state.get("record_id") is not None:
+            self.record = InterventionRecord(
+                decision_id=self.decision_id, step=-1, action=self.name, before={}, after={},
+                simulated=self.simulated, id=state["record_id"],
+            )
+        if state.get("reverted"):
+            self.revert_record = InterventionRecord(
+                decision_id="", step=-1, action=self.name, before={}, after={}, reverted=True,
+            )

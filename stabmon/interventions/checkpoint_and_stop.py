@@ -1,0 +1,47 @@
+"""``checkpoint_and_stop``: save a checkpoint and stop the run with :data:`STOP_EXIT_CODE`.
+
+This is the only way stabmon ends a run on purpose. The target saves (atomically) and asks the training
+loop to stop; the process then exits with :data:`STOP_EXIT_CODE` (86) so a job scheduler or wrapper script
+can tell "stabmon stopped this run for a human to look at" from a crash (1, or a signal) and from success
+(0). The same path is taken when the kill-switch file appears (see :class:`stabmon.checkpoints.KillSwitch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from stabmon.checkpoints import STOP_EXIT_CODE
+from stabmon.interventions.base import Intervention, Params
+
+__all__ = ["STOP_EXIT_CODE", "CheckpointAndStop", "CheckpointAndStopParams"]
+
+
+class CheckpointAndStopParams(Params):
+    """``reason``: recorded with the checkpoint and shown in the alert."""
+
+    reason: str = "runbook: checkpoint and stop"
+
+
+class CheckpointAndStop(Intervention):
+    """Save and stop.
+
+    >>> from stabmon.overrides import Overrides
+    >>> class T:
+    ...     overrides = Overrides(); step = 42
+    ...     def hparams(self): return {}
+    ...     def checkpoint_and_stop(self, *, reason):
+    ...         return {"path": "ckpt-42.pt", "exit_code": STOP_EXIT_CODE}
+    >>> CheckpointAndStop(T(), {}, decision_id="d").apply().after["exit_code"]
+    86
+    """
+
+    name = "checkpoint_and_stop"
+    Params = CheckpointAndStopParams
+    revertible = False
+
+    def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        assert isinstance(self.params, CheckpointAndStopParams)
+        result = dict(self.target.checkpoint_and_stop(reason=self.params.reason))
+        result.setdefault("exit_code", STOP_EXIT_CODE)
+        return {"step": int(self.target.step)}, result

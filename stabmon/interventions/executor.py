@@ -1,0 +1,103 @@
+"""The live executor: turns the engine's decisions into interventions on the training state.
+
+:class:`LiveExecutor` is the :class:`~stabmon.pipeline.ExecutorLike` the monitor uses (the replay simulator
+can use it too, with ``simulated=True`` and a simulated target). It looks the action up in the registry,
+builds the intervention, applies it and returns its audit record; a ``revert`` decision undoes the
+intervention named in
+``params["intervention_id"]``. A failure is caught, logged and counted, never raised into training: the
+returned record then carries ``after["error"]`` and the engine judges the rung as failed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from stabmon.events import Decision, InterventionRecord
+from stabmon.interventions.base import Intervention
+from stabmon.pipeline import InterventionTarget
+
+log = logging.getLogger(__name__)
+
+
+class LiveExecutor:
+    """Apply decisions to a target, one at a time, keeping what is needed to revert them (also across a
+    resume).
+
+    >>> from stabmon.events import Decision, DecisionStatus
+    >>> from stabmon.overrides import Overrides
+    >>> class T:
+    ...     overrides = Overrides(); step = 3
+    ...     def hparams(self): return {"clip": 1.0}
+    >>> ex = LiveExecutor(T())
+    >>> d = Decision(step=3, action="set_clip", params={"max_norm": 0.5}, status=DecisionStatus.APPLY,
+    ...              runbook="r", rule="spike", rung=0, reason="test")
+    >>> rec = ex.execute(d); ex.target.overrides.max_norm
+    0.5
+    >>> undo = Decision(step=9, action="revert", params={"intervention_id": rec.id},
+    ...                 status=DecisionStatus.APPLY, runbook="r", rule="spike", rung=0, reason="test")
+    >>> _ = ex.execute(undo); ex.target.overrides.max_norm is None
+    True
+    """
+
+    def __init__(self, target: InterventionTarget, *, simulated: bool = False) -> None:
+        self.target = target
+        self.simulated = simulated
+        self.errors = 0
+        self._applied: dict[str, Intervention] = {}  # intervention record id -> the intervention
+
+    def execute(self, decision: Decision) -> InterventionRecord | None:
+        try:
+            if decision.action == "revert":
+                return self._revert(decision)
+            return self._apply(decision)
+        except Exception as exc:  # noqa: BLE001 - never raise into training
+            self.errors += 1
+            log.exception("stabmon: %s for decision %s failed", decision.action, decision.id)
+            return InterventionRecord(
+                decision_id=decision.id, step=_step(self.target), action=decision.action, before={},
+                after={"error": f"{type(exc).__name__}: {exc}"}, reverted=decision.action == "revert",
+                simulated=self.simulated,
+            )
+
+    def _apply(self, decision: Decision) -> InterventionRecord:
+        from stabmon.interventions import get_intervention
+
+        cls = get_intervention(decision.action)
+        intervention = cls(self.target, decision.params, decision_id=decision.id, simulated=self.simulated)
+        record = intervention.apply()
+        if cls.revertible:
+            self._applied[record.id] = intervention
+        return record
+
+    def _revert(self, decision: Decision) -> InterventionRecord:
+        intervention_id = decision.params.get("intervention_id")
+        intervention = self._applied.get(str(intervention_id))
+        if intervention is None:
+            raise LookupError(f"no revertible intervention {intervention_id!r} applied by this executor")
+        record = intervention.revert(decision_id=decision.id)
+        del self._applied[str(intervention_id)]
+        return record
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"errors": self.errors, "applied": {k: v.state_dict() for k, v in self._applied.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        from stabmon.interventions import get_intervention
+
+        self.errors = int(state.get("errors", 0))
+        self._applied = {}
+        for record_id, sd in state.get("applied", {}).items():
+            intervention = get_intervention(sd["name"])(
+                self.target, sd["params"], decision_id=sd["decision_id"], simulated=self.simulated
+            )
+            intervention.load_state_dict(sd)
+            self._applied[record_id] = intervention
+
+
+def _step(target: Any) -> int:
+    try:
+        return int(target.step)
+    except Exception:  # noqa: BLE001
+        return -1

@@ -1,0 +1,75 @@
+"""``rollback``: restore the last-known-good checkpoint saved before the anomaly's onset and skip data.
+
+The target (the live monitor, or the replay simulator) does the work through
+:class:`stabmon.checkpoints.CheckpointManager`: it looks for a checkpoint saved at least ``lookback`` steps
+before
+``onset_step``, validates it (exists, byte count, loads, finite tensors) and falls back to older ones,
+restores model, optimizer, scaler, scheduler, monitor state and step counter, and skips the next
+``skip_batches`` batches through the monitor's data position, recording every skipped index. PaLM's recipe:
+``lookback: 100`` and
+``skip_batches`` between 200 and 500. A rollback cannot be reverted.
+
+``onset_step`` is filled in by the engine (the first step of the incident's evidence); a runbook does not
+set it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from stabmon.interventions.base import Intervention, Params
+
+
+class RollbackParams(Params):
+    """``lookback``: how many steps before the onset the checkpoint must have been saved (>= 0).
+    ``skip_batches``: how many batches to skip after restoring (>= 0).
+    ``checkpoint_dir``: where the checkpoints are, when not the monitor's own directory; must exist.
+    ``onset_step``: set by the engine."""
+
+    lookback: int = Field(default=100, ge=0)
+    skip_batches: int = Field(default=0, ge=0)
+    checkpoint_dir: str | None = None
+    onset_step: int | None = None
+
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _exists(cls, value: str | None) -> str | None:
+        if value is not None and not Path(os.path.expandvars(value)).expanduser().is_dir():
+            raise ValueError(f"checkpoint directory does not exist: {value}")
+        return value
+
+
+class Rollback(Intervention):
+    """Roll back to a validated checkpoint.
+
+    >>> from stabmon.overrides import Overrides
+    >>> class T:
+    ...     overrides = Overrides(); step = 900
+    ...     def hparams(self): return {}
+    ...     def rollback(self, *, onset_step, lookback, skip_batches):
+    ...         return {"checkpoint_step": 700, "restored_step": 700, "skipped": [700, 700 + skip_batches]}
+    >>> rec = Rollback(T(), {"onset_step": 850, "skip_batches": 200}, decision_id="d").apply()
+    >>> rec.before["step"], rec.after["restored_step"]
+    (900, 700)
+    """
+
+    name = "rollback"
+    Params = RollbackParams
+    revertible = False
+
+    def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        p = self.params
+        assert isinstance(p, RollbackParams)
+        before_step = int(self.target.step)
+        onset = p.onset_step if p.onset_step is not None else before_step
+        kwargs: dict[str, Any] = {"onset_step": onset, "lookback": p.lookback, "skip_batches": p.skip_batches}
+        if p.checkpoint_dir is not None:
+            kwargs["checkpoint_dir"] = p.checkpoint_dir
+        result = self.target.rollback(**kwargs)
+        before = {"step": before_step, "onset_step": onset, "lookback": p.lookback}
+        return before, dict(result)

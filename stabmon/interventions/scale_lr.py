@@ -1,0 +1,57 @@
+"""``scale_lr``: multiply the learning rate the scheduler produces, held around ``optimizer.step()``.
+
+The change lives in ``overrides.lr_scale``; the monitor multiplies every param group's learning rate by it
+just before the optimizer step and restores the scheduler's value right after, so any LR scheduler keeps
+its own trajectory underneath and cannot overwrite the intervention, and the scale survives a resume.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from stabmon.interventions._override import OverrideIntervention
+from stabmon.interventions.base import Params
+
+
+class ScaleLrParams(Params):
+    """Exactly one of ``factor`` (multiply the scale in force: ``0.9`` = "cut LR by 10%") or ``scale`` (set
+    the scale relative to the schedule: ``0.667`` = "two-thirds of the planned LR")."""
+
+    factor: float | None = Field(default=None, gt=0)
+    scale: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> ScaleLrParams:
+        if (self.factor is None) == (self.scale is None):
+            raise ValueError("give exactly one of factor or scale")
+        return self
+
+
+class ScaleLr(OverrideIntervention):
+    """Scale the learning rate.
+
+    >>> from stabmon.overrides import Overrides
+    >>> class T:
+    ...     overrides = Overrides(); step = 5
+    ...     def hparams(self): return {"lr": 1e-3}
+    >>> t = T(); rec = ScaleLr(t, {"factor": 0.9}, decision_id="d").apply()
+    >>> t.overrides.lr_scale, round(rec.after["lr"], 6)
+    (0.9, 0.0009)
+    """
+
+    name = "scale_lr"
+    Params = ScaleLrParams
+    field = "lr_scale"
+    hparam = "lr"
+
+    def _new_value(self, current: Any) -> Any:
+        p = self.params
+        assert isinstance(p, ScaleLrParams)
+        return current * p.factor if p.factor is not None else p.scale
+
+    def _expected(self, in_force: Any, old: Any, new: Any) -> Any:
+        if in_force is None:
+            return None
+        return in_force / old * new

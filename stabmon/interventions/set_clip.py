@@ -1,0 +1,38 @@
+"""``set_clip``: set the gradient-clipping threshold (L2 norm of all gradients) the monitor clips to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from stabmon.interventions._override import OverrideIntervention
+from stabmon.interventions.base import Params
+
+
+class SetClipParams(Params):
+    """``max_norm``: the new clipping threshold (> 0)."""
+
+    max_norm: float = Field(gt=0)
+
+
+class SetClip(OverrideIntervention):
+    """Tighten (or loosen) gradient clipping.
+
+    >>> from stabmon.overrides import Overrides
+    >>> class T:
+    ...     overrides = Overrides(); step = 5
+    ...     def hparams(self): return {"clip": 2.5}
+    >>> rec = SetClip(T(), {"max_norm": 1.5}, decision_id="d").apply()
+    >>> dict(rec.before), dict(rec.after)
+    ({'max_norm': None, 'clip': 2.5}, {'max_norm': 1.5, 'clip': 1.5})
+    """
+
+    name = "set_clip"
+    Params = SetClipParams
+    field = "max_norm"
+    hparam = "clip"
+
+    def _new_value(self, current: Any) -> Any:
+        assert isinstance(self.params, SetClipParams)
+        return self.params.max_norm

@@ -1,0 +1,421 @@
+"""The live monitor: collectors -> StepRecord -> detectors -> runbook engine -> interventions, recorded in SQL.
+
+A plain PyTorch loop needs four lines::
+
+    monitor = stabmon.Monitor(model, optimizer, scheduler=scheduler, runbook="default", mode="propose",
+                              config=MonitorConfig(clip=1.0), checkpoint_dir="ckpt")
+    for step, batch in monitor.steps(loader, max_steps=10_000):
+        loss = model(batch)
+        loss.backward()
+        monitor.observe(loss=loss)          # tensors only; nothing is read back here
+        optimizer.step()                    # the monitor's hooks: unscale, norms, clip, overrides
+        scheduler.step(); optimizer.zero_grad()
+    monitor.close()
+    sys.exit(monitor.exit_code)             # 0, or STOP_EXIT_CODE after checkpoint-and-stop / kill switch
+
+Everything measured stays on the device until a flush (every ``config.flush_every`` steps and at close): one
+stacked copy to the host, then StepRecords go through the :class:`~stabmon.pipeline.Pipeline`, to the store and
+the notifier. Decisions are applied at flushes through :class:`~stabmon.interventions.LiveExecutor`, whose
+target is the monitor itself (:class:`~stabmon.pipeline.InterventionTarget`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from stabmon.collect.activations import ActivationNorms
+from stabmon.collect.buffer import StepBuffer
+from stabmon.collect.config import ActivationConfig, EmbeddingConfig, GradConfig, MonitorConfig
+from stabmon.collect.data import DataCursor
+from stabmon.collect.embeddings import EmbeddingDrift
+from stabmon.collect.grads import GradNorms
+from stabmon.collect.optim import OptimizerHooks
+from stabmon.collect.wiring import DEFAULT_STORE, MODES, build_pipeline, resolve_notifier, resolve_store
+from stabmon.events import Anomaly, Event, Metric, StepRecord
+from stabmon.overrides import Overrides
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ActivationConfig", "EmbeddingConfig", "GradConfig", "Monitor", "MonitorConfig"]
+
+
+class Monitor:
+    """Watch one model/optimizer pair in a plain training loop; see the module docstring.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    >>> data = [torch.randn(16, 4, generator=torch.Generator().manual_seed(i)) for i in range(30)]
+    >>> with Monitor(model, opt, store=None, config=MonitorConfig(clip=1.0, flush_every=10)) as mon:
+    ...     for step, x in mon.steps(data):
+    ...         loss = model(x).pow(2).mean()
+    ...         loss.backward()
+    ...         mon.observe(loss=loss)
+    ...         opt.step(); opt.zero_grad()
+    >>> mon.step, len(mon.records), sorted(mon.records[0].metrics)[:3]
+    (30, 30, ['act_rms/0', 'act_rms/1', 'act_rms/2'])
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scaler: Any = None,
+        scheduler: Any = None,
+        store: Any = DEFAULT_STORE,
+        runbook: Any = None,
+        mode: str | None = "propose",
+        detectors: Any = None,
+        notifier: Any = None,
+        alerts: Iterable[str] | None = None,
+        config: MonitorConfig | None = None,
+        run_name: str | None = None,
+        checkpoint_dir: str | None = None,
+        checkpoints: Any = None,
+        resume_run_id: str | None = None,
+    ) -> None:
+        self.config = config if config is not None else MonitorConfig()
+        if not isinstance(self.config, MonitorConfig):
+            raise ValueError(f"config: expected a MonitorConfig, got {type(self.config).__name__}")
+        self.config.validate()
+        _check_model_and_optimizer(model, optimizer)
+        if mode not in MODES:
+            raise ValueError(f"mode: must be one of {', '.join(map(str, MODES))}, got {mode!r}")
+        self.model, self.optimizer, self.scaler, self.scheduler, self.mode = model, optimizer, scaler, scheduler, mode
+        self.overrides = Overrides()
+        self.cursor = DataCursor()
+        self.buffer = StepBuffer()
+        cfg = self.config
+        self._grads = GradNorms(model, cfg.grads.layers)
+        self._acts = ActivationNorms(model, cfg.activations.modules) if cfg.activations.every else None
+        self._emb = EmbeddingDrift(model) if cfg.embeddings.every else None
+        self._hooks = OptimizerHooks(
+            optimizer, self._grads, buffer=self.buffer, overrides=lambda: self.overrides, clip=cfg.clip,
+            scaler=scaler, embeddings=self._emb, ema_decay=cfg.grads.skip_ema,
+        )
+        self.errors: Counter[str] = Counter()
+        self.store, self._owns_store = resolve_store(store)
+        self.notifier, self._owns_notifier = resolve_notifier(notifier, alerts)
+        self.pipeline, self.executor = build_pipeline(self, detectors=detectors, runbook=runbook, mode=mode)
+        self.run_name = run_name or time.strftime("run-%Y%m%d-%H%M%S")
+        self.run_id = self._start_run(resume_run_id)
+        self.checkpoints = checkpoints
+        if self.checkpoints is None and checkpoint_dir is not None:
+            from stabmon.checkpoints import CheckpointManager
+
+            self.checkpoints = CheckpointManager(checkpoint_dir, sink=self.store, run_id=self.run_id)
+        self.kill_switch = None
+        if cfg.kill_switch:
+            from stabmon.checkpoints import KillSwitch
+
+            self.kill_switch = KillSwitch(cfg.kill_switch, every=1)
+        self.anomalies: list[Anomaly] = []
+        self.events: list[Event] = []
+        self.records: deque[StepRecord] = deque(maxlen=cfg.history)
+        self._step = 0
+        self.should_stop = False
+        self.stop_reason: str | None = None
+        self._scale_snapshot: torch.Tensor | None = None
+        self._t_last: float | None = None
+        self._closed = False
+        self._watchdog = None
+        if cfg.hang_timeout is not None:
+            from stabmon.detect.hang import HangWatchdog
+
+            self._watchdog = HangWatchdog(cfg.hang_timeout, self._on_hang)
+            self._watchdog.start()
+        self._hooks.install()
+
+    # -- InterventionTarget ------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (the index the next step will get)."""
+        return self._step
+
+    def hparams(self) -> dict[str, float]:
+        """lr, beta2, weight_decay and clip in force for the next step (overrides included)."""
+        return self._hooks.hparams()
+
+    def rollback(self, *, onset_step: int, lookback: int, skip_batches: int,
+                 checkpoint_dir: str | None = None) -> dict[str, Any]:
+        from stabmon.collect.restore import rollback
+
+        return rollback(self, onset_step=onset_step, lookback=lookback, skip_batches=skip_batches,
+                        checkpoint_dir=checkpoint_dir)
+
+    def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
+        info = self.save_checkpoint() if self.checkpoints is not None else None
+        self.should_stop, self.stop_reason = True, reason
+        log.warning("stabmon: stopping the run at step %d: %s", self._step, reason)
+        return {"path": getattr(info, "path", None), "step": self._step, "exit_code": self.config.exit_code,
+                "reason": reason}
+
+    @property
+    def exit_code(self) -> int:
+        """0, or ``config.exit_code`` (:data:`stabmon.checkpoints.STOP_EXIT_CODE`) after a requested stop."""
+        return self.config.exit_code if self.should_stop else 0
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def steps(self, loader: Iterable[Any], *, max_steps: int | None = None,
+              epochs: int | None = None) -> Iterator[tuple[int, Any]]:
+        """Yield ``(step, batch)``: one pass over ``loader`` (``epochs`` passes; with ``max_steps`` and no
+        ``epochs``, as many passes as needed). Stops early when the monitor asks to stop."""
+        if epochs is None and max_steps is not None:
+            passes: int | None = None
+        else:
+            passes = 1 if epochs is None else epochs
+        if self.should_stop or (max_steps is not None and self._step >= max_steps):
+            return
+        for index, batch in self.cursor.batches(loader, passes):
+            self.begin_step(batch_index=index)
+            try:
+                yield self._step, batch
+            except GeneratorExit:
+                self.end_step()
+                raise
+            self.end_step()
+            if self.should_stop or (max_steps is not None and self._step >= max_steps):
+                return
+
+    def begin_step(self, *, batch_index: int | None = None) -> None:
+        """Open the record of the next step (done by :meth:`steps`; call it yourself in a hand-written loop)."""
+        if self.buffer.open:
+            self.end_step()
+        if self._t_last is None:
+            self._t_last = time.perf_counter()
+        self.buffer.begin(step=self._step, batch_index=batch_index)
+        self._hooks.stepped = False
+        self._scale_snapshot = None
+        act_k, emb_k = self.config.activations.every, self.config.embeddings.every
+        if self._acts is not None and self._step % act_k == 0:
+            self._acts.arm()
+        self._hooks.sample_embeddings = bool(self._emb) and emb_k > 0 and self._step % emb_k == 0
+
+    def observe(self, loss: Any = None, **metrics: Any) -> None:
+        """Record this step's loss (and any other named scalars) as device tensors: no host sync."""
+        if not self.buffer.open:
+            self.begin_step()
+        for name, value in (("loss", loss), *metrics.items()):
+            if value is None:
+                continue
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(f"observe: {name} must hold exactly one value, got shape {tuple(value.shape)}")
+                self.buffer.add([name], value.detach())
+            elif isinstance(value, (int, float)):
+                self.buffer.add_host(name, value)
+            else:
+                raise ValueError(f"observe: {name} must be a tensor or a number, got {type(value).__name__}")
+        self._collect_activations()
+        scaler = self.scaler
+        if scaler is not None and scaler.is_enabled() and getattr(scaler, "_scale", None) is not None:
+            self._scale_snapshot = scaler._scale.detach().clone()
+
+    def end_step(self) -> None:
+        """Close the step's record; flush when ``config.flush_every`` steps are waiting."""
+        if not self.buffer.open:
+            return
+        self._collect_activations()
+        self._record_scaler()
+        hp = self._hooks.last_hparams if self._hooks.stepped else self._hooks.hparams()
+        for name, value in hp.items():
+            self.buffer.add_host(name, value)
+        now = time.perf_counter()
+        self.buffer.add_host(Metric.STEP_TIME, now - (self._t_last or now))
+        self.buffer.end(time=time.time())
+        self._step += 1
+        if self._watchdog is not None:
+            self._watchdog.beat(self._step - 1)
+        every = self.config.checkpoint_every
+        if every and self.checkpoints is not None and self._step % every == 0:
+            self.save_checkpoint()
+        if len(self.buffer) >= self.config.flush_every:
+            self.flush()
+        self._t_last = time.perf_counter()  # flush and checkpoint time stay out of the next step's time
+
+    def _collect_activations(self) -> None:
+        if self._acts is not None and self._acts.armed:
+            names, values = self._acts.collect()
+            if values is not None:
+                self.buffer.add([Metric.ACT_RMS_PREFIX + n for n in names], values)
+
+    def _record_scaler(self) -> None:
+        scaler = self.scaler
+        if scaler is None or not scaler.is_enabled():
+            return
+        # scaler.step() skips optimizer.step() (and so our pre-hook) when it found inf/NaN gradients
+        self.buffer.add_host(Metric.OVERFLOW, 0.0 if self._hooks.stepped else 1.0)
+        scale = self._scale_snapshot
+        if scale is None and getattr(scaler, "_scale", None) is not None:
+            scale = scaler._scale.detach().clone()
+        if scale is not None:
+            self.buffer.add([Metric.LOSS_SCALE], scale)
+
+    # -- flush -------------------------------------------------------------------------------------------
+    def flush(self) -> list[StepRecord]:
+        """Copy waiting metrics to the host once, run them through the pipeline, hand events to the sinks."""
+        try:
+            records = self.buffer.drain()
+        except Exception:  # noqa: BLE001 - never raise into training
+            self.errors["collect"] += 1
+            log.exception("stabmon: could not read back this flush's metrics")
+            return []
+        for r in records:
+            self._hooks.learn_host(r.get(Metric.GRAD_NORM), bool(r.get(Metric.SKIPPED)))
+        self.records.extend(records)
+        if records:
+            self._guard("store", lambda: self.store.write_steps(run_id=self.run_id, records=records))
+        events: list[Event] = []
+        for r in records:
+            events.extend(self._guard("pipeline", lambda r=r: self.pipeline.process(r)) or [])
+        if self.pipeline.engine is not None and getattr(self.pipeline.engine, "mode", self.mode) == "propose":
+            events.extend(self._answers())
+        self._publish(events)
+        if self.kill_switch is not None and not self.should_stop and self.kill_switch.triggered():
+            self._publish(self._stop_event(self.kill_switch.reason()))
+        return records
+
+    def _on_hang(self, anomaly: Anomaly) -> None:
+        """Watchdog thread: training is stuck, so publish at once instead of waiting for a flush."""
+        log.error("stabmon: %s", anomaly.message)
+        self._publish([anomaly])
+
+    def _answers(self) -> list[Event]:
+        if self.store is None:
+            return []
+        answers = self._guard("store", lambda: self.store.poll_answers(run_id=self.run_id)) or []
+        out: list[Event] = []
+        for decision_id, approved in answers:
+            out.extend(self._guard("pipeline", lambda d=decision_id, a=approved: self.pipeline.answer(d, a, self._step))
+                       or [])
+        return out
+
+    def _stop_event(self, reason: str) -> list[Event]:
+        self.checkpoint_and_stop(reason=reason)
+        return []
+
+    def _publish(self, events: list[Event]) -> None:
+        low = [e for e in events if not isinstance(e, StepRecord)]
+        if not low:
+            return
+        self.events.extend(low)
+        self.anomalies.extend(e for e in low if isinstance(e, Anomaly))
+        self._guard("store", lambda: self.store.write_events(run_id=self.run_id, events=low))
+        if self.notifier is not None:
+            self._guard("alerts", lambda: self.notifier.handle(run_id=self.run_id, run_name=self.run_name,
+                                                               events=low))
+
+    def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run training-path I/O: catch, log, count; never raise into training."""
+        if what == "store" and self.store is None:
+            return None
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001
+            self.errors[what] += 1
+            log.exception("stabmon: %s failed at step %d (continuing)", what, self._step)
+            return None
+
+    def _start_run(self, resume_run_id: str | None) -> str:
+        from stabmon.collect.wiring import environment
+
+        if self.store is None:
+            return resume_run_id or f"local-{time.time_ns():x}"
+        run_id = self._guard("store", lambda: self.store.start_run(
+            name=self.run_name, kind="live", config={"monitor": self.config.to_dict(), "mode": self.mode},
+            environment=environment(), resume_run_id=resume_run_id))
+        return run_id or resume_run_id or f"local-{time.time_ns():x}"
+
+    # -- state -------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Any:
+        """Save :meth:`training_state` through the checkpoint manager; failures are logged and counted."""
+        if self.checkpoints is None:
+            raise ValueError("checkpoint_dir: the monitor has no checkpoint manager (pass checkpoint_dir=...)")
+        return self._guard("checkpoint", lambda: self.checkpoints.save(self.training_state(), step=self._step))
+
+    def training_state(self) -> dict[str, Any]:
+        """Everything a checkpoint holds: model, optimizer, scaler, scheduler and the monitor's own state."""
+        from stabmon.collect.restore import training_state
+
+        return training_state(self)
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        from stabmon.collect.restore import load_training_state
+
+        load_training_state(self, state)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step counter, data position, overrides, detector/engine/executor state, guard and embedding baselines."""
+        return {
+            "version": 1,
+            "step": self._step,
+            "data": self.cursor.state_dict(),
+            "overrides": self.overrides.state_dict(),
+            "pipeline": self._guard("pipeline", self.pipeline.state_dict),
+            "executor": self.executor.state_dict() if hasattr(self.executor, "state_dict") else None,
+            "hooks": self._hooks.state_dict(),
+            "embeddings": self._emb.state_dict() if self._emb else None,
+            "run_id": self.run_id,
+            "run_name": self.run_name,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *, pipeline: bool = True) -> None:
+        self._step = int(state["step"])
+        self.cursor.load_state_dict(state["data"])
+        self.overrides.load_state_dict(state["overrides"])
+        self._hooks.load_state_dict(state.get("hooks", {}))
+        if self._emb and state.get("embeddings"):
+            self._emb.load_state_dict(state["embeddings"])
+        if pipeline and state.get("pipeline") is not None:
+            self.pipeline.load_state_dict(state["pipeline"])
+            self._guard("pipeline", lambda: self.pipeline.detectors.enter_grace(self.config.grace_steps))
+        if pipeline and state.get("executor") is not None and hasattr(self.executor, "load_state_dict"):
+            self.executor.load_state_dict(state["executor"])
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def close(self, status: str | None = None) -> None:
+        """Flush what is left, end the run in the store, remove the hooks. Idempotent."""
+        if self._closed:
+            return
+        self.end_step()
+        self.flush()
+        self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._hooks.remove()
+        if self._acts is not None:
+            self._acts.disarm()
+        status = status or ("stopped" if self.should_stop else "finished")
+        self._guard("store", lambda: self.store.end_run(run_id=self.run_id, status=status))
+        if self._owns_store:
+            self._guard("store", lambda: self.store.flush(timeout=30.0))
+            self._guard("store", self.store.close)
+        if self.notifier is not None and self._owns_notifier:
+            self._guard("alerts", lambda: self.notifier.close(timeout=10.0))
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(status="failed" if exc_type is not None else None)
+
+
+def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    params = {id(p) for p in model.parameters()}
+    if not params:
+        raise ValueError("model: has no parameters to monitor")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if not params & held:
+        raise ValueError("optimizer: holds none of the model's parameters (was it built for another model?)")

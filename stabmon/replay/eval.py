@@ -1,0 +1,224 @@
+"""Evaluate stabmon and the peer rules against labelled incidents in recorded runs.
+
+For every run named by a LABELS.csv (segments stitched), the records are replayed through stabmon's pipeline
+(the live detector and engine classes) and through each peer rule of :mod:`stabmon.replay.baselines`. An *alert*
+is a step at which a method fired: for stabmon, a step with an anomaly of at least ``min_severity`` (default
+``warning``); for a peer rule, a step at which it returned True. Then, per labelled incident and method:
+
+- ``detected``: an alert in ``[step_start - pre, step_end]`` (``pre`` = 100 steps);
+- ``first_alert_step``: the first alert in that window; ``lead_steps = step_start - first_alert_step`` (negative
+  when the alert came after the onset);
+- ``severity``: stabmon's highest anomaly severity in the window (None for peer rules, which have none);
+
+and per run and method: ``steps`` (records replayed) and ``false_alarms``: alert steps outside every numeric or
+other incident window of that run (control windows do not excuse alerts), also per 10k steps. stabmon rows add
+``decisions`` and ``intervention_decisions`` (decisions whose action is not ``alert_only``): what the runbook would
+have done there.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stabmon.events import Anomaly, Decision, Severity, StepRecord
+from stabmon.pipeline import Pipeline
+from stabmon.replay.baselines import peer_rules
+from stabmon.replay.importers.detect import import_files
+from stabmon.replay.labels import Label, read_labels, run_files
+from stabmon.replay.replay import build_pipeline, replay
+
+log = logging.getLogger(__name__)
+
+STABMON = "stabmon"
+PEERS = ("llm_foundry", "olmo_core", "zclip", "lightning", "megatron")
+PipelineFactory = Callable[[], Pipeline]
+
+
+@dataclass
+class RunAlerts:
+    """What each method flagged on one run."""
+
+    run: str
+    steps: int = 0
+    alerts: dict[str, list[int]] = field(default_factory=dict)  # method -> sorted alert steps
+    severities: dict[int, str] = field(default_factory=dict)  # stabmon: step -> highest severity
+    decisions: list[tuple[int, str]] = field(default_factory=list)  # stabmon: (step, action)
+    restarts: list[int] = field(default_factory=list)
+    malformed: int = 0
+    error: str | None = None
+
+
+def default_factory(*, runbook: Any = "default", overrides: Sequence[str] = (),
+                    detector_config: dict[str, Any] | None = None) -> Pipeline:
+    """stabmon's live pipeline (detectors + runbook engine, simulated executor)."""
+    return build_pipeline(runbook=runbook, overrides=overrides, detector_config=detector_config)[0]
+
+
+def alerts_for(records: Sequence[StepRecord], *, run: str, factory: PipelineFactory | None,
+               min_severity: Severity = Severity.WARNING, restarts: Sequence[int] = (),
+               peers: bool = True) -> RunAlerts:
+    """Run stabmon (when ``factory`` is given) and the peer rules over one run's records."""
+    out = RunAlerts(run=run, steps=len(records), restarts=list(restarts))
+    if factory is not None:
+        result = replay(records, pipeline=factory(), restarts=restarts)
+        steps: set[int] = set()
+        for ev in result.events:
+            if isinstance(ev, Anomaly) and ev.severity >= min_severity:
+                steps.add(ev.step)
+                prev = out.severities.get(ev.step)
+                if prev is None or ev.severity > Severity(prev):
+                    out.severities[ev.step] = ev.severity.value
+            elif isinstance(ev, Decision):
+                out.decisions.append((ev.step, ev.action))
+        out.alerts[STABMON] = sorted(steps)
+    if peers:
+        rules = peer_rules(total_steps=len(records))
+        fired: dict[str, list[int]] = {r.name: [] for r in rules}
+        for rec in records:
+            for rule in rules:
+                if rule.update(rec):
+                    fired[rule.name].append(rec.step)
+        out.alerts.update(fired)
+    return out
+
+
+def _run_one(run: str, files: Sequence[Path], factory: PipelineFactory | None, min_severity: Severity,
+             peers: bool) -> RunAlerts:
+    try:
+        imported = import_files(files)
+    except Exception as exc:  # noqa: BLE001 - one unreadable run is reported, the others are still evaluated
+        return RunAlerts(run=run, error=f"{type(exc).__name__}: {exc}")
+    try:
+        out = alerts_for(imported.records, run=run, factory=factory, min_severity=min_severity,
+                         restarts=imported.restarts, peers=peers)
+    except Exception as exc:  # noqa: BLE001
+        log.exception("evaluating %s failed", run)
+        return RunAlerts(run=run, steps=len(imported.records), error=f"{type(exc).__name__}: {exc}")
+    out.malformed = imported.malformed
+    return out
+
+
+@dataclass
+class EvalReport:
+    incidents: list[dict[str, Any]]  # one per (incident, method)
+    files: list[dict[str, Any]]  # one per (run, method)
+    summary: dict[str, dict[str, Any]]  # per method
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [{"type": "incident", **r} for r in self.incidents] + [{"type": "file", **r} for r in self.files]
+
+
+def _windows(labels: Iterable[Label], pre: int) -> list[tuple[int, int]]:
+    return [(lb.step_start - pre, lb.step_end) for lb in labels if lb.category != "control"]
+
+
+def score(labels: Sequence[Label], runs: dict[str, RunAlerts], label_runs: dict[int, str], *,
+          pre: int = 100) -> EvalReport:
+    """Turn per-run alerts into the per-incident and per-run rows (see the module docstring)."""
+    incidents: list[dict[str, Any]] = []
+    files: list[dict[str, Any]] = []
+    methods = sorted({m for r in runs.values() for m in r.alerts}, key=lambda m: (m != STABMON, m))
+    for i, lb in enumerate(labels):
+        ra = runs[label_runs[i]]
+        for m in methods:
+            steps = [s for s in ra.alerts.get(m, []) if lb.step_start - pre <= s <= lb.step_end]
+            first = steps[0] if steps else None
+            sev = None
+            if m == STABMON and steps:
+                sev = max((Severity(ra.severities[s]) for s in steps if s in ra.severities),
+                          key=lambda x: x.rank).value
+            incidents.append({
+                "file": lb.file, "step_start": lb.step_start, "step_end": lb.step_end, "kind": lb.kind,
+                "label_source": lb.label_source, "category": lb.category, "method": m, "detected": bool(steps),
+                "first_alert_step": first, "lead_steps": None if first is None else lb.step_start - first,
+                "severity": sev, "run": ra.run, "error": ra.error,
+            })
+    for run, ra in runs.items():
+        wins = _windows([lb for i, lb in enumerate(labels) if label_runs[i] == run], pre)
+        for m in methods:
+            fa = [s for s in ra.alerts.get(m, []) if not any(a <= s <= b for a, b in wins)]
+            row: dict[str, Any] = {
+                "file": run, "method": m, "steps": ra.steps, "false_alarms": len(fa),
+                "false_alarms_per_10k": round(1e4 * len(fa) / ra.steps, 3) if ra.steps else None,
+                "alerts": len(ra.alerts.get(m, [])), "first_false_alarms": fa[:5], "restarts": ra.restarts,
+                "malformed": ra.malformed, "error": ra.error,
+            }
+            if m == STABMON:
+                row["decisions"] = len(ra.decisions)
+                row["intervention_decisions"] = sum(1 for _, a in ra.decisions if a != "alert_only")
+            files.append(row)
+    return EvalReport(incidents, files, summarize(incidents, files, methods))
+
+
+def summarize(incidents: list[dict[str, Any]], files: list[dict[str, Any]],
+              methods: Sequence[str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for m in methods:
+        num = [r for r in incidents if r["method"] == m and r["category"] == "numeric"]
+        gt = [r for r in num if r["label_source"].startswith(("author", "paper"))]
+        rows = [r for r in files if r["method"] == m]
+        steps = sum(r["steps"] for r in rows)
+        fa = sum(r["false_alarms"] for r in rows)
+        leads = [r["lead_steps"] for r in num if r["lead_steps"] is not None]
+        out[m] = {
+            "numeric_incidents": len(num),
+            "detected": sum(r["detected"] for r in num),
+            "recall": round(sum(r["detected"] for r in num) / len(num), 3) if num else None,
+            "recall_ground_truth": round(sum(r["detected"] for r in gt) / len(gt), 3) if gt else None,
+            "median_lead_steps": sorted(leads)[len(leads) // 2] if leads else None,
+            "false_alarms": fa,
+            "false_alarms_per_10k": round(1e4 * fa / steps, 3) if steps else None,
+            "steps": steps,
+        }
+    return out
+
+
+def evaluate(labels_path: str | Path, *, factory: PipelineFactory | None = None, stabmon: bool = True,
+             runbook: Any = "default", overrides: Sequence[str] = (), min_severity: Severity = Severity.WARNING,
+             pre: int = 100, jobs: int = 1, peers: bool = True,
+             progress: Callable[[int], None] | None = None) -> EvalReport:
+    """Evaluate every method on every labelled run; ``jobs > 1`` runs the runs in parallel processes."""
+    labels_path = Path(labels_path)
+    labels = read_labels(labels_path)
+    base = labels_path.parent
+    if stabmon and factory is None:
+        factory = functools.partial(default_factory, runbook=runbook, overrides=tuple(overrides))
+    if not stabmon:
+        factory = None
+    label_runs: dict[int, str] = {}
+    run_paths: dict[str, list[Path]] = {}
+    for i, lb in enumerate(labels):
+        name, paths = run_files(lb, base)
+        label_runs[i] = name
+        run_paths.setdefault(name, paths)
+    runs: dict[str, RunAlerts] = {}
+    todo = [(name, paths) for name, paths in run_paths.items()]
+    for name, paths in todo:
+        if not paths:
+            runs[name] = RunAlerts(run=name, error=f"no file matches {name!r} under the labels' directory")
+    todo = [(n, p) for n, p in todo if p]
+    if jobs > 1 and len(todo) > 1:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {n: pool.submit(_run_one, n, p, factory, min_severity, peers) for n, p in todo}
+            for n, fut in futures.items():
+                runs[n] = fut.result()
+                if progress:
+                    progress(1)
+    else:
+        for n, p in todo:
+            runs[n] = _run_one(n, p, factory, min_severity, peers)
+            if progress:
+                progress(1)
+    return score(labels, runs, label_runs, pre=pre)
+
+
+def count_runs(labels_path: str | Path) -> int:
+    """How many distinct runs a labels file names (for a progress bar's total)."""
+    labels_path = Path(labels_path)
+    return len({run_files(lb, labels_path.parent)[0] for lb in read_labels(labels_path)})

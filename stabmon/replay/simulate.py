@@ -1,0 +1,97 @@
+"""The replay side of interventions: a target that records what would have changed, without torch.
+
+:class:`SimulatedTarget` implements :class:`stabmon.pipeline.InterventionTarget`. The real intervention classes
+(through :class:`stabmon.interventions.LiveExecutor` with ``simulated=True``) act on it exactly as they act on the
+live monitor: overrides are set on its :class:`~stabmon.overrides.Overrides`, a rollback is answered with the
+checkpoint the run would have gone back to (the last one at a multiple of ``checkpoint_interval`` at least
+``lookback`` steps before the onset) and the batch range it would have skipped, and checkpoint-and-stop marks the
+step at which the run would have stopped. The recorded run keeps going (it is a recording), so replay continues
+after a simulated stop or rollback and reports them.
+
+>>> from stabmon.events import StepRecord
+>>> t = SimulatedTarget(checkpoint_interval=100)
+>>> t.observe(StepRecord(step=950, metrics={"lr": 3e-4}))
+>>> t.hparams()["lr"]
+0.0003
+>>> t.rollback(onset_step=940, lookback=100, skip_batches=200)["checkpoint_step"]
+800
+>>> t.checkpoint_and_stop(reason="diverged")["stopped_at"], t.stopped_at
+(950, 950)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from stabmon.events import Metric, StepRecord
+from stabmon.overrides import Overrides
+
+
+class SimulatedTarget:
+    """An :class:`~stabmon.pipeline.InterventionTarget` for replay; see the module docstring."""
+
+    def __init__(self, *, checkpoint_interval: int = 1, overrides: Overrides | None = None) -> None:
+        if checkpoint_interval < 1:
+            raise ValueError(f"replay.checkpoint_interval must be >= 1, got {checkpoint_interval}")
+        self.overrides = overrides if overrides is not None else Overrides()
+        self.checkpoint_interval = checkpoint_interval
+        self._step = 0
+        self._batch_index: int | None = None
+        self._recorded: dict[str, float] = {}
+        self.rollbacks: list[dict[str, Any]] = []
+        self.stops: list[dict[str, Any]] = []
+        self.stopped_at: int | None = None
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def observe(self, record: StepRecord) -> None:
+        """Advance to ``record`` (called by replay before the record enters the pipeline)."""
+        self._step = record.step
+        self._batch_index = record.batch_index
+        for name in (Metric.LR, Metric.BETA2, Metric.WEIGHT_DECAY, Metric.CLIP):
+            value = record.finite(name)
+            if value is not None:
+                self._recorded[name] = value
+
+    def hparams(self) -> dict[str, float]:
+        """The recorded values, with the simulated overrides applied on top."""
+        out = dict(self._recorded)
+        o = self.overrides
+        if "lr" in out:
+            out["lr"] = out["lr"] * o.lr_scale
+        for key, value in (("beta2", o.beta2), ("weight_decay", o.weight_decay), ("clip", o.max_norm)):
+            if value is not None:
+                out[key] = value
+        out.setdefault("clip", math.inf if o.max_norm is None else o.max_norm)
+        return out
+
+    def rollback(self, *, onset_step: int, lookback: int, skip_batches: int, **_: Any) -> dict[str, Any]:
+        latest = max(0, onset_step - lookback)
+        checkpoint = latest - latest % self.checkpoint_interval
+        start = self._batch_index if self._batch_index is not None else self._step
+        result = {
+            "simulated": True,
+            "checkpoint_step": checkpoint,
+            "restored_step": checkpoint,
+            "skipped_batches": [start, start + skip_batches] if skip_batches else [],
+            "steps_lost": self._step - checkpoint,
+        }
+        self.rollbacks.append({"step": self._step, **result})
+        return result
+
+    def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
+        if self.stopped_at is None:
+            self.stopped_at = self._step
+        result = {"simulated": True, "stopped_at": self._step, "reason": reason}
+        self.stops.append(result)
+        return result
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "overrides": self.overrides.state_dict(),
+            "rollbacks": list(self.rollbacks),
+            "stopped_at": self.stopped_at,
+        }

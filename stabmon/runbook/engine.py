@@ -1,0 +1,382 @@
+"""The runbook engine: a pure state machine from anomalies to decisions and outcomes (no torch, no I/O).
+
+For each StepRecord (with the anomalies the detectors found in it) the engine moves through::
+
+    idle --(a rule's condition holds)--> proposed (propose mode) --(approved / auto-applied)--> observing
+    idle --(a rule's condition holds, apply mode)--------------------------------------------> observing
+    observing --(window over)--> judge --> resolved: idle (cooldown)
+                                       --> next rung: observing again  | revert, then next rung | stop
+
+It never makes a second change while one is being observed, so every outcome is attributable to one change.
+Every decision, outcome and intervention of one episode shares an ``incident_id``. Durations (observation
+windows, cooldown, budget window, approval timeout) count processed records, so a rollback that rewinds the
+step counter does not confuse them. Identifiers are derived from ``id_seed`` and a counter: with the same seed
+and inputs, the engine produces identical events, which is what makes replay reproduce a live run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from stabmon.events import (
+    Anomaly,
+    Decision,
+    DecisionStatus,
+    InterventionRecord,
+    Metric,
+    Outcome,
+    StepRecord,
+    Verdict,
+    new_id,
+)
+from stabmon.runbook.schema import Rule, Runbook
+
+_HISTORY_MARGIN = 256  # loss history kept beyond baseline_steps, to reach back before a persistent onset
+
+
+class Engine:
+    """Turn anomalies into one decision at a time and judge each change after its observation window.
+
+    ``mode`` (``apply`` | ``propose``) overrides the runbook's own; ``id_seed`` makes event ids reproducible.
+
+    >>> from stabmon.runbook import loads_runbook
+    >>> rb = loads_runbook('''
+    ... name: demo
+    ... rules:
+    ...   - name: spike
+    ...     when: {kind: spike}
+    ...     ladder: [{action: set_clip, params: {max_norm: 1.0}, observe: 3}]
+    ... ''')
+    >>> from stabmon.events import Anomaly, Severity, StepRecord
+    >>> eng = Engine(rb, id_seed="doc")
+    >>> a = Anomaly(kind="spike", metric="grad_norm", step=1, score=9.0, severity=Severity.ERROR,
+    ...             detector="z")
+    >>> [(d.action, d.status.value) for d in eng.process(StepRecord(1, {"loss": 2.0}), [a])]
+    [('set_clip', 'apply')]
+    >>> for s in (2, 3): _ = eng.process(StepRecord(s, {"loss": 2.0}), [])
+    >>> [o.verdict.value for o in eng.process(StepRecord(4, {"loss": 2.0}), [])]
+    ['resolved']
+    """
+
+    def __init__(self, runbook: Runbook, *, mode: str | None = None, id_seed: str | None = None) -> None:
+        if mode not in (None, "apply", "propose"):
+            raise ValueError(f"engine.mode must be 'apply' or 'propose', got {mode!r}")
+        self.runbook = runbook
+        self.mode = mode or runbook.mode
+        self._salt = id_seed if id_seed is not None else new_id()
+        self._counter = 0
+        self._tick = 0
+        self._losses: list[tuple[int, float]] = []
+        self._history: dict[str, list[list[int]]] = {}  # rule -> [[tick, step, onset_step], ...]
+        self._cooldown_until = 0
+        self._budget: list[int] = []
+        self._incident: dict[str, Any] | None = None
+        self.stopped = False
+
+    # -- public API --
+    @property
+    def busy(self) -> bool:
+        """True while an incident is open (a proposal waits or a change is being observed)."""
+        return self._incident is not None
+
+    def process(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
+        self._tick += 1
+        self._remember_loss(record)
+        if self.stopped:
+            return []
+        if self._incident is not None:
+            return self._advance(record, anomalies)
+        return self._maybe_open(record, anomalies)
+
+    def answer(self, decision_id: str, approved: bool, step: int) -> list[Decision | Outcome]:
+        inc = self._incident
+        if inc is None or inc["phase"] != "proposed" or inc["decision"]["id"] != decision_id:
+            return []  # stale: already expired, answered, or not ours
+        decision = self._decision_from(inc["decision"])
+        if not approved:
+            self._close()
+            return [dataclasses.replace(decision, status=DecisionStatus.REJECTED, step=step)]
+        approved_decision = dataclasses.replace(decision, status=DecisionStatus.APPROVED, step=step)
+        self._start(approved_decision)
+        return [approved_decision]
+
+    def applied(self, decision: Decision, record: InterventionRecord) -> None:
+        if decision.action == "checkpoint_and_stop" and "error" not in record.after:
+            self.stopped = True
+        inc = self._incident
+        if inc is None or inc["decision"]["id"] != decision.id:
+            return
+        inc["intervention_id"] = record.id
+        if "error" in record.after:
+            inc["error"] = str(record.after["error"])
+
+    # -- idle: does a rule fire? --
+    def _maybe_open(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
+        fresh: dict[str, Anomaly] = {}
+        for a in anomalies:
+            rule = self._rule_for(a)
+            if rule is None:
+                continue
+            onset = a.evidence[0][0] if a.evidence else a.step
+            self._history.setdefault(rule.name, []).append([self._tick, a.step, onset])
+            best = fresh.get(rule.name)
+            if best is None or a.severity > best.severity or (a.severity == best.severity and a.score >
+            best.score):
+                fresh[rule.name] = a
+        for rule in self.runbook.rules:
+            hist = self._history.get(rule.name, [])
+            horizon = self._tick - rule.when.persistence.of
+            self._history[rule.name] = [h for h in hist if h[0] > horizon]
+        if self._tick <= self._cooldown_until:
+            return []
+        for rule in self.runbook.rules:
+            if rule.name in fresh and self._persistent(rule):
+                return self._open(rule, fresh[rule.name], record)
+        return []
+
+    def _rule_for(self, anomaly: Anomaly) -> Rule | None:
+        return next((r for r in self.runbook.rules if r.when.matches(anomaly)), None)
+
+    def _persistent(self, rule: Rule) -> bool:
+        return len({h[0] for h in self._history.get(rule.name, [])}) >= rule.when.persistence.seen
+
+    def _open(self, rule: Rule, anomaly: Anomaly, record: StepRecord) -> list[Decision | Outcome]:
+        hist = self._history.get(rule.name, [])
+        onset = min([h[2] for h in hist] + [anomaly.step])
+        before = [v for s, v in self._losses if s < onset][-self.runbook.baseline_steps:]
+        seen = len({h[0] for h in hist})
+        self._incident = {
+            "id": self._next_id(), "rule": rule.name, "rung": 0, "phase": "idle", "anomaly_id": anomaly.id,
+            "metric": anomaly.metric, "onset_step": onset,
+            "baseline": statistics.median(before) if before else None,
+            "trigger": (f"{anomaly.kind} on {anomaly.metric} at step {anomaly.step} "
+                        f"(score {anomaly.score:.4g}, {anomaly.severity.value}); "
+                        f"seen on {seen} of the last {rule.when.persistence.of} steps"),
+        }
+        return self._issue_rung(record.step)
+
+    # -- an incident is open --
+    def _advance(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
+        inc = self._incident
+        assert inc is not None
+        if inc["phase"] == "proposed":
+            if self._tick - inc["decision_tick"] >= self.runbook.approval.timeout:
+                return self._timeout(record.step)
+            return []
+        rule = self.runbook.rule(inc["rule"])
+        matched = sum(1 for a in anomalies if rule.when.matches(a))
+        signal = record.get(inc["metric"])
+        inc["window"].append([record.step, _num(record.get(Metric.LOSS)), _num(signal), matched])
+        if inc.get("error") is None and len(inc["window"]) < self._rung(inc).observe:
+            return []
+        return self._judge(record.step)
+
+    def _timeout(self, step: int) -> list[Decision | Outcome]:
+        inc = self._incident
+        assert inc is not None
+        decision = self._decision_from(inc["decision"])
+        waited = f"no answer after {self.runbook.approval.timeout} steps"
+        if self.runbook.approval.on_timeout == "expire":
+            self._close()
+            return [dataclasses.replace(decision, status=DecisionStatus.EXPIRED, step=step,
+                                        reason=f"{decision.reason}; expired: {waited}")]
+        auto = dataclasses.replace(decision, status=DecisionStatus.APPROVED, step=step,
+                                   reason=f"{decision.reason}; auto-applied: {waited}")
+        self._start(auto)
+        return [auto]
+
+    def _judge(self, step: int) -> list[Decision | Outcome]:
+        inc = self._incident
+        assert inc is not None
+        rung = self._rung(inc)
+        ok, evidence = self._criteria(inc, rung)
+        rule = self.runbook.rule(inc["rule"])
+        decision_id = inc["decision"]["id"]
+
+        def outcome(verdict: Verdict) -> Outcome:
+            return Outcome(intervention_id=inc.get("intervention_id"), decision_id=decision_id, step=step,
+                           verdict=verdict, evidence=evidence, incident_id=inc["id"], id=self._next_id())
+
+        if ok:
+            self._close()
+            return [outcome(Verdict.RESOLVED)]
+        has_next = inc["rung"] + 1 < len(rule.ladder)
+        if rung.on_failure == "stop":
+            out: list[Decision | Outcome] = [outcome(Verdict.STOPPED)]
+            return out + self._issue_stop(step)
+        if rung.on_failure == "revert":
+            out = [outcome(Verdict.REVERTED)]
+            if inc.get("error") is None:
+                out.append(self._revert_decision(step))
+        else:
+            out = [outcome(Verdict.ESCALATED if has_next else Verdict.EXHAUSTED)]
+        if has_next:
+            inc["rung"] += 1
+            return out + self._issue_rung(step)
+        if rung.on_failure == "revert":
+            out.append(outcome(Verdict.EXHAUSTED))
+        self._close()
+        return out
+
+    def _criteria(self, inc: dict[str, Any], rung: Any) -> tuple[bool, dict[str, Any]]:
+        window = inc["window"]
+        k = rung.success.quiet_steps or rung.observe
+        tail = window[-k:]
+        matched = sum(w[3] for w in tail)
+        ev: dict[str, Any] = {"observed_steps": len(window), "judged_steps": len(tail),
+                              "matching_anomalies": matched, "metric": inc["metric"]}
+        ok = matched == 0 and len(window) >= rung.observe
+        if inc.get("error") is not None:
+            ev["error"] = inc["error"]
+            ok = False
+        if rung.success.loss_within is not None:
+            losses = [w[1] for w in tail]
+            finite = [v for v in losses if v is not None and math.isfinite(v)]
+            now = statistics.median(finite) if finite else None
+            ev.update(loss_baseline=inc["baseline"], loss_now=now, loss_within=rung.success.loss_within)
+            if now is None or len(finite) < len([v for v in losses if v is not None]):
+                ok = False
+                ev["loss_nonfinite"] = True
+            elif inc["baseline"] is not None:
+                ev["loss_ratio"] = now / inc["baseline"] if inc["baseline"] else None
+                ok = ok and now <= inc["baseline"] * (1 + rung.success.loss_within)
+        if rung.success.signal_below is not None:
+            values = [w[2] for w in tail if w[2] is not None]
+            peak = max(values, key=lambda v: math.inf if math.isnan(v) else v) if values else None
+            ev.update(signal_max=peak, signal_below=rung.success.signal_below)
+            ok = ok and peak is not None and not math.isnan(peak) and peak < rung.success.signal_below
+        return ok, ev
+
+    # -- issuing decisions --
+    def _issue_rung(self, step: int) -> list[Decision | Outcome]:
+        inc = self._incident
+        assert inc is not None
+        rule = self.runbook.rule(inc["rule"])
+        rung = self._rung(inc)
+        if rung.action != "alert_only" and self._budget_left() <= 0:
+            b = self.runbook.budget
+            reason = (f"{inc['trigger']}; budget exhausted ({b.max_interventions} interventions per "
+                      f"{b.per_steps} steps): rung {inc['rung'] + 1} ({rung.action}) not attempted")
+            alert = self._decision("alert_only", {"message": reason}, DecisionStatus.APPLY, step, reason)
+            self._close()
+            return [alert]
+        params = rung.params.model_dump(exclude_none=True)
+        if rung.action == "rollback":
+            params["onset_step"] = inc["onset_step"]
+        reason = f"{inc['trigger']}; rung {inc['rung'] + 1}/{len(rule.ladder)} of rule {rule.name}"
+        return [self._propose_or_apply(rung.action, params, step, reason)]
+
+    def _issue_stop(self, step: int) -> list[Decision | Outcome]:
+        inc = self._incident
+        assert inc is not None
+        reason = f"{inc['trigger']}; rung {inc['rung'] + 1} failed and its runbook says stop"
+        inc["stop"] = True
+        return [self._propose_or_apply("checkpoint_and_stop", {"reason": reason}, step, reason)]
+
+    def _propose_or_apply(self, action: str, params: dict[str, Any], step: int, reason: str) -> Decision:
+        inc = self._incident
+        assert inc is not None
+        status = DecisionStatus.PROPOSED if self.mode == "propose" else DecisionStatus.APPLY
+        decision = self._decision(action, params, status, step, reason)
+        if status == DecisionStatus.PROPOSED:
+            inc.update(phase="proposed", decision=_plain(decision), decision_tick=self._tick)
+        else:
+            self._start(decision)
+        return decision
+
+    def _revert_decision(self, step: int) -> Decision:
+        inc = self._incident
+        assert inc is not None
+        prev = inc["decision"]
+        params = {"intervention_id": inc.get("intervention_id"), "decision_id": prev["id"]}
+        reason = f"rung {inc['rung'] + 1} ({prev['action']}) did not resolve the incident: revert it"
+        return self._decision("revert", params, DecisionStatus.APPLY, step, reason)
+
+    def _start(self, decision: Decision) -> None:
+        """The decision is being applied now: observe it (or, for a stop, end the incident)."""
+        inc = self._incident
+        assert inc is not None
+        if decision.action == "checkpoint_and_stop" and inc.get("stop"):
+            self._close()
+            return
+        if decision.action != "alert_only":
+            self._budget.append(self._tick)
+        inc.update(phase="observing", decision=_plain(decision), window=[], intervention_id=None, error=None)
+
+    def _decision(self, action: str, params: dict[str, Any], status: DecisionStatus, step: int,
+                  reason: str) -> Decision:
+        inc = self._incident
+        assert inc is not None
+        return Decision(step=step, action=action, params=params, status=status, runbook=self.runbook.name,
+                        rule=inc["rule"], rung=inc["rung"], reason=reason, anomaly_id=inc["anomaly_id"],
+                        incident_id=inc["id"], id=self._next_id())
+
+    # -- bookkeeping --
+    def _rung(self, inc: dict[str, Any]) -> Any:
+        return self.runbook.rule(inc["rule"]).ladder[inc["rung"]]
+
+    def _budget_left(self) -> int:
+        b = self.runbook.budget
+        self._budget = [t for t in self._budget if t > self._tick - b.per_steps]
+        return b.max_interventions - len(self._budget)
+
+    def _close(self) -> None:
+        self._incident = None
+        self._history = {}
+        self._cooldown_until = self._tick + self.runbook.cooldown
+
+    def _remember_loss(self, record: StepRecord) -> None:
+        loss = record.finite(Metric.LOSS)
+        if loss is None:
+            return
+        self._losses.append((record.step, loss))
+        extra = len(self._losses) - (self.runbook.baseline_steps + _HISTORY_MARGIN)
+        if extra > 0:
+            del self._losses[:extra]
+
+    def _next_id(self) -> str:
+        self._counter += 1
+        return hashlib.sha1(f"{self._salt}:{self._counter}".encode()).hexdigest()[:12]
+
+    @staticmethod
+    def _decision_from(d: dict[str, Any]) -> Decision:
+        return Decision(**{**d, "status": DecisionStatus(d["status"]), "params": dict(d["params"])})
+
+    # -- state --
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python values only (safe for ``torch.load(weights_only=True)`` and JSON)."""
+        import copy
+
+        return {
+            "version": 1, "runbook": self.runbook.name, "salt": self._salt, "counter": self._counter,
+            "tick": self._tick, "losses": [list(x) for x in self._losses],
+            "history": copy.deepcopy(self._history), "cooldown_until": self._cooldown_until,
+            "budget": list(self._budget), "incident": copy.deepcopy(self._incident), "stopped": self.stopped,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import copy
+
+        if state.get("runbook") != self.runbook.name:
+            raise ValueError(f"engine.state.runbook is {state.get('runbook')!r}, not {self.runbook.name!r}")
+        self._salt, self._counter, self._tick = state["salt"], state["counter"], state["tick"]
+        self._losses = [(int(s), float(v)) for s, v in state["losses"]]
+        self._history = copy.deepcopy(state["history"])
+        self._cooldown_until, self._budget = state["cooldown_until"], list(state["budget"])
+        self._incident, self.stopped = copy.deepcopy(state["incident"]), bool(state["stopped"])
+
+
+def _num(value: float | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def _plain(decision: Decision) -> dict[str, Any]:
+    d = {f.name: getattr(decision, f.name) for f in dataclasses.fields(decision)}
+    d["status"] = decision.status.value
+    d["params"] = dict(decision.params)
+    return d

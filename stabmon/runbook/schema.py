@@ -1,0 +1,186 @@
+"""The runbook schema: pydantic models of a runbook YAML file, unknown fields forbidden.
+
+A runbook maps anomalies to ladders of interventions::
+
+    name: example
+    mode: apply                # apply | propose
+    cooldown: 100              # steps after an incident closes before a new one may open
+    budget: {max_interventions: 6, per_steps: 2000}
+    approval: {timeout: 200, on_timeout: expire}   # propose mode: expire | auto_apply
+    rules:
+      - name: grad_spike
+        when: {kind: spike, metric: "grad_norm*", severity: warning, persistence: {seen: 2, of: 10}}
+        ladder:
+          - action: set_clip
+            params: {max_norm: 1.5}
+            observe: 100
+            success: {quiet_steps: 50, loss_within: 0.1}
+            on_failure: next       # next | revert | stop
+
+Each rung's ``params`` are validated by the intervention's own parameter model (see
+:mod:`stabmon.interventions`), so an unknown action or a wrong parameter type fails at load time. Load
+files with :func:`stabmon.runbook.load_runbook`, which reports errors as ``FILE:LINE: field.path: message``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from stabmon.events import Anomaly, Severity
+from stabmon.interventions import INTERVENTIONS, Intervention
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Persistence(_Strict):
+    """The condition holds when matching anomalies were seen on at least ``seen`` of the last ``of`` steps."""
+
+    seen: int = Field(default=1, ge=1)
+    of: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _seen_le_of(self) -> Persistence:
+        if self.seen > self.of:
+            raise ValueError(f"seen ({self.seen}) must be <= of ({self.of})")
+        return self
+
+
+class Condition(_Strict):
+    """Which anomalies a rule answers: ``kind`` and ``metric`` are shell-style globs (``kind`` may be a list),
+    ``severity`` the least severity, ``persistence`` how often they must recur before the rule acts."""
+
+    kind: str | list[str] = "*"
+    metric: str = "*"
+    severity: Severity = Severity.WARNING
+    persistence: Persistence = Persistence()
+
+    def matches(self, anomaly: Anomaly) -> bool:
+        kinds = [self.kind] if isinstance(self.kind, str) else self.kind
+        return (
+            any(fnmatch.fnmatchcase(anomaly.kind, k) for k in kinds)
+            and fnmatch.fnmatchcase(anomaly.metric, self.metric)
+            and Severity(anomaly.severity) >= self.severity
+        )
+
+
+class Success(_Strict):
+    """How a rung is judged at the end of its observation window. All given criteria must hold.
+
+    ``quiet_steps``: no anomaly matching the rule (kind, metric, severity) in the window's last K steps
+    (default: the whole window). ``loss_within``: the median loss of those steps is at most ``(1 + x)``
+    times the median loss before the incident's onset. ``signal_below``: the triggering metric stayed below
+    this value in those steps.
+    """
+
+    quiet_steps: int | None = Field(default=None, ge=1)
+    loss_within: float | None = Field(default=None, ge=0)
+    signal_below: float | None = None
+
+
+class _RungBase(_Strict):
+    observe: int = Field(default=50, ge=1)
+    """Steps to observe after the change before judging it."""
+    success: Success = Success()
+    on_failure: Literal["next", "revert", "stop"] = "next"
+    """next: keep the change and go to the next rung; revert: undo it, then the next rung; stop: checkpoint
+    and stop the run."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> _RungBase:
+        cls = INTERVENTIONS[self.action]  # type: ignore[attr-defined]
+        if self.on_failure == "revert" and not cls.revertible:
+            raise ValueError(f"on_failure: revert is impossible, {cls.name} cannot be reverted")
+        if self.success.quiet_steps is not None and self.success.quiet_steps > self.observe:
+            raise ValueError(f"success.quiet_steps ({self.success.quiet_steps}) exceeds observe "
+                             f"({self.observe})")
+        return self
+
+
+def _rung_model(cls: type[Intervention]) -> type[_RungBase]:
+    try:
+        cls.Params()
+        params: Any = (cls.Params, Field(default_factory=cls.Params))
+    except ValueError:
+        params = (cls.Params, ...)
+    name = f"{cls.__name__}Rung"
+    model = create_model(  # type: ignore[call-overload]
+        name, __base__=_RungBase, __module__=__name__, action=(Literal[cls.name], ...), params=params
+    )
+    globals()[name] = model  # importable by name, so runbooks pickle
+    return model  # type: ignore[no-any-return]
+
+
+def rung_type() -> Any:
+    """The discriminated union of one rung model per registered intervention (tagged by ``action``)."""
+    models = tuple(_rung_model(cls) for cls in INTERVENTIONS.values())
+    return Annotated[Union[models], Field(discriminator="action")]  # noqa: UP007 - built from the registry
+
+
+Rung = rung_type()
+
+
+class Rule(_Strict):
+    """One anomaly condition and the ladder of rungs tried, in order, while it persists."""
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    when: Condition = Condition()
+    ladder: list[Rung] = Field(min_length=1)  # type: ignore[valid-type]
+
+
+class Budget(_Strict):
+    """At most ``max_interventions`` changes (reverts and alerts not counted) per ``per_steps`` steps."""
+
+    max_interventions: int = Field(default=8, ge=1)
+    per_steps: int = Field(default=1000, ge=1)
+
+
+class Approval(_Strict):
+    """Propose mode: a proposal unanswered after ``timeout`` steps expires or is applied (``on_timeout``)."""
+
+    timeout: int = Field(default=500, ge=1)
+    on_timeout: Literal["expire", "auto_apply"] = "expire"
+
+
+class Runbook(_Strict):
+    """A validated runbook.
+
+    >>> rb = Runbook.model_validate({"name": "t", "rules": [{"name": "r", "when": {"kind": "spike"},
+    ...     "ladder": [{"action": "set_clip", "params": {"max_norm": 1.0}, "observe": 10}]}]})
+    >>> rb.mode, rb.rules[0].ladder[0].params.max_norm
+    ('apply', 1.0)
+    """
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    mode: Literal["propose", "apply"] = "apply"
+    cooldown: int = Field(default=100, ge=0)
+    """Steps after an incident closes during which no new incident opens."""
+    budget: Budget = Budget()
+    approval: Approval = Approval()
+    baseline_steps: int = Field(default=50, ge=1)
+    """How many steps before an incident's onset form the loss baseline that success is judged against."""
+    include: str | None = None
+    """An override file (for example written by ``stabmon tune``) merged over this runbook."""
+    detectors: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Detector settings, passed through to the detector suite (``stabmon tune`` writes these)."""
+    rules: list[Rule] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_rules(self) -> Runbook:
+        names = [r.name for r in self.rules]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"rule names must be unique, repeated: {', '.join(dup)}")
+        return self
+
+    def rule(self, name: str) -> Rule:
+        for r in self.rules:
+            if r.name == name:
+                return r
+        raise KeyError(name)

@@ -1,0 +1,121 @@
+"""The causal chain of each incident, built from a run's recorded events (pure: events in, plain dicts out).
+
+For every incident: the evidence window the detector judged -> the anomaly -> each decision (runbook, rule,
+rung, reason, every status it went through) -> the intervention it caused (values before / after) -> the
+outcome that judged it (verdict and the metrics that decided). ``stabmon trace RUN`` prints this.
+
+>>> from stabmon.events import Anomaly, Decision, DecisionStatus, Severity
+>>> a = Anomaly(kind="spike", metric="loss", step=5, score=8.0, severity=Severity.ERROR, detector="z",
+...             evidence=((4, 2.0), (5, 9.0)), id="a1")
+>>> d = Decision(step=5, action="set_clip", params={"max_norm": 1.0}, status=DecisionStatus.APPLY,
+...              runbook="rb", rule="spikes", rung=0, reason="r", anomaly_id="a1", incident_id="i1", id="d1")
+>>> (inc,) = build_trace([a, d])["incidents"]
+>>> inc["anomaly"]["evidence"], inc["steps"][0]["decision"]["action"]
+([[4, 2.0], [5, 9.0]], 'set_clip')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from stabmon.events import Anomaly, Decision, InterventionRecord, Outcome, to_dict
+
+
+def build_trace(events: Iterable[Any]) -> dict[str, Any]:
+    """``{"incidents": [...], "unhandled_anomalies": n}`` from a run's events in causal order."""
+    events = list(events)
+    anomalies = {e.id: e for e in events if isinstance(e, Anomaly)}
+    records: dict[str, list[InterventionRecord]] = {}
+    for e in events:
+        if isinstance(e, InterventionRecord):
+            records.setdefault(e.decision_id, []).append(e)
+    outcomes = {e.decision_id: e for e in events if isinstance(e, Outcome)}
+    incidents: dict[str, dict[str, Any]] = {}
+    steps: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if not isinstance(e, Decision):
+            continue
+        key = e.incident_id or e.id
+        inc = incidents.get(key)
+        if inc is None:
+            anomaly = anomalies.get(e.anomaly_id or "")
+            inc = incidents[key] = {
+                "incident": key, "runbook": e.runbook, "rule": e.rule,
+                "anomaly": _anomaly(anomaly) if anomaly else None, "steps": [],
+            }
+        if e.id in steps:  # a later status of the same decision (approved, expired, ...)
+            steps[e.id]["decision"].update(status=e.status.value, step=e.step, reason=e.reason)
+            steps[e.id]["statuses"].append([e.status.value, e.step])
+            continue
+        entry = steps[e.id] = {
+            "decision": _plain(e, ("id", "step", "action", "params", "status", "rung", "reason")),
+            "statuses": [[e.status.value, e.step]],
+            "intervention": None, "outcome": None,
+        }
+        recs = records.get(e.id, [])
+        if recs:
+            entry["intervention"] = _plain(recs[-1], ("id", "step", "action", "before", "after", "reverted",
+                                                      "simulated"))
+        out = outcomes.get(e.id)
+        if out is not None:
+            entry["outcome"] = _plain(out, ("id", "step", "verdict", "evidence", "intervention_id"))
+        inc["steps"].append(entry)
+    handled = {i["anomaly"]["id"] for i in incidents.values() if i["anomaly"]}
+    return {"incidents": list(incidents.values()),
+            "unhandled_anomalies": sum(1 for a in anomalies if a not in handled)}
+
+
+def format_trace(trace: dict[str, Any]) -> list[str]:
+    """Human-readable lines of a trace."""
+    lines: list[str] = []
+    for inc in trace["incidents"]:
+        lines.append(f"incident {inc['incident']}  rule {inc['rule']}  runbook {inc['runbook']}")
+        a = inc["anomaly"]
+        if a:
+            ev = a["evidence"]
+            if ev:
+                shown = ", ".join(f"{v:.4g}" for _, v in ev[-8:])
+                lines.append(f"  evidence     {a['metric']} steps {ev[0][0]}-{ev[-1][0]}: {shown}")
+            thr = f" >= {a['threshold']:.4g}" if a.get("threshold") is not None else ""
+            lines.append(f"  anomaly      {a['kind']} on {a['metric']} at step {a['step']} "
+                         f"(score {a['score']:.4g}{thr}, {a['severity']}, {a['detector']})")
+        for s in inc["steps"]:
+            d = s["decision"]
+            params = ", ".join(f"{k}={v}" for k, v in d["params"].items())
+            history = " -> ".join(f"{st}@{step}" for st, step in s["statuses"])
+            lines.append(f"  decision     rung {d['rung'] + 1}: {d['action']}({params}) [{history}]")
+            lines.append(f"               {d['reason']}")
+            iv = s["intervention"]
+            if iv:
+                label = "revert" if iv["reverted"] else "intervention"
+                lines.append(f"  {label:<13}step {iv['step']}: {_changes(iv)}")
+            o = s["outcome"]
+            if o:
+                ev = ", ".join(f"{k}={_short(v)}" for k, v in o["evidence"].items())
+                lines.append(f"  outcome      {o['verdict']} at step {o['step']}: {ev}")
+    lines.append(f"{len(trace['incidents'])} incident(s); {trace['unhandled_anomalies']} anomaly(ies) "
+                 "without an incident")
+    return lines
+
+
+def _changes(iv: dict[str, Any]) -> str:
+    if "error" in iv["after"]:
+        return f"FAILED: {iv['after']['error']}"
+    keys = list(dict.fromkeys([*iv["before"], *iv["after"]]))
+    parts = [f"{k} {_short(iv['before'].get(k))} -> {_short(iv['after'].get(k))}" for k in keys]
+    return "; ".join(parts) or "no change"
+
+
+def _short(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _anomaly(a: Anomaly) -> dict[str, Any]:
+    return _plain(a, ("id", "kind", "metric", "step", "score", "severity", "detector", "threshold", "message",
+                      "evidence"))
+
+
+def _plain(event: Any, fields: Sequence[str]) -> dict[str, Any]:
+    d = to_dict(event)
+    return {f: d[f] for f in fields}

@@ -1,0 +1,190 @@
+"""A batch of queued writes, its JSON form for the spool, and the idempotent SQL that writes it.
+
+Every insert is "insert or ignore" on a natural key (run id + seq, event id, ...), so writing a batch twice (a
+spool replayed after a commit whose acknowledgement was lost) leaves exactly one copy. Decisions are upserted so
+that a later status of the same decision (proposed -> approved -> applied) wins. Per-step metrics go through the
+raw DBAPI cursor: ``executemany`` on SQLite, ``COPY`` into a temporary table then ``INSERT ... ON CONFLICT DO
+NOTHING`` on PostgreSQL.
+
+>>> b = Batch(hi=3); b.steps.append(("r", 1, 0, None, None, {"loss": float("nan")}))
+>>> Batch.from_json(b.to_json()).steps[0][5]["loss"]
+nan
+>>> b.rows()
+2
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from stabmon.store.models import Base, MetricName
+
+# (run_id, seq, step, batch_index, time, {metric: value})
+StepTuple = tuple[str, int, int, int | None, float | None, dict[str, float]]
+
+_TIME_FIELDS = ("started_at", "ended_at", "created_at")
+
+
+def to_datetime(t: float | None) -> datetime | None:
+    return None if t is None else datetime.fromtimestamp(t, tz=timezone.utc)
+
+
+@dataclass
+class Batch:
+    """Writes taken from the queue together. ``hi`` is the highest queue ticket they cover."""
+
+    hi: int
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[StepTuple] = field(default_factory=list)
+    events: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[tuple[str, int, int]] = field(default_factory=list)
+    run_updates: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def rows(self) -> int:
+        """Rows this batch writes (one per step plus one per metric value, and one per other row)."""
+        n = sum(1 + len(s[5]) for s in self.steps)
+        n += sum(len(v) for v in self.events.values())
+        return n + len(self.runs) + len(self.checkpoints) + len(self.skipped) + len(self.run_updates)
+
+    def split(self) -> list[Batch]:
+        """One batch per step record / event / other group, in write order (to isolate a row the database
+        refuses)."""
+        parts = [Batch(self.hi, runs=self.runs)] if self.runs else []
+        parts += [Batch(self.hi, steps=[s]) for s in self.steps]
+        parts += [Batch(self.hi, events={t: [r]}) for t, rows in self.events.items() for r in rows]
+        if self.checkpoints or self.skipped or self.run_updates:
+            parts.append(
+                Batch(
+                    self.hi, checkpoints=self.checkpoints, skipped=self.skipped, run_updates=self.run_updates
+                )
+            )
+        return parts
+
+    def to_json(self) -> str:
+        # NaN/inf in metrics are written as JSON's NaN/Infinity tokens, which Python's json reads back.
+        return json.dumps(
+            {
+                "hi": self.hi,
+                "runs": self.runs,
+                "steps": self.steps,
+                "events": self.events,
+                "checkpoints": self.checkpoints,
+                "skipped": self.skipped,
+                "run_updates": self.run_updates,
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Batch:
+        d = json.loads(text)
+        return cls(
+            hi=d["hi"],
+            runs=d["runs"],
+            steps=[tuple(s) for s in d["steps"]],
+            events=d["events"],  # type: ignore[misc]
+            checkpoints=d["checkpoints"],
+            skipped=[tuple(s) for s in d["skipped"]],  # type: ignore[misc]
+            run_updates=[tuple(u) for u in d["run_updates"]],  # type: ignore[misc]
+        )
+
+
+class NameCache(dict[str, int]):
+    """metric name -> id, filled from the database on first use of a name (inside the writer's transaction).
+
+    Cleared when a transaction fails, since ids inserted by it were rolled back.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conn: sa.Connection | None = None
+
+    def __missing__(self, name: str) -> int:
+        assert self.conn is not None, "NameCache used outside a write"
+        table = MetricName.__table__
+        self.conn.execute(_insert_ignore(self.conn, table).values(name=name))
+        mid = self.conn.execute(sa.select(table.c.id).where(table.c.name == name)).scalar_one()
+        self[name] = mid
+        return mid
+
+
+def _insert_ignore(conn: sa.Connection, table: Any, upsert: tuple[str, ...] = ()) -> Any:
+    mod = postgresql if conn.dialect.name == "postgresql" else sqlite
+    stmt = mod.insert(table)
+    if upsert:
+        return stmt.on_conflict_do_update(
+            index_elements=["id"], set_={c: getattr(stmt.excluded, c) for c in upsert}
+        )
+    return stmt.on_conflict_do_nothing()
+
+
+def _timed(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: (to_datetime(v) if k in _TIME_FIELDS else v) for k, v in row.items()}
+
+
+def write_batch(conn: sa.Connection, batch: Batch, names: NameCache) -> None:
+    """Write ``batch`` inside the caller's transaction. Idempotent."""
+    tables = Base.metadata.tables
+    if batch.runs:
+        conn.execute(_insert_ignore(conn, tables["runs"]), [_timed(r) for r in batch.runs])
+    if batch.steps:
+        _write_steps(conn, batch.steps, names)
+    for table, rows in batch.events.items():
+        upsert = ("status", "params", "reason") if table == "decisions" else ()
+        rows = list({r["id"]: r for r in rows}.values()) if upsert else rows  # one row per id per statement
+        conn.execute(_insert_ignore(conn, tables[table], upsert), rows)
+    if batch.checkpoints:
+        conn.execute(_insert_ignore(conn, tables["checkpoints"]), [_timed(r) for r in batch.checkpoints])
+    if batch.skipped:
+        rows = [{"run_id": r, "step": s, "batch_index": b} for r, s, b in batch.skipped]
+        conn.execute(_insert_ignore(conn, tables["skipped_batches"]), rows)
+    runs = tables["runs"]
+    for run_id, values in batch.run_updates:
+        conn.execute(sa.update(runs).where(runs.c.id == run_id).values(**_timed(values)))
+
+
+def _write_steps(conn: sa.Connection, steps: list[StepTuple], names: NameCache) -> None:
+    step_rows = [(r, q, s, b, t) for r, q, s, b, t, _ in steps]
+    metric_rows = [
+        (r, names[n], q, s, None if v != v else float(v))
+        for r, q, s, _b, _t, m in steps
+        for n, v in m.items()
+    ]
+    if conn.dialect.name == "postgresql":
+        _copy_ignore(conn, "steps", "run_id, seq, step, batch_index, time", step_rows)
+        _copy_ignore(conn, "step_metrics", "run_id, metric_id, seq, step, value", metric_rows)
+        return
+    ph = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+    conn.exec_driver_sql(
+        f"INSERT INTO steps (run_id, seq, step, batch_index, time) VALUES ({ph}, {ph}, {ph}, {ph}, {ph}) "
+        "ON CONFLICT DO NOTHING",
+        step_rows,  # type: ignore[arg-type]
+    )
+    if metric_rows:
+        conn.exec_driver_sql(
+            f"INSERT INTO step_metrics (run_id, metric_id, seq, step, value) VALUES ({ph}, {ph}, {ph}, {ph}, {ph}) "
+            "ON CONFLICT DO NOTHING",
+            metric_rows,  # type: ignore[arg-type]
+        )
+
+
+def _copy_ignore(conn: sa.Connection, table: str, columns: str, rows: list[tuple[Any, ...]]) -> None:
+    """PostgreSQL: COPY into a session temp table, then insert what is not there yet."""
+    if not rows:
+        return
+    raw: Any = conn.connection.driver_connection
+    tmp = f"_stabmon_{table}"
+    with raw.cursor() as cur:
+        cur.execute(f"CREATE TEMP TABLE IF NOT EXISTS {tmp} (LIKE {table}) ON COMMIT DELETE ROWS")
+        with cur.copy(f"COPY {tmp} ({columns}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
+        cur.execute(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {tmp} ON CONFLICT DO NOTHING")
+        cur.execute(f"TRUNCATE {tmp}")

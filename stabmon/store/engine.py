@@ -1,0 +1,133 @@
+"""Engines, schema upgrades and schema checks.
+
+The schema is created only by Alembic. :func:`upgrade` runs ``alembic upgrade head`` programmatically from the
+migrations shipped with the package (:func:`stabmon.resources.migrations_dir`), so it works from a wheel.
+SQLite connections run in WAL mode with a busy timeout, so the CLI can read while a run writes.
+
+>>> import tempfile, os
+>>> url = "sqlite:///" + os.path.join(tempfile.mkdtemp(), "s.db")
+>>> upgrade(url); schema_revision(url) == head_revision()
+True
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.pool import NullPool
+
+from stabmon.resources import migrations_dir
+
+
+class StoreError(ValueError):
+    """A user-facing store problem (bad URL, schema not upgraded, unknown run or decision); one clear line."""
+
+
+class SchemaNotReadyError(StoreError):
+    pass
+
+
+def safe_url(url: str | URL) -> str:
+    """The URL with any password hidden, for messages and logs."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - unparseable URL: show it as given
+        return str(url)
+
+
+def sqlite_path(url: str | URL) -> Path | None:
+    """The file behind a SQLite URL, or None for other databases and in-memory SQLite."""
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite" or not u.database or u.database == ":memory:":
+        return None
+    return Path(u.database)
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.close()
+
+
+def make_engine(url: str | URL, *, pooled: bool = True) -> Engine:
+    """An engine for ``url``; raises ``ValueError`` ("store: cannot open ...") when it cannot connect.
+
+    ``pooled=False`` opens a fresh connection per use (the background writer uses it for SQLite so that a file
+    that went away is noticed instead of written through a stale handle).
+    """
+    try:
+        u = make_url(url)
+        kwargs: dict[str, Any] = {}
+        if not pooled:
+            kwargs["poolclass"] = NullPool
+        elif u.get_backend_name() != "sqlite":
+            kwargs["pool_pre_ping"] = True
+        engine = sa.create_engine(u, **kwargs)
+        if u.get_backend_name() == "sqlite":
+            sa.event.listen(engine, "connect", _sqlite_pragmas)
+        with engine.connect() as conn:
+            conn.execute(sa.text("select 1"))
+    except Exception as exc:  # noqa: BLE001 - any failure to open is the user's URL problem
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StoreError(f"store: cannot open {safe_url(url)!r}: {reason}") from exc
+    return engine
+
+
+def alembic_config(url: str | URL | None = None, connection: sa.Connection | None = None) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    cfg.attributes["url"] = url
+    cfg.attributes["connection"] = connection
+    return cfg
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None, "migrations have no head revision"
+    return head
+
+
+def upgrade(url: str | URL, revision: str = "head") -> None:
+    """Bring the database at ``url`` to ``revision`` (default: the newest schema). Idempotent."""
+    from alembic import command
+
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            command.upgrade(alembic_config(connection=conn), revision)
+    finally:
+        engine.dispose()
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def schema_revision(url: str | URL) -> str | None:
+    """The Alembic revision the database at ``url`` is at (None when never upgraded)."""
+    engine = make_engine(url)
+    try:
+        return current_revision(engine)
+    finally:
+        engine.dispose()
+
+
+def require_schema(engine: Engine) -> None:
+    """Raise :class:`SchemaNotReadyError` unless the database is at the newest schema."""
+    rev, head = current_revision(engine), head_revision()
+    if rev != head:
+        state = "has no stabmon schema" if rev is None else f"is at schema {rev}, not {head}"
+        url = safe_url(engine.url)
+        raise SchemaNotReadyError(f"store: database {url!r} {state}; run `stabmon db upgrade --db {url}`")

@@ -1,0 +1,383 @@
+"""Keyword-only repository functions over a SQLAlchemy session: runs, metrics, events, answers, alerts.
+
+Readers (CLI, replay, report, trace) call these with a session from :meth:`stabmon.store.Store.session` or their
+own ``Session(engine)``; writers on the training path go through :class:`~stabmon.store.Store` instead.
+
+>>> from sqlalchemy import create_engine
+>>> from sqlalchemy.orm import Session
+>>> from stabmon.store.models import Base
+>>> engine = create_engine("sqlite://"); Base.metadata.create_all(engine)
+>>> with Session(engine) as s:
+...     rid = add_run(session=s, name="demo", environment={})
+...     resolve_run(session=s, ref="demo").id == rid, resolve_run(session=s, ref="latest").name
+(True, 'demo')
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import polars as pl
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from stabmon.events import Decision, DecisionStatus, StepRecord, new_id
+from stabmon.store.codec import decode, encode, event_from_row
+from stabmon.store.engine import StoreError
+from stabmon.store.models import (
+    AlertRow,
+    AnomalyRow,
+    CheckpointRow,
+    DecisionRow,
+    InterventionRow,
+    MetricName,
+    OutcomeRow,
+    Run,
+    SkippedBatch,
+    Step,
+    StepMetric,
+)
+
+RUN_KINDS = frozenset({"live", "replay", "import"})
+_EVENT_MODELS = {
+    "anomalies": AnomalyRow,
+    "decisions": DecisionRow,
+    "interventions": InterventionRow,
+    "outcomes": OutcomeRow,
+}
+
+
+class RunNotFoundError(StoreError):
+    pass
+
+
+class AnswerError(StoreError):
+    pass
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _utc(dt: datetime | None) -> datetime | None:
+    if dt is None:
+        return None
+    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+
+
+# -- runs -------------------------------------------------------------------------------------------------------
+def add_run(
+    *,
+    session: Session,
+    name: str,
+    kind: str = "live",
+    config: Mapping[str, Any] | None = None,
+    environment: Mapping[str, Any] | None = None,
+    parent_run_id: str | None = None,
+    source: str | None = None,
+    run_id: str | None = None,
+    status: str = "running",
+) -> str:
+    """Insert a run directly (importers and replay use this; live runs go through ``Store.start_run``)."""
+    if kind not in RUN_KINDS:
+        raise ValueError(f"run.kind must be one of {sorted(RUN_KINDS)}, got {kind!r}")
+    run = Run(
+        id=run_id or new_id(),
+        name=name,
+        kind=kind,
+        status=status,
+        started_at=_now(),
+        config=encode(dict(config or {})),
+        environment=encode(dict(environment or {})),
+        parent_run_id=parent_run_id,
+        source=source,
+    )
+    session.add(run)
+    session.flush()
+    return run.id
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    id: str
+    name: str
+    kind: str
+    status: str
+    started_at: datetime
+    ended_at: datetime | None
+    steps: int
+    last_step: int | None
+    anomalies: int
+    parent_run_id: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["started_at"] = self.started_at.isoformat()
+        d["ended_at"] = self.ended_at.isoformat() if self.ended_at else None
+        return d
+
+
+def list_runs(*, session: Session, limit: int | None = None) -> list[RunSummary]:
+    """Runs, newest first, with their recorded step count, last step and anomaly count."""
+    steps = (
+        sa.select(Step.run_id, sa.func.count().label("n"), sa.func.max(Step.step).label("last"))
+        .group_by(Step.run_id)
+        .subquery()
+    )
+    anomalies = (
+        sa.select(AnomalyRow.run_id, sa.func.count().label("n")).group_by(AnomalyRow.run_id).subquery()
+    )
+    q = (
+        sa.select(Run, steps.c.n, steps.c.last, anomalies.c.n)
+        .outerjoin(steps, steps.c.run_id == Run.id)
+        .outerjoin(anomalies, anomalies.c.run_id == Run.id)
+        .order_by(Run.started_at.desc(), Run.id)
+        .limit(limit)
+    )
+    return [
+        RunSummary(
+            r.id,
+            r.name,
+            r.kind,
+            r.status,
+            _utc(r.started_at),
+            _utc(r.ended_at),
+            n or 0,  # type: ignore[arg-type]
+            last,
+            na or 0,
+            r.parent_run_id,
+        )
+        for r, n, last, na in session.execute(q)
+    ]
+
+
+def get_run(*, session: Session, run_id: str) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise RunNotFoundError(f"no run with id {run_id!r}")
+    return run
+
+
+def resolve_run(*, session: Session, ref: str) -> Run:
+    """The run named by ``ref``: an id, a unique id prefix, a unique name, or ``latest``."""
+    if ref == "latest":
+        run = session.scalars(sa.select(Run).order_by(Run.started_at.desc()).limit(1)).first()
+        if run is None:
+            raise RunNotFoundError("no runs recorded yet")
+        return run
+    run = session.get(Run, ref)
+    if run is not None:
+        return run
+    for where, what in (
+        (Run.name == ref, "named"),
+        (Run.id.startswith(ref, autoescape=True), "with id prefix"),
+    ):
+        if what == "with id prefix" and len(ref) < 4:
+            continue
+        found = list(session.scalars(sa.select(Run).where(where).order_by(Run.started_at.desc()).limit(11)))
+        if len(found) == 1:
+            return found[0]
+        if found:
+            ids = ", ".join(r.id for r in found[:10])
+            raise RunNotFoundError(f"{len(found)} runs {what} {ref!r} ({ids}); use a run id")
+    raise RunNotFoundError(f"no run matches {ref!r} (see `stabmon runs`)")
+
+
+def next_seq(*, session: Session, run_id: str) -> int:
+    """The next free record sequence number of a run (0 for a new run)."""
+    tables = [Step, AnomalyRow, DecisionRow, InterventionRow, OutcomeRow]
+    top = max((session.scalar(sa.select(sa.func.max(t.seq)).where(t.run_id == run_id)) or -1) for t in tables)
+    return top + 1
+
+
+# -- metrics and steps ------------------------------------------------------------------------------------------
+def metric_names(*, session: Session, run_id: str) -> list[str]:
+    q = (
+        sa.select(MetricName.name)
+        .where(
+            MetricName.id.in_(sa.select(StepMetric.metric_id).where(StepMetric.run_id == run_id).distinct())
+        )
+        .order_by(MetricName.id)
+    )
+    return list(session.scalars(q))
+
+
+def get_metrics(*, session: Session, run_id: str, names: Sequence[str] | None = None) -> pl.DataFrame:
+    """Long table ``seq, step, name, value`` (NaN restored), in record order then metric-name order."""
+    q = (
+        sa.select(StepMetric.seq, StepMetric.step, MetricName.name, StepMetric.value)
+        .join(MetricName, MetricName.id == StepMetric.metric_id)
+        .where(StepMetric.run_id == run_id)
+    )
+    if names:
+        q = q.where(MetricName.name.in_(list(names)))
+    rows = session.execute(q.order_by(StepMetric.seq, StepMetric.metric_id)).all()
+    schema = {"seq": pl.Int64, "step": pl.Int64, "name": pl.Utf8, "value": pl.Float64}
+    df = pl.DataFrame(rows, schema=schema, orient="row")
+    return df.with_columns(pl.col("value").fill_null(math.nan))
+
+
+def load_steps(*, session: Session, run_id: str) -> list[StepRecord]:
+    """The run's StepRecords exactly as written (NaN and infinities kept), in record order.
+
+    Safe while the run is being written: records committed after the first query are left out whole."""
+    steps = session.execute(
+        sa.select(Step.seq, Step.step, Step.batch_index, Step.time)
+        .where(Step.run_id == run_id)
+        .order_by(Step.seq)
+    ).all()
+    if not steps:
+        return []
+    metrics: dict[int, dict[str, float]] = {seq: {} for seq, *_ in steps}
+    q = (
+        sa.select(StepMetric.seq, MetricName.name, StepMetric.value)
+        .join(MetricName, MetricName.id == StepMetric.metric_id)
+        .where(StepMetric.run_id == run_id, StepMetric.seq <= steps[-1][0])
+        .order_by(StepMetric.seq, StepMetric.metric_id)
+    )
+    for seq, name, value in session.execute(q):
+        if seq in metrics:
+            metrics[seq][name] = math.nan if value is None else value
+    return [StepRecord(step=int(s), metrics=metrics[seq], batch_index=b, time=t) for seq, s, b, t in steps]
+
+
+# -- events -----------------------------------------------------------------------------------------------------
+def load_events(*, session: Session, run_id: str) -> list[Any]:
+    """Anomalies, decisions, interventions and outcomes of a run, in the causal order they were written."""
+    found: list[tuple[int, Any]] = []
+    for table, model in _EVENT_MODELS.items():
+        cols = model.__table__.columns
+        for row in session.execute(sa.select(*cols).where(cols.run_id == run_id)).mappings():
+            found.append((row["seq"], event_from_row(table, row)))
+    found.sort(key=lambda p: p[0])
+    return [ev for _, ev in found]
+
+
+@dataclass(frozen=True)
+class Pending:
+    run_id: str
+    run_name: str
+    decision: Decision
+
+
+def pending_answers(*, session: Session, run_id: str | None = None) -> list[Pending]:
+    """Proposed decisions that nobody has answered yet, oldest first."""
+    cols = DecisionRow.__table__.columns
+    q = (
+        sa.select(*cols, Run.name.label("run_name"))
+        .join(Run, Run.id == cols.run_id)
+        .where(cols.status == DecisionStatus.PROPOSED.value, cols.approved.is_(None))
+    )
+    if run_id is not None:
+        q = q.where(cols.run_id == run_id)
+    rows = session.execute(q.order_by(cols.run_id, cols.seq)).mappings()
+    return [Pending(r["run_id"], r["run_name"], event_from_row("decisions", r)) for r in rows]  # type: ignore[arg-type]
+
+
+def answer_decision(*, session: Session, run_id: str, decision_id: str, approved: bool, by: str) -> Decision:
+    """Record a human's answer to a proposed decision; the monitor picks it up at its next flush."""
+    row = session.get(DecisionRow, decision_id)
+    if row is None or row.run_id != run_id:
+        raise AnswerError(f"run {run_id!r} has no decision {decision_id!r}")
+    if row.approved is not None:
+        verb = "approved" if row.approved else "rejected"
+        raise AnswerError(
+            f"decision {decision_id!r} was already {verb} by {row.answered_by} at {row.answered_at}"
+        )
+    if row.status != DecisionStatus.PROPOSED.value:
+        raise AnswerError(f"decision {decision_id!r} is not awaiting an answer (status {row.status})")
+    row.approved, row.answered_by, row.answered_at = approved, by, _now()
+    row.status = (DecisionStatus.APPROVED if approved else DecisionStatus.REJECTED).value
+    session.flush()
+    return event_from_row("decisions", {c.name: getattr(row, c.name) for c in row.__table__.columns})  # type: ignore[return-value]
+
+
+def take_answers(*, session: Session, run_id: str) -> list[tuple[str, bool]]:
+    """Answers not yet seen by the run's monitor, marking them seen."""
+    q = sa.select(DecisionRow).where(
+        DecisionRow.run_id == run_id, DecisionRow.approved.is_not(None), DecisionRow.answer_seen.is_(False)
+    )
+    rows = list(session.scalars(q.order_by(DecisionRow.answered_at)))
+    for row in rows:
+        row.answer_seen = True
+    session.flush()
+    return [(r.id, bool(r.approved)) for r in rows]
+
+
+# -- alerts, checkpoints, skipped batches ----------------------------------------------------------------------
+def add_alert(
+    *,
+    session: Session,
+    channel: str,
+    severity: str,
+    title: str = "",
+    run_id: str | None = None,
+    status: str = "queued",
+    dedup_key: str | None = None,
+    incident_id: str | None = None,
+    event_id: str | None = None,
+    alert_id: str | None = None,
+) -> str:
+    """Record an alert (``channel`` must already be redacted). Returns its id."""
+    now = _now()
+    row = AlertRow(
+        id=alert_id or new_id(),
+        run_id=run_id,
+        created_at=now,
+        updated_at=now,
+        channel=channel,
+        severity=severity,
+        status=status,
+        attempts=0,
+        dedup_key=dedup_key,
+        incident_id=incident_id,
+        event_id=event_id,
+        title=title,
+    )
+    session.add(row)
+    session.flush()
+    return row.id
+
+
+def update_alert(
+    *, session: Session, alert_id: str, status: str, error: str | None = None, attempts: int | None = None
+) -> None:
+    """Set an alert's status (and error); ``attempts`` defaults to one more than before."""
+    row = session.get(AlertRow, alert_id)
+    if row is None:
+        raise StoreError(f"no alert with id {alert_id!r}")
+    row.status, row.error, row.updated_at = status, error, _now()
+    row.attempts = attempts if attempts is not None else row.attempts + 1
+    session.flush()
+
+
+def list_alerts(*, session: Session, run_id: str | None = None) -> list[dict[str, Any]]:
+    q = sa.select(*AlertRow.__table__.columns)
+    if run_id is not None:
+        q = q.where(AlertRow.run_id == run_id)
+    return [dict(r) for r in session.execute(q.order_by(AlertRow.created_at)).mappings()]
+
+
+def list_checkpoints(*, session: Session, run_id: str) -> list[dict[str, Any]]:
+    q = sa.select(*CheckpointRow.__table__.columns).where(CheckpointRow.run_id == run_id)
+    return [
+        dict(r) for r in session.execute(q.order_by(CheckpointRow.step, CheckpointRow.created_at)).mappings()
+    ]
+
+
+def skipped_batches(*, session: Session, run_id: str) -> list[tuple[int, int]]:
+    """(step, batch_index) pairs skipped in a run."""
+    q = sa.select(SkippedBatch.step, SkippedBatch.batch_index).where(SkippedBatch.run_id == run_id)
+    return [
+        (int(s), int(b)) for s, b in session.execute(q.order_by(SkippedBatch.step, SkippedBatch.batch_index))
+    ]
+
+
+def run_config(*, session: Session, run_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A run's (config, environment), decoded."""
+    run = get_run(session=session, run_id=run_id)
+    return decode(run.config or {}), decode(run.environment or {})

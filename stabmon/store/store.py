@@ -1,0 +1,258 @@
+"""``Store``: the SQL implementation of :class:`stabmon.sinks.Sink`, with a background writer and a spool.
+
+>>> import tempfile, os
+>>> from stabmon.events import StepRecord
+>>> store = open_store("sqlite:///" + os.path.join(tempfile.mkdtemp(), "s.db"))
+>>> run = store.start_run(name="demo", environment={})
+>>> store.write_steps(run_id=run, records=[StepRecord(step=0, metrics={"loss": 2.0})])
+>>> store.flush(10.0), store.stats.rows_written
+(True, 3)
+>>> store.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session
+
+from stabmon.events import Anomaly, Decision, InterventionRecord, Outcome, StepRecord, new_id
+from stabmon.sinks import LowVolumeEvent
+from stabmon.store import repo
+from stabmon.store.codec import encode
+from stabmon.store.engine import (
+    StoreError,
+    current_revision,
+    make_engine,
+    require_schema,
+    safe_url,
+    sqlite_path,
+    upgrade,
+)
+from stabmon.store.spool import Spool, orphans
+from stabmon.store.writer import StoreStats, Writer
+
+log = logging.getLogger("stabmon.store")
+
+DEFAULT_URL = "sqlite:///stabmon.db"
+_EVENTS = (Anomaly, Decision, InterventionRecord, Outcome)
+
+
+@dataclass
+class StoreConfig:
+    """How the background writer batches, retries and spools."""
+
+    flush_interval: float = 0.25
+    """Seconds the writer waits between batches (``flush()`` wakes it at once)."""
+    batch_max_rows: int = 200_000
+    """Most rows written in one transaction."""
+    retry_initial: float = 0.5
+    """First wait, in seconds, before retrying an unavailable database; doubles up to ``retry_max``."""
+    retry_max: float = 30.0
+    """Longest wait between retries."""
+    spool_dir: str | None = None
+    """Where batches go while the database is away. Default: ``stabmon-spool/`` beside a SQLite file, else in
+    the working directory."""
+    close_timeout: float = 30.0
+    """Seconds ``close()`` waits for queued writes before leaving the rest in the spool."""
+    max_held_rows: int = 5_000_000
+    """Rows kept in memory when neither the database nor the spool file can take them; beyond it rows are
+    dropped and counted."""
+
+    def __post_init__(self) -> None:
+        for name in ("flush_interval", "retry_initial", "retry_max", "close_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"store.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("batch_max_rows", "max_held_rows"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"store.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.retry_max < self.retry_initial:
+            raise ValueError(f"store.retry_max must be >= store.retry_initial, got {self.retry_max!r}")
+
+
+def _writer_url(url: sa.URL) -> sa.URL:
+    """SQLite: open the file read-write without creating it, so a vanished file is an error, not a new DB."""
+    path = sqlite_path(url)
+    if path is None:
+        return url
+    return url.set(database=f"file:{path.resolve()}", query={"mode": "rw", "uri": "true"})
+
+
+def open_store(url: str | None = None, *, config: StoreConfig | None = None) -> Store:
+    """Open the store at ``url`` (default ``$STABMON_DB_URL``, else ``sqlite:///stabmon.db``).
+
+    A SQLite file without a schema is upgraded here; any other database must already be at the newest schema
+    (``stabmon db upgrade --db URL``). Raises ``ValueError`` with one line when the URL cannot be opened.
+    """
+    url = url or os.environ.get("STABMON_DB_URL") or DEFAULT_URL
+    return Store(url, config=config)
+
+
+class Store:
+    """A :class:`stabmon.sinks.Sink` writing to SQL through a background writer; see :func:`open_store`."""
+
+    def __init__(self, url: str, *, config: StoreConfig | None = None) -> None:
+        self.config = config or StoreConfig()
+        self.url = safe_url(url)
+        try:
+            u = make_url(url)
+        except Exception as exc:  # noqa: BLE001
+            raise StoreError(f"store: cannot open {url!r}: {exc}") from exc
+        path = sqlite_path(u)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self.engine = make_engine(u)
+        if path is not None and current_revision(self.engine) is None:
+            upgrade(u)
+        require_schema(self.engine)
+        is_memory = u.get_backend_name() == "sqlite" and path is None
+        writer_engine = self.engine if is_memory else make_engine(_writer_url(u), pooled=path is None)
+        spool_dir = Path(self.config.spool_dir or ((path.parent if path else Path.cwd()) / "stabmon-spool"))
+        self._writer = Writer(writer_engine, Spool(spool_dir), config=self.config, adopted=orphans(spool_dir))
+        self._seq: dict[str, int] = {}
+        self._closed = False
+        self._writer.start()
+
+    @property
+    def stats(self) -> StoreStats:
+        """Writer counters: rows_written, batches_written, failures, spooled_rows, ... (see StoreStats)."""
+        return self._writer.stats
+
+    @property
+    def spool_path(self) -> Path:
+        return self._writer.spool.path
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A session for the repository functions (reads and answers); committed on success."""
+        with Session(self.engine) as s, s.begin():
+            yield s
+
+    # -- Sink -------------------------------------------------------------------------------------------------
+    def start_run(
+        self,
+        *,
+        name: str,
+        kind: str = "live",
+        config: Mapping[str, Any] | None = None,
+        environment: Mapping[str, Any] | None = None,
+        resume_run_id: str | None = None,
+        parent_run_id: str | None = None,
+        source: str | None = None,
+        run_id: str | None = None,
+    ) -> str:
+        """Create (or reopen) a run; the row is queued like everything else. ``environment=None`` records
+        :func:`stabmon.environment.fingerprint` for live runs. ``parent_run_id`` / ``source`` say what a replay
+        or import came from; ``run_id`` chooses the id (default: a new one)."""
+        if kind not in repo.RUN_KINDS:
+            raise ValueError(f"store.start_run.kind must be one of {sorted(repo.RUN_KINDS)}, got {kind!r}")
+        if environment is None and kind == "live":
+            from stabmon.environment import fingerprint
+
+            environment = fingerprint()
+        rid = resume_run_id or run_id or new_id()
+        row = {
+            "id": rid,
+            "name": name,
+            "kind": kind,
+            "status": "running",
+            "started_at": time.time(),
+            "ended_at": None,
+            "config": encode(dict(config or {})),
+            "environment": encode(dict(environment or {})),
+            "parent_run_id": parent_run_id,
+            "source": source,
+        }
+        self._writer.submit("run", row)
+        self._seq[rid] = self._resume_seq(rid) if resume_run_id else 0
+        if resume_run_id:
+            self._writer.submit("update", rid, {"status": "running", "ended_at": None})
+        return rid
+
+    def _resume_seq(self, run_id: str) -> int:
+        try:
+            with self.session() as s:
+                return repo.next_seq(session=s, run_id=run_id)
+        except Exception:  # noqa: BLE001 - the database may be away at resume; stay ordered anyway
+            log.exception("stabmon store: cannot read run %s's last sequence number; using the clock", run_id)
+            return time.time_ns() // 1000
+
+    def _next(self, run_id: str, n: int) -> int:
+        seq0 = self._seq.get(run_id, 0)
+        self._seq[run_id] = seq0 + n
+        return seq0
+
+    def write_steps(self, *, run_id: str, records: Sequence[StepRecord]) -> None:
+        """Queue StepRecords (their metrics mappings must not be mutated afterwards)."""
+        if records:
+            self._writer.submit("steps", run_id, self._next(run_id, len(records)), records)
+
+    def write_events(self, *, run_id: str, events: Sequence[LowVolumeEvent]) -> None:
+        good = [e for e in events if isinstance(e, _EVENTS)]
+        if len(good) != len(events):
+            log.error("stabmon store: ignoring %d non-event objects", len(events) - len(good))
+        if good:
+            self._writer.submit("events", run_id, self._next(run_id, len(good)), good)
+
+    def write_checkpoint(self, *, run_id: str, step: int, path: str, nbytes: int, valid: bool = True) -> None:
+        row = {
+            "id": new_id(),
+            "run_id": run_id,
+            "step": int(step),
+            "path": str(path),
+            "nbytes": int(nbytes),
+            "valid": bool(valid),
+            "created_at": time.time(),
+        }
+        self._writer.submit("checkpoint", row)
+
+    def write_skipped_batches(self, *, run_id: str, step: int, batch_indices: Sequence[int]) -> None:
+        if batch_indices:
+            self._writer.submit("skipped", run_id, int(step), list(batch_indices))
+
+    def poll_answers(self, *, run_id: str) -> list[tuple[str, bool]]:
+        """Answers given with ``stabmon approve/reject`` that this run has not picked up yet."""
+        try:
+            with self.session() as s:
+                return repo.take_answers(session=s, run_id=run_id)
+        except Exception:  # noqa: BLE001 - never raise into training
+            self.stats.poll_failures += 1
+            log.exception("stabmon store: cannot poll answers for run %s", run_id)
+            return []
+
+    def end_run(self, *, run_id: str, status: str) -> None:
+        self._writer.submit("update", run_id, {"status": status, "ended_at": time.time()})
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._writer.wait(timeout)
+
+    def close(self) -> None:
+        """Drain the queue (up to ``config.close_timeout``), stop the writer, release the engines."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._writer.stop(self.config.close_timeout):
+            log.error(
+                "stabmon store: closed with writes not in the database; they are kept in %s and written "
+                "by the next store opened on this spool directory",
+                self._writer.spool.path,
+            )
+            self._writer.cycle()  # anything still queued goes to the spool
+        self._writer.spool.close()
+        self._writer.engine.dispose()
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,169 @@
+"""One contract for every detector class: discovered, not listed, so a new detector is checked
+automatically."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+import random
+
+import pytest
+
+import stabmon.detect  # noqa: F401 - imports every detector module
+from stabmon.detect.base import Detector
+from stabmon.events import Anomaly, Severity
+
+
+def _all_detectors() -> list[type[Detector]]:
+    found, todo = [], list(Detector.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls.name:
+            found.append(cls)
+    return sorted(found, key=lambda c: c.name)
+
+
+DETECTORS = _all_detectors()
+ids = [c.name for c in DETECTORS]
+
+
+def test_every_registered_detector_is_discovered() -> None:
+    assert {c.name for c in DETECTORS} == set(stabmon.detect.DETECTORS)
+    assert len(DETECTORS) >= 8
+
+
+def _feed(det: Detector, records: list[dict[str, float]], start: int = 0) -> list[Anomaly | None]:
+    return [det.update(start + i, x) for i, x in enumerate(records)]
+
+
+def _strip(a: Anomaly | None) -> tuple | None:
+    if a is None:
+        return None
+    return a.kind, a.metric, a.step, a.score, a.severity, a.evidence, a.threshold, a.message
+
+
+@pytest.mark.parametrize("cls", DETECTORS, ids=ids)
+def test_docstring_has_a_runnable_example(cls: type[Detector]) -> None:
+    assert cls.__doc__ and ">>>" in cls.__doc__
+    assert cls.Config.__doc__
+
+
+@pytest.mark.parametrize("cls", DETECTORS, ids=ids)
+def test_example_is_flagged_with_a_complete_anomaly(cls: type[Detector]) -> None:
+    metric, healthy, bad = cls.example()
+    det = cls(metric)
+    assert not any(_feed(det, healthy)), "the healthy example stream must not be flagged"
+    found = [a for a in _feed(det, bad, len(healthy)) if a is not None]
+    assert found
+    a = found[0]
+    assert (a.kind, a.detector, a.metric) == (cls.kind, cls.name, metric)
+    assert isinstance(a.severity, Severity) and a.threshold is not None and a.score >= a.threshold
+    assert a.evidence and a.evidence[-1][0] <= a.step and a.message  # missing: last arrival
+
+
+@pytest.mark.parametrize("cls", DETECTORS, ids=ids)
+def test_grace_period_scores_zero(cls: type[Detector]) -> None:
+    metric, healthy, bad = cls.example()
+    det = cls(metric)
+    _feed(det, healthy)
+    det.enter_grace(len(bad) + 5)
+    if cls.grace_exempt:  # safety rules are never silenced: a NaN after an intervention is still critical
+        assert any(_feed(det, bad, len(healthy)))
+        return
+    for i, x in enumerate(bad):
+        assert det.in_grace
+        assert det.score_one(x) == 0.0
+        assert det.update(len(healthy) + i, x) is None
+
+
+@pytest.mark.parametrize("cls", DETECTORS, ids=ids)
+def test_protect_filter_does_not_learn_flagged_points(cls: type[Detector]) -> None:
+    metric, healthy, bad = cls.example()
+    det = cls(metric)
+    _feed(det, healthy)
+    for i, x in enumerate(bad):
+        before = det.n_learned
+        state = det.state_dict()["stats"]
+        if det.update(len(healthy) + i, x) is not None:
+            assert det.n_learned == before
+            after = det.state_dict()["stats"]
+            if cls.name == "step_time":  # its short recent window sees every point; the baseline is protected
+                assert after["_baseline"] == state["_baseline"]
+            elif cls.name == "loss_scale":  # at-floor flag tracks the scale; overflow window protected
+                assert after["_overflows"] == state["_overflows"]
+            elif cls.name not in {"drift", "frozen_embedding", "missing"}:  # these restart on a report
+                assert after == state
+            return
+    pytest.fail("example bad stream was never flagged")
+
+
+@pytest.mark.parametrize("cls", DETECTORS, ids=ids)
+def test_zero_variance_is_safe(cls: type[Detector]) -> None:
+    metric, healthy, _ = cls.example()
+    det = cls(metric)
+    det.enter_grace(0)
+    constant = [dict(healthy[0]) for _ in range(300)]
+    for i, x in enumerate(constant):
+        score = det.score_one(x)
+        assert math.isfinite(score) and score >= 0
+        assert det.update(i, x) is None
+    nudged = {k: v * 1.001 for k, v in healthy[0].items()}
+    assert math.isfinite(det.score_one(nudged))
+
+
+def _noisy(healthy: list[dict[str, float]], seed: int) -> list[dict[str, float]]:
+    rng = random.Random(seed)
+    return [{k: v * (1 + 0.02 * rng.random()) for k, v in x.items()} for x in healthy]
+
+
+@pytest.mark.parametrize("cls", DETECTORS, ids=ids)
+def test_state_dict_round_trip_gives_identical_scores(cls: type[Detector]) -> None:
+    metric, healthy, bad = cls.example()
+    stream = _noisy(healthy, 1)
+    half = len(stream) // 2
+    a = cls(metric)
+    _feed(a, stream[:half])
+    b = cls(metric)
+    b.load_state_dict(a.state_dict())
+    rest = stream[half:] + bad
+    got_a = [(a.score_one(x), _strip(a.update(half + i, x))) for i, x in enumerate(rest)]
+    got_b = [(b.score_one(x), _strip(b.update(half + i, x))) for i, x in enumerate(rest)]
+    assert got_a == got_b
+
+
+@pytest.mark.parametrize("cls", DETECTORS, ids=ids)
+def test_pickle_round_trip(cls: type[Detector]) -> None:
+    metric, healthy, bad = cls.example()
+    a = cls(metric)
+    _feed(a, healthy)
+    b = pickle.loads(pickle.dumps(a))
+    got_a = [_strip(a.update(i, x)) for i, x in enumerate(bad)]
+    assert got_a == [_strip(b.update(i, x)) for i, x in enumerate(bad)]
+
+
+@pytest.mark.parametrize("cls", DETECTORS, ids=ids)
+def test_seeded_determinism(cls: type[Detector]) -> None:
+    metric, healthy, bad = cls.example()
+
+    def run(seed: int) -> list:
+        det = cls(metric)
+        stream = _noisy(healthy, seed) + bad
+        return [(det.score_one(x), _strip(det.update(i, x))) for i, x in enumerate(stream)]
+
+    assert run(7) == run(7)
+
+
+@pytest.mark.parametrize("cls", DETECTORS, ids=ids)
+def test_defaults_are_immutable_and_not_shared(cls: type[Detector]) -> None:
+    cfg = cls.Config()
+    field = dataclasses.fields(cfg)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(cfg, field, None)
+    for f in dataclasses.fields(cfg):
+        assert not isinstance(getattr(cfg, f.name), (list, dict, set)), f.name
+    metric, healthy, _ = cls.example()
+    a, b = cls(metric), cls(metric)
+    _feed(a, healthy)
+    assert b.n_learned == 0 and b.state_dict()["evidence"] == []

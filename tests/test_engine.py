@@ -1,0 +1,317 @@
+"""The runbook engine alone, on synthetic anomaly streams: one change at a time, escalation, revert, stop,
+cooldown, budget, proposals and their expiry, persistence, determinism and state round-trips."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Iterable
+
+import pytest
+
+from stabmon.events import (
+    Anomaly,
+    Decision,
+    DecisionStatus,
+    InterventionRecord,
+    Outcome,
+    Severity,
+    StepRecord,
+    Verdict,
+)
+from stabmon.runbook import Engine, loads_runbook
+
+LADDER = """
+name: test
+mode: {mode}
+cooldown: {cooldown}
+budget: {{max_interventions: {budget}, per_steps: 1000}}
+approval: {{timeout: 5, on_timeout: {on_timeout}}}
+baseline_steps: 5
+rules:
+  - name: spikes
+    when: {{kind: spike, metric: "grad_norm*", severity: warning, persistence: {{seen: {seen}, of: 5}}}}
+    ladder:
+      - action: set_clip
+        params: {{max_norm: 1.5}}
+        observe: 4
+        success: {{quiet_steps: 3, loss_within: 0.1}}
+        on_failure: {first_failure}
+      - action: set_beta2
+        params: {{beta2: 0.95}}
+        observe: 4
+      - action: scale_lr
+        params: {{factor: 0.9}}
+        observe: 4
+        on_failure: {last_failure}
+  - name: collapse
+    when: {{kind: loss_scale_collapse, severity: error}}
+    ladder:
+      - action: rollback
+        params: {{lookback: 10, skip_batches: 3}}
+        observe: 2
+"""
+
+
+def runbook(**kw: object):
+    params = dict(mode="apply", cooldown=3, budget=10, on_timeout="expire", seen=1, first_failure="next",
+                  last_failure="next")
+    params.update(kw)
+    return loads_runbook(LADDER.format(**params))
+
+
+def spike(step: int, *, metric: str = "grad_norm", severity: Severity = Severity.ERROR,
+          kind: str = "spike") -> Anomaly:
+    return Anomaly(kind=kind, metric=metric, step=step, score=10.0, severity=severity, detector="test",
+                   evidence=((step - 2, 1.0), (step - 1, 1.1), (step, 9.0)), id=f"a{step}")
+
+
+class Driver:
+    """Feeds records to an engine and plays the executor's part (records for applied decisions)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.step = 0
+        self.events: list[Decision | Outcome] = []
+
+    def run(self, n: int, *, anomalous: Iterable[int] = (), loss: float = 2.0,
+            make=spike) -> list[Decision | Outcome]:
+        bad = set(anomalous)
+        out: list[Decision | Outcome] = []
+        for _ in range(n):
+            self.step += 1
+            anomalies = [make(self.step)] if self.step in bad else []
+            produced = self.engine.process(StepRecord(self.step, {"loss": loss, "grad_norm": 1.0}), anomalies)
+            out.extend(self._apply(produced))
+        self.events.extend(out)
+        return out
+
+    def answer(self, decision_id: str, approved: bool) -> list[Decision | Outcome]:
+        out = self._apply(self.engine.answer(decision_id, approved, self.step))
+        self.events.extend(out)
+        return out
+
+    def _apply(self, produced: list[Decision | Outcome]) -> list[Decision | Outcome]:
+        for ev in produced:
+            if isinstance(ev, Decision) and ev.status in (DecisionStatus.APPLY, DecisionStatus.APPROVED):
+                self.engine.applied(ev, InterventionRecord(decision_id=ev.id, step=ev.step, action=ev.action,
+                                                           before={}, after={}, id=f"i-{ev.id}"))
+        return produced
+
+
+def decisions(events) -> list[Decision]:
+    return [e for e in events if isinstance(e, Decision)]
+
+
+def outcomes(events) -> list[Outcome]:
+    return [e for e in events if isinstance(e, Outcome)]
+
+
+def test_one_change_at_a_time_while_observing() -> None:
+    d = Driver(Engine(runbook(), id_seed="s"))
+    first = d.run(1, anomalous=[1])
+    assert [x.action for x in decisions(first)] == ["set_clip"]
+    # anomalies keep coming during the 4-step observation window: no second decision before the judgement
+    during = d.run(3, anomalous=[2, 3, 4])
+    assert decisions(during) == [] and outcomes(during) == []
+    judged = d.run(1, anomalous=[5])
+    assert [o.verdict for o in outcomes(judged)] == [Verdict.ESCALATED]
+    assert [x.action for x in decisions(judged)] == ["set_beta2"]
+    assert d.engine.busy
+
+
+def test_escalation_follows_the_ladder_in_order_then_exhausts() -> None:
+    d = Driver(Engine(runbook(), id_seed="s"))
+    d.run(13, anomalous=range(1, 14))
+    ds, os_ = decisions(d.events), outcomes(d.events)
+    assert [x.action for x in ds] == ["set_clip", "set_beta2", "scale_lr"]
+    assert [x.rung for x in ds] == [0, 1, 2]
+    assert [o.verdict for o in os_] == [Verdict.ESCALATED, Verdict.ESCALATED, Verdict.EXHAUSTED]
+    # each outcome names the decision (and intervention) it judged; one incident groups them all
+    assert [o.decision_id for o in os_] == [x.id for x in ds]
+    assert [o.intervention_id for o in os_] == [f"i-{x.id}" for x in ds]
+    assert len({x.incident_id for x in ds} | {o.incident_id for o in os_}) == 1
+    assert not d.engine.busy
+
+
+def test_resolved_when_quiet_and_loss_back_near_baseline() -> None:
+    d = Driver(Engine(runbook(), id_seed="s"))
+    d.run(6)  # healthy history: baseline loss 2.0
+    d.run(1, anomalous=[7], loss=5.0)
+    d.run(1, loss=5.0)  # first window step still bad
+    out = d.run(3, loss=2.1)  # quiet, loss within 10% of baseline for the judged last 3 steps
+    (o,) = outcomes(out)
+    assert o.verdict == Verdict.RESOLVED
+    assert o.evidence["loss_baseline"] == 2.0 and o.evidence["matching_anomalies"] == 0
+    assert decisions(out) == [] and not d.engine.busy
+
+
+def test_quiet_but_loss_too_high_is_not_resolved() -> None:
+    d = Driver(Engine(runbook(), id_seed="s"))
+    d.run(6)
+    d.run(1, anomalous=[7], loss=5.0)
+    out = d.run(4, loss=2.5)  # 25% above baseline, tolerance is 10%
+    (o,) = outcomes(out)
+    assert o.verdict == Verdict.ESCALATED and o.evidence["loss_ratio"] == pytest.approx(1.25)
+
+
+def test_nonfinite_loss_in_the_window_fails_the_rung() -> None:
+    d = Driver(Engine(runbook(), id_seed="s"))
+    d.run(6)
+    d.run(1, anomalous=[7])
+    d.run(2)
+    out = d.run(2, loss=float("nan"))
+    (o,) = outcomes(out)
+    assert o.verdict == Verdict.ESCALATED and o.evidence["loss_nonfinite"]
+
+
+def test_revert_undoes_the_change_then_tries_the_next_rung() -> None:
+    d = Driver(Engine(runbook(first_failure="revert"), id_seed="s"))
+    d.run(5, anomalous=range(1, 6))
+    ds = decisions(d.events)
+    assert [x.action for x in ds] == ["set_clip", "revert", "set_beta2"]
+    revert = ds[1]
+    assert revert.params == {"intervention_id": f"i-{ds[0].id}", "decision_id": ds[0].id}
+    assert [o.verdict for o in outcomes(d.events)] == [Verdict.REVERTED]
+
+
+def test_stop_ends_the_run_and_the_engine() -> None:
+    d = Driver(Engine(runbook(last_failure="stop"), id_seed="s"))
+    d.run(13, anomalous=range(1, 14))
+    ds = decisions(d.events)
+    assert [x.action for x in ds] == ["set_clip", "set_beta2", "scale_lr", "checkpoint_and_stop"]
+    assert outcomes(d.events)[-1].verdict == Verdict.STOPPED
+    assert d.engine.stopped
+    assert d.run(20, anomalous=range(14, 34)) == []
+
+
+def test_cooldown_blocks_new_incidents_for_its_length() -> None:
+    d = Driver(Engine(runbook(cooldown=5), id_seed="s"))
+    d.run(6)
+    d.run(1, anomalous=[7])
+    d.run(4)  # resolved at step 11
+    assert outcomes(d.events)[-1].verdict == Verdict.RESOLVED
+    assert decisions(d.run(5, anomalous=range(12, 17))) == []  # steps 12-16: cooldown
+    assert [x.action for x in decisions(d.run(1, anomalous=[17]))] == ["set_clip"]
+
+
+def test_budget_turns_the_next_change_into_an_alert() -> None:
+    d = Driver(Engine(runbook(budget=2), id_seed="s"))
+    d.run(9, anomalous=range(1, 10))
+    ds = decisions(d.events)
+    assert [x.action for x in ds] == ["set_clip", "set_beta2", "alert_only"]
+    assert "budget exhausted" in ds[-1].reason and ds[-1].status == DecisionStatus.APPLY
+    assert not d.engine.busy
+
+
+def test_persistence_needs_seen_of_last_steps() -> None:
+    eng = Engine(runbook(seen=2), id_seed="s")
+    d = Driver(eng)
+    assert decisions(d.run(8, anomalous=[1, 7])) == []  # two anomalies, six steps apart (window is 5)
+    assert [x.action for x in decisions(d.run(2, anomalous=[9]))] == ["set_clip"]  # 7 and 9: within 5
+
+
+def test_conditions_filter_kind_metric_and_severity() -> None:
+    d = Driver(Engine(runbook(), id_seed="s"))
+    assert decisions(d.run(1, anomalous=[1], make=lambda s: spike(s, metric="loss"))) == []
+    assert decisions(d.run(1, anomalous=[2], make=lambda s: spike(s, severity=Severity.INFO))) == []
+    assert decisions(d.run(1, anomalous=[3], make=lambda s: spike(s, kind="drift"))) == []
+    out = d.run(1, anomalous=[4], make=lambda s: spike(s, metric="grad_norm/transformer.h.0"))
+    assert [x.rule for x in decisions(out)] == ["spikes"]
+
+
+def test_rollback_gets_the_onset_step_from_the_evidence() -> None:
+    d = Driver(Engine(runbook(), id_seed="s"))
+    d.run(20)
+    (dec,) = decisions(d.run(1, anomalous=[21], make=lambda s: spike(s, kind="loss_scale_collapse")))
+    assert dec.action == "rollback"
+    assert dict(dec.params) == {"lookback": 10, "skip_batches": 3, "onset_step": 19}
+
+
+def test_failed_application_is_judged_at_once() -> None:
+    eng = Engine(runbook(), id_seed="s")
+    (dec,) = eng.process(StepRecord(1, {"loss": 2.0}), [spike(1)])
+    eng.applied(dec, InterventionRecord(decision_id=dec.id, step=1, action=dec.action, before={},
+                                        after={"error": "RuntimeError: boom"}))
+    out = eng.process(StepRecord(2, {"loss": 2.0}), [])
+    assert outcomes(out)[0].evidence["error"] == "RuntimeError: boom"
+    assert [x.action for x in decisions(out)] == ["set_beta2"]
+
+
+def test_propose_mode_waits_for_an_answer() -> None:
+    d = Driver(Engine(runbook(mode="propose"), id_seed="s"))
+    (prop,) = decisions(d.run(1, anomalous=[1]))
+    assert prop.status == DecisionStatus.PROPOSED
+    assert decisions(d.run(3, anomalous=[2, 3, 4])) == []  # still waiting, nothing else proposed
+    (ok,) = d.answer(prop.id, True)
+    assert ok.id == prop.id and ok.status == DecisionStatus.APPROVED and ok.step == 4
+    assert d.answer(prop.id, True) == []  # a second answer is stale
+    out = d.run(4, anomalous=[5, 6, 7, 8])
+    assert [o.verdict for o in outcomes(out)] == [Verdict.ESCALATED]
+    assert decisions(out)[0].status == DecisionStatus.PROPOSED  # the next rung is proposed too
+
+
+def test_rejected_proposal_closes_the_incident() -> None:
+    d = Driver(Engine(runbook(mode="propose", cooldown=2), id_seed="s"))
+    (prop,) = decisions(d.run(1, anomalous=[1]))
+    (no,) = d.answer(prop.id, False)
+    assert no.status == DecisionStatus.REJECTED and not d.engine.busy
+    assert decisions(d.run(2, anomalous=[2, 3])) == []  # cooldown
+    assert decisions(d.run(1, anomalous=[4]))[0].status == DecisionStatus.PROPOSED
+
+
+def test_unanswered_proposal_expires() -> None:
+    d = Driver(Engine(runbook(mode="propose"), id_seed="s"))
+    (prop,) = decisions(d.run(1, anomalous=[1]))
+    assert decisions(d.run(4)) == []
+    (exp,) = decisions(d.run(1))
+    assert exp.id == prop.id and exp.status == DecisionStatus.EXPIRED and "expired" in exp.reason
+    assert not d.engine.busy and d.answer(prop.id, True) == []
+
+
+def test_unanswered_proposal_auto_applies() -> None:
+    d = Driver(Engine(runbook(mode="propose", on_timeout="auto_apply"), id_seed="s"))
+    (prop,) = decisions(d.run(1, anomalous=[1]))
+    d.run(4)
+    (auto,) = decisions(d.run(1))
+    assert auto.status == DecisionStatus.APPROVED and "auto-applied" in auto.reason
+    assert d.engine.busy  # now observing the change
+
+
+def test_mode_argument_overrides_the_runbook() -> None:
+    eng = Engine(runbook(mode="apply"), mode="propose", id_seed="s")
+    (dec,) = eng.process(StepRecord(1, {"loss": 1.0}), [spike(1)])
+    assert dec.status == DecisionStatus.PROPOSED
+    with pytest.raises(ValueError, match=r"^engine\.mode must be"):
+        Engine(runbook(), mode="observe")
+
+
+def _stream(engine: Engine, steps: range) -> list[dict]:
+    d = Driver(engine)
+    d.step = steps.start - 1
+    d.run(len(steps), anomalous=[s for s in steps if s % 3 == 0])
+    return [json.dumps(e.__class__.__name__) + repr(e) for e in d.events]  # type: ignore[misc]
+
+
+def test_deterministic_with_a_seed() -> None:
+    assert _stream(Engine(runbook(), id_seed="x"), range(1, 60)) == _stream(Engine(runbook(), id_seed="x"),
+                                                                            range(1, 60))
+
+
+@pytest.mark.parametrize("cut", [1, 3, 6, 10, 17])
+def test_state_dict_round_trip_mid_incident(cut: int) -> None:
+    a = Engine(runbook(mode="propose", on_timeout="auto_apply"), id_seed="x")
+    _stream(a, range(1, cut + 1))
+    state = json.loads(json.dumps(a.state_dict()))  # plain values only
+    b = Engine(runbook(mode="propose", on_timeout="auto_apply"), id_seed="other")
+    b.load_state_dict(state)
+    assert b.state_dict() == a.state_dict()
+    c = pickle.loads(pickle.dumps(a))
+    rest = range(cut + 1, 60)
+    assert _stream(a, rest) == _stream(b, rest) == _stream(c, rest)
+
+
+def test_load_state_dict_refuses_another_runbooks_state() -> None:
+    other = loads_runbook("name: other\nrules: [{name: r, ladder: [{action: alert_only}]}]")
+    with pytest.raises(ValueError, match=r"^engine\.state\.runbook is 'test'"):
+        Engine(other).load_state_dict(Engine(runbook()).state_dict())

@@ -1,0 +1,163 @@
+"""Evaluation against labelled incidents: label parsing, scoring semantics, real runs, CLI JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from stabmon.replay.eval import STABMON, RunAlerts, evaluate, score
+from stabmon.replay.labels import Label, read_labels, run_files
+
+INCIDENT_FIELDS = {"file", "step_start", "step_end", "kind", "label_source", "method", "detected",
+                   "first_alert_step", "lead_steps", "severity"}
+FILE_FIELDS = {"file", "method", "steps", "false_alarms"}
+
+
+def write_series(path: Path, n: int, spike_at: int | None, *, height: float = 4.0) -> None:
+    rows = ["step,loss,grad_norm"]
+    for s in range(n):
+        loss = 3.0 + 0.02 * math.sin(s)
+        norm = 0.5 + 0.02 * math.cos(s * 1.7)
+        if spike_at is not None and spike_at <= s < spike_at + 3:
+            loss += height
+            norm *= 30
+        rows.append(f"{s},{loss},{norm}")
+    path.write_text("\n".join(rows) + "\n")
+
+
+# -- labels ------------------------------------------------------------------------------------------------------
+def test_read_labels_real(real_runs: Path) -> None:
+    labels = read_labels(real_runs / "LABELS.csv")
+    assert len(labels) >= 20
+    cats = {lb.kind: lb.category for lb in labels}
+    assert cats["hardware_crash"] == "other" and cats["none_control"] == "control"
+    assert cats["collapse_after_resume_then_partial_recovery"] == "numeric"
+    seed3 = next(lb for lb in labels if "410m-seed3" in lb.file)
+    name, files = run_files(seed3, real_runs)
+    assert name == "polypythias-wandb-lm-loss/410m-seed3" and len(files) == 10
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("file,step_start,kind\na,1,x\n", "missing column(s) step_end"),
+    ("file,step_start,step_end,kind\na,one,2,x\n", "L.csv:2: step_start/step_end must be integers"),
+    ("file,step_start,step_end,kind\na,5,2,x\n", "L.csv:2: step_end 2 < step_start 5"),
+])
+def test_read_labels_errors(tmp_path: Path, text: str, message: str) -> None:
+    p = tmp_path / "L.csv"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_labels(p)
+
+
+# -- scoring ---------------------------------------------------------------------------------------------------
+def test_score_windows_lead_and_false_alarms() -> None:
+    labels = [Label("r", 1000, 1010, "loss_spike", "author"), Label("r", 5000, 5000, "hang", "author"),
+              Label("r", 0, 9000, "none_control", "observed_by_us")]
+    alerts = RunAlerts(run="r", steps=10_000, alerts={STABMON: [899, 900, 1005, 4950, 7000], "zclip": [1011]},
+                       severities={900: "warning", 1005: "critical", 899: "info", 4950: "error", 7000: "error"})
+    report = score(labels, {"r": alerts}, {0: "r", 1: "r", 2: "r"})
+    spike = {r["method"]: r for r in report.incidents if r["kind"] == "loss_spike"}
+    assert spike[STABMON]["detected"] and spike[STABMON]["first_alert_step"] == 900
+    assert spike[STABMON]["lead_steps"] == 100 and spike[STABMON]["severity"] == "critical"
+    assert not spike["zclip"]["detected"] and spike["zclip"]["lead_steps"] is None  # after step_end
+    files = {r["method"]: r for r in report.files}
+    # 899 is before the window; 4950 is inside the hang's window; 7000 is inside the control: still a false alarm
+    assert files[STABMON]["false_alarms"] == 2 and files[STABMON]["first_false_alarms"] == [899, 7000]
+    assert files[STABMON]["false_alarms_per_10k"] == 2.0
+    assert files["zclip"]["false_alarms"] == 1
+    assert report.summary[STABMON]["recall"] == 1.0 and report.summary["zclip"]["recall"] == 0.0
+
+
+class _Threshold:
+    """Test double for stabmon's pipeline: a detector suite flagging loss above 5 (no engine)."""
+
+    def __init__(self) -> None:
+        from stabmon.pipeline import Pipeline
+
+        self.pipeline = Pipeline(self)
+
+    def update(self, record):
+        from stabmon.events import Anomaly, Severity
+
+        v = record.get("loss")
+        return [Anomaly("spike", "loss", record.step, v, Severity.ERROR, "t")] if v is not None and v > 5 else []
+
+    def enter_grace(self, steps=None):
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _factory():
+    return _Threshold().pipeline
+
+
+def test_evaluate_with_double_and_relative_globs(tmp_path: Path) -> None:
+    d = tmp_path / "runs"
+    d.mkdir()
+    write_series(d / "a_abcd1234.csv", 300, 150)
+    write_series(d / "b.csv", 300, None)
+    (tmp_path / "LABELS.csv").write_text(
+        "file,step_start,step_end,kind,label_source,note\n"
+        "runs/a_*.csv,150,152,loss_spike,author,x\n"
+        "runs/b.csv,0,299,none_control,observed_by_us,y\n"
+        "runs/missing.csv,1,2,loss_spike,author,z\n")
+    report = evaluate(tmp_path / "LABELS.csv", factory=_factory)
+    rows = {(r["file"], r["method"]): r for r in report.incidents}
+    assert rows[("runs/a_*.csv", STABMON)]["detected"] and rows[("runs/a_*.csv", STABMON)]["lead_steps"] == 0
+    assert "no file matches" in rows[("runs/missing.csv", STABMON)]["error"]
+    assert not rows[("runs/b.csv", STABMON)]["detected"]
+    assert {r["method"] for r in report.incidents} == {STABMON, "llm_foundry", "olmo_core", "zclip", "lightning",
+                                                       "megatron"}
+    for r in report.incidents:
+        assert INCIDENT_FIELDS <= set(r)
+    for r in report.files:
+        assert FILE_FIELDS <= set(r)
+
+
+@pytest.mark.slow
+def test_evaluate_real_runs_every_file_is_read(real_runs: Path) -> None:
+    report = evaluate(real_runs / "LABELS.csv", runbook="default", jobs=2)
+    errors = {r["file"]: r["error"] for r in report.files if r["error"]}
+    assert not errors, errors
+    numeric = [r for r in report.incidents if r["category"] == "numeric"]
+    assert len({(r["file"], r["step_start"]) for r in numeric}) == 13
+    assert set(report.summary) == {STABMON, "llm_foundry", "olmo_core", "zclip", "lightning", "megatron"}
+
+
+def test_cli_eval_json(tmp_path: Path, real_runs: Path) -> None:
+    from stabmon.cli import app
+
+    (tmp_path / "real").symlink_to(real_runs)
+    (tmp_path / "LABELS.csv").write_text(
+        "file,step_start,step_end,kind,label_source,note\n"
+        "real/fairseq-fsdp-13b-readme/gpt3-13b_1xV100_cpu-offload.log,3,5,loss_scale_drop_and_loss_jump,"
+        "observed_by_us,x\n")
+    res = CliRunner().invoke(app, ["eval", "--labels", str(tmp_path / "LABELS.csv"), "--json"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.output.splitlines()]
+    incidents = [r for r in rows if r["type"] == "incident"]
+    files = [r for r in rows if r["type"] == "file"]
+    assert len(incidents) == 6 and len(files) == 6
+    stab = next(r for r in incidents if r["method"] == "stabmon")
+    assert stab["detected"] and stab["first_alert_step"] == 3 and stab["lead_steps"] == 0
+    assert all(INCIDENT_FIELDS <= set(r) for r in incidents) and all(FILE_FIELDS <= set(r) for r in files)
+
+
+def test_cli_eval_errors(tmp_path: Path) -> None:
+    from stabmon.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["eval", "--labels", str(tmp_path / "nope.csv")])
+    assert res.exit_code == 1 and "no such labels file" in res.output
+    (tmp_path / "L.csv").write_text("file,step_start,step_end,kind\na,1,2,x\n")
+    res = runner.invoke(app, ["eval", "--labels", str(tmp_path / "L.csv"), "--runbook", "nope-runbook"])
+    assert res.exit_code == 1 and "runbook 'nope-runbook'" in res.output

@@ -1,0 +1,240 @@
+"""Interventions: the base class's guard and audit record, each action's apply / revert, the live executor
+(failures never raise, reverts, state across a resume) and a contract suite over every registered class."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import threading
+from typing import Any
+
+import pytest
+
+from stabmon.events import Decision, DecisionStatus
+from stabmon.interventions import (
+    INTERVENTIONS,
+    STOP_EXIT_CODE,
+    Intervention,
+    InterventionError,
+    LiveExecutor,
+    get_intervention,
+    register,
+)
+from stabmon.overrides import Overrides
+from stabmon.pipeline import ExecutorLike, InterventionTarget
+
+
+class FakeTarget:
+    """A test double of the monitor's InterventionTarget side."""
+
+    def __init__(self) -> None:
+        self.overrides = Overrides()
+        self.step = 100
+        self.base = {"lr": 1e-3, "beta2": 0.98, "weight_decay": 0.05, "clip": 2.5}
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def hparams(self) -> dict[str, float]:
+        o = self.overrides
+        return {"lr": self.base["lr"] * o.lr_scale, "beta2": o.beta2 or self.base["beta2"],
+                "weight_decay": self.base["weight_decay"] if o.weight_decay is None else o.weight_decay,
+                "clip": o.max_norm or self.base["clip"]}
+
+    def rollback(self, **kw: Any) -> dict[str, Any]:
+        self.calls.append(("rollback", kw))
+        self.step = kw["onset_step"] - kw["lookback"]
+        return {"checkpoint_step": self.step, "restored_step": self.step,
+                "skipped": [self.step, self.step + kw["skip_batches"]]}
+
+    def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
+        self.calls.append(("stop", {"reason": reason}))
+        return {"path": "ckpt.pt"}
+
+
+def decision(action: str, params: dict[str, Any] | None = None, **kw: Any) -> Decision:
+    return Decision(step=100, action=action, params=params or {}, status=DecisionStatus.APPLY, runbook="rb",
+                    rule="r", rung=0, reason="test", **kw)
+
+
+def test_the_target_double_matches_the_protocol() -> None:
+    assert isinstance(FakeTarget(), InterventionTarget)
+    assert isinstance(LiveExecutor(FakeTarget()), ExecutorLike)
+
+
+@pytest.mark.parametrize(("action", "params", "field", "value", "hparam", "after"), [
+    ("scale_lr", {"factor": 0.9}, "lr_scale", 0.9, "lr", 0.9e-3),
+    ("scale_lr", {"scale": 0.667}, "lr_scale", 0.667, "lr", 0.667e-3),
+    ("set_clip", {"max_norm": 1.5}, "max_norm", 1.5, "clip", 1.5),
+    ("set_beta2", {"beta2": 0.95}, "beta2", 0.95, "beta2", 0.95),
+    ("set_weight_decay", {"weight_decay": 0.1}, "weight_decay", 0.1, "weight_decay", 0.1),
+    ("skip_step", {"factor": 6.0}, "skip_factor", 6.0, "skip_factor", 6.0),
+])
+def test_override_interventions_apply_record_and_revert(action, params, field, value, hparam, after) -> None:
+    t = FakeTarget()
+    before_hp = t.hparams().get(hparam)
+    iv = get_intervention(action)(t, params, decision_id="d1")
+    rec = iv.apply()
+    assert getattr(t.overrides, field) == pytest.approx(value)
+    assert rec.decision_id == "d1" and rec.action == action and rec.step == 100 and not rec.reverted
+    assert rec.before[hparam] == before_hp
+    if field != hparam:
+        assert rec.before[field] == getattr(Overrides(), field)
+    assert rec.after[field] == pytest.approx(value) and rec.after[hparam] == pytest.approx(after)
+    undo = iv.revert(decision_id="d2")
+    assert getattr(t.overrides, field) == getattr(Overrides(), field)
+    assert undo.reverted and undo.decision_id == "d2" and undo.before[field] == pytest.approx(value)
+
+
+def test_scale_lr_factor_compounds_on_the_scale_in_force() -> None:
+    t = FakeTarget()
+    get_intervention("scale_lr")(t, {"factor": 0.9}, decision_id="a").apply()
+    rec = get_intervention("scale_lr")(t, {"factor": 0.9}, decision_id="b").apply()
+    assert t.overrides.lr_scale == pytest.approx(0.81) and rec.before["lr_scale"] == pytest.approx(0.9)
+
+
+def test_guard_apply_once_revert_once_after_apply() -> None:
+    iv = get_intervention("set_clip")(FakeTarget(), {"max_norm": 1.0}, decision_id="d")
+    with pytest.raises(InterventionError, match="never applied"):
+        iv.revert(decision_id="x")
+    iv.apply()
+    with pytest.raises(InterventionError, match="already applied"):
+        iv.apply()
+    iv.revert(decision_id="x")
+    with pytest.raises(InterventionError, match="already reverted"):
+        iv.revert(decision_id="y")
+
+
+def test_irreversible_actions_refuse_to_revert() -> None:
+    for action in ("rollback", "checkpoint_and_stop", "alert_only"):
+        iv = get_intervention(action)(FakeTarget(), {}, decision_id="d")
+        iv.apply()
+        with pytest.raises(InterventionError, match="cannot be reverted"):
+            iv.revert(decision_id="x")
+
+
+def test_invalid_override_value_leaves_the_target_untouched() -> None:
+    t = FakeTarget()
+    t.overrides.lr_scale = 1e-300
+    with pytest.raises(ValueError, match="overrides.lr_scale"):
+        get_intervention("scale_lr")(t, {"factor": 1e-300}, decision_id="d").apply()
+    assert t.overrides.lr_scale == 1e-300
+
+
+def test_params_are_validated_strictly() -> None:
+    cls = get_intervention("set_clip")
+    for bad in ({}, {"max_norm": "1.0"}, {"max_norm": 0}, {"max_norm": 1.0, "extra": 1}):
+        with pytest.raises(ValueError):
+            cls(FakeTarget(), bad, decision_id="d")
+    with pytest.raises(ValueError, match="exactly one of factor or scale"):
+        get_intervention("scale_lr")(FakeTarget(), {"factor": 0.9, "scale": 0.5}, decision_id="d")
+
+
+def test_rollback_passes_onset_lookback_and_skip() -> None:
+    t = FakeTarget()
+    rec = get_intervention("rollback")(t, {"onset_step": 90, "lookback": 20, "skip_batches": 300},
+                                       decision_id="d").apply()
+    assert t.calls == [("rollback", {"onset_step": 90, "lookback": 20, "skip_batches": 300})]
+    assert rec.before == {"step": 100, "onset_step": 90, "lookback": 20}
+    assert rec.after["restored_step"] == 70 and rec.after["skipped"] == [70, 370]
+
+
+def test_checkpoint_and_stop_records_the_documented_exit_code() -> None:
+    t = FakeTarget()
+    rec = get_intervention("checkpoint_and_stop")(t, {"reason": "ladder exhausted"}, decision_id="d").apply()
+    assert t.calls == [("stop", {"reason": "ladder exhausted"})]
+    assert rec.after == {"path": "ckpt.pt", "exit_code": STOP_EXIT_CODE} and STOP_EXIT_CODE == 86
+
+
+def test_executor_applies_and_reverts_by_intervention_id() -> None:
+    t = FakeTarget()
+    ex = LiveExecutor(t)
+    rec = ex.execute(decision("set_beta2", {"beta2": 0.95}))
+    assert t.overrides.beta2 == 0.95
+    undo = ex.execute(decision("revert", {"intervention_id": rec.id}))
+    assert t.overrides.beta2 is None and undo.reverted and "error" not in undo.after
+
+
+def test_executor_failures_are_recorded_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    t = FakeTarget()
+
+    def boom(**kw: Any) -> dict[str, Any]:
+        raise FileNotFoundError("no valid checkpoint")
+
+    t.rollback = boom  # type: ignore[method-assign]
+    ex = LiveExecutor(t)
+    rec = ex.execute(decision("rollback", {"onset_step": 50}))
+    assert rec.after == {"error": "FileNotFoundError: no valid checkpoint"}
+    assert ex.execute(decision("revert", {"intervention_id": "nope"})).after["error"].startswith("LookupError")
+    assert ex.execute(decision("teleport")).after["error"].startswith("KeyError")
+    assert ex.errors == 3 and "rollback for decision" in caplog.text
+
+
+def test_executor_state_survives_a_resume_so_reverts_still_work() -> None:
+    t = FakeTarget()
+    ex = LiveExecutor(t)
+    rec = ex.execute(decision("set_clip", {"max_norm": 1.0}))
+    state = ex.state_dict()
+    t2 = FakeTarget()
+    t2.overrides.load_state_dict(t.overrides.state_dict())  # the monitor restores overrides itself
+    ex2 = LiveExecutor(t2)
+    ex2.load_state_dict(pickle.loads(pickle.dumps(state)))
+    assert ex2.state_dict() == state
+    undo = ex2.execute(decision("revert", {"intervention_id": rec.id}))
+    assert "error" not in undo.after and t2.overrides.max_norm is None
+    assert ex2.execute(decision("revert", {"intervention_id": rec.id})).after["error"].startswith("LookupError")
+
+
+def test_concurrent_applications_are_serialised() -> None:
+    t = FakeTarget()
+    ivs = [get_intervention("scale_lr")(t, {"factor": 0.5}, decision_id=str(i)) for i in range(8)]
+    threads = [threading.Thread(target=iv.apply) for iv in ivs]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert t.overrides.lr_scale == pytest.approx(0.5**8)
+    befores = sorted(iv.record.before["lr_scale"] for iv in ivs)  # type: ignore[union-attr]
+    assert befores == sorted(0.5**i for i in range(8))
+
+
+def test_register_custom_intervention() -> None:
+    class Noop(Intervention):
+        """Does nothing."""
+
+        name = "noop_for_test"
+
+        def _apply(self):
+            return {}, {}
+
+    try:
+        register(Noop)
+        assert get_intervention("noop_for_test") is Noop
+        with pytest.raises(ValueError, match=r"^intervention\.name must be"):
+            register(type("Bad", (Intervention,), {"name": "revert"}))
+    finally:
+        INTERVENTIONS.pop("noop_for_test", None)
+    with pytest.raises(KeyError, match="unknown intervention 'noop_for_test'"):
+        get_intervention("noop_for_test")
+
+
+# -- contract suite: every registered intervention -------------------------------------------------------------
+VALID_PARAMS = {"scale_lr": {"factor": 0.9}, "set_clip": {"max_norm": 1.0}, "set_beta2": {"beta2": 0.95},
+                "set_weight_decay": {"weight_decay": 0.1}, "skip_step": {"factor": 5.0}, "rollback": {},
+                "checkpoint_and_stop": {}, "alert_only": {}}
+
+
+@pytest.mark.parametrize("name", sorted(INTERVENTIONS))
+def test_contract(name: str) -> None:
+    cls = INTERVENTIONS[name]
+    assert cls.name == name and cls.__doc__ and ">>>" in cls.__doc__
+    assert name in VALID_PARAMS, "add valid params for the new intervention to this suite"
+    iv = cls(FakeTarget(), VALID_PARAMS[name], decision_id="d")
+    with pytest.raises(ValueError):  # params are immutable
+        iv.params.__setattr__(next(iter(cls.Params.model_fields), "x"), 1)
+    rec = iv.apply()
+    assert dataclasses.asdict(rec)["decision_id"] == "d"
+    pickle.loads(pickle.dumps(rec))
+    sd = iv.state_dict()
+    clone = cls(FakeTarget(), sd["params"], decision_id=sd["decision_id"])
+    clone.load_state_dict(pickle.loads(pickle.dumps(sd)))
+    assert clone.state_dict() == sd
+    assert clone.applied and (clone.revertible == cls.revertible)

@@ -1,0 +1,121 @@
+"""No host sync on the hot path: host reads of tensors happen only inside flushes.
+
+A TorchFunctionMode counts every ``.item()``, ``.tolist()``, ``float()``, ``int()``, ``bool()``, ``.cpu()`` and
+``.numpy()`` on a tensor during 50 monitored steps, noting whether a flush was running. The loop itself (SGD, a
+small transformer-like model) reads nothing back, so every call outside a flush would be the monitor's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from stabmon.collect.config import ActivationConfig, EmbeddingConfig, MonitorConfig
+from stabmon.monitor import Monitor
+from stabmon.overrides import Overrides
+
+SYNCS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy"}
+
+
+class SyncCounter(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flush = 0
+        self.outside: list[str] = []
+        self.inside: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        name = getattr(func, "__name__", "")
+        if name in SYNCS:
+            (self.inside if self.in_flush else self.outside).append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.ff = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ff(self.ln(x))
+
+
+class Tiny(nn.Module):
+    def __init__(self, vocab: int = 17, d: int = 16) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([Block(d), Block(d)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _run(config: MonitorConfig, counter: SyncCounter, *, overrides: Overrides | None = None,
+         steps: int = 50) -> Monitor:
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s))
+    data = [torch.randint(0, 17, (4, 8), generator=torch.Generator().manual_seed(i)) for i in range(steps)]
+    mon = Monitor(model, opt, scheduler=sched, store=None, detectors=False, config=config)
+    if overrides is not None:
+        mon.overrides.load_state_dict(overrides.state_dict())
+    real_flush = mon.flush
+
+    def counted_flush():  # noqa: ANN202
+        counter.in_flush += 1
+        try:
+            return real_flush()
+        finally:
+            counter.in_flush -= 1
+
+    mon.flush = counted_flush  # type: ignore[method-assign]
+    with counter:
+        for _, idx in mon.steps(data):
+            logits = model(idx)
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
+            loss.backward()
+            mon.observe(loss=loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        mon.close()
+    return mon
+
+
+@pytest.mark.parametrize("every", [10, 1], ids=["defaults", "every-signal-every-step"])
+def test_no_host_sync_outside_flushes(every: int) -> None:
+    cfg = MonitorConfig(clip=1.0, flush_every=20, activations=ActivationConfig(every=every),
+                        embeddings=EmbeddingConfig(every=every))
+    counter = SyncCounter()
+    mon = _run(cfg, counter, overrides=Overrides(lr_scale=0.5, skip_factor=3.0))
+    assert counter.outside == []
+    # 50 steps, flush_every=20: flushes after steps 20 and 40, and at close: one host copy each
+    assert counter.inside == ["tolist"] * 3
+    assert len(mon.records) == 50
+    rec = mon.records[0]
+    assert "act_rms/blocks.0" in rec.metrics and "emb_drift/wte" in rec.metrics and "skipped" in rec.metrics
+
+
+def test_counter_catches_an_injected_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stabmon.collect import grads
+
+    real = grads.GradNorms.compute
+
+    def leaky(self):  # noqa: ANN001, ANN202
+        out = real(self)
+        if out is not None:
+            out.total.item()  # the kind of bug the property forbids
+        return out
+
+    monkeypatch.setattr(grads.GradNorms, "compute", leaky)
+    counter = SyncCounter()
+    _run(MonitorConfig(clip=1.0), counter, steps=5)
+    assert counter.outside == ["item"] * 5

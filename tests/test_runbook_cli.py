@@ -1,0 +1,36 @@
+"""``stabmon runbook validate | list | show``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from stabmon.cli import app
+
+
+def test_validate_ok_and_bad(tmp_path: Path) -> None:
+    ok = CliRunner().invoke(app, ["runbook", "validate", "opt175b"])
+    assert ok.exit_code == 0 and ok.output == "ok: opt175b (apply mode, 2 rules, 7 rungs)\n"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nrules:\n  - name: r\n    ladder:\n      - action: set_clip\n        observe: -1\n")
+    res = CliRunner().invoke(app, ["runbook", "validate", str(bad)])
+    assert res.exit_code == 1
+    assert res.output.splitlines() == [
+        f"{bad}:5: rules[0].ladder[0].params: Field required",
+        f"{bad}:6: rules[0].ladder[0].observe: Input should be greater than or equal to 1",
+    ]
+
+
+def test_list_and_show() -> None:
+    res = CliRunner().invoke(app, ["runbook", "list", "--json"])
+    names = {r["name"]: r for r in json.loads(res.output)}
+    assert set(names) >= {"default", "opt175b", "palm-rollback", "propose-only"}
+    assert names["propose-only"]["mode"] == "propose"
+    text = CliRunner().invoke(app, ["runbook", "show", "opt175b"]).output
+    assert text.startswith("# OPT-175B ladder") and "max_norm: 1.0" in text
+    shown = json.loads(CliRunner().invoke(app, ["runbook", "show", "opt175b", "--json"]).output)
+    assert shown["rules"][1]["ladder"][5]["params"] == {"factor": None, "scale": 0.667}
+    missing = CliRunner().invoke(app, ["runbook", "show", "nope"])
+    assert missing.exit_code == 1 and "no bundled runbook of that name" in missing.output

@@ -1,0 +1,128 @@
+"""``stabmon db upgrade``, ``stabmon runs`` and ``stabmon metrics`` through typer's runner and one real
+process."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from stabmon.cli import app
+from stabmon.events import StepRecord
+from stabmon.store import StoreConfig, open_store
+from stabmon.store.engine import head_revision, schema_revision
+
+runner = CliRunner()
+
+
+def invoke(*args: str):  # noqa: ANN201
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+@pytest.fixture
+def recorded(sqlite_url: str) -> tuple[str, str]:
+    with open_store(sqlite_url, config=StoreConfig(flush_interval=0.02)) as store:
+        run = store.start_run(name="cli-run", environment={})
+        store.write_steps(
+            run_id=run,
+            records=[
+                StepRecord(s, {"loss": 3.0 - s if s != 2 else math.nan, "grad_norm": float(s)})
+                for s in range(4)
+            ],
+        )
+        store.end_run(run_id=run, status="finished")
+    return sqlite_url, run
+
+
+def test_db_upgrade_then_current(sqlite_url: str) -> None:
+    res = invoke("db", "upgrade", "--db", sqlite_url)
+    assert res.exit_code == 0, res.output
+    assert f"schema {head_revision()}" in res.output
+    assert schema_revision(sqlite_url) == head_revision()
+    res = invoke("db", "current", "--db", sqlite_url)
+    assert res.exit_code == 0 and f"schema {head_revision()} (newest {head_revision()})" in res.output
+
+
+def test_db_upgrade_on_postgres_and_env_var(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STABMON_DB_URL", pg_url)
+    res = invoke("db", "upgrade")
+    assert res.exit_code == 0, res.output
+    assert schema_revision(pg_url) == head_revision()
+
+
+def test_runs_table_and_json(recorded: tuple[str, str]) -> None:
+    url, run = recorded
+    res = invoke("runs", "--db", url)
+    assert res.exit_code == 0 and run in res.output and "cli-run" in res.output and "finished" in res.output
+    res = invoke("runs", "--db", url, "--json")
+    [row] = json.loads(res.output)
+    assert (row["id"], row["name"], row["kind"], row["status"], row["steps"], row["anomalies"]) == (
+        run,
+        "cli-run",
+        "live",
+        "finished",
+        4,
+        0,
+    )
+
+
+def test_metrics_summary_and_json(recorded: tuple[str, str]) -> None:
+    url, run = recorded
+    res = invoke("metrics", "cli-run", "--db", url)
+    assert res.exit_code == 0, res.output
+    assert "grad_norm" in res.output and "loss" in res.output
+    res = invoke("metrics", run, "--db", url, "--json", "--name", "loss")
+    out = json.loads(res.output)
+    assert out["run_id"] == run
+    assert [(r["step"], r["value"]) for r in out["rows"]] == [(0, 3.0), (1, 2.0), (2, "nan"), (3, 0.0)]
+
+
+def test_user_errors_are_one_line_with_exit_1(recorded: tuple[str, str], tmp_path: Path) -> None:
+    url, _ = recorded
+    cases = [
+        (("metrics", "nope", "--db", url), "error: no run matches 'nope'"),
+        (("metrics", "cli-run", "--db", url, "--name", "zzz"), "has no metric named zzz"),
+        (("runs", "--db", f"sqlite:///{tmp_path / 'absent.db'}"), "error: no stabmon database at"),
+        (("runs", "--db", "xyz://h"), "error: store: cannot open 'xyz://h'"),
+        (("db", "upgrade", "--db", "xyz://h"), "error: store: cannot open 'xyz://h'"),
+    ]
+    for args, message in cases:
+        res = runner.invoke(app, list(args))
+        assert res.exit_code == 1, (args, res.output)
+        assert message in res.output and res.output.strip().count("\n") == 0, res.output
+
+
+def test_runs_on_a_database_without_schema(pg_url: str) -> None:
+    res = runner.invoke(app, ["runs", "--db", pg_url])
+    assert res.exit_code == 1 and "has no stabmon schema; run `stabmon db upgrade" in res.output
+
+
+@pytest.mark.slow
+def test_real_process_db_upgrade(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'proc.db'}"
+    env = {**os.environ, "STABMON_DB_URL": url}
+    done = subprocess.run(
+        [sys.executable, "-m", "stabmon", "db", "upgrade"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert schema_revision(url) == head_revision()
+    done = subprocess.run(
+        [sys.executable, "-m", "stabmon", "metrics", "x"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and done.stderr.strip() == "error: no run matches 'x' (see `stabmon runs`)"
