@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -270,7 +270,7 @@ def _atomic_write(path: Path, write: Callable[[Any], Any]) -> int:
     return path.stat().st_size
 
 
-def _nonfinite(obj: Any, where: str) -> Iterable[str]:
+def _nonfinite(obj: Any, where: str) -> Iterator[str]:
     """Paths of floating-point tensors holding NaN or inf, depth first (plain floats such as an infinite clip
     threshold are legitimate state and are not checked)."""
     import torch

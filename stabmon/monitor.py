@@ -1,4 +1,5 @@
-"""The live monitor: collectors -> StepRecord -> detectors -> runbook engine -> interventions, recorded in SQL.
+"""The live monitor: collectors -> StepRecord -> detectors -> runbook engine -> interventions, recorded in
+SQL.
 
 A plain PyTorch loop needs four lines::
 
@@ -14,8 +15,8 @@ A plain PyTorch loop needs four lines::
     sys.exit(monitor.exit_code)             # 0, or STOP_EXIT_CODE after checkpoint-and-stop / kill switch
 
 Everything measured stays on the device until a flush (every ``config.flush_every`` steps and at close): one
-stacked copy to the host, then StepRecords go through the :class:`~stabmon.pipeline.Pipeline`, to the store and
-the notifier. Decisions are applied at flushes through :class:`~stabmon.interventions.LiveExecutor`, whose
+stacked copy to the host, then StepRecords go through the :class:`~stabmon.pipeline.Pipeline`, to the store
+and the notifier. Decisions are applied at flushes through :class:`~stabmon.interventions.LiveExecutor`, whose
 target is the monitor itself (:class:`~stabmon.pipeline.InterventionTarget`).
 """
 
@@ -89,7 +90,13 @@ class Monitor:
         _check_model_and_optimizer(model, optimizer)
         if mode not in MODES:
             raise ValueError(f"mode: must be one of {', '.join(map(str, MODES))}, got {mode!r}")
-        self.model, self.optimizer, self.scaler, self.scheduler, self.mode = model, optimizer, scaler, scheduler, mode
+        self.model, self.optimizer, self.scaler, self.scheduler, self.mode = (
+            model,
+            optimizer,
+            scaler,
+            scheduler,
+            mode,
+        )
         self.overrides = Overrides()
         self.cursor = DataCursor()
         self.buffer = StepBuffer()
@@ -98,8 +105,14 @@ class Monitor:
         self._acts = ActivationNorms(model, cfg.activations.modules) if cfg.activations.every else None
         self._emb = EmbeddingDrift(model) if cfg.embeddings.every else None
         self._hooks = OptimizerHooks(
-            optimizer, self._grads, buffer=self.buffer, overrides=lambda: self.overrides, clip=cfg.clip,
-            scaler=scaler, embeddings=self._emb, ema_decay=cfg.grads.skip_ema,
+            optimizer,
+            self._grads,
+            buffer=self.buffer,
+            overrides=lambda: self.overrides,
+            clip=cfg.clip,
+            scaler=scaler,
+            embeddings=self._emb,
+            ema_decay=cfg.grads.skip_ema,
         )
         self.errors: Counter[str] = Counter()
         self.store, self._owns_store = resolve_store(store)
@@ -144,19 +157,29 @@ class Monitor:
         """lr, beta2, weight_decay and clip in force for the next step (overrides included)."""
         return self._hooks.hparams()
 
-    def rollback(self, *, onset_step: int, lookback: int, skip_batches: int,
-                 checkpoint_dir: str | None = None) -> dict[str, Any]:
+    def rollback(
+        self, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None
+    ) -> dict[str, Any]:
         from stabmon.collect.restore import rollback
 
-        return rollback(self, onset_step=onset_step, lookback=lookback, skip_batches=skip_batches,
-                        checkpoint_dir=checkpoint_dir)
+        return rollback(
+            self,
+            onset_step=onset_step,
+            lookback=lookback,
+            skip_batches=skip_batches,
+            checkpoint_dir=checkpoint_dir,
+        )
 
     def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
         info = self.save_checkpoint() if self.checkpoints is not None else None
         self.should_stop, self.stop_reason = True, reason
         log.warning("stabmon: stopping the run at step %d: %s", self._step, reason)
-        return {"path": getattr(info, "path", None), "step": self._step, "exit_code": self.config.exit_code,
-                "reason": reason}
+        return {
+            "path": getattr(info, "path", None),
+            "step": self._step,
+            "exit_code": self.config.exit_code,
+            "reason": reason,
+        }
 
     @property
     def exit_code(self) -> int:
@@ -164,8 +187,9 @@ class Monitor:
         return self.config.exit_code if self.should_stop else 0
 
     # -- the loop ----------------------------------------------------------------------------------------
-    def steps(self, loader: Iterable[Any], *, max_steps: int | None = None,
-              epochs: int | None = None) -> Iterator[tuple[int, Any]]:
+    def steps(
+        self, loader: Iterable[Any], *, max_steps: int | None = None, epochs: int | None = None
+    ) -> Iterator[tuple[int, Any]]:
         """Yield ``(step, batch)``: one pass over ``loader`` (``epochs`` passes; with ``max_steps`` and no
         ``epochs``, as many passes as needed). Stops early when the monitor asks to stop."""
         if epochs is None and max_steps is not None:
@@ -186,7 +210,8 @@ class Monitor:
                 return
 
     def begin_step(self, *, batch_index: int | None = None) -> None:
-        """Open the record of the next step (done by :meth:`steps`; call it yourself in a hand-written loop)."""
+        """Open the record of the next step (done by :meth:`steps`; call it yourself in a hand-written
+        loop)."""
         if self.buffer.open:
             self.end_step()
         if self._t_last is None:
@@ -208,7 +233,9 @@ class Monitor:
                 continue
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
-                    raise ValueError(f"observe: {name} must hold exactly one value, got shape {tuple(value.shape)}")
+                    raise ValueError(
+                        f"observe: {name} must hold exactly one value, got shape {tuple(value.shape)}"
+                    )
                 self.buffer.add([name], value.detach())
             elif isinstance(value, (int, float)):
                 self.buffer.add_host(name, value)
@@ -294,8 +321,12 @@ class Monitor:
         answers = self._guard("store", lambda: self.store.poll_answers(run_id=self.run_id)) or []
         out: list[Event] = []
         for decision_id, approved in answers:
-            out.extend(self._guard("pipeline", lambda d=decision_id, a=approved: self.pipeline.answer(d, a, self._step))
-                       or [])
+            out.extend(
+                self._guard(
+                    "pipeline", lambda d=decision_id, a=approved: self.pipeline.answer(d, a, self._step)
+                )
+                or []
+            )
         return out
 
     def _stop_event(self, reason: str) -> list[Event]:
@@ -310,8 +341,9 @@ class Monitor:
         self.anomalies.extend(e for e in low if isinstance(e, Anomaly))
         self._guard("store", lambda: self.store.write_events(run_id=self.run_id, events=low))
         if self.notifier is not None:
-            self._guard("alerts", lambda: self.notifier.handle(run_id=self.run_id, run_name=self.run_name,
-                                                               events=low))
+            self._guard(
+                "alerts", lambda: self.notifier.handle(run_id=self.run_id, run_name=self.run_name, events=low)
+            )
 
     def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run training-path I/O: catch, log, count; never raise into training."""
@@ -329,17 +361,28 @@ class Monitor:
 
         if self.store is None:
             return resume_run_id or f"local-{time.time_ns():x}"
-        run_id = self._guard("store", lambda: self.store.start_run(
-            name=self.run_name, kind="live", config={"monitor": self.config.to_dict(), "mode": self.mode},
-            environment=environment(), resume_run_id=resume_run_id))
+        run_id = self._guard(
+            "store",
+            lambda: self.store.start_run(
+                name=self.run_name,
+                kind="live",
+                config={"monitor": self.config.to_dict(), "mode": self.mode},
+                environment=environment(),
+                resume_run_id=resume_run_id,
+            ),
+        )
         return run_id or resume_run_id or f"local-{time.time_ns():x}"
 
     # -- state -------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Any:
         """Save :meth:`training_state` through the checkpoint manager; failures are logged and counted."""
         if self.checkpoints is None:
-            raise ValueError("checkpoint_dir: the monitor has no checkpoint manager (pass checkpoint_dir=...)")
-        return self._guard("checkpoint", lambda: self.checkpoints.save(self.training_state(), step=self._step))
+            raise ValueError(
+                "checkpoint_dir: the monitor has no checkpoint manager (pass checkpoint_dir=...)"
+            )
+        return self._guard(
+            "checkpoint", lambda: self.checkpoints.save(self.training_state(), step=self._step)
+        )
 
     def training_state(self) -> dict[str, Any]:
         """Everything a checkpoint holds: model, optimizer, scaler, scheduler and the monitor's own state."""
@@ -353,7 +396,8 @@ class Monitor:
         load_training_state(self, state)
 
     def state_dict(self) -> dict[str, Any]:
-        """Step counter, data position, overrides, detector/engine/executor state, guard and embedding baselines."""
+        """Step counter, data position, overrides, detector/engine/executor state, guard and embedding
+        baselines."""
         return {
             "version": 1,
             "step": self._step,

@@ -337,3 +337,44 @@ def test_gate_state_round_trip() -> None:
     gate2.load_state_dict(gate.state_dict())
     assert gate2.state_dict() == gate.state_dict()
     assert gate2.admit(page) is None  # a resumed run does not page again for the open incident
+
+
+# -- notifier construction and robustness --------------------------------------------------------------
+def test_make_notifier_reads_every_source(tmp_path) -> None:
+    from stabmon.alerts import Notifier, make_notifier
+
+    assert make_notifier(None, env={}) is None
+    assert make_notifier([], env={}) is None
+    n = make_notifier(None, env={"STABMON_ALERTS": SLACK})
+    assert n is not None and [c.name for c in n.channels] == ["slack://***"]
+    f = tmp_path / "alerts.toml"
+    f.write_text(f'[alerts]\ntimeout = 4\n[[alerts.channels]]\nurl = "{PD}"\n')
+    n = make_notifier(str(f), env={})
+    assert n is not None and n.config.timeout == 4 and [c.name for c in n.channels] == ["pagerduty://***"]
+    assert make_notifier(n) is n
+    with pytest.raises(ValueError, match=r"^alerts\.channels\[0\]\.url: apprise cannot use nosuch://\*\*\*"):
+        Notifier(["nosuch://abc/def"])
+
+
+def test_handle_never_raises_into_training(caplog: pytest.LogCaptureFixture) -> None:
+    from stabmon.alerts import Notifier
+
+    n = Notifier(["json://127.0.0.1:9/x"])
+    with caplog.at_level(logging.ERROR, logger="stabmon.alerts"):
+        n.handle(run_id="r", run_name="n", events=[object()])  # type: ignore[list-item]
+        bad = Decision(step=1, action="scale_lr", params=None, status=DecisionStatus.PROPOSED,  # type: ignore[arg-type]
+                       runbook="x", rule="y", rung=1, reason="z")
+        n.handle(run_id="r", run_name="n", events=[bad])
+    assert n.counters["errors"] == 1 and "composing alerts" in caplog.text
+    n.close(timeout=0.1)
+
+
+def test_alert_only_decision_reads_as_an_anomaly_alert() -> None:
+    a = _anomaly(severity=Severity.WARNING)
+    d = Decision(step=120, action="alert_only", params={}, status=DecisionStatus.APPLY, runbook="default",
+                 rule="other", rung=0, reason="tell people", anomaly_id="a1", incident_id="inc7", id="d7")
+    rec = InterventionRecord(decision_id="d7", step=120, action="alert_only", before={}, after={})
+    [alert] = Composer().compose(run_id="r", run_name="n", events=[a, d, rec])
+    assert alert.kind == "anomaly" and alert.severity is Severity.WARNING
+    assert alert.title == "[stabmon] WARNING: spike in loss at step 120 (n)"
+    assert "rule other" in alert.body and "changed:" not in alert.body

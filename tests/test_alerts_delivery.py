@@ -1,89 +1,27 @@
-"""Real apprise delivery to a local HTTP receiver: json://, form://, Slack and PagerDuty payloads, hanging and
-failing endpoints, retries recorded, secrets kept out of the database, logs and command output."""
+"""Real apprise delivery to a local HTTP receiver: json:// and form://, endpoints that hang or fail,
+retries and backoff, draining on close, rate-limit notes, rank 0 only, state round-trip."""
 
 from __future__ import annotations
 
 import json
-import logging
-import threading
-import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 from urllib.parse import parse_qs
 
 import pytest
 from apprise.plugins import pagerduty as apprise_pagerduty
-from apprise.plugins.slack import NotifySlack
-from typer.testing import CliRunner
+from test_alerts_support import (
+    PD_API,
+    PD_ROUTING,
+    Receiver,
+    anomaly,
+    fast,
+    incident,
+    resolved,
+    wait_until,
+)
 
-from stabmon.alerts import AlertsConfig, MemoryRecorder, Notifier, SqlRecorder, send_test
-from stabmon.events import Anomaly, Decision, DecisionStatus, InterventionRecord, Outcome, Severity, Verdict
-
-SLACK_TOKENS = ("T0SECRETA", "B0SECRETB", "SlackSecretTokenC0123456")
-PD_ROUTING, PD_API = "PdRoutingSecret0123456789", "PdApiSecretKey42"
-SECRETS = (*SLACK_TOKENS, PD_ROUTING, PD_API, "JsonPathSecret77")
-
-
-class Receiver:
-    """A tiny threaded HTTP server that records requests; it can fail (500) or hang on demand."""
-
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-        self.fail_next = 0
-        self.hang = False
-        self.release = threading.Event()
-        self.entered = threading.Event()
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with receiver.lock:
-                    hang = receiver.hang
-                    status = 200
-                    if receiver.fail_next > 0 and not hang:
-                        receiver.fail_next -= 1
-                        status = 500
-                    entry = {
-                        "path": self.path,
-                        "headers": dict(self.headers),
-                        "body": body,
-                        "status": "hung" if hang else status,
-                    }
-                    receiver.requests.append(entry)
-                if hang:
-                    receiver.entered.set()
-                    receiver.release.wait(30)
-                    entry["status"] = status  # answered at last (the client may have given up already)
-                self.send_response(status)
-                self.end_headers()
-                self.wfile.write(b"ok")
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    @property
-    def netloc(self) -> str:
-        return f"127.0.0.1:{self.server.server_address[1]}"
-
-    def delivered(self) -> list[dict[str, Any]]:
-        with self.lock:
-            return [r for r in self.requests if r["status"] == 200]
-
-    def json_bodies(self) -> list[dict[str, Any]]:
-        return [json.loads(r["body"]) for r in self.delivered()]
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
+from stabmon.alerts import MemoryRecorder, Notifier
+from stabmon.events import DecisionStatus
 
 
 @pytest.fixture
@@ -91,76 +29,6 @@ def receiver() -> Iterator[Receiver]:
     r = Receiver()
     yield r
     r.close()
-
-
-def wait_until(condition: Any, limit: float = 20.0) -> bool:
-    deadline = time.monotonic() + limit
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def fast(**kw: Any) -> AlertsConfig:
-    base = dict(timeout=0.5, backoff_initial=0.02, backoff_max=0.1, max_attempts=8)
-    base.update(kw)
-    return AlertsConfig(**base)
-
-
-def anomaly(step: int, aid: str, severity: Severity = Severity.ERROR, metric: str = "loss") -> Anomaly:
-    return Anomaly(
-        kind="spike",
-        metric=metric,
-        step=step,
-        score=11.5,
-        severity=severity,
-        detector="zscore",
-        evidence=((step - 2, 2.31), (step - 1, 2.29), (step, 8.75)),
-        threshold=6.0,
-        id=aid,
-    )
-
-
-def incident(step: int = 120, status: DecisionStatus = DecisionStatus.APPLY) -> list[Any]:
-    a = anomaly(step, "a1")
-    d = Decision(
-        step=step,
-        action="scale_lr",
-        params={"factor": 0.5},
-        status=status,
-        runbook="opt175b",
-        rule="loss_spike",
-        rung=1,
-        reason="loss jumped 3.8x",
-        anomaly_id="a1",
-        incident_id="inc1",
-        id="d1",
-    )
-    events: list[Any] = [a, d]
-    if status is not DecisionStatus.PROPOSED:
-        events.append(
-            InterventionRecord(
-                decision_id="d1",
-                step=step,
-                action="scale_lr",
-                before={"lr": 6e-4},
-                after={"lr": 3e-4},
-                id="i1",
-            )
-        )
-    return events
-
-
-def resolved(step: int = 180) -> Outcome:
-    return Outcome(
-        intervention_id="i1",
-        decision_id="d1",
-        step=step,
-        verdict=Verdict.RESOLVED,
-        evidence={"loss_max": 2.4},
-        incident_id="inc1",
-    )
 
 
 # -- real delivery ----
@@ -201,72 +69,6 @@ def test_proposal_carries_approve_and_reject_commands(receiver: Receiver) -> Non
     assert "stabmon approve run2 d1" in msg["message"] and "stabmon reject run2 d1" in msg["message"]
 
 
-def test_slack_payload_through_patched_webhook(receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(NotifySlack, "webhook_url", f"http://{receiver.netloc}/services")
-    n = Notifier(["slack://" + "/".join(SLACK_TOKENS)], config=fast())
-    n.handle(run_id="run3", run_name="tiny", events=[anomaly(50, "w1", Severity.WARNING)])
-    n.handle(
-        run_id="run3", run_name="tiny", events=[anomaly(51, "w2", Severity.WARNING)]
-    )  # same alert: dedup
-    assert n.flush(10)
-    n.close(5)
-    [req] = receiver.delivered()
-    assert req["path"] == "/services/" + "/".join(SLACK_TOKENS)
-    payload = json.loads(req["body"])
-    text = json.dumps(payload)
-    assert "spike in loss at step 50" in text and "50=8.75" in text and "stabmon trace run3" in text
-
-
-def test_pagerduty_trigger_once_then_resolve(receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(apprise_pagerduty.PAGERDUTY_API_LOOKUP, "us", f"http://{receiver.netloc}/v2/enqueue")
-    rec = MemoryRecorder()
-    n = Notifier([f"pagerduty://{PD_ROUTING}@{PD_API}"], config=fast(), recorder=rec)
-    n.handle(run_id="run4", run_name="tiny", events=[anomaly(100, "a0", Severity.WARNING)])  # below error
-    n.handle(run_id="run4", run_name="tiny", events=incident())
-    n.handle(run_id="run4", run_name="tiny", events=[anomaly(125, "a5"), anomaly(126, "a6")])  # repeats
-    n.handle(run_id="run4", run_name="tiny", events=[resolved()])
-    assert n.flush(10)
-    n.close(5)
-    trigger, resolve = receiver.json_bodies()
-    assert trigger["event_action"] == "trigger" and resolve["event_action"] == "resolve"
-    # the incident was first seen as a bare anomaly, so its key is that signal's, from first sight to resolve
-    assert trigger["dedup_key"] == resolve["dedup_key"] == "stabmon-run4-spike:loss"
-    assert trigger["routing_key"] == PD_ROUTING and trigger["payload"]["severity"] == "error"
-    assert "changed: lr 0.0006 → 0.0003" in trigger["payload"]["summary"]
-    assert all(r["path"] == "/v2/enqueue" for r in receiver.delivered())
-    assert [r["dedup_key"] for r in rec.rows.values()] == ["stabmon-run4-spike:loss"] * 2
-    assert n.stats["suppressed"]["pagerduty://***"]["dedup"] == 2
-
-
-def test_pagerduty_stop_updates_the_same_incident(
-    receiver: Receiver, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(apprise_pagerduty.PAGERDUTY_API_LOOKUP, "us", f"http://{receiver.netloc}/v2/enqueue")
-    n = Notifier([f"pagerduty://{PD_ROUTING}@{PD_API}"], config=fast())
-    n.handle(run_id="r", run_name="tiny", events=incident())
-    stop = Decision(
-        step=300,
-        action="checkpoint_and_stop",
-        params={},
-        status=DecisionStatus.APPLY,
-        runbook="opt175b",
-        rule="loss_spike",
-        rung=3,
-        reason="ladder exhausted",
-        anomaly_id="a1",
-        incident_id="inc1",
-        id="d3",
-    )
-    n.handle(run_id="r", run_name="tiny", events=[stop])
-    assert n.flush(10)
-    n.close(5)
-    first, second = receiver.json_bodies()
-    assert (
-        first["dedup_key"] == second["dedup_key"]
-    )  # same PagerDuty alert, updated to critical, not a new page
-    assert second["payload"]["severity"] == "critical"
-
-
 # -- never blocking, retries, nothing lost ----
 def test_hanging_endpoint_never_holds_the_training_thread(receiver: Receiver) -> None:
     rec = MemoryRecorder()
@@ -292,6 +94,21 @@ def test_hanging_endpoint_never_holds_the_training_thread(receiver: Receiver) ->
     assert any(status == "retrying" and err for _, status, _, err in rec.history)
 
 
+def test_a_hanging_channel_does_not_delay_another(receiver: Receiver) -> None:
+    other = Receiver()
+    try:
+        receiver.hang = True
+        n = Notifier([f"json://{receiver.netloc}/h", f"json://{other.netloc}/ok"], config=fast(timeout=10))
+        n.handle(run_id="r", run_name="tiny", events=incident())
+        assert receiver.entered.wait(10)
+        assert wait_until(lambda: len(other.delivered()) == 1)
+        assert not receiver.release.is_set()  # first channel still stuck; the second did not wait
+        receiver.release.set()
+        n.close(5)
+    finally:
+        other.close()
+
+
 def test_500_endpoint_retries_with_backoff_and_loses_nothing(receiver: Receiver) -> None:
     rec = MemoryRecorder()
     receiver.fail_next = 3
@@ -309,6 +126,33 @@ def test_500_endpoint_retries_with_backoff_and_loses_nothing(receiver: Receiver)
     retries = [h for h in rec.history if h[1] == "retrying"]
     assert [h[2] for h in retries] == [1, 2, 3] and all("500" in h[3] for h in retries)
     assert n.counters["retries"] == 3
+
+
+def test_close_drains_pending_retries(receiver: Receiver) -> None:
+    rec = MemoryRecorder()
+    receiver.fail_next = 3
+    n = Notifier([f"json://{receiver.netloc}/d"], config=fast(backoff_max=30.0), recorder=rec)
+    for i in range(3):
+        n.handle(run_id="r", run_name="tiny", events=[anomaly(i, f"c{i}", metric=f"q{i}")])
+    n.close(timeout=20)  # no flush first: close itself delivers what is queued, retrying as it goes
+    assert sorted(r["status"] for r in rec.rows.values()) == ["sent"] * 3
+    assert len(receiver.delivered()) == 3
+
+
+def test_rate_limited_alerts_are_counted_in_the_next_message(receiver: Receiver) -> None:
+    now = [1000.0]
+    cfg = fast(rate_per_minute=1, burst=1)
+    n = Notifier([f"json://{receiver.netloc}/rl"], config=cfg, clock=lambda: now[0])
+    for i in range(3):
+        n.handle(run_id="r", run_name="tiny", events=[anomaly(i, f"r{i}", metric=f"g{i}")])
+    now[0] += 60.0  # one token back
+    n.handle(run_id="r", run_name="tiny", events=[anomaly(9, "r9", metric="g9")])
+    assert n.flush(10)
+    n.close(5)
+    first, second = receiver.json_bodies()
+    assert "held back" not in first["message"]
+    assert "(2 earlier alert(s) on this channel held back by rate limits)" in second["message"]
+    assert n.stats["suppressed"][f"json://{receiver.netloc}/***"]["rate_limit"] == 2
 
 
 def test_gives_up_after_max_attempts_and_close_abandons_the_rest(receiver: Receiver) -> None:
@@ -356,77 +200,3 @@ def test_notifier_state_round_trip(receiver: Receiver, monkeypatch: pytest.Monke
     assert resumed.flush(10)
     resumed.close(5)
     assert [b["event_action"] for b in receiver.json_bodies()] == ["trigger", "resolve"]
-
-
-# -- secrets ----
-def test_no_token_in_database_logs_or_command_output(
-    receiver: Receiver, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, sqlite_url: str
-) -> None:
-    import sqlalchemy as sa
-
-    from stabmon.cli import app
-    from stabmon.store.store import open_store
-
-    monkeypatch.setattr(NotifySlack, "webhook_url", f"http://{receiver.netloc}/services")
-    monkeypatch.setitem(apprise_pagerduty.PAGERDUTY_API_LOOKUP, "us", f"http://{receiver.netloc}/v2/enqueue")
-    store = open_store(sqlite_url)
-    run_id = store.start_run(name="secret-test")
-    assert store.flush(10)
-    urls = [
-        "slack://" + "/".join(SLACK_TOKENS),
-        f"pagerduty://{PD_ROUTING}@{PD_API}",
-        f"json://{receiver.netloc}/JsonPathSecret77",
-    ]
-    receiver.fail_next = 2  # failures put error text (from apprise and requests) into the rows and the logs
-    caplog.set_level(logging.DEBUG)  # apprise logs URLs and payloads at DEBUG
-    n = Notifier(urls, config=fast(), recorder=SqlRecorder(sqlite_url))
-    n.handle(run_id=run_id, run_name="secret-test", events=incident())
-    n.handle(run_id=run_id, run_name="secret-test", events=[resolved()])
-    assert n.flush(20)
-    n.close(5)
-    store.close()
-    engine = sa.create_engine(sqlite_url)
-    with engine.connect() as conn:
-        rows = [dict(r._mapping) for r in conn.execute(sa.text("select * from alerts"))]
-    engine.dispose()
-    assert len(rows) == 6 and all(r["status"] == "sent" for r in rows)
-    assert any(r["error"] is None and r["attempts"] > 1 for r in rows)  # a retried one, finally sent
-    dump = json.dumps(rows, default=str) + caplog.text
-    assert "slack://***" in dump and "pagerduty://***" in dump
-    result = CliRunner().invoke(app, ["alert", "test", *urls])
-    dump += result.output
-    for secret in SECRETS:
-        assert secret not in dump, secret
-
-
-# -- stabmon alert test ----
-def test_send_test_reports_each_channel(receiver: Receiver) -> None:
-    receiver.fail_next = 1
-    results = send_test(
-        [f"json://{receiver.netloc}/a", f"json://{receiver.netloc}/b", "nosuch://x"], timeout=2
-    )
-    assert [(r.channel, r.ok) for r in results] == [
-        (f"json://{receiver.netloc}/***", False),
-        (f"json://{receiver.netloc}/***", True),
-        ("nosuch://***", False),
-    ]
-    assert "500" in (results[0].error or "")
-
-
-def test_alert_test_command_exit_codes(receiver: Receiver) -> None:
-    from stabmon.cli import app
-
-    runner = CliRunner()
-    ok = runner.invoke(app, ["alert", "test", f"json://{receiver.netloc}/ok"])
-    assert ok.exit_code == 0, ok.output
-    assert f"json://{receiver.netloc}/***: ok" in ok.output
-    receiver.fail_next = 1
-    bad = runner.invoke(
-        app, ["alert", "test", "--json", f"form://{receiver.netloc}/bad", f"json://{receiver.netloc}/ok"]
-    )
-    assert bad.exit_code == 1
-    lines = [json.loads(line) for line in bad.output.strip().splitlines()]
-    assert [(x["channel"], x["ok"]) for x in lines] == [
-        (f"form://{receiver.netloc}/***", False),
-        (f"json://{receiver.netloc}/***", True),
-    ]

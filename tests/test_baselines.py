@@ -90,4 +90,9 @@ def test_state_round_trip_and_pickle(cls) -> None:
 
 def test_peer_rules_names() -> None:
     assert [r.name for r in peer_rules(total_steps=10)] == [
-        "llm_foundry", "olmo_core", "zclip", "lightning", "megatron"]
+        "llm_foundry",
+        "olmo_core",
+        "zclip",
+        "lightning",
+        "megatron",
+    ]

@@ -1,4 +1,4 @@
-"""Checkpoints are distrusted until checked: atomic saves, registry, validation order, fallback, kill switch."""
+"""Checkpoints are distrusted until checked: atomic saves, registry, validation, fallback, kill switch."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ def _strip(a: Anomaly | None) -> tuple | None:
 @pytest.mark.parametrize("cls", DETECTORS, ids=ids)
 def test_docstring_has_a_runnable_example(cls: type[Detector]) -> None:
     assert cls.__doc__ and ">>>" in cls.__doc__
-    assert cls.Config.__doc__
+    assert cls.Config.__doc__ and ">>>" in cls.Config.__doc__
 
 
 @pytest.mark.parametrize("cls", DETECTORS, ids=ids)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from stabmon.detect import DetectorSuite
 from stabmon.events import Anomaly, Metric, Severity
 from stabmon.replay.importers import deepspeed, llmc, megatron
@@ -69,3 +71,64 @@ def test_loss_scale_collapse_in_tr8b_overflow_storm_with_a_mid_run_baseline(real
     suite = DetectorSuite.from_config(overrides={"loss_scale.grace_period": 0})
     found = _replay(result, suite)
     assert any(a.kind == "loss_scale_collapse" for a in found)
+
+
+@pytest.mark.slow
+def test_polypythias_collapse_after_resume_and_stable_control(real_runs: Path) -> None:
+    from stabmon.replay.importers.detect import import_files
+
+    base = real_runs / "polypythias-wandb-lm-loss"
+    outlier = import_files(sorted(base.glob("410m-seed3_*.tsv")))
+    suite = DetectorSuite.from_config()
+    found = [a for r in outlier.records for a in suite.update(r)]
+    collapse = 75002  # LABELS.csv: loss 2.21 -> 11.08 right after the resume at 75001
+    first_error = next(a for a in found if a.severity >= Severity.ERROR)
+    assert collapse <= first_error.step <= collapse + 5 and first_error.metric == Metric.LOSS
+    control = import_files(sorted(base.glob("410m-seed2_*.tsv")))
+    suite = DetectorSuite.from_config()
+    assert not [a for r in control.records for a in suite.update(r)]
+
+
+def _labels(real_runs: Path) -> list[dict[str, str]]:
+    import csv
+
+    with open(real_runs / "LABELS.csv", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _mid_run_suite() -> DetectorSuite:
+    # every BigScience fragment is cut from the middle of a long run: the first record is the settled baseline
+    return DetectorSuite.from_config(overrides={"spike.grace_period": 1, "robust_spike.grace_period": 1,
+                                                "loss_scale.grace_period": 0})
+
+
+def test_every_labelled_grad_norm_first_incident_is_flagged_on_grad_norm_first(real_runs: Path) -> None:
+    rows = [r for r in _labels(real_runs) if r["kind"] == "grad_norm_spike_then_loss_spike"]
+    assert len(rows) >= 3
+    for row in rows:
+        found = _replay(megatron.read(real_runs / row["file"]), _mid_run_suite())
+        grad = [a.step for a in found if a.kind == "spike" and a.metric == Metric.GRAD_NORM]
+        loss = [a.step for a in found if a.kind == "spike" and a.metric == Metric.LOSS]
+        assert grad and loss, row["file"]
+        assert grad[0] < loss[0], row["file"]
+        assert int(row["step_start"]) <= grad[0] <= int(row["step_end"]), row["file"]
+
+
+def test_labelled_loss_spikes_in_fragments_are_flagged_inside_their_window(real_runs: Path) -> None:
+    kinds = {"loss_spike_then_divergence", "loss_spike_with_loss_scale_drop",
+             "loss_spike_with_loss_scale_collapse"}
+    rows = [r for r in _labels(real_runs) if r["kind"] in kinds and r["file"].startswith("bigscience")]
+    assert len(rows) >= 4
+    for row in rows:
+        found = _replay(megatron.read(real_runs / row["file"]), _mid_run_suite())
+        inside = [a for a in found if int(row["step_start"]) <= a.step <= int(row["step_end"])]
+        assert any(a.metric == Metric.LOSS and a.kind == "spike" for a in inside), row["file"]
+
+
+def test_quiet_fragments_raise_no_error(real_runs: Path) -> None:
+    quiet = ["tr11-176B_normal-it12695.log", "tr8b-104B_bnb-exp6_lr-override-it12000.log",
+             "tr8b-104B_bnb-exp6_lr-override-it12001.log", "tr8b-104B_embnorm-exp6_it16800-16801.log",
+             "tr8b-104B_bnb-exp6_it6502-8600.log", "tr8b-104B_embnorm-exp2_rollback-skip-it13251-14000.log"]
+    for name in quiet:
+        found = _replay(megatron.read(real_runs / "bigscience-chronicles" / name), _mid_run_suite())
+        assert not [a for a in found if a.severity >= Severity.ERROR], name

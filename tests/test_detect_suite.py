@@ -7,6 +7,8 @@ import pickle
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stabmon.detect import DetectorSuite, HangWatchdog, apply_overrides, parse_config
 from stabmon.events import Anomaly, Metric, StepRecord
@@ -29,6 +31,8 @@ from stabmon.pipeline import DetectorSuiteLike, Pipeline
         ({"spike": {"enabled": "maybe"}}, "detectors.spike.enabled must be true or false, got 'maybe'"),
         ({"drift": {"metrics": []}}, "detectors.drift.metrics must not be empty"),
         ({"nonfinite": {"metrics": [1]}}, "detectors.nonfinite.metrics must be a list of metric names"),
+        ({"spike": 5}, "detectors.spike must be a mapping of settings, got 5"),
+        ({"detectors": ["spike"]}, "detectors must be a mapping of detector names"),
     ],
 )
 def test_bad_configuration_is_one_line_naming_the_field(cfg: dict, message: str) -> None:
@@ -170,3 +174,41 @@ def test_hang_watchdog_thread_survives_a_failing_callback() -> None:
     assert dog.fired.wait(10.0)
     dog.stop()
     assert calls[0].kind == "hang" and dog.errors == 1
+
+
+_VALUES = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(min_value=1e-6, max_value=1e6))
+_RECORD = st.dictionaries(
+    st.sampled_from([Metric.LOSS, Metric.GRAD_NORM, Metric.LOSS_SCALE, Metric.OVERFLOW, Metric.STEP_TIME,
+                     Metric.LR, "act_rms/h.0", "emb_update/wte"]), _VALUES, max_size=8)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_RECORD, max_size=80))
+def test_any_stream_gives_well_formed_anomalies(stream: list[dict[str, float]]) -> None:
+    suite = DetectorSuite.from_config(overrides={"spike.grace_period": 1, "robust_spike.grace_period": 1,
+                                                 "loss_scale.grace_period": 0, "step_time.grace_period": 2})
+    for step, metrics in enumerate(stream):
+        for a in suite.update(StepRecord(step=step, metrics=metrics)):
+            assert a.step == step and math.isfinite(a.score) and a.threshold is not None
+            assert a.score >= a.threshold and a.message
+    clone = DetectorSuite.from_config(overrides={"spike.grace_period": 1, "robust_spike.grace_period": 1,
+                                                 "loss_scale.grace_period": 0, "step_time.grace_period": 2})
+    clone.load_state_dict(suite.state_dict())
+    assert clone.state_dict() == suite.state_dict()
+
+
+
+def test_state_dict_survives_torch_save_weights_only() -> None:
+    import io
+
+    import torch
+
+    suite = DetectorSuite.from_config()
+    for r in _stream(30):
+        suite.update(r)
+    buf = io.BytesIO()
+    torch.save(suite.state_dict(), buf)
+    buf.seek(0)
+    restored = DetectorSuite.from_config()
+    restored.load_state_dict(torch.load(buf, weights_only=True))
+    assert restored.state_dict() == suite.state_dict()

@@ -315,3 +315,15 @@ def test_load_state_dict_refuses_another_runbooks_state() -> None:
     other = loads_runbook("name: other\nrules: [{name: r, ladder: [{action: alert_only}]}]")
     with pytest.raises(ValueError, match=r"^engine\.state\.runbook is 'test'"):
         Engine(other).load_state_dict(Engine(runbook()).state_dict())
+
+
+def test_records_measured_before_the_change_landed_are_not_observed() -> None:
+    """A live monitor applies a decision at a flush: the flush's later records predate the change."""
+    eng = Engine(runbook(), id_seed="s")
+    (dec,) = eng.process(StepRecord(1, {"loss": 2.0}), [spike(1)])
+    eng.applied(dec, InterventionRecord(decision_id=dec.id, step=6, action=dec.action, before={}, after={}))
+    for s in range(2, 6):  # the rest of the flush, still with spikes: measured before the change
+        assert eng.process(StepRecord(s, {"loss": 2.0}), [spike(s)]) == []
+    out = [ev for s in range(6, 10) for ev in eng.process(StepRecord(s, {"loss": 2.0}), [])]
+    assert [o.verdict for o in outcomes(out)] == [Verdict.RESOLVED]
+    assert outcomes(out)[0].evidence["observed_steps"] == 4

@@ -12,8 +12,18 @@ from typer.testing import CliRunner
 from stabmon.replay.eval import STABMON, RunAlerts, evaluate, score
 from stabmon.replay.labels import Label, read_labels, run_files
 
-INCIDENT_FIELDS = {"file", "step_start", "step_end", "kind", "label_source", "method", "detected",
-                   "first_alert_step", "lead_steps", "severity"}
+INCIDENT_FIELDS = {
+    "file",
+    "step_start",
+    "step_end",
+    "kind",
+    "label_source",
+    "method",
+    "detected",
+    "first_alert_step",
+    "lead_steps",
+    "severity",
+}
 FILE_FIELDS = {"file", "method", "steps", "false_alarms"}
 
 
@@ -29,7 +39,7 @@ def write_series(path: Path, n: int, spike_at: int | None, *, height: float = 4.
     path.write_text("\n".join(rows) + "\n")
 
 
-# -- labels ------------------------------------------------------------------------------------------------------
+# -- labels ----------------------------------------------------------------------------------------
 def test_read_labels_real(real_runs: Path) -> None:
     labels = read_labels(real_runs / "LABELS.csv")
     assert len(labels) >= 20
@@ -41,11 +51,14 @@ def test_read_labels_real(real_runs: Path) -> None:
     assert name == "polypythias-wandb-lm-loss/410m-seed3" and len(files) == 10
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("file,step_start,kind\na,1,x\n", "missing column(s) step_end"),
-    ("file,step_start,step_end,kind\na,one,2,x\n", "L.csv:2: step_start/step_end must be integers"),
-    ("file,step_start,step_end,kind\na,5,2,x\n", "L.csv:2: step_end 2 < step_start 5"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("file,step_start,kind\na,1,x\n", "missing column(s) step_end"),
+        ("file,step_start,step_end,kind\na,one,2,x\n", "L.csv:2: step_start/step_end must be integers"),
+        ("file,step_start,step_end,kind\na,5,2,x\n", "L.csv:2: step_end 2 < step_start 5"),
+    ],
+)
 def test_read_labels_errors(tmp_path: Path, text: str, message: str) -> None:
     p = tmp_path / "L.csv"
     p.write_text(text)
@@ -53,19 +66,27 @@ def test_read_labels_errors(tmp_path: Path, text: str, message: str) -> None:
         read_labels(p)
 
 
-# -- scoring ---------------------------------------------------------------------------------------------------
+# -- scoring ---------------------------------------------------------------------------------------
 def test_score_windows_lead_and_false_alarms() -> None:
-    labels = [Label("r", 1000, 1010, "loss_spike", "author"), Label("r", 5000, 5000, "hang", "author"),
-              Label("r", 0, 9000, "none_control", "observed_by_us")]
-    alerts = RunAlerts(run="r", steps=10_000, alerts={STABMON: [899, 900, 1005, 4950, 7000], "zclip": [1011]},
-                       severities={900: "warning", 1005: "critical", 899: "info", 4950: "error", 7000: "error"})
+    labels = [
+        Label("r", 1000, 1010, "loss_spike", "author"),
+        Label("r", 5000, 5000, "hang", "author"),
+        Label("r", 0, 9000, "none_control", "observed_by_us"),
+    ]
+    alerts = RunAlerts(
+        run="r",
+        steps=10_000,
+        alerts={STABMON: [899, 900, 1005, 4950, 7000], "zclip": [1011]},
+        severities={900: "warning", 1005: "critical", 899: "info", 4950: "error", 7000: "error"},
+    )
     report = score(labels, {"r": alerts}, {0: "r", 1: "r", 2: "r"})
     spike = {r["method"]: r for r in report.incidents if r["kind"] == "loss_spike"}
     assert spike[STABMON]["detected"] and spike[STABMON]["first_alert_step"] == 900
     assert spike[STABMON]["lead_steps"] == 100 and spike[STABMON]["severity"] == "critical"
     assert not spike["zclip"]["detected"] and spike["zclip"]["lead_steps"] is None  # after step_end
     files = {r["method"]: r for r in report.files}
-    # 899 is before the window; 4950 is inside the hang's window; 7000 is inside the control: still a false alarm
+    # 899 is before the window; 4950 is inside the hang's window; 7000 is inside the control window,
+    # which does not excuse it: a false alarm
     assert files[STABMON]["false_alarms"] == 2 and files[STABMON]["first_false_alarms"] == [899, 7000]
     assert files[STABMON]["false_alarms_per_10k"] == 2.0
     assert files["zclip"]["false_alarms"] == 1
@@ -84,7 +105,9 @@ class _Threshold:
         from stabmon.events import Anomaly, Severity
 
         v = record.get("loss")
-        return [Anomaly("spike", "loss", record.step, v, Severity.ERROR, "t")] if v is not None and v > 5 else []
+        return (
+            [Anomaly("spike", "loss", record.step, v, Severity.ERROR, "t")] if v is not None and v > 5 else []
+        )
 
     def enter_grace(self, steps=None):
         pass
@@ -109,14 +132,21 @@ def test_evaluate_with_double_and_relative_globs(tmp_path: Path) -> None:
         "file,step_start,step_end,kind,label_source,note\n"
         "runs/a_*.csv,150,152,loss_spike,author,x\n"
         "runs/b.csv,0,299,none_control,observed_by_us,y\n"
-        "runs/missing.csv,1,2,loss_spike,author,z\n")
+        "runs/missing.csv,1,2,loss_spike,author,z\n"
+    )
     report = evaluate(tmp_path / "LABELS.csv", factory=_factory)
     rows = {(r["file"], r["method"]): r for r in report.incidents}
     assert rows[("runs/a_*.csv", STABMON)]["detected"] and rows[("runs/a_*.csv", STABMON)]["lead_steps"] == 0
     assert "no file matches" in rows[("runs/missing.csv", STABMON)]["error"]
     assert not rows[("runs/b.csv", STABMON)]["detected"]
-    assert {r["method"] for r in report.incidents} == {STABMON, "llm_foundry", "olmo_core", "zclip", "lightning",
-                                                       "megatron"}
+    assert {r["method"] for r in report.incidents} == {
+        STABMON,
+        "llm_foundry",
+        "olmo_core",
+        "zclip",
+        "lightning",
+        "megatron",
+    }
     for r in report.incidents:
         assert INCIDENT_FIELDS <= set(r)
     for r in report.files:
@@ -140,7 +170,8 @@ def test_cli_eval_json(tmp_path: Path, real_runs: Path) -> None:
     (tmp_path / "LABELS.csv").write_text(
         "file,step_start,step_end,kind,label_source,note\n"
         "real/fairseq-fsdp-13b-readme/gpt3-13b_1xV100_cpu-offload.log,3,5,loss_scale_drop_and_loss_jump,"
-        "observed_by_us,x\n")
+        "observed_by_us,x\n"
+    )
     res = CliRunner().invoke(app, ["eval", "--labels", str(tmp_path / "LABELS.csv"), "--json"])
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in res.output.splitlines()]

@@ -11,14 +11,20 @@ import pytest
 
 from stabmon.events import Metric
 from stabmon.replay.importers import fairseq, generic, tensorboard, wandb
-from stabmon.replay.importers.detect import UnknownFormatError, detect_format, formats, import_file, import_files
+from stabmon.replay.importers.detect import (
+    UnknownFormatError,
+    detect_format,
+    formats,
+    import_file,
+    import_files,
+)
 from stabmon.replay.stitch import group_segments, run_key, stitch
 
 FAIRSEQ = "fairseq-fsdp-13b-readme/gpt3-13b_1xV100_cpu-offload.log"
 PYTHIA = "polypythias-wandb-lm-loss"
 
 
-# -- fairseq -----------------------------------------------------------------------------------------------------
+# -- fairseq ---------------------------------------------------------------------------------------
 def test_fairseq_real_log_values_overflow_and_scale(real_runs: Path) -> None:
     r = fairseq.read(real_runs / FAIRSEQ)
     assert r.format == "fairseq" and r.malformed == 0
@@ -55,8 +61,10 @@ def test_fairseq_malformed_lines_counted(tmp_path: Path) -> None:
 
 
 def test_fairseq_restart_supersedes(tmp_path: Path) -> None:
-    lines = [f'| train_inner | {{"loss": "{v}", "num_updates": "{s}"}}' for s, v in
-             [(1, 3.0), (2, 2.9), (3, 2.8), (2, 5.0), (3, 4.0)]]
+    lines = [
+        f'| train_inner | {{"loss": "{v}", "num_updates": "{s}"}}'
+        for s, v in [(1, 3.0), (2, 2.9), (3, 2.8), (2, 5.0), (3, 4.0)]
+    ]
     p = tmp_path / "t.log"
     p.write_text("\n".join(lines) + "\n")
     r = fairseq.read(p)
@@ -64,7 +72,7 @@ def test_fairseq_restart_supersedes(tmp_path: Path) -> None:
     assert [(x.step, x.get("loss")) for x in r.records] == [(1, 3.0), (2, 5.0), (3, 4.0)]
 
 
-# -- W&B and stitching -------------------------------------------------------------------------------------------
+# -- W&B and stitching -----------------------------------------------------------------------------
 def test_wandb_single_segment(real_runs: Path) -> None:
     r = wandb.read(real_runs / PYTHIA / "410m-seed3_vjl8rypi.tsv")
     assert r.malformed == 0
@@ -118,19 +126,23 @@ def test_run_key_and_grouping(real_runs: Path) -> None:
     assert sorted(len(v) for v in groups.values()) == [3, 6, 8, 10]
 
 
-# -- generic tables -----------------------------------------------------------------------------------------------
+# -- generic tables --------------------------------------------------------------------------------
 def test_generic_csv_mapping_and_unmapped(tmp_path: Path) -> None:
     p = tmp_path / "m.csv"
     p.write_text("iteration,train/loss,my_norm,note\n1,2.5,0.5,ok\n2,2.4,0.6,fine\n")
     r = generic.read(p, mapping={"my_norm": "grad_norm"})
     assert [dict(x.metrics) for x in r.records] == [
-        {"loss": 2.5, "grad_norm": 0.5}, {"loss": 2.4, "grad_norm": 0.6}]
+        {"loss": 2.5, "grad_norm": 0.5},
+        {"loss": 2.4, "grad_norm": 0.6},
+    ]
     assert r.malformed == 0  # the text column is not a metric
 
 
 def test_generic_jsonl_and_parquet(tmp_path: Path) -> None:
     j = tmp_path / "m.jsonl"
-    j.write_text(json.dumps({"step": 1, "loss": 3.0}) + "\nnot json\n" + json.dumps({"step": 2, "loss": 2.0}) + "\n")
+    j.write_text(
+        json.dumps({"step": 1, "loss": 3.0}) + "\nnot json\n" + json.dumps({"step": 2, "loss": 2.0}) + "\n"
+    )
     r = import_file(j)
     assert r.format == "generic" and [x.step for x in r.records] == [1, 2] and r.malformed == 1
     pq = tmp_path / "m.parquet"
@@ -147,12 +159,15 @@ def test_generic_missing_step_column_reported(tmp_path: Path) -> None:
 
 
 def test_parse_mapping_errors() -> None:
-    assert generic.parse_mapping(["train/loss=loss", "a=b=grad_norm"]) == {"train/loss": "loss", "a=b": "grad_norm"}
+    assert generic.parse_mapping(["train/loss=loss", "a=b=grad_norm"]) == {
+        "train/loss": "loss",
+        "a=b": "grad_norm",
+    }
     with pytest.raises(ValueError, match=r"^import.map: expected COLUMN=METRIC, got 'oops'$"):
         generic.parse_mapping(["oops"])
 
 
-# -- TensorBoard ---------------------------------------------------------------------------------------------------
+# -- TensorBoard -----------------------------------------------------------------------------------
 def test_tensorboard_event_file(tmp_path: Path) -> None:
     tb = pytest.importorskip("tensorboard.summary.writer.event_file_writer")
     from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -167,7 +182,10 @@ def test_tensorboard_event_file(tmp_path: Path) -> None:
     assert detect_format(files[0]).FORMAT == "tensorboard"
     r = import_file(files[0])
     assert [(x.step, x.get("loss"), x.get("grad_norm")) for x in r.records] == [
-        (0, 3.0, 1.0), (1, 2.5, pytest.approx(0.9)), (2, 9.0, 50.0)]
+        (0, 3.0, 1.0),
+        (1, 2.5, pytest.approx(0.9)),
+        (2, 9.0, 50.0),
+    ]
 
 
 def test_tensorboard_missing_package_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -185,7 +203,7 @@ def test_tensorboard_missing_package_is_reported(tmp_path: Path, monkeypatch: py
     assert r.malformed == 1 and "pip install 'stabmon[tensorboard]'" in r.problems[0]
 
 
-# -- detection -----------------------------------------------------------------------------------------------------
+# -- detection -------------------------------------------------------------------------------------
 def test_detection_on_real_files(real_runs: Path) -> None:
     assert detect_format(real_runs / FAIRSEQ).FORMAT == "fairseq"
     assert detect_format(real_runs / PYTHIA / "160m-seed4_pxnucujw.tsv").FORMAT == "wandb"

@@ -16,14 +16,39 @@ MODULES = importers()
 IDS = [m.FORMAT for m in MODULES]
 
 # Lines that look like the formats' data lines, with their values mangled, mixed with raw noise.
-fragments = st.sampled_from([
-    "| INFO | train_inner | {", '"loss": "', '"num_updates": "', "}", "NOTE: gradient overflow detected, "
-    "ignoring gradient, setting loss scale to: ", "train/lm_loss\tstep", "step,loss,grad_norm", "\t", ",", "nan",
-    "inf", "-1e400", "1e308", "9" * 30, "", " iteration 5/ 10 | lm loss: ", " | grad norm: ", "s:12 trl:",
-    "OVERFLOW! Rank 0 Skipping step.", "\x00", "\ufeff", '"', "{}", "[1,2]", "PAR1", "brain.Event",
-])
-lines = st.lists(st.one_of(fragments, st.text(max_size=30), st.floats().map(str), st.integers().map(str)),
-                 max_size=8).map("".join)
+fragments = st.sampled_from(
+    [
+        "| INFO | train_inner | {",
+        '"loss": "',
+        '"num_updates": "',
+        "}",
+        "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: ",
+        "train/lm_loss\tstep",
+        "step,loss,grad_norm",
+        "\t",
+        ",",
+        "nan",
+        "inf",
+        "-1e400",
+        "1e308",
+        "9" * 30,
+        "",
+        " iteration 5/ 10 | lm loss: ",
+        " | grad norm: ",
+        "s:12 trl:",
+        "OVERFLOW! Rank 0 Skipping step.",
+        "\x00",
+        "\ufeff",
+        '"',
+        "{}",
+        "[1,2]",
+        "PAR1",
+        "brain.Event",
+    ]
+)
+lines = st.lists(
+    st.one_of(fragments, st.text(max_size=30), st.floats().map(str), st.integers().map(str)), max_size=8
+).map("".join)
 documents = st.lists(lines, max_size=25).map("\n".join)
 
 
@@ -60,9 +85,13 @@ def test_detection_never_raises_on_bytes(data: bytes) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(header=st.sampled_from(["train/lm_loss\tstep", "step,loss", "_step,train/loss,train/grad_norm"]),
-       rows=st.lists(st.lists(st.one_of(st.floats(allow_nan=True), st.text(max_size=6)), min_size=1, max_size=4),
-                     max_size=20))
+@given(
+    header=st.sampled_from(["train/lm_loss\tstep", "step,loss", "_step,train/loss,train/grad_norm"]),
+    rows=st.lists(
+        st.lists(st.one_of(st.floats(allow_nan=True), st.text(max_size=6)), min_size=1, max_size=4),
+        max_size=20,
+    ),
+)
 def test_tables_survive_ragged_rows(header: str, rows: list[list[object]]) -> None:
     sep = "\t" if "\t" in header else ","
     body = "\n".join(sep.join(str(v) for v in row) for row in rows)

@@ -25,6 +25,15 @@ def test_every_fragment_reads_without_problems(real_runs: Path) -> None:
         assert megatron.sniff(f.read_text()[:4096]), f.name
 
 
+def test_auto_detection_picks_these_importers(real_runs: Path) -> None:
+    from stabmon.replay.importers.detect import detect_format
+
+    expect = {CHRON: "megatron", "deepspeed-chat-opt": "deepspeed", "llmc-gpt2-124m-SiddanthEmani": "llmc"}
+    for folder, fmt in expect.items():
+        for f in sorted((real_runs / folder).glob("*.log")):
+            assert detect_format(f).FORMAT == fmt, f.name
+
+
 def test_bloom_fragment_fields_and_rank_prefix(real_runs: Path) -> None:
     r = megatron.read(real_runs / CHRON / "tr11-176B_spike-it31214-31251.log")
     assert [x.step for x in r.records][:3] == [31214, 31215, 31216] and len(r.records) == 11

@@ -163,7 +163,8 @@ def test_executor_failures_are_recorded_not_raised(caplog: pytest.LogCaptureFixt
     ex = LiveExecutor(t)
     rec = ex.execute(decision("rollback", {"onset_step": 50}))
     assert rec.after == {"error": "FileNotFoundError: no valid checkpoint"}
-    assert ex.execute(decision("revert", {"intervention_id": "nope"})).after["error"].startswith("LookupError")
+    missing = ex.execute(decision("revert", {"intervention_id": "nope"}))
+    assert missing.after["error"].startswith("LookupError")
     assert ex.execute(decision("teleport")).after["error"].startswith("KeyError")
     assert ex.errors == 3 and "rollback for decision" in caplog.text
 
@@ -180,7 +181,8 @@ def test_executor_state_survives_a_resume_so_reverts_still_work() -> None:
     assert ex2.state_dict() == state
     undo = ex2.execute(decision("revert", {"intervention_id": rec.id}))
     assert "error" not in undo.after and t2.overrides.max_norm is None
-    assert ex2.execute(decision("revert", {"intervention_id": rec.id})).after["error"].startswith("LookupError")
+    twice = ex2.execute(decision("revert", {"intervention_id": rec.id}))
+    assert twice.after["error"].startswith("LookupError")
 
 
 def test_concurrent_applications_are_serialised() -> None:
@@ -216,7 +218,7 @@ def test_register_custom_intervention() -> None:
         get_intervention("noop_for_test")
 
 
-# -- contract suite: every registered intervention -------------------------------------------------------------
+# -- contract suite: every registered intervention --
 VALID_PARAMS = {"scale_lr": {"factor": 0.9}, "set_clip": {"max_norm": 1.0}, "set_beta2": {"beta2": 0.95},
                 "set_weight_decay": {"weight_decay": 0.1}, "skip_step": {"factor": 5.0}, "rollback": {},
                 "checkpoint_and_stop": {}, "alert_only": {}}

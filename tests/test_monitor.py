@@ -1,4 +1,5 @@
-"""The live Monitor in plain loops: collected signals, clipping, overrides, skip guard, scaler, state, bad input."""
+"""The live Monitor in plain loops: collected signals, clipping, overrides, skip guard, scaler, state, bad
+input."""
 
 from __future__ import annotations
 
@@ -47,8 +48,14 @@ def loss_of(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
 
 
-def train(mon: Monitor, model: nn.Module, opt: torch.optim.Optimizer, data: list[Any], sched: Any = None,
-          **steps_kw: Any) -> list[int]:
+def train(
+    mon: Monitor,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    data: list[Any],
+    sched: Any = None,
+    **steps_kw: Any,
+) -> list[int]:
     seen = []
     for _, idx in mon.steps(data, **steps_kw):
         seen.append(mon.buffer._current.batch_index)  # type: ignore[union-attr]
@@ -93,7 +100,11 @@ def test_clipping_and_norms_match_clip_grad_norm() -> None:
     rec = mon.records[3]
     layers = [v for k, v in rec.metrics.items() if k.startswith(Metric.GRAD_NORM_PREFIX)]
     assert {k for k in rec.metrics if k.startswith("grad_norm/")} == {
-        "grad_norm/wte", "grad_norm/blocks.0", "grad_norm/blocks.1", "grad_norm/head"}
+        "grad_norm/wte",
+        "grad_norm/blocks.0",
+        "grad_norm/blocks.1",
+        "grad_norm/head",
+    }
     assert math.sqrt(sum(v * v for v in layers)) == pytest.approx(rec.metrics[Metric.GRAD_NORM], rel=1e-5)
     assert rec.metrics[Metric.CLIP] == 0.5 and rec.metrics[Metric.NONFINITE] == 0.0
     assert rec.metrics[Metric.LR] == 0.1 and rec.metrics[Metric.BETA2] == 0.999
@@ -102,14 +113,18 @@ def test_clipping_and_norms_match_clip_grad_norm() -> None:
 
 
 def test_layer_patterns_and_sampling_cadence() -> None:
-    cfg = MonitorConfig(grads=GradConfig(layers=(r"blocks\.\d+",)), flush_every=4,
-                        activations=ActivationConfig(every=3, modules=("blocks\\.1", "head")),
-                        embeddings=EmbeddingConfig(every=5))
+    cfg = MonitorConfig(
+        grads=GradConfig(layers=(r"blocks\.\d+",)),
+        flush_every=4,
+        activations=ActivationConfig(every=3, modules=("blocks\\.1", "head")),
+        embeddings=EmbeddingConfig(every=5),
+    )
     model, opt, mon = make(config=cfg)
     train(mon, model, opt, batches(11))
     mon.close()
     recs = list(mon.records)
-    assert {k for k in recs[0].metrics if k.startswith("grad_norm/")} == {"grad_norm/blocks.0", "grad_norm/blocks.1"}
+    layers = {k for k in recs[0].metrics if k.startswith("grad_norm/")}
+    assert layers == {"grad_norm/blocks.0", "grad_norm/blocks.1"}
     assert [r.step for r in recs if "act_rms/head" in r.metrics] == [0, 3, 6, 9]
     assert [r.step for r in recs if "emb_drift/wte" in r.metrics] == [0, 5, 10]
     assert "act_rms/blocks.0" not in recs[0].metrics
@@ -132,7 +147,8 @@ def test_embedding_update_ratio_is_one_step() -> None:
     mon.close()
     before, after = snapshots[2]
     rec = mon.records[2]
-    assert rec.metrics["emb_update/wte"] == pytest.approx(float((after - before).norm() / after.norm()), rel=1e-4)
+    ratio = float((after - before).norm() / after.norm())
+    assert rec.metrics["emb_update/wte"] == pytest.approx(ratio, rel=1e-4)
     assert rec.metrics["emb_drift/wte"] == pytest.approx(float((after - w0).norm() / w0.norm()), rel=1e-4)
 
 
@@ -159,7 +175,8 @@ def test_overrides_survive_the_scheduler() -> None:
     model = Tiny()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
-    mon = Monitor(model, opt, scheduler=sched, store=None, detectors=False, config=MonitorConfig(flush_every=1))
+    cfg = MonitorConfig(flush_every=1)
+    mon = Monitor(model, opt, scheduler=sched, store=None, detectors=False, config=cfg)
     expected = [0.1 * (1 + math.cos(math.pi * s / 10)) / 2 for s in range(8)]
     for step, idx in mon.steps(batches(8)):
         if step == 3:
@@ -172,7 +189,8 @@ def test_overrides_survive_the_scheduler() -> None:
         opt.step()
         sched.step()
         opt.zero_grad()
-        assert opt.param_groups[0]["lr"] == pytest.approx(expected[step + 1] if step < 7 else sched.get_last_lr()[0])
+        scheduled = expected[step + 1] if step < 7 else sched.get_last_lr()[0]
+        assert opt.param_groups[0]["lr"] == pytest.approx(scheduled)
         assert opt.param_groups[0]["betas"][1] == 0.999 and opt.param_groups[0]["weight_decay"] == 0.01
     mon.close()
     lrs = [r.metrics[Metric.LR] for r in mon.records]
@@ -182,24 +200,22 @@ def test_overrides_survive_the_scheduler() -> None:
     assert [r.metrics[Metric.WEIGHT_DECAY] for r in mon.records][2:4] == [0.01, 0.0]
 
 
-def test_skip_guard_discards_the_spiking_update() -> None:
+def test_skip_guard_flags_only_the_spike_and_keeps_learning() -> None:
     model, opt, mon = make(config=MonitorConfig(flush_every=1))
     mon.overrides.skip_factor = 3.0
-    kept = {}
     for step, idx in mon.steps(batches(8)):
         loss = loss_of(model, idx) * (100.0 if step == 6 else 1.0)
         loss.backward()
         mon.observe(loss=loss)
-        before = [p.detach().clone() for p in model.parameters()]
-        state_before = {k: v.clone() for k, v in opt.state[model.head.weight].items()} if step else {}
+        before = model.head.weight.detach().clone()
         opt.step()
         opt.zero_grad()
-        kept[step] = (before, state_before)
+        moved = not torch.equal(before, model.head.weight.detach())
+        assert moved == (step != 6)
     mon.close()
     assert [r.metrics[Metric.SKIPPED] for r in mon.records] == [0, 0, 0, 0, 0, 0, 1, 0]
-    before, state_before = kept[6]
-    # the guard's record is closed after the step, so compare the parameters right after step 6 via step 7's start
-    assert mon.records[6].metrics[Metric.GRAD_NORM] > 3 * mon.records[5].metrics[Metric.GRAD_NORM]
+    grad = [r.metrics[Metric.GRAD_NORM] for r in mon.records]
+    assert grad[6] > 3 * grad[5]
 
 
 def test_skip_guard_restores_parameters_and_moments() -> None:
@@ -275,8 +291,9 @@ def test_checkpoint_and_stop_and_kill_switch(tmp_path: Any) -> None:
     from stabmon.checkpoints import STOP_EXIT_CODE
 
     switch = tmp_path / "STOP"
-    model, opt, mon = make(config=MonitorConfig(flush_every=2, kill_switch=str(switch)),
-                           checkpoint_dir=str(tmp_path / "ckpt"))
+    model, opt, mon = make(
+        config=MonitorConfig(flush_every=2, kill_switch=str(switch)), checkpoint_dir=str(tmp_path / "ckpt")
+    )
     for step, idx in mon.steps(batches(20)):
         if step == 5:
             switch.write_text("maintenance")
@@ -331,8 +348,15 @@ class MemorySink:
         self.answers: list[tuple[str, bool]] = []
         self.skipped: list[tuple[int, list[int]]] = []
 
-    def start_run(self, *, name: str, kind: str = "live", config: Any = None, environment: Any = None,
-                  resume_run_id: str | None = None) -> str:
+    def start_run(
+        self,
+        *,
+        name: str,
+        kind: str = "live",
+        config: Any = None,
+        environment: Any = None,
+        resume_run_id: str | None = None,
+    ) -> str:
         return "run-1"
 
     def write_steps(self, *, run_id: str, records: Any) -> None:
@@ -388,8 +412,16 @@ class SpikeDetectors:
         v = record.get("loss")
         if v is None or v < 1e3:
             return []
-        return [Anomaly(kind="spike", metric="loss", step=record.step, score=v, severity=Severity.ERROR,
-                        detector="test")]
+        return [
+            Anomaly(
+                kind="spike",
+                metric="loss",
+                step=record.step,
+                score=v,
+                severity=Severity.ERROR,
+                detector="test",
+            )
+        ]
 
     def enter_grace(self, steps: int | None = None) -> None:
         self.graces += 1
@@ -411,15 +443,39 @@ class ClipEngine:
     def process(self, record: StepRecord, anomalies: Any) -> list[Any]:
         from stabmon.events import Decision
 
-        return [Decision(step=record.step, action="set_clip", params={"max_norm": 0.25}, status=self.status,
-                         runbook="test", rule="spike", rung=0, reason="spike", anomaly_id=a.id, id="d1")
-                for a in anomalies]
+        return [
+            Decision(
+                step=record.step,
+                action="set_clip",
+                params={"max_norm": 0.25},
+                status=self.status,
+                runbook="test",
+                rule="spike",
+                rung=0,
+                reason="spike",
+                anomaly_id=a.id,
+                id="d1",
+            )
+            for a in anomalies
+        ]
 
     def answer(self, decision_id: str, approved: bool, step: int) -> list[Any]:
         from stabmon.events import Decision, DecisionStatus
 
-        return [Decision(step=step, action="set_clip", params={"max_norm": 0.25}, status=DecisionStatus.APPROVED,
-                         runbook="test", rule="spike", rung=0, reason="approved", id=decision_id)]
+        ok = DecisionStatus.APPROVED
+        return [
+            Decision(
+                step=step,
+                action="set_clip",
+                params={"max_norm": 0.25},
+                status=ok,
+                runbook="test",
+                rule="spike",
+                rung=0,
+                reason="approved",
+                id=decision_id,
+            )
+        ]
 
     def applied(self, decision: Any, record: Any) -> None:
         self.applied_records.append(record)
@@ -448,8 +504,14 @@ def test_decisions_flow_through_executor_store_and_notifier(mode: str) -> None:
 
     status = DecisionStatus.APPLY if mode == "apply" else DecisionStatus.PROPOSED
     sink, notifier, engine = MemorySink(), FakeNotifier(), ClipEngine(status)
-    model, opt, mon = make(store=sink, notifier=notifier, detectors=SpikeDetectors(), runbook=engine, mode=mode,
-                           config=MonitorConfig(flush_every=2))
+    model, opt, mon = make(
+        store=sink,
+        notifier=notifier,
+        detectors=SpikeDetectors(),
+        runbook=engine,
+        mode=mode,
+        config=MonitorConfig(flush_every=2),
+    )
     for step, idx in mon.steps(batches(8)):
         loss = loss_of(model, idx) * (1e6 if step == 2 else 1.0)
         loss.backward()
@@ -475,8 +537,10 @@ def test_bad_input_is_one_line_naming_the_argument(tmp_path: Any) -> None:
     blocker.write_text("not a directory")
     cases = [
         (dict(config=MonitorConfig(grads=GradConfig(layers=("nope\\.\\d+",)))), "config.grads.layers"),
-        (dict(config=MonitorConfig(activations=ActivationConfig(modules=("blocks\\.9",)))),
-         "config.activations.modules"),
+        (
+            dict(config=MonitorConfig(activations=ActivationConfig(modules=("blocks\\.9",)))),
+            "config.activations.modules",
+        ),
         (dict(mode="yolo"), "mode:"),
         (dict(store=f"sqlite:///{blocker}/x.db"), "store:"),
         (dict(store="nosuchdb://x"), "store:"),

@@ -1,8 +1,9 @@
 """No host sync on the hot path: host reads of tensors happen only inside flushes.
 
-A TorchFunctionMode counts every ``.item()``, ``.tolist()``, ``float()``, ``int()``, ``bool()``, ``.cpu()`` and
-``.numpy()`` on a tensor during 50 monitored steps, noting whether a flush was running. The loop itself (SGD, a
-small transformer-like model) reads nothing back, so every call outside a flush would be the monitor's.
+A TorchFunctionMode counts every ``.item()``, ``.tolist()``, ``float()``, ``int()``, ``bool()``, ``.cpu()``
+and ``.numpy()`` on a tensor during 50 monitored steps, noting whether a flush was running. The loop itself
+(SGD, a small transformer-like model) reads nothing back, so every call outside a flush would be the
+monitor's.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ class Tiny(nn.Module):
         return self.head(x)
 
 
-def _run(config: MonitorConfig, counter: SyncCounter, *, overrides: Overrides | None = None,
-         steps: int = 50) -> Monitor:
+def _run(
+    config: MonitorConfig, counter: SyncCounter, *, overrides: Overrides | None = None, steps: int = 50
+) -> Monitor:
     torch.manual_seed(0)
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -92,8 +94,12 @@ def _run(config: MonitorConfig, counter: SyncCounter, *, overrides: Overrides | 
 
 @pytest.mark.parametrize("every", [10, 1], ids=["defaults", "every-signal-every-step"])
 def test_no_host_sync_outside_flushes(every: int) -> None:
-    cfg = MonitorConfig(clip=1.0, flush_every=20, activations=ActivationConfig(every=every),
-                        embeddings=EmbeddingConfig(every=every))
+    cfg = MonitorConfig(
+        clip=1.0,
+        flush_every=20,
+        activations=ActivationConfig(every=every),
+        embeddings=EmbeddingConfig(every=every),
+    )
     counter = SyncCounter()
     mon = _run(cfg, counter, overrides=Overrides(lr_scale=0.5, skip_factor=3.0))
     assert counter.outside == []

@@ -1,4 +1,5 @@
-"""Interventions on the live Monitor: scale_lr holds under LR schedulers and across a resume; rollback picks the
+"""Interventions on the live Monitor: scale_lr holds under LR schedulers and across a resume; rollback picks
+the
 previous good checkpoint when the newest is corrupt, skips batches and records them."""
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     "onecycle": lambda o: sch.OneCycleLR(o, max_lr=0.05, total_steps=60),
     "lambda": lambda o: sch.LambdaLR(o, lambda s: 0.95**s),
     "warmup_chain": lambda o: sch.SequentialLR(
-        o, [sch.LinearLR(o, start_factor=0.1, total_iters=5), sch.CosineAnnealingLR(o, T_max=30)], milestones=[5]),
+        o, [sch.LinearLR(o, start_factor=0.1, total_iters=5), sch.CosineAnnealingLR(o, T_max=30)],
+        milestones=[5]),
 }
 
 
 def decision(action: str, params: dict[str, Any]) -> Decision:
-    return Decision(step=0, action=action, params=params, status=DecisionStatus.APPLY, runbook="test", rule="r",
+    return Decision(step=0, action=action, params=params, status=DecisionStatus.APPLY, runbook="test",
+                    rule="r",
                     rung=0, reason="test")
 
 
@@ -60,7 +63,8 @@ def test_scale_lr_holds_under_schedulers_and_across_resume(name: str) -> None:
     make = SCHEDULERS[name]
     ref_model, ref_opt, ref_sched = setup(make)  # the scheduler's own trajectory, unmonitored
     model, opt, sched = setup(make)
-    mon = Monitor(model, opt, scheduler=sched, store=None, detectors=False, config=MonitorConfig(flush_every=5))
+    mon = Monitor(model, opt, scheduler=sched, store=None, detectors=False,
+                  config=MonitorConfig(flush_every=5))
     used = lr_probe(opt)
     expected: list[float] = []
 
@@ -105,7 +109,8 @@ def checkpointed_run(tmp_path: Path, store: Any = None) -> tuple[Monitor, Any, A
     return mon, model, opt, []
 
 
-def feed(mon: Monitor, model: Any, opt: Any, data: list[torch.Tensor], seen: list[int], max_steps: int) -> None:
+def feed(mon: Monitor, model: Any, opt: Any, data: list[torch.Tensor], seen: list[int],
+         max_steps: int) -> None:
     for _, x in mon.steps(data, max_steps=max_steps):
         seen.append(int(x[0, 0].item()))  # each batch carries its own index (test bookkeeping only)
         loss = model(x[:, 1:]).pow(2).mean()
@@ -117,7 +122,8 @@ def feed(mon: Monitor, model: Any, opt: Any, data: list[torch.Tensor], seen: lis
 
 def indexed_data(n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.cat([torch.full((8, 1), float(i)), torch.randn(8, 4, generator=g)], dim=1) for i in range(n)]
+    return [torch.cat([torch.full((8, 1), float(i)), torch.randn(8, 4, generator=g)], dim=1)
+            for i in range(n)]
 
 
 @pytest.mark.parametrize("corruption", ["truncate", "nan"])
@@ -139,7 +145,8 @@ def test_rollback_skips_a_corrupt_newest_checkpoint(tmp_path: Path, corruption: 
         state["model"]["weight"][0, 1] = math.nan
         torch.save(state, newest.path)
         mon.checkpoints.register(newest.path, step=20)  # same size is possible; NaN is still caught
-    rec = LiveExecutor(mon).execute(decision("rollback", {"onset_step": 20, "lookback": 0, "skip_batches": 7}))
+    params = {"onset_step": 20, "lookback": 0, "skip_batches": 7}
+    rec = LiveExecutor(mon).execute(decision("rollback", params))
     assert "error" not in rec.after, rec.after
     assert rec.after["checkpoint_step"] == 15 and rec.after["restored_step"] == 15 and mon.step == 15
     skipped = list(range(*rec.after["skipped"]))

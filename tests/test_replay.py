@@ -31,7 +31,7 @@ def spiky_records(n: int = 400, spike_at: int = 300) -> list[StepRecord]:
     return out
 
 
-# -- simulated target -----------------------------------------------------------------------------------------
+# -- simulated target ------------------------------------------------------------------------------
 def test_simulated_target_rollback_and_stop() -> None:
     t = SimulatedTarget(checkpoint_interval=250)
     t.observe(StepRecord(step=1234, metrics={"lr": 1e-3}, batch_index=5000))
@@ -57,14 +57,22 @@ def test_live_executor_acts_on_simulated_target() -> None:
     t = SimulatedTarget()
     t.observe(StepRecord(step=7, metrics={"lr": 1e-3}))
     ex = LiveExecutor(t, simulated=True)
-    d = Decision(step=7, action="scale_lr", params={"factor": 0.5}, status=DecisionStatus.APPLY, runbook="r",
-                 rule="spike", rung=0, reason="test")
+    d = Decision(
+        step=7,
+        action="scale_lr",
+        params={"factor": 0.5},
+        status=DecisionStatus.APPLY,
+        runbook="r",
+        rule="spike",
+        rung=0,
+        reason="test",
+    )
     rec = ex.execute(d)
     assert isinstance(rec, InterventionRecord) and rec.simulated and "error" not in rec.after
     assert t.overrides.lr_scale == pytest.approx(0.5)
 
 
-# -- replay with the real detectors and runbook ---------------------------------------------------------------
+# -- replay with the real detectors and runbook ----------------------------------------------------
 def test_replay_finds_the_spike_with_live_classes() -> None:
     res = replay(spiky_records(), runbook="default")
     spikes = [a for a in res.anomalies if a.kind == "spike"]
@@ -136,17 +144,23 @@ def test_restarts_grace_only_when_asked() -> None:
 
 def test_progress_callback_counts_every_record() -> None:
     seen: list[int] = []
-    replay([StepRecord(s, {"loss": 1.0}) for s in range(2500)], pipeline=Pipeline(_Flag()),
-           progress=seen.append, progress_every=1000)
+    replay(
+        [StepRecord(s, {"loss": 1.0}) for s in range(2500)],
+        pipeline=Pipeline(_Flag()),
+        progress=seen.append,
+        progress_every=1000,
+    )
     assert seen == [1000, 1000, 500]
 
 
-# -- CLI -------------------------------------------------------------------------------------------------------
+# -- CLI -------------------------------------------------------------------------------------------
 def test_cli_import_then_replay_stored_run(real_runs: Path, sqlite_url: str) -> None:
     from stabmon.cli import app
 
     runner = CliRunner()
-    res = runner.invoke(app, ["import", str(real_runs / FAIRSEQ), "--run", "fs13b", "--db", sqlite_url, "--json"])
+    res = runner.invoke(
+        app, ["import", str(real_runs / FAIRSEQ), "--run", "fs13b", "--db", sqlite_url, "--json"]
+    )
     assert res.exit_code == 0, res.output
     summary = json.loads(res.output)
     assert summary["records"] == 10 and summary["format"] == "fairseq" and summary["malformed"] == 0
@@ -187,8 +201,10 @@ def test_cli_import_map_and_bad_map(tmp_path: Path, sqlite_url: str) -> None:
     p = tmp_path / "log.csv"
     p.write_text("it,my_loss\n1,2.0\n2,x\n")
     runner = CliRunner()
-    res = runner.invoke(app, ["import", str(p), "--run", "c", "--map", "my_loss=loss", "--step-column", "it",
-                              "--db", sqlite_url])
+    res = runner.invoke(
+        app,
+        ["import", str(p), "--run", "c", "--map", "my_loss=loss", "--step-column", "it", "--db", sqlite_url],
+    )
     assert res.exit_code == 0, res.output
     assert "imported 2 steps" in res.output and "1 malformed" in res.output
     res = runner.invoke(app, ["import", str(p), "--run", "c", "--map", "broken", "--db", sqlite_url])

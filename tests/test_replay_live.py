@@ -1,8 +1,8 @@
 """One pipeline: replaying a live run's stored metrics reproduces its anomalies and decisions exactly.
 
-The issue asks for this on examples/tiny_gpt.py; that example is not in the tree yet, so this records a small real
-training loop of its own (a regression that is destabilised by a learning-rate blow-up mid-run) through the live
-:class:`stabmon.Monitor`, then replays the StepRecords read back from the store.
+The issue asks for this on examples/tiny_gpt.py; that example is not in the tree yet, so this records a small
+real training loop of its own (a regression that is destabilised by a learning-rate blow-up mid-run) through
+the live :class:`stabmon.Monitor`, then replays the StepRecords read back from the store.
 """
 
 from __future__ import annotations
@@ -23,8 +23,15 @@ def _live_run(store_url: str, mode: str) -> tuple[str, list]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     w = torch.randn(8, 1, generator=gen)
     data = [torch.randn(32, 8, generator=gen) for _ in range(160)]
-    mon = Monitor(model, opt, store=store_url, runbook="default", mode=mode, run_name="live",
-                  config=MonitorConfig(flush_every=10))
+    mon = Monitor(
+        model,
+        opt,
+        store=store_url,
+        runbook="default",
+        mode=mode,
+        run_name="live",
+        config=MonitorConfig(flush_every=10),
+    )
     with mon:
         for step, x in mon.steps(data):
             for g in opt.param_groups:
@@ -50,6 +57,9 @@ def test_replay_of_stored_live_run_is_identical(sqlite_url: str, mode: str) -> N
     live = [e for e in live_events if isinstance(e, (Anomaly, Decision))]
     assert [e for e in live if isinstance(e, Anomaly)], "the blow-up should have been detected live"
     pipeline, target = build_pipeline(runbook="default", mode=mode)
-    replayed = [e for e in replay(records, pipeline=pipeline, target=target).events
-                if isinstance(e, (Anomaly, Decision))]
+    replayed = [
+        e
+        for e in replay(records, pipeline=pipeline, target=target).events
+        if isinstance(e, (Anomaly, Decision))
+    ]
     assert canonical(replayed) == canonical(live)

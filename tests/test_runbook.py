@@ -1,4 +1,4 @@
-"""Runbook files: the bundled ones load, bad input fails before training with FILE:LINE: field.path: message."""
+"""Runbook files: the bundled ones load; bad input fails before training with FILE:LINE: field.path: msg."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def test_opt175b_is_the_logbook_ladder() -> None:
     ladder = [(r.action, r.params.model_dump(exclude_none=True)) for r in rb.rule("instability").ladder]
     assert ladder == [
         ("set_clip", {"max_norm": 1.5}), ("set_clip", {"max_norm": 1.0}), ("set_beta2", {"beta2": 0.95}),
-        ("set_weight_decay", {"weight_decay": 0.1}), ("scale_lr", {"factor": 0.9}), ("scale_lr", {"scale": 0.667}),
+        ("set_weight_decay", {"weight_decay": 0.1}), ("scale_lr", {"factor": 0.9}),
+        ("scale_lr", {"scale": 0.667}),
     ]
     assert rb.rule("loss_scale_collapse").ladder[0].action == "rollback"
     assert rb.mode == "apply"
@@ -64,7 +65,8 @@ def test_opt175b_is_the_logbook_ladder() -> None:
 
 def test_palm_rollback_skips_200_to_500_batches_from_100_steps_back() -> None:
     rung = load_runbook("palm-rollback").rule("loss_spike").ladder[0]
-    assert rung.action == "rollback" and rung.params.lookback == 100 and 200 <= rung.params.skip_batches <= 500
+    assert rung.action == "rollback" and rung.params.lookback == 100
+    assert 200 <= rung.params.skip_batches <= 500
 
 
 def test_propose_only_is_propose_mode() -> None:
@@ -83,12 +85,14 @@ def test_wrong_parameter_type(tmp_path: Path) -> None:
 
 
 def test_negative_window(tmp_path: Path) -> None:
-    p = write(tmp_path, GOOD.replace("observe: 10\n      - action: scale_lr", "observe: -5\n      - action: scale_lr"))
+    p = write(tmp_path, GOOD.replace("observe: 10\n      - action: scale_lr",
+                                     "observe: -5\n      - action: scale_lr"))
     assert error_of(p) == f"{p}:10: rules[0].ladder[0].observe: Input should be greater than or equal to 1"
 
 
 def test_missing_checkpoint_directory(tmp_path: Path) -> None:
-    text = GOOD + "      - action: rollback\n        params: {checkpoint_dir: /nonexistent/ckpts, lookback: 100}\n"
+    text = GOOD + ("      - action: rollback\n"
+                   "        params: {checkpoint_dir: /nonexistent/ckpts, lookback: 100}\n")
     p = write(tmp_path, text)
     assert error_of(p) == (f"{p}:15: rules[0].ladder[2].params.checkpoint_dir: "
                            "checkpoint directory does not exist: /nonexistent/ckpts")
@@ -103,7 +107,8 @@ def test_unknown_field_is_forbidden(tmp_path: Path) -> None:
 
 def test_revert_of_an_irreversible_action(tmp_path: Path) -> None:
     p = write(tmp_path, GOOD + "      - action: rollback\n        on_failure: revert\n")
-    assert error_of(p) == (f"{p}:14: rules[0].ladder[2]: on_failure: revert is impossible, rollback cannot be "
+    assert error_of(p) == (f"{p}:14: rules[0].ladder[2]: on_failure: revert is impossible, rollback "
+                           "cannot be "
                            "reverted")
 
 

@@ -14,7 +14,8 @@ def test_validate_ok_and_bad(tmp_path: Path) -> None:
     ok = CliRunner().invoke(app, ["runbook", "validate", "opt175b"])
     assert ok.exit_code == 0 and ok.output == "ok: opt175b (apply mode, 2 rules, 7 rungs)\n"
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: x\nrules:\n  - name: r\n    ladder:\n      - action: set_clip\n        observe: -1\n")
+    bad.write_text("name: x\nrules:\n  - name: r\n    ladder:\n      - action: set_clip\n"
+                   "        observe: -1\n")
     res = CliRunner().invoke(app, ["runbook", "validate", str(bad)])
     assert res.exit_code == 1
     assert res.output.splitlines() == [

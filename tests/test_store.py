@@ -8,6 +8,8 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy.orm import Session
 
 from stabmon.events import (
@@ -185,6 +187,23 @@ def test_answers_reach_the_run_once(store: Store) -> None:
     assert store.poll_answers(run_id=run) == []
 
 
+def test_answers_are_not_polled_while_the_database_is_away(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    cfg = StoreConfig(flush_interval=0.02, retry_initial=0.05, retry_max=0.1, poll_interval=60.0)
+    with open_store(url, config=cfg) as store:
+        run = store.start_run(name="r", environment={})
+        d = chain()[1]
+        store.write_events(run_id=run, events=[d])
+        assert store.flush(20)
+        with store.session() as s:
+            repo.answer_decision(session=s, run_id=run, decision_id=d.id, approved=False, by="a")
+        monkeypatch.setattr(store._writer, "backlog", lambda: True)  # as during an outage
+        assert store.poll_answers(run_id=run) == []
+        monkeypatch.undo()
+        assert store.poll_answers(run_id=run) == [(d.id, False)]
+        assert store.poll_answers(run_id=run) == []  # throttled by poll_interval, and nothing new anyway
+
+
 def test_decision_not_proposed_cannot_be_answered(store: Store) -> None:
     run = store.start_run(name="r", environment={})
     d = chain()[1]
@@ -283,6 +302,7 @@ def test_alerts_are_recorded_and_updated(store: Store) -> None:
 
 def test_writer_and_readers_concurrently(store: Store) -> None:
     run = store.start_run(name="r", environment={})
+    assert store.flush(20)  # readers look the run up by id; unknown ids are an error
     stop, seen, errors = threading.Event(), [], []
 
     def reader() -> None:
@@ -327,6 +347,7 @@ def test_state_after_close_and_reopen(url: str) -> None:
         ({"batch_max_rows": 0}, "store.batch_max_rows must be >= 1, got 0"),
         ({"retry_initial": 2.0, "retry_max": 1.0}, "store.retry_max must be >= store.retry_initial, got 1.0"),
         ({"close_timeout": -1}, "store.close_timeout must be > 0, got -1"),
+        ({"poll_interval": -1.0}, "store.poll_interval must be >= 0, got -1.0"),
     ],
 )
 def test_config_errors_name_the_field(kwargs: dict, message: str) -> None:
@@ -357,6 +378,141 @@ def test_fresh_sqlite_file_is_upgraded_and_password_is_hidden(tmp_path, pg_url: 
     assert "hunter2" not in str(info.value)
 
 
+def test_reading_an_unknown_run_is_an_error(store: Store) -> None:
+    with store.session() as s, pytest.raises(RunNotFoundError, match="no run with id 'nope'"):
+        repo.load_steps(session=s, run_id="nope")
+
+
 def test_unknown_run_kind() -> None:
     with pytest.raises(ValueError, match="run.kind must be one of"):
         repo.add_run(session=None, name="x", kind="bogus")  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def shared_sqlite_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    url = f"sqlite:///{tmp_path_factory.mktemp('prop') / 'prop.db'}"
+    s = open_store(url, config=StoreConfig(flush_interval=0.01))
+    yield s
+    s.close()
+
+
+_names = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=40)
+_records = st.lists(
+    st.builds(
+        StepRecord,
+        step=st.integers(min_value=0, max_value=2**40),
+        metrics=st.dictionaries(_names, st.floats(allow_nan=True, allow_infinity=True), max_size=8),
+        batch_index=st.none() | st.integers(min_value=0, max_value=2**40),
+        time=st.none() | st.floats(min_value=0, max_value=4e9),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(records=_records)
+def test_any_records_round_trip(shared_sqlite_store: Store, records: list[StepRecord]) -> None:
+    store = shared_sqlite_store
+    run = store.start_run(name="prop", environment={})
+    store.write_steps(run_id=run, records=records)
+    assert store.flush(20)
+    with store.session() as s:
+        records_equal(repo.load_steps(session=s, run_id=run), records)
+
+
+def test_two_threads_writing_one_run_lose_nothing(store: Store) -> None:
+    run = store.start_run(name="r", environment={})
+
+    def produce(offset: int) -> None:
+        for i in range(500):
+            store.write_steps(run_id=run, records=[StepRecord(offset + i, {"loss": float(offset + i)})])
+
+    threads = [threading.Thread(target=produce, args=(k * 1000,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.flush(30)
+    with store.session() as s:
+        steps = sorted(r.step for r in repo.load_steps(session=s, run_id=run))
+    assert steps == list(range(500)) + list(range(1000, 1500))
+
+
+def test_writes_after_close_are_counted_not_silently_lost(sqlite_url: str) -> None:
+    store = open_store(sqlite_url)
+    run = store.start_run(name="r", environment={})
+    store.close()
+    store.write_steps(run_id=run, records=[StepRecord(0, {"loss": 1.0, "grad_norm": 2.0})])
+    assert store.stats.dropped_rows == 3
+
+
+def test_in_memory_sqlite_for_tests() -> None:
+    with open_store("sqlite://", config=StoreConfig(flush_interval=0.01)) as store:
+        run = store.start_run(name="mem", environment={})
+        store.write_steps(run_id=run, records=[StepRecord(0, {"loss": NAN})])
+        store.write_events(run_id=run, events=chain())
+        assert store.flush(20)
+        with store.session() as s:
+            assert math.isnan(repo.load_steps(session=s, run_id=run)[0].metrics["loss"])
+            assert len(repo.load_events(session=s, run_id=run)) == 4
+
+
+def test_sqlite_file_is_in_wal_mode(sqlite_url: str) -> None:
+    import sqlite3
+
+    from stabmon.store.engine import sqlite_path
+
+    with open_store(sqlite_url) as store:
+        store.start_run(name="r", environment={})
+        assert store.flush(20)
+        with sqlite3.connect(sqlite_path(sqlite_url)) as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+def _same_json(a: object, b: object) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return same(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=_json)
+def test_json_codec_round_trips_non_finite_floats(value: object) -> None:
+    import json
+
+    from stabmon.store.codec import decode, encode
+
+    text = json.dumps(encode(value), allow_nan=False)  # strict JSON, as PostgreSQL requires
+    assert _same_json(decode(json.loads(text)), value)
+
+
+def test_numpy_scalars_are_stored_as_plain_numbers(store: Store) -> None:
+    import numpy as np
+
+    run = store.start_run(name="r", environment={})
+    rec = StepRecord(np.int64(3), {"loss": np.float32(0.5), "x": np.float64("nan")}, batch_index=np.int64(7))
+    store.write_steps(run_id=run, records=[rec])
+    assert store.flush(20) and store.stats.rejected_batches == 0
+    with store.session() as s:
+        [got] = repo.load_steps(session=s, run_id=run)
+    assert (got.step, got.batch_index, got.metrics["loss"]) == (3, 7, 0.5) and math.isnan(got.metrics["x"])
+
+
+def test_spool_accepts_numpy_scalars() -> None:
+    import numpy as np
+
+    from stabmon.store.batch import Batch
+
+    b = Batch(hi=1, steps=[("r", 0, 0, None, None, {"loss": np.float32(1.5)})])
+    assert Batch.from_json(b.to_json()).steps[0][5] == {"loss": 1.5}

@@ -40,7 +40,10 @@ def exactly_once(url: str, run_id: str, want: list[StepRecord]) -> None:
     try:
         with engine.connect() as conn:
             n = conn.execute(
-                sa.text("select count(*) from step_metrics where run_id = :r"), {"r": run_id}
+                sa.text(
+                    "select count(*) from step_metrics m join runs r on r.key = m.run_key where r.id = :r"
+                ),
+                {"r": run_id},
             ).scalar()
         assert n == sum(len(r.metrics) for r in want)
         from sqlalchemy.orm import Session
@@ -215,3 +218,15 @@ def test_spool_skips_a_torn_last_line(tmp_path: Path) -> None:
     with open(sp.path, "a", encoding="utf-8") as fh:
         fh.write('{"hi": 2, "ru')
     assert [b.hi for b in Spool(tmp_path, sp.path).read()] == [1]
+
+
+def test_a_live_stores_spool_is_never_adopted(tmp_path: Path) -> None:
+    from stabmon.store.spool import orphans
+
+    live = Spool(tmp_path)
+    live.append(Batch(hi=1))  # holds the lock while open
+    assert orphans(tmp_path) == []
+    live.close(remove_if_empty=False)
+    [adopted] = orphans(tmp_path)
+    assert adopted.path == live.path and adopted.pending == 1
+    adopted.close(remove_if_empty=False)

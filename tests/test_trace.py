@@ -100,7 +100,8 @@ def test_trace_shows_the_chain_per_incident(store: Any, sqlite_url: str) -> None
     assert data["run_id"] == run_id and data["unhandled_anomalies"] == 2  # spikes seen while observing
     (inc,) = data["incidents"]
     assert inc["rule"] == "spikes" and inc["runbook"] == "trace-test"
-    assert inc["anomaly"]["step"] == 7 and inc["anomaly"]["evidence"] == [[4, 1.0], [5, 1.0], [6, 1.0], [7, 9.0]]
+    assert inc["anomaly"]["step"] == 7
+    assert inc["anomaly"]["evidence"] == [[4, 1.0], [5, 1.0], [6, 1.0], [7, 9.0]]
     chain = [(s["decision"]["action"], s["intervention"] and s["intervention"]["reverted"],
               s["outcome"] and s["outcome"]["verdict"]) for s in inc["steps"]]
     assert chain == [("set_clip", False, Verdict.REVERTED.value), ("revert", True, None),
@@ -132,7 +133,8 @@ def test_approve_through_the_cli_reaches_the_engine(store: Any, sqlite_url: str)
     proposals = [e for e in events if isinstance(e, Decision)]
     assert [(d.action, d.status) for d in proposals] == [("set_clip", DecisionStatus.PROPOSED)]
     assert target.overrides.max_norm is None  # nothing applied without a human
-    result = CliRunner().invoke(app, ["approve", run_id, proposals[0].id[:6], "--db", sqlite_url, "--by", "ann"])
+    args = ["approve", run_id, proposals[0].id[:6], "--db", sqlite_url, "--by", "ann"]
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert result.output.startswith(f"approved {proposals[0].id}: set_clip {{'max_norm': 1.5}}")
     again = CliRunner().invoke(app, ["reject", run_id, proposals[0].id, "--db", sqlite_url])

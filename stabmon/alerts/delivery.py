@@ -29,6 +29,7 @@ import apprise
 
 from stabmon.alerts.config import AlertsConfig, ChannelConfig
 from stabmon.alerts.message import Alert
+from stabmon.alerts.pagerduty import plugin_speaks_dedup, send_events_v2
 from stabmon.alerts.record import AlertRecorder
 from stabmon.alerts.redact import install_log_scrubber, redact, register_secrets, scrub
 from stabmon.alerts.routing import RESOLVE
@@ -70,6 +71,8 @@ class Channel:
         self.config = config
         self.timeout = timeout
         self.name = config.name or redact(config.url)
+        # apprise's own pagerduty:// plugin when it can carry dedup_key and resolve (stabmon.alerts.pagerduty)
+        self.native_pagerduty = plugin_speaks_dedup()
 
     def url_for(self, alert: Alert | None, action: str) -> str:
         """The URL of one send: for PagerDuty, with the Events v2 action, dedup key and severity added."""
@@ -82,6 +85,8 @@ class Channel:
         query += [("action", "resolve" if action == RESOLVE else "trigger"), ("dedup", alert.dedup_key)]
         if not any(k == "severity" for k, _ in query):
             query.append(("severity", alert.severity.value))
+        if not any(k == "overflow" for k, _ in query):
+            query.append(("overflow", "truncate"))  # Events v2 caps the summary at 1024 characters
         return urlunsplit(parts._replace(query=urlencode(query)))
 
     def send(
@@ -109,6 +114,13 @@ class Channel:
         return False, scrub(detail)[:2000]
 
     def send_alert(self, alert: Alert, action: str) -> tuple[bool, str | None]:
+        if self.config.is_pagerduty and not self.native_pagerduty:
+            return send_events_v2(
+                self.config.url,
+                alert=alert,
+                action="resolve" if action == RESOLVE else "trigger",
+                timeout=self.timeout,
+            )
         notify_type = apprise.NotifyType.SUCCESS if alert.resolves else _NOTIFY_TYPE[alert.severity]
         return self.send(
             title=alert.title, body=alert.body, notify_type=notify_type, alert=alert, action=action
@@ -144,6 +156,10 @@ class ChannelWorker:
         self._cond = threading.Condition()
         self._closing = False
         self._abort = False
+        # Backoff waits on these events, not on _cond, so that submit() never wakes a retrying thread.
+        self._close_requested = threading.Event()
+        self._aborted = threading.Event()
+        self._idle = False  # the thread waits for work: only then does submit() wake it
         self._thread: threading.Thread | None = None
 
     # -- training thread ------------------------------------------------------------------------------------
@@ -153,7 +169,8 @@ class ChannelWorker:
             if self._closing or len(self._queue) >= self.config.queue_size:
                 return False
             self._queue.append(job)
-            self._cond.notify_all()
+            if self._idle:
+                self._cond.notify()
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name=f"stabmon-alerts[{self.channel.name}]", daemon=True
@@ -174,6 +191,7 @@ class ChannelWorker:
     def begin_close(self) -> None:
         with self._cond:
             self._closing = True
+            self._close_requested.set()
             self._cond.notify_all()
 
     def join(self, deadline: float) -> bool:
@@ -183,6 +201,8 @@ class ChannelWorker:
             thread.join(max(0.0, deadline - time.monotonic()))
         with self._cond:
             self._abort = True
+            self._aborted.set()
+            self._close_requested.set()
             left = list(self._queue)[1:] if thread is not None and thread.is_alive() else list(self._queue)
             for job in left:
                 self._queue.remove(job)
@@ -198,7 +218,9 @@ class ChannelWorker:
         while True:
             with self._cond:
                 while not self._queue and not self._closing:
+                    self._idle = True
                     self._cond.wait()
+                    self._idle = False
                 if not self._queue or self._abort:
                     return
                 job = self._queue[0]
@@ -232,18 +254,23 @@ class ChannelWorker:
             self._record_update(job, "retrying", error)
             self._count("retries")
             self._backoff(job.attempts)
+            if self._abort:  # closed while waiting to retry
+                self._record_update(job, "abandoned", error)
+                self._count("abandoned")
+                return
 
     def _backoff(self, attempts: int) -> None:
-        delay = min(self.config.backoff_max, self.config.backoff_initial * 2 ** (attempts - 1))
-        with self._cond:
-            if self._closing:  # draining: keep retrying, but do not sit out long backoffs
-                delay = min(delay, self.config.backoff_initial)
-            self._cond.wait_for(lambda: self._abort, timeout=delay)
+        delay = min(self.config.backoff_max, self.config.backoff_initial * 2.0 ** min(attempts - 1, 60))
+        if self._closing:  # draining: keep retrying, but do not sit out long backoffs
+            self._aborted.wait(min(delay, self.config.backoff_initial))
+        else:  # close() cuts a long backoff short; submit() does not touch it
+            self._close_requested.wait(delay)
 
-    def _record_add(self, job: Job) -> None:
+    def _record_add(self, job: Job) -> bool:
+        """Create the alert's row (retried before each update until it succeeds, e.g. when the run's own row
+        was not yet committed by the store's writer)."""
         if self.recorder is None or job.recorded:
-            return
-        job.recorded = True
+            return job.recorded
         a = job.alert
         try:
             self.recorder.add_alert(
@@ -253,16 +280,18 @@ class ChannelWorker:
                 severity=a.severity.value,
                 status="queued",
                 dedup_key=a.dedup_key,
-                incident_id=a.incident_id or a.incident_key,
+                incident_id=(a.incident_id or a.incident_key)[:64],
                 event_id=a.event_id,
                 title=scrub(a.title),
             )
+            job.recorded = True
         except Exception:  # noqa: BLE001 - recording must not stop delivery
             log.exception("recording alert for %s failed", self.channel.name)
             self._count("record_errors")
+        return job.recorded
 
     def _record_update(self, job: Job, status: str, error: str | None) -> None:
-        if self.recorder is None:
+        if self.recorder is None or not self._record_add(job):
             return
         try:
             self.recorder.update_alert(

@@ -39,6 +39,7 @@ from stabmon.events import (
 _EVIDENCE_SHOWN = 8
 _REMEMBERED = 256  # recent anomalies / decisions kept to link events that arrive in later flushes
 _STOP_ACTIONS = frozenset({"checkpoint_and_stop"})
+_ALERT_ONLY = "alert_only"
 _OUTCOME_SEVERITY = {
     Verdict.RESOLVED: Severity.INFO,
     Verdict.ESCALATED: Severity.WARNING,
@@ -164,7 +165,7 @@ class Composer:
         key = self._incident_key(run_id, None, a)
         lines = self._header(run_id, run_name, a.step, key) + self._anomaly_lines(a)
         lines.append(f"trace: stabmon trace {run_id}")
-        title = f"[stabmon] {a.severity.value.upper()}: {a.kind} in {a.metric} at step {a.step} ({run_name})"
+        title = self._anomaly_title(a, run_name)
         return Alert(
             run_id,
             run_name,
@@ -194,8 +195,8 @@ class Composer:
             verb = "reverted" if record.reverted else "applied"
         else:
             kind, severity, verb = "decision", base, d.status.value
-        if d.action == "alert_only" and kind != "stop":
-            severity = base
+        if d.action == _ALERT_ONLY and d.status is not DecisionStatus.PROPOSED:
+            kind, severity = "anomaly", base  # the runbook's answer is "tell people": an anomaly alert
         lines = self._header(run_id, run_name, d.step, key)
         if anomaly is not None:
             lines += self._anomaly_lines(anomaly)
@@ -204,13 +205,15 @@ class Composer:
             f"decision: {d.action}({params}) [{d.status.value}] — runbook {d.runbook}, rule {d.rule}, "
             f"rung {d.rung}: {d.reason}"
         )
-        if record is not None:
+        if record is not None and (record.before or record.after):
             lines += self._change_lines(record)
         if d.status is DecisionStatus.PROPOSED:
             lines.append(f"approve: stabmon approve {run_id} {d.id}")
             lines.append(f"reject: stabmon reject {run_id} {d.id}")
         lines.append(f"trace: stabmon trace {run_id}")
         title = f"[stabmon] {severity.value.upper()}: {d.action} {verb} at step {d.step} ({run_name})"
+        if kind == "anomaly" and anomaly is not None:
+            title = self._anomaly_title(anomaly, run_name)
         return Alert(
             run_id,
             run_name,
@@ -260,6 +263,10 @@ class Composer:
             priority=resolved or o.verdict is Verdict.STOPPED,
             event_id=o.id,
         )
+
+    @staticmethod
+    def _anomaly_title(a: Anomaly, run_name: str) -> str:
+        return f"[stabmon] {a.severity.value.upper()}: {a.kind} in {a.metric} at step {a.step} ({run_name})"
 
     @staticmethod
     def _header(run_id: str, run_name: str, step: int | None, key: str) -> list[str]:

@@ -177,21 +177,36 @@ def make_notifier(
     alerts: Notifier | AlertsConfig | str | os.PathLike[str] | Iterable[str | ChannelConfig] | None,
     *,
     recorder: AlertRecorder | None = None,
+    store: Any = None,
     env: Mapping[str, str] | None = None,
 ) -> Notifier | None:
     """What the Monitor's ``alerts=`` argument means.
 
     A Notifier, a config, a config-file path (``.yaml``, ``.yml``, ``.toml``), URL(s), or None (then
     ``$STABMON_ALERTS_CONFIG`` / ``$STABMON_ALERTS``). Returns None when no channel is configured anywhere.
+    Delivery attempts are recorded through ``recorder``, else into ``store`` (a store URL, or a store object
+    with an ``engine``) with :class:`~stabmon.alerts.record.SqlRecorder`.
     """
     if isinstance(alerts, Notifier):
         return alerts
+    if recorder is None and store is not None:
+        recorder = _store_recorder(store)
     if isinstance(alerts, AlertsConfig):
         notifier = Notifier(config=alerts, recorder=recorder)
     elif isinstance(alerts, (str, os.PathLike)) and str(alerts).lower().endswith((".yaml", ".yml", ".toml")):
         notifier = Notifier.from_sources(config_file=alerts, env=env, recorder=recorder)
     elif isinstance(alerts, os.PathLike):
-        raise ValueError(f"alerts: a config file must end in .yaml, .yml or .toml (got {os.fspath(alerts)!r})")
+        raise ValueError(f"alerts: a config file must end in .yaml, .yml or .toml, got {os.fspath(alerts)!r}")
     else:
         notifier = Notifier.from_sources(alerts, env=env, recorder=recorder)
     return notifier if notifier.channels else None
+
+
+def _store_recorder(store: Any) -> AlertRecorder | None:
+    from stabmon.alerts.record import SqlRecorder
+
+    try:
+        return SqlRecorder(store)
+    except Exception:  # noqa: BLE001 - alerts still go out; only their rows are missing
+        log.exception("alert attempts will not be recorded: no usable store (%s)", type(store).__name__)
+        return None

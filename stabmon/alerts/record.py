@@ -16,7 +16,6 @@ the redacted URL and ``error`` is scrubbed of secrets before it reaches a record
 from __future__ import annotations
 
 import threading
-from datetime import datetime, timezone
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -62,36 +61,43 @@ class MemoryRecorder:
 
 
 class SqlRecorder:
-    """Writes the ``alerts`` table of a stabmon store through SQLAlchemy (schema from the store's migrations).
+    """Writes the store's ``alerts`` table through its repository functions (``stabmon.store.repo``).
 
-    Used by delivery threads only, so its short transactions never touch the training thread.
+    Takes a store URL, a SQLAlchemy engine, or a store object with an ``engine`` attribute (the schema must
+    exist: ``stabmon db upgrade``, or a SQLite file the store opened). Used by delivery threads only, so its
+    short transactions never touch the training thread.
     """
 
-    def __init__(self, url_or_engine: Any) -> None:
+    def __init__(self, target: Any) -> None:
+        import sqlalchemy as sa
+
         from stabmon.store.engine import make_engine
 
-        self.engine = make_engine(url_or_engine) if isinstance(url_or_engine, str) else url_or_engine
-
-    def add_alert(self, *, alert_id: str, run_id: str | None, **fields: Any) -> None:
-        from sqlalchemy.orm import Session
-
-        from stabmon.store.models import AlertRow
-
-        now = datetime.now(timezone.utc)
-        with Session(self.engine) as session, session.begin():
-            session.add(
-                AlertRow(id=alert_id, run_id=run_id, created_at=now, updated_at=now, attempts=0, **fields)
+        if isinstance(target, str):
+            self.engine = make_engine(target)
+        elif isinstance(target, sa.Engine):
+            self.engine = target
+        elif isinstance(getattr(target, "engine", None), sa.Engine):
+            self.engine = target.engine
+        else:
+            raise ValueError(
+                f"alerts.recorder: expected a store URL, engine or store, got {type(target).__name__}"
             )
 
-    def update_alert(self, *, alert_id: str, status: str, attempts: int, error: str | None) -> None:
-        import sqlalchemy as sa
+    def add_alert(self, **fields: Any) -> None:
         from sqlalchemy.orm import Session
 
-        from stabmon.store.models import AlertRow
+        from stabmon.store import repo
 
         with Session(self.engine) as session, session.begin():
-            session.execute(
-                sa.update(AlertRow)
-                .where(AlertRow.id == alert_id)
-                .values(status=status, attempts=attempts, error=error, updated_at=datetime.now(timezone.utc))
+            repo.add_alert(session=session, **fields)
+
+    def update_alert(self, *, alert_id: str, status: str, attempts: int, error: str | None) -> None:
+        from sqlalchemy.orm import Session
+
+        from stabmon.store import repo
+
+        with Session(self.engine) as session, session.begin():
+            repo.update_alert(
+                session=session, alert_id=alert_id, status=status, attempts=attempts, error=error
             )

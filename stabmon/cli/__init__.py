@@ -32,6 +32,7 @@ COMMAND_MODULES = [
     "decisions",
     "trace",
     "events",
+    "demo",
 ]
 
 

@@ -18,13 +18,16 @@ def eval_command(
     sets: SetOption = None,
     jobs: Annotated[int, typer.Option("--jobs", help="Runs evaluated in parallel processes.")] = 1,
     pre: Annotated[int, typer.Option("--pre", help="Steps before step_start that still count.")] = 100,
-    min_severity: Annotated[str, typer.Option("--min-severity", help="Lowest anomaly severity that alerts.")] = (
-        "warning"),
+    min_severity: Annotated[
+        str, typer.Option("--min-severity", help="Lowest anomaly severity that alerts.")
+    ] = ("warning"),
     peers: Annotated[bool, typer.Option("--peers/--no-peers", help="Also run the peer rules.")] = True,
-    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per row, one per line.")] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="One JSON object per row, one per line.")
+    ] = False,
 ) -> None:
-    """Per labelled incident: detected, first alert, lead steps; per run: false alarms; for stabmon and the peer
-    rules (LLM Foundry, OLMo-core, ZClip, Lightning, Megatron) side by side."""
+    """Per labelled incident: detected, first alert, lead steps; per run: false alarms; for stabmon and the
+    peer rules (LLM Foundry, OLMo-core, ZClip, Lightning, Megatron) side by side."""
     from stabmon.events import Severity
     from stabmon.replay.eval import count_runs, evaluate
 
@@ -37,8 +40,16 @@ def eval_command(
         _check_runbook(runbook)
         total = count_runs(labels)
         with progress_bar("eval", total=total, enabled=wanted(json_output)) as advance:
-            report = evaluate(labels, runbook=runbook, overrides=tuple(sets or ()), jobs=jobs, pre=pre,
-                              min_severity=severity, peers=peers, progress=advance)
+            report = evaluate(
+                labels,
+                runbook=runbook,
+                overrides=tuple(sets or ()),
+                jobs=jobs,
+                pre=pre,
+                min_severity=severity,
+                peers=peers,
+                progress=advance,
+            )
     except ValueError as exc:
         fail(str(exc).splitlines()[0])
     if json_output:
@@ -65,8 +76,11 @@ def _print(report: Any) -> None:
 
     console = Console()
     methods = list(report.summary)
-    for category, title in (("numeric", "numeric incidents"), ("control", "healthy controls"),
-                            ("other", "other incidents (reported separately)")):
+    for category, title in (
+        ("numeric", "numeric incidents"),
+        ("control", "healthy controls"),
+        ("other", "other incidents (reported separately)"),
+    ):
         rows = [r for r in report.incidents if r["category"] == category]
         if not rows:
             continue
@@ -75,22 +89,38 @@ def _print(report: Any) -> None:
         for key in keys:
             cells = []
             for m in methods:
-                r = next(x for x in rows if (x["file"], x["step_start"], x["step_end"], x["kind"]) == key
-                         and x["method"] == m)
+                r = next(
+                    x
+                    for x in rows
+                    if (x["file"], x["step_start"], x["step_end"], x["kind"]) == key and x["method"] == m
+                )
                 cells.append("error" if r["error"] else (f"lead {r['lead_steps']}" if r["detected"] else "-"))
             table.add_row(key[0][-48:], f"{key[1]}-{key[2]}", key[3][:28], *cells)
         console.print(table)
     fa = Table("run", "steps", *methods, title="false alarms (alert steps outside incident windows)")
     for run in dict.fromkeys(r["file"] for r in report.files):
-        rows = {r["method"]: r for r in report.files if r["file"] == run}
-        first = next(iter(rows.values()))
-        fa.add_row(run[-48:], str(first["steps"]), *(str(rows[m]["false_alarms"]) for m in methods))
+        by_method = {r["method"]: r for r in report.files if r["file"] == run}
+        first = next(iter(by_method.values()))
+        fa.add_row(run[-48:], str(first["steps"]), *(str(by_method[m]["false_alarms"]) for m in methods))
     console.print(fa)
-    summary = Table("method", "recall", "recall (author/paper)", "median lead", "false alarms", "per 10k steps",
-                    title="summary")
+    summary = Table(
+        "method",
+        "recall",
+        "recall (author/paper)",
+        "median lead",
+        "false alarms",
+        "per 10k steps",
+        title="summary",
+    )
     for m, s in report.summary.items():
-        summary.add_row(m, str(s["recall"]), str(s["recall_ground_truth"]), str(s["median_lead_steps"]),
-                        str(s["false_alarms"]), str(s["false_alarms_per_10k"]))
+        summary.add_row(
+            m,
+            str(s["recall"]),
+            str(s["recall_ground_truth"]),
+            str(s["median_lead_steps"]),
+            str(s["false_alarms"]),
+            str(s["false_alarms_per_10k"]),
+        )
     console.print(summary)
     stab = [r for r in report.files if r["method"] == "stabmon" and r.get("intervention_decisions")]
     for r in stab:

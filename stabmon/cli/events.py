@@ -10,6 +10,7 @@ from stabmon.cli._common import DbOption, fail, print_json
 from stabmon.cli.decisions import RunArg, store_session
 
 _SEVERITIES = ("info", "warning", "error", "critical")
+_MIN_HELP = "Lowest severity shown: info, warning, error or critical."
 
 
 def _row(a: Any) -> str:
@@ -23,7 +24,7 @@ def events(
     db: DbOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON (all fields, evidence too).")] = False,
     kind: Annotated[str | None, typer.Option("--kind", help="Only this kind (spike, nonfinite...).")] = None,
-    min_severity: Annotated[str, typer.Option("--min-severity", help="info..critical")] = "info",
+    min_severity: Annotated[str, typer.Option("--min-severity", help=_MIN_HELP)] = "info",
     evidence: Annotated[bool, typer.Option("--evidence", help="Also print each evidence window.")] = False,
 ) -> None:
     """List a run's anomalies in step order: step, severity, kind, metric, score/threshold, message."""

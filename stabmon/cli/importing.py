@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -14,8 +14,9 @@ from stabmon.replay.progress import progress_bar, wanted
 BATCH = 5000
 
 
-def read_inputs(files: list[Path], fmt: str | None, maps: list[str] | None,
-                step_column: str | None) -> ImportResult:
+def read_inputs(
+    files: list[Path], fmt: str | None, maps: list[str] | None, step_column: str | None
+) -> ImportResult:
     """Import FILE... (segments of one run, stitched) with the CLI's options; user errors exit 1."""
     from stabmon.replay.importers.detect import UnknownFormatError, import_files
     from stabmon.replay.importers.generic import parse_mapping
@@ -24,7 +25,7 @@ def read_inputs(files: list[Path], fmt: str | None, maps: list[str] | None,
         if not f.exists():
             fail(f"no such file: {f}")
     try:
-        options = {"mapping": parse_mapping(maps)} if maps else {}
+        options: dict[str, Any] = {"mapping": parse_mapping(maps)} if maps else {}
         if step_column:
             options["step_column"] = step_column
         return import_files(files, format=fmt, **options)
@@ -41,8 +42,8 @@ def import_command(
     json_output: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
     db: DbOption = None,
 ) -> None:
-    """Import recorded training logs (Megatron, fairseq, llm.c, DeepSpeed, W&B, TensorBoard, CSV/JSONL/Parquet)
-    as a run of kind "import". Malformed lines are counted and reported, never fatal."""
+    """Import recorded training logs (Megatron, fairseq, llm.c, DeepSpeed, W&B, TensorBoard,
+    CSV/JSONL/Parquet) as a run of kind "import". Malformed lines are counted and reported, never fatal."""
     from stabmon.store import open_store
 
     result = read_inputs(files, fmt, maps, step_column)
@@ -51,24 +52,36 @@ def import_command(
     except ValueError as exc:
         fail(str(exc))
     with store, progress_bar("import", total=len(result.records), enabled=wanted(json_output)) as advance:
-        run_id = store.start_run(name=run, kind="import", source=", ".join(str(f) for f in files),
-                                 config={"format": result.format, "restarts": result.restarts,
-                                         "malformed": result.malformed})
+        run_id = store.start_run(
+            name=run,
+            kind="import",
+            source=", ".join(str(f) for f in files),
+            config={"format": result.format, "restarts": result.restarts, "malformed": result.malformed},
+        )
         for i in range(0, len(result.records), BATCH):
-            chunk = result.records[i:i + BATCH]
+            chunk = result.records[i : i + BATCH]
             store.write_steps(run_id=run_id, records=chunk)
             advance(len(chunk))
         store.end_run(run_id=run_id, status="completed")
         store.flush()
-    summary = {"run_id": run_id, "run": run, "format": result.format, "records": len(result.records),
-               "malformed": result.malformed, "problems": result.problems, "restarts": result.restarts,
-               "first_step": result.records[0].step if result.records else None,
-               "last_step": result.records[-1].step if result.records else None}
+    summary = {
+        "run_id": run_id,
+        "run": run,
+        "format": result.format,
+        "records": len(result.records),
+        "malformed": result.malformed,
+        "problems": result.problems,
+        "restarts": result.restarts,
+        "first_step": result.records[0].step if result.records else None,
+        "last_step": result.records[-1].step if result.records else None,
+    }
     if json_output:
         print_json(summary)
         return
-    typer.echo(f"imported {summary['records']} steps ({result.format}) as run {run!r} [{run_id}]"
-               f"; steps {summary['first_step']}..{summary['last_step']}")
+    typer.echo(
+        f"imported {summary['records']} steps ({result.format}) as run {run!r} [{run_id}]"
+        f"; steps {summary['first_step']}..{summary['last_step']}"
+    )
     if result.restarts:
         typer.echo(f"restarts (a later segment superseded an earlier one): {result.restarts}")
     if result.malformed:

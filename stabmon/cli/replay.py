@@ -32,12 +32,20 @@ def replay_command(
     source: Annotated[list[str], typer.Argument(help="A stored run (name or id) or log file(s) to import.")],
     runbook: Annotated[str, typer.Option("--runbook", help="Runbook name or YAML path.")] = "default",
     sets: SetOption = None,
-    approve: Annotated[bool, typer.Option("--approve", help="Approve every proposal (apply-mode view).")] = False,
+    approve: Annotated[
+        bool, typer.Option("--approve", help="Approve every proposal (apply-mode view).")
+    ] = False,
     fmt: Annotated[str | None, typer.Option("--format", help="Format of FILE (default: detected).")] = None,
-    maps: Annotated[list[str] | None, typer.Option("--map", help="COLUMN=METRIC for FILE, repeatable.")] = None,
-    store_result: Annotated[bool, typer.Option("--store/--no-store", help="Store the replay as a run.")] = True,
+    maps: Annotated[
+        list[str] | None, typer.Option("--map", help="COLUMN=METRIC for FILE, repeatable.")
+    ] = None,
+    store_result: Annotated[
+        bool, typer.Option("--store/--no-store", help="Store the replay as a run.")
+    ] = True,
     name: Annotated[str | None, typer.Option("--name", help="Name of the stored replay run.")] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per event, one per line.")] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="One JSON object per event, one per line.")
+    ] = False,
     db: DbOption = None,
 ) -> None:
     """Replay a recorded run through the same detector and runbook engine classes as live, with interventions
@@ -60,10 +68,15 @@ def replay_command(
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     with progress_bar("replay", total=len(records), enabled=wanted(json_output)) as advance:
-        result = replay(records, pipeline=pipeline, target=target, approve=approve, restarts=restarts,
-                        progress=advance)
+        result = replay(
+            records, pipeline=pipeline, target=target, approve=approve, restarts=restarts, progress=advance
+        )
     low = [e for e in result.events if type(e).__name__ != "StepRecord"]
-    run_id = _store(url, name or f"replay of {label}", low, parent_id, label, runbook, sets) if store_result else None
+    run_id = (
+        _store(url, name or f"replay of {label}", low, parent_id, label, runbook, sets)
+        if store_result
+        else None
+    )
     rows = event_rows(low)
     if json_output:
         for row in rows:
@@ -72,25 +85,41 @@ def replay_command(
         return
     _print_table(rows)
     s = result.summary()
-    typer.echo(f"{s['steps']} steps replayed: {s['anomalies']} anomalies, {s['decisions']} decisions, "
-               f"{s['interventions']} simulated interventions, {s['outcomes']} outcomes"
-               + (f"; stored as replay run {run_id}" if run_id else ""))
+    typer.echo(
+        f"{s['steps']} steps replayed: {s['anomalies']} anomalies, {s['decisions']} decisions, "
+        f"{s['interventions']} simulated interventions, {s['outcomes']} outcomes"
+        + (f"; stored as replay run {run_id}" if run_id else "")
+    )
     t = s["target"] or {}
     if t.get("stopped_at") is not None:
         typer.echo(f"the run would have stopped at step {t['stopped_at']}")
     for rb in t.get("rollbacks", []):
-        typer.echo(f"rollback at step {rb['step']} to checkpoint step {rb['checkpoint_step']}"
-                   f" (skipping batches {rb['skipped_batches'] or 'none'})")
+        typer.echo(
+            f"rollback at step {rb['step']} to checkpoint step {rb['checkpoint_step']}"
+            f" (skipping batches {rb['skipped_batches'] or 'none'})"
+        )
 
 
-def _store(url: str, name: str, events: list[Any], parent_id: str | None, source: str, runbook: str,
-           sets: list[str] | None) -> str | None:
+def _store(
+    url: str,
+    name: str,
+    events: list[Any],
+    parent_id: str | None,
+    source: str,
+    runbook: str,
+    sets: list[str] | None,
+) -> str | None:
     from stabmon.store import open_store
 
     try:
         with open_store(url) as store:
-            run_id = store.start_run(name=name, kind="replay", parent_run_id=parent_id, source=source,
-                                     config={"runbook": runbook, "overrides": list(sets or ())})
+            run_id = store.start_run(
+                name=name,
+                kind="replay",
+                parent_run_id=parent_id,
+                source=source,
+                config={"runbook": runbook, "overrides": list(sets or ())},
+            )
             store.write_events(run_id=run_id, events=events)
             store.end_run(run_id=run_id, status="completed")
             store.flush()
@@ -110,8 +139,14 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             detail = f"{r.get('status')} {r.get('params')} ({r.get('rule')} rung {r.get('rung')})"
         elif r["type"] == "InterventionRecord":
             detail = f"{r.get('before')} -> {r.get('after')}"
-        table.add_row(str(r["step"]), r["type"], str(r.get("kind")), str(r.get("metric") or ""),
-                      str(r.get("severity") or ""), str(detail)[:80])
+        table.add_row(
+            str(r["step"]),
+            r["type"],
+            str(r.get("kind")),
+            str(r.get("metric") or ""),
+            str(r.get("severity") or ""),
+            str(detail)[:80],
+        )
     Console().print(table)
 
 

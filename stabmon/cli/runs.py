@@ -43,7 +43,7 @@ def _session(db: str | None) -> Iterator[Any]:
 def _fmt(v: float | None) -> str:
     if v is None:
         return ""
-    return f"{v:.6g}" if math.isfinite(v) else str(v)
+    return f"{v:.4g}" if math.isfinite(v) else str(v)
 
 
 def runs(db: DbOption = None, as_json: JsonOption = False) -> None:
@@ -58,17 +58,15 @@ def runs(db: DbOption = None, as_json: JsonOption = False) -> None:
     if as_json:
         print_json([r.to_json() for r in found])
         return
-    table = Table("id", "name", "kind", "status", "steps", "anomalies", "started")
+    table = Table()
+    table.add_column("id", no_wrap=True, min_width=12)
+    table.add_column("name", overflow="fold", min_width=10)
+    for col in ("kind", "status", "steps", "anomalies"):
+        table.add_column(col, no_wrap=True, justify="right" if col in ("steps", "anomalies") else "left")
+    table.add_column("started (UTC)")
     for r in found:
-        table.add_row(
-            r.id,
-            r.name,
-            r.kind,
-            r.status,
-            str(r.steps),
-            str(r.anomalies),
-            r.started_at.strftime("%Y-%m-%d %H:%M:%S"),
-        )
+        started = r.started_at.strftime("%Y-%m-%d %H:%M")
+        table.add_row(r.id, r.name, r.kind, r.status, str(r.steps), str(r.anomalies), started)
     Console().print(table)
 
 
@@ -101,7 +99,8 @@ def metrics(
     db: DbOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Summarise a run's metrics (last value, min / max / mean); --json prints every row."""
+    """Summarise a run's metrics: values recorded (n), non-finite count, last step and value, and min / max /
+    mean of the finite values. --json prints every row instead."""
     from rich.console import Console
     from rich.table import Table
 
@@ -119,28 +118,13 @@ def metrics(
         ]
         print_json({"run_id": r.id, "name": r.name, "rows": rows})
         return
-    table = Table(
-        "metric",
-        "points",
-        "non-finite",
-        "last step",
-        "last",
-        "min",
-        "max",
-        "mean",
-        title=f"{r.name} ({r.id})",
-    )
+    table = Table(title=f"{r.name} ({r.id})")
+    table.add_column("metric", overflow="fold", min_width=10)
+    for col in ("n", "nan/inf", "last step", "last", "min", "max", "mean"):
+        table.add_column(col, justify="right", no_wrap=True)
     for m in summarize(df):
-        table.add_row(
-            m["name"],
-            str(m["points"]),
-            str(m["nonfinite"]),
-            str(m["last_step"]),
-            _fmt(m["last"]),
-            _fmt(m["min"]),
-            _fmt(m["max"]),
-            _fmt(m["mean"]),
-        )
+        values = [_fmt(m[k]) for k in ("last", "min", "max", "mean")]
+        table.add_row(m["name"], str(m["points"]), str(m["nonfinite"]), str(m["last_step"]), *values)
     Console().print(table)
 
 

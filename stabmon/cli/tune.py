@@ -15,12 +15,18 @@ def tune_command(
     labels: Annotated[Path, typer.Option("--labels", help="LABELS.csv (file paths relative to it).")],
     out: Annotated[Path, typer.Option("--out", help="Override file to write (YAML).")],
     use_grid: Annotated[bool, typer.Option("--grid", help="Try every combination (the default).")] = False,
-    n_random: Annotated[int | None, typer.Option("--random", help="Try N random combinations instead.")] = None,
-    space: Annotated[Path | None, typer.Option("--space", help="YAML: detector.param -> list of values.")] = None,
+    n_random: Annotated[
+        int | None, typer.Option("--random", help="Try N random combinations instead.")
+    ] = None,
+    space: Annotated[
+        Path | None, typer.Option("--space", help="YAML: detector.param -> list of values.")
+    ] = None,
     jobs: Annotated[int, typer.Option("--jobs", help="Candidates scored in parallel processes.")] = 1,
     folds: Annotated[int, typer.Option("--folds", help="Cross-validation folds over the runs.")] = 2,
     seed: Annotated[int, typer.Option("--seed", help="Seed of --random.")] = 0,
-    runbook: Annotated[str | None, typer.Option("--runbook", help="Runbook to replay with (default: none).")] = None,
+    runbook: Annotated[
+        str | None, typer.Option("--runbook", help="Runbook to replay with (default: none).")
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Search detector parameters (grid or random, in parallel), objective recall and lead time penalised by
@@ -37,23 +43,40 @@ def tune_command(
         space_map = yaml.safe_load(space.read_text()) if space else None
         total = count_candidates(space_map, n_random)
         with progress_bar("tune", total=total, enabled=wanted(json_output)) as advance:
-            result = tune(labels, space=space_map, n_random=n_random, seed=seed, folds=folds, jobs=jobs,
-                          runbook=runbook, progress=advance)
+            result = tune(
+                labels,
+                space=space_map,
+                n_random=n_random,
+                seed=seed,
+                folds=folds,
+                jobs=jobs,
+                runbook=runbook,
+                progress=advance,
+            )
     except (ValueError, OSError, yaml.YAMLError) as exc:
         fail(str(exc).splitlines()[0])
     out.write_text(result.overrides_yaml())
     if json_output:
-        print_json({"best": result.best, "metrics": result.best_metrics, "folds": result.folds,
-                    "candidates": result.candidates, "out": str(out)})
+        print_json(
+            {
+                "best": result.best,
+                "metrics": result.best_metrics,
+                "folds": result.folds,
+                "candidates": result.candidates,
+                "out": str(out),
+            }
+        )
         return
     typer.echo(f"best of {len(result.candidates)} candidates: {result.best}")
     m = result.best_metrics
     typer.echo(f"  on all runs: recall {m.get('recall')}, false alarms/10k {m.get('false_alarms_per_10k')}")
     for f in result.folds:
         tm = f["test_metrics"]
-        typer.echo(f"  fold {f['fold']}: tuned on {len(f['train_runs'])} runs -> {f['overrides']}; held-out "
-                   f"{', '.join(f['test_runs'])}: recall {tm.get('recall')}, "
-                   f"false alarms/10k {tm.get('false_alarms_per_10k')}")
+        typer.echo(
+            f"  fold {f['fold']}: tuned on {len(f['train_runs'])} runs -> {f['overrides']}; held-out "
+            f"{', '.join(f['test_runs'])}: recall {tm.get('recall')}, "
+            f"false alarms/10k {tm.get('false_alarms_per_10k')}"
+        )
     typer.echo(f"wrote {out} (use it with `include: {out}` in a runbook)")
 
 

@@ -28,7 +28,9 @@ from torch import nn
 from stabmon.collect.grads import default_blocks
 
 
-def select_modules(model: nn.Module, patterns: Sequence[str] | None, *, path: str) -> list[tuple[str, nn.Module]]:
+def select_modules(
+    model: nn.Module, patterns: Sequence[str] | None, *, path: str
+) -> list[tuple[str, nn.Module]]:
     """Modules to watch: pattern matches (full match on the module name), else the default blocks."""
     named = dict(model.named_modules())
     if patterns is None:
@@ -65,8 +67,13 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
 class ActivationNorms:
     """RMS of each selected module's output on armed (sampled) steps; see the module docstring."""
 
-    def __init__(self, model: nn.Module, patterns: Sequence[str] | None = None, *,
-                 path: str = "config.activations.modules") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        patterns: Sequence[str] | None = None,
+        *,
+        path: str = "config.activations.modules",
+    ) -> None:
         self._modules = select_modules(model, patterns, path=path)
         self.names = [n for n, _ in self._modules]
         self._handles: list[Any] = []
@@ -94,7 +101,9 @@ class ActivationNorms:
             if y is None or i in self._values or y.numel() == 0:
                 return
             with torch.no_grad():
-                self._values[i] = torch.linalg.vector_norm(y.detach(), dtype=torch.float32) / math.sqrt(y.numel())
+                self._values[i] = torch.linalg.vector_norm(y.detach(), dtype=torch.float32) / math.sqrt(
+                    y.numel()
+                )
 
         return hook
 

@@ -2,8 +2,9 @@
 
 Between flushes nothing is read back: collectors hand :class:`StepBuffer` device tensors (0-d or 1-d) together
 with their metric names, and plain host floats (learning rate, step time) that cost nothing to keep. At
-:meth:`StepBuffer.drain` every tensor is flattened into one vector, copied to the host in one transfer (into pinned
-memory with ``non_blocking=True`` on CUDA, then one event wait) and split back into :class:`StepRecord` objects.
+:meth:`StepBuffer.drain` every tensor is flattened into one vector, copied to the host in one transfer (into
+pinned memory with ``non_blocking=True`` on CUDA, then one event wait) and split back into
+:class:`StepRecord` objects.
 
 >>> import torch
 >>> buf = StepBuffer()
@@ -73,7 +74,8 @@ class StepBuffer:
         self._current = None
 
     def drain(self) -> list[StepRecord]:
-        """One device-to-host copy of everything queued by closed steps; returns their records, oldest first."""
+        """One device-to-host copy of everything queued by closed steps; returns their records, oldest
+        first."""
         steps, self._steps = self._steps, []
         n_values = sum(len(p.names) for p in steps)
         tensors = self._tensors[: len(self._tensors)]

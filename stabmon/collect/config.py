@@ -22,8 +22,9 @@ from typing import Any
 from stabmon.checkpoints import STOP_EXIT_CODE
 
 EXIT_STOP = STOP_EXIT_CODE
-"""Exit code a training script should use when the monitor asked it to stop (checkpoint-and-stop, kill switch):
-the project-wide :data:`stabmon.checkpoints.STOP_EXIT_CODE`, distinct from success (0) and crashes (1, signals)."""
+"""Exit code a training script should use when the monitor asked it to stop (checkpoint-and-stop, kill
+switch): the project-wide :data:`stabmon.checkpoints.STOP_EXIT_CODE`, distinct from success (0) and crashes
+(1, signals)."""
 
 
 @dataclass
@@ -32,8 +33,8 @@ class GradConfig:
 
     layers: tuple[str, ...] | None = None
     """Regular expressions matched (``re.match``) against parameter names; each distinct matched prefix is one
-    layer, e.g. ``r"transformer\\.h\\.\\d+"``. None: one layer per block (each child of the first ModuleList) and
-    per other leaf module. An empty tuple turns per-layer norms off."""
+    layer, e.g. ``r"transformer\\.h\\.\\d+"``. None: one layer per block (each child of the first ModuleList)
+    and per other leaf module. An empty tuple turns per-layer norms off."""
     skip_ema: float = 0.98
     """Decay of the running mean of the grad norm used by the skip_step guard."""
 
@@ -63,7 +64,8 @@ class ActivationConfig:
 
 @dataclass
 class EmbeddingConfig:
-    """Drift ``||W - W0|| / ||W0||`` and update ratio ``||W_t - W_{t-1}|| / ||W_t||`` of every nn.Embedding."""
+    """Drift ``||W - W0|| / ||W0||`` and update ratio ``||W_t - W_{t-1}|| / ||W_t||`` of every
+    nn.Embedding."""
 
     every: int = 10
     """Sample every ``every`` steps (0 turns embedding signals off). The update ratio is always one step's."""
@@ -94,7 +96,8 @@ class MonitorConfig:
     grace_steps: int | None = None
     """Detector grace period after a resume (None: the detectors' own default)."""
     hang_timeout: float | None = 1800.0
-    """Seconds without a completed step before a ``hang`` anomaly is raised from a watchdog thread (None: off)."""
+    """Seconds without a completed step before a ``hang`` anomaly is raised from a watchdog thread (None:
+    off)."""
     history: int = 10_000
     """How many recent StepRecords :attr:`Monitor.records` keeps in memory (0 keeps none)."""
 
@@ -124,7 +127,11 @@ class MonitorConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MonitorConfig:
         data = dict(data)
-        for key, sub in (("grads", GradConfig), ("activations", ActivationConfig), ("embeddings", EmbeddingConfig)):
+        for key, sub in (
+            ("grads", GradConfig),
+            ("activations", ActivationConfig),
+            ("embeddings", EmbeddingConfig),
+        ):
             if isinstance(data.get(key), dict):
                 data[key] = sub(**data[key])
         return cls(**data)

@@ -1,9 +1,9 @@
 """Embedding drift and update ratio for every ``nn.Embedding``, on sampled steps.
 
-Keeps ``W0`` (the weights when monitoring began) and one scratch copy per embedding on the device. On a sampled
-step :meth:`EmbeddingDrift.before_update` copies ``W`` into the scratch buffer just before ``optimizer.step()``
-and :meth:`EmbeddingDrift.after_update` computes ``||W - W0|| / ||W0||`` and ``||W - W_prev|| / ||W||``, so
-the update ratio is exactly one step's even though it is sampled every k steps.
+Keeps ``W0`` (the weights when monitoring began) and one scratch copy per embedding on the device. On a
+sampled step :meth:`EmbeddingDrift.before_update` copies ``W`` into the scratch buffer just before
+``optimizer.step()`` and :meth:`EmbeddingDrift.after_update` computes ``||W - W0|| / ||W0||`` and ``||W -
+W_prev|| / ||W||``, so the update ratio is exactly one step's even though it is sampled every k steps.
 
 >>> import torch
 >>> emb = torch.nn.Embedding(10, 4)
@@ -29,7 +29,8 @@ from stabmon.events import Metric
 
 
 class EmbeddingDrift:
-    """Drift from the initial weights and one-step update ratio of each embedding; see the module docstring."""
+    """Drift from the initial weights and one-step update ratio of each embedding; see the module
+    docstring."""
 
     def __init__(self, model: nn.Module) -> None:
         self._embs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]

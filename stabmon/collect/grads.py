@@ -1,8 +1,8 @@
 """Gradient norms from one fused foreach pass, reused for clipping.
 
-:meth:`GradNorms.compute` runs ``torch._foreach_norm`` over every gradient once and stacks the per-tensor norms.
-From that one vector it derives the global norm, the per-layer norms (a scatter-add of squared norms) and the
-count of non-finite gradient tensors; :meth:`GradNorms.clip_` then scales the gradients by the clamped
+:meth:`GradNorms.compute` runs ``torch._foreach_norm`` over every gradient once and stacks the per-tensor
+norms. From that one vector it derives the global norm, the per-layer norms (a scatter-add of squared norms)
+and the count of non-finite gradient tensors; :meth:`GradNorms.clip_` then scales the gradients by the clamped
 coefficient with ``torch._foreach_mul_``. Nothing is read back to the host.
 
 >>> import torch
@@ -71,30 +71,36 @@ class GradResult:
     layers: torch.Tensor | None
     nonfinite: torch.Tensor
     grads: list[torch.Tensor]
+    single_device: bool = True
 
 
 class GradNorms:
     """Per-tensor gradient norms, fused, with global and per-layer reductions; see the module docstring."""
 
-    def __init__(self, model: nn.Module, layers: Sequence[str] | None = None, *, path: str = "config.grads.layers"):
+    def __init__(
+        self, model: nn.Module, layers: Sequence[str] | None = None, *, path: str = "config.grads.layers"
+    ):
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in self._named]
         if layers is None:
             layer_of = default_layer_of(model)
         elif len(layers) == 0:
             layer_of = {}
         else:
             layer_of = pattern_layer_of(model, layers, path=path)
-        self.layer_names: list[str] = list(dict.fromkeys(layer_of[n] for n, _ in self._named if n in layer_of))
+        self.layer_names: list[str] = list(
+            dict.fromkeys(layer_of[n] for n, _ in self._named if n in layer_of)
+        )
         index = {name: i for i, name in enumerate(self.layer_names)}
         self._layer_idx = [index.get(layer_of.get(n, ""), -1) for n, _ in self._named]
-        self._cache: dict[tuple[bool, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._cache: dict[tuple[bool, ...], _Plan] = {}
 
     @property
     def params(self) -> list[nn.Parameter]:
-        return [p for _, p in self._named]
+        return list(self._params)
 
-    def _layer_index(self, present: tuple[bool, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(positions among present grads, layer ids) for grads that belong to a layer; cached per grad mask."""
+    def _plan(self, present: tuple[bool, ...], grads: list[torch.Tensor]) -> _Plan:
+        """Per grad-presence mask (cached): layer scatter indices, and whether one fused call covers all."""
         if present not in self._cache:
             pos, ids = [], []
             j = 0
@@ -104,37 +110,45 @@ class GradNorms:
                         pos.append(j)
                         ids.append(idx)
                     j += 1
-            self._cache[present] = (
-                (torch.tensor(pos, device=device), torch.tensor(ids, device=device)) if pos else None
-            )
+            device = grads[0].device
+            index = (torch.tensor(pos, device=device), torch.tensor(ids, device=device)) if pos else None
+            single = len({g.device for g in grads}) == 1
+            fp32 = all(g.dtype == torch.float32 for g in grads)
+            self._cache[present] = _Plan(device=device, index=index, single_device=single, fp32=fp32)
         return self._cache[present]
 
     def compute(self) -> GradResult | None:
         """Norms of the current gradients, or None when no parameter has one."""
-        present = tuple(p.grad is not None for _, p in self._named)
-        grads = [p.grad for _, p in self._named if p.grad is not None]
+        every = [p.grad for p in self._params]
+        present = tuple(g is not None for g in every)
+        grads = [g for g in every if g is not None]
         if not grads:
             return None
-        device = grads[0].device
-        per_tensor = _foreach_norms(grads, device)
+        plan = self._plan(present, grads)
+        per_tensor = _foreach_norms(grads, plan)
         sq = per_tensor.square()
         total = sq.sum().sqrt()
         layers = None
         if self.layer_names:
-            idx = self._layer_index(present, device)
-            layers = torch.zeros(len(self.layer_names), device=device, dtype=sq.dtype)
-            if idx is not None:
-                layers.index_add_(0, idx[1], sq.index_select(0, idx[0]))
+            layers = torch.zeros(len(self.layer_names), device=plan.device, dtype=sq.dtype)
+            if plan.index is not None:
+                layers.index_add_(0, plan.index[1], sq.index_select(0, plan.index[0]))
             layers = layers.sqrt()
         nonfinite = (~torch.isfinite(per_tensor)).sum()
-        return GradResult(total=total, layers=layers, nonfinite=nonfinite, grads=grads)
+        return GradResult(
+            total=total, layers=layers, nonfinite=nonfinite, grads=grads, single_device=plan.single_device
+        )
 
     @staticmethod
     def clip_(result: GradResult, max_norm: float, skip: torch.Tensor | None = None) -> None:
-        """Scale gradients by ``min(1, max_norm / (total + 1e-6))`` (as clip_grad_norm_) without a host sync."""
+        """Scale gradients by ``min(1, max_norm / (total + 1e-6))`` (as clip_grad_norm_) without a host
+        sync."""
         coef = (max_norm / (result.total + 1e-6)).clamp(max=1.0)
         if skip is not None:
             coef = torch.where(skip, torch.zeros_like(coef), coef)
+        if result.single_device:
+            torch._foreach_mul_(result.grads, coef)
+            return
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for g in result.grads:
             by_device.setdefault(g.device, []).append(g)
@@ -142,10 +156,19 @@ class GradNorms:
             torch._foreach_mul_(grads, coef.to(dev))
 
 
-def _foreach_norms(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Stacked fp32 L2 norms of each tensor, one fused kernel per device."""
-    devices = {g.device for g in grads}
-    if len(devices) == 1:
+@dataclass
+class _Plan:
+    device: torch.device
+    index: tuple[torch.Tensor, torch.Tensor] | None
+    single_device: bool
+    fp32: bool
+
+
+def _foreach_norms(grads: list[torch.Tensor], plan: _Plan) -> torch.Tensor:
+    """Stacked fp32 L2 norms of each tensor, one fused kernel (per device)."""
+    if plan.single_device:
+        if plan.fp32:
+            return torch.stack(torch._foreach_norm(grads, 2))
         return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
-    norms = [torch._foreach_norm([g], 2, dtype=torch.float32)[0].to(device) for g in grads]
+    norms = [torch._foreach_norm([g], 2, dtype=torch.float32)[0].to(plan.device) for g in grads]
     return torch.stack(norms)

@@ -2,20 +2,20 @@
 
 The pre-hook runs inside ``optimizer.step()`` (and therefore only when a GradScaler found no inf/NaN):
 
-1. with a GradScaler whose gradients are still scaled, ``scaler.unscale_(optimizer)`` (``scaler.step`` normally
-   did that already);
+1. with a GradScaler whose gradients are still scaled, ``scaler.unscale_(optimizer)`` (``scaler.step``
+   normally did that already);
 2. one fused foreach norm over all gradients (:class:`~stabmon.collect.grads.GradNorms`) gives the global,
    per-layer and non-finite counts, queued as device tensors;
 3. the skip_step guard (``overrides.skip_factor``): ``skip = norm > k x running mean`` on the device;
 4. clipping with the clamped coefficient, reusing that norm;
-5. overrides: effective ``lr = scheduler lr x lr_scale``, ``beta2`` and ``weight_decay`` written into the param
-   groups.
+5. overrides: effective ``lr = scheduler lr x lr_scale``, ``beta2`` and ``weight_decay`` written into the
+   param groups.
 
-The post-hook restores the scheduler-visible values (so a scheduler keeps its own trajectory and can never undo an
-override) and, when the guard fired, restores parameters and optimizer moments saved by the pre-hook with
-``torch.where`` on the device: the update is discarded, not just shrunk. Caveat: a step counter held on another
-device than the gradients (Adam's CPU ``step`` with CUDA parameters) still advances, since undoing it would need
-a host sync; the effect on bias correction after warm-up is negligible.
+The post-hook restores the scheduler-visible values (so a scheduler keeps its own trajectory and can never
+undo an override) and, when the guard fired, restores parameters and optimizer moments saved by the pre-hook
+with ``torch.where`` on the device: the update is discarded, not just shrunk. Caveat: a step counter held on
+another device than the gradients (Adam's CPU ``step`` with CUDA parameters) still advances, since undoing it
+would need a host sync; the effect on bias correction after warm-up is negligible.
 
 >>> import torch
 >>> from stabmon.collect.buffer import StepBuffer
@@ -24,7 +24,8 @@ a host sync; the effect on bias correction after warm-up is negligible.
 >>> model = torch.nn.Linear(2, 1)
 >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
 >>> buf = StepBuffer()
->>> hooks = OptimizerHooks(opt, GradNorms(model), buffer=buf, overrides=lambda: Overrides(lr_scale=0.5), clip=1.0)
+>>> half = Overrides(lr_scale=0.5)
+>>> hooks = OptimizerHooks(opt, GradNorms(model), buffer=buf, overrides=lambda: half, clip=1.0)
 >>> hooks.install()
 >>> buf.begin(step=0, batch_index=0)
 >>> model(torch.ones(1, 2)).sum().backward()
@@ -109,7 +110,9 @@ class OptimizerHooks:
         if betas is not None:
             out["beta2"] = float(o.beta2 if o.beta2 is not None else betas[1])
         if "weight_decay" in group:
-            out["weight_decay"] = float(o.weight_decay if o.weight_decay is not None else group["weight_decay"])
+            out["weight_decay"] = float(
+                o.weight_decay if o.weight_decay is not None else group["weight_decay"]
+            )
         mn = self.max_norm()
         out["clip"] = float(mn) if mn is not None else float("inf")
         return out
@@ -205,8 +208,14 @@ class OptimizerHooks:
         self._saved_tensors = saved
 
     def learn_host(self, grad_norm: float | None, skipped: bool) -> None:
-        """Keep a host running mean of the grad norm (updated at flushes) to seed the guard when it turns on."""
-        if grad_norm is None or skipped or grad_norm != grad_norm or grad_norm in (float("inf"), float("-inf")):
+        """Keep a host running mean of the grad norm (updated at flushes) to seed the guard when it turns
+        on."""
+        if (
+            grad_norm is None
+            or skipped
+            or grad_norm != grad_norm
+            or grad_norm in (float("inf"), float("-inf"))
+        ):
             return
         d = self.ema_decay
         self.ema_host = grad_norm if self.ema_host is None else d * self.ema_host + (1 - d) * grad_norm

@@ -1,11 +1,13 @@
 """What a checkpoint holds, how it is restored, and rollback to the last-known-good checkpoint.
 
-:func:`training_state` is everything needed to continue exactly: model, optimizer, GradScaler, scheduler and the
-monitor's own state (step counter, data position and skipped batches, overrides, detector/engine/executor state).
+:func:`training_state` is everything needed to continue exactly: model, optimizer, GradScaler, scheduler and
+the monitor's own state (step counter, data position and skipped batches, overrides, detector/engine/executor
+state).
 :func:`rollback` asks the :class:`~stabmon.checkpoints.CheckpointManager` for the newest checkpoint that
-validates (exists -> byte count -> loads -> finite) saved at least ``lookback`` steps before the anomaly's onset,
-restores the training state and step counter from it, keeps the detectors, engine, executor and overrides as they
-are now (the engine is in the middle of handling the incident), and skips the next ``skip_batches`` batches.
+validates (exists -> byte count -> loads -> finite) saved at least ``lookback`` steps before the anomaly's
+onset, restores the training state and step counter from it, keeps the detectors, engine, executor and
+overrides as they are now (the engine is in the middle of handling the incident), and skips the next
+``skip_batches`` batches.
 
 >>> import torch
 >>> from stabmon.monitor import Monitor
@@ -45,10 +47,11 @@ def load_training_state(monitor: Any, state: dict[str, Any], *, pipeline: bool =
         monitor.load_state_dict(state["monitor"], pipeline=pipeline)
 
 
-def rollback(monitor: Any, *, onset_step: int, lookback: int, skip_batches: int,
-             checkpoint_dir: str | None = None) -> dict[str, Any]:
-    """Restore the last-known-good checkpoint and skip data; returns the audit facts. Raises when no checkpoint
-    validates (the executor records the failure and the engine escalates)."""
+def rollback(
+    monitor: Any, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None
+) -> dict[str, Any]:
+    """Restore the last-known-good checkpoint and skip data; returns the audit facts. Raises when no
+    checkpoint validates (the executor records the failure and the engine escalates)."""
     manager = monitor.checkpoints
     if checkpoint_dir is not None:
         from stabmon.checkpoints import CheckpointManager
@@ -70,10 +73,20 @@ def rollback(monitor: Any, *, onset_step: int, lookback: int, skip_batches: int,
     start = monitor.cursor.position
     skipped = monitor.cursor.skip_range(start, skip_batches)
     if skipped:
-        monitor._guard("store", lambda: monitor.store.write_skipped_batches(
-            run_id=monitor.run_id, step=monitor.step, batch_indices=skipped))
-    log.warning("stabmon: rolled back from step %d to checkpoint step %d (%s); skipping batches [%d, %d)",
-                from_step, info.step, info.path, start, start + skip_batches)
+        monitor._guard(
+            "store",
+            lambda: monitor.store.write_skipped_batches(
+                run_id=monitor.run_id, step=monitor.step, batch_indices=skipped
+            ),
+        )
+    log.warning(
+        "stabmon: rolled back from step %d to checkpoint step %d (%s); skipping batches [%d, %d)",
+        from_step,
+        info.step,
+        info.path,
+        start,
+        start + skip_batches,
+    )
     return {
         "checkpoint_path": info.path,
         "checkpoint_step": info.step,

@@ -1,4 +1,5 @@
-"""How the monitor's ``store=``, ``alerts=``/``notifier=``, ``detectors=`` and ``runbook=`` arguments become objects.
+"""How the monitor's ``store=``, ``alerts=``/``notifier=``, ``detectors=`` and ``runbook=`` arguments become
+objects.
 
 Each resolver accepts the plain forms a user types (a URL, a runbook name, a config mapping) or a ready object
 implementing the protocol, and turns anything else into a one-line ``ValueError`` naming the argument.
@@ -44,7 +45,9 @@ def resolve_store(store: Any) -> tuple[Sink | None, bool]:
         try:
             from stabmon.store import open_store
         except ImportError as exc:
-            raise ValueError(f"store: cannot open {_safe(store)}: stabmon.store is unavailable ({exc})") from None
+            raise ValueError(
+                f"store: cannot open {_safe(store)}: stabmon.store is unavailable ({exc})"
+            ) from None
         try:
             return open_store(store), True
         except Exception as exc:  # noqa: BLE001 - any failure to open is the user's URL's fault
@@ -64,11 +67,15 @@ def _safe(url: str) -> str:
         return repr(url)
 
 
-def resolve_notifier(notifier: Any, alerts: Any, store_url: str | None = None) -> tuple[NotifierLike | None, bool]:
+def resolve_notifier(
+    notifier: Any, alerts: Any, store_url: str | None = None
+) -> tuple[NotifierLike | None, bool]:
     """(notifier, owned) from ``notifier=`` (an object) or ``alerts=`` (URLs, a config or a config file)."""
     if notifier is not None:
         if not isinstance(notifier, NotifierLike):
-            raise ValueError(f"notifier: expected an object with handle() and close(), got {type(notifier).__name__}")
+            raise ValueError(
+                f"notifier: expected an object with handle() and close(), got {type(notifier).__name__}"
+            )
         return notifier, False
     if alerts is None:
         return None, False
@@ -116,8 +123,10 @@ def resolve_detectors(detectors: Any) -> Any:
             raise ValueError(f"detectors: {exc}") from None
     if all(hasattr(detectors, m) for m in ("update", "enter_grace", "state_dict", "load_state_dict")):
         return detectors
-    raise ValueError(f"detectors: expected a config mapping, a detector suite, None or False, got "
-                     f"{type(detectors).__name__}")
+    raise ValueError(
+        f"detectors: expected a config mapping, a detector suite, None or False, got "
+        f"{type(detectors).__name__}"
+    )
 
 
 def resolve_engine(runbook: Any, mode: str) -> Any:

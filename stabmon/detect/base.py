@@ -32,8 +32,15 @@ X = Mapping[str, float]
 
 
 class Detector:
-    """Base class; see the module docstring. ``name`` is the config key, ``kind`` the Anomaly kind it
-    emits."""
+    """Base class; see the module docstring. ``name`` is the config key, ``kind`` the Anomaly kind it emits.
+
+    >>> from stabmon.detect import EWSpike
+    >>> d = EWSpike("loss")
+    >>> d.in_grace, d.score_one({"loss": 100.0})
+    (True, 0.0)
+    >>> d.learn_one({"loss": 2.0}); d.n_learned
+    1
+    """
 
     name: ClassVar[str] = ""
     kind: ClassVar[str] = ""
@@ -42,6 +49,9 @@ class Detector:
     #: why (if at all) this detector keeps firing during grace; safety rules (NaN, a loss scale at its floor)
     #: must not be silenced by a grace period that an intervention or a resume started.
     grace_exempt: ClassVar[str] = ""
+    #: True for detectors that must see records lacking their metric (absence, or other metrics, signal);
+    #: the suite skips the others on such records, so an absent metric neither scores nor breaks a streak.
+    sees_every_record: ClassVar[bool] = False
 
     def __init__(self, metric: str, config: Any = None) -> None:
         self.metric = metric

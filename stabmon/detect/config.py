@@ -74,9 +74,9 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
 def build(cls: type[T], raw: Mapping[str, Any] | None, path: str) -> T:
     """Validate ``raw`` against the dataclass ``cls``; unknown keys and bad values raise one-line
     ValueErrors."""
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ValueError(f"{path} must be a mapping of settings, got {raw!r}")
     raw = dict(raw or {})
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} must be a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     hints = get_type_hints(cls)
     unknown = sorted(set(raw) - set(fields))

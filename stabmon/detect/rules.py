@@ -27,7 +27,11 @@ from stabmon.events import Metric, Severity
 
 @dataclass(frozen=True)
 class NonFiniteConfig:
-    """Parameters of :class:`NonFinite` (config key ``nonfinite``)."""
+    """Parameters of :class:`NonFinite` (config key ``nonfinite``).
+
+    >>> NonFiniteConfig().metrics
+    ('loss', 'grad_norm')
+    """
 
     enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.LOSS, Metric.GRAD_NORM), non_empty, "must stay finite")
@@ -90,7 +94,11 @@ class NonFinite(Detector):
 
 @dataclass(frozen=True)
 class MissingConfig:
-    """Parameters of :class:`MissingMetric` (config key ``missing``)."""
+    """Parameters of :class:`MissingMetric` (config key ``missing``).
+
+    >>> MissingConfig().min_streak
+    10
+    """
 
     enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.LOSS, Metric.GRAD_NORM), non_empty, "expected each step")
@@ -119,6 +127,7 @@ class MissingMetric(Detector):
     name = "missing"
     kind = "missing"
     Config = MissingConfig
+    sees_every_record = True
     _state_attrs = ("_present",)
 
     def _reset(self) -> None:
@@ -153,7 +162,11 @@ class MissingMetric(Detector):
 
 @dataclass(frozen=True)
 class LossScaleConfig:
-    """Parameters of :class:`LossScaleCollapse` (config key ``loss_scale``)."""
+    """Parameters of :class:`LossScaleCollapse` (config key ``loss_scale``).
+
+    >>> LossScaleConfig().max_overflow_rate, LossScaleConfig().window
+    (0.25, 20)
+    """
 
     enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.LOSS_SCALE,), non_empty, "the loss-scale metric")
@@ -190,6 +203,7 @@ class LossScaleCollapse(Detector):
     kind = "loss_scale_collapse"
     Config = LossScaleConfig
     grace_exempt = "a scale at its floor is critical whenever it happens (the rate rule respects grace)"
+    sees_every_record = True  # overflow without a printed loss scale still counts
     _state_attrs = ("_overflows", "_at_floor")
 
     def _reset(self) -> None:

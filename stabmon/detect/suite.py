@@ -23,14 +23,19 @@ def _is_glob(pattern: str) -> bool:
     return any(ch in pattern for ch in "*?[")
 
 
+def _unwrap(cfg: Any) -> dict[str, Any]:
+    raw = cfg if cfg is not None else {}
+    if isinstance(raw, Mapping) and set(raw) == {ROOT}:
+        raw = raw[ROOT] if raw[ROOT] is not None else {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{ROOT} must be a mapping of detector names, got {raw!r}")
+    return dict(raw)
+
+
 def parse_config(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
     """Validate a ``{detector name: {param: value}}`` mapping (or ``{"detectors": {...}}``) into config
     objects."""
-    raw: Any = dict(cfg or {})
-    if set(raw) == {ROOT}:
-        raw = raw[ROOT]
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"{ROOT} must be a mapping of detector names, got {raw!r}")
+    raw = _unwrap(cfg)
     unknown = sorted(set(raw) - set(DETECTORS))
     if unknown:
         known = ", ".join(sorted(DETECTORS))
@@ -71,9 +76,7 @@ class DetectorSuite:
     def from_config(cls, cfg: Mapping[str, Any] | None = None, *,
                     overrides: Mapping[str, Any] | Iterable[str] | None = None) -> DetectorSuite:
         """Build from a nested mapping (None = defaults) plus ``detector.param`` overrides."""
-        raw: Any = dict(cfg or {})
-        if set(raw) == {ROOT}:
-            raw = raw[ROOT]
+        raw = _unwrap(cfg)
         if overrides:
             raw = apply_overrides(raw, overrides)
         return cls(parse_config(raw))
@@ -102,8 +105,11 @@ class DetectorSuite:
         metric)."""
         self._discover(record.metrics)
         best: dict[tuple[str, str], Anomaly] = {}
+        metrics = record.metrics
         for det in self._detectors.values():
-            found = det.update(record.step, record.metrics)
+            if det.metric not in metrics and not det.sees_every_record:
+                continue
+            found = det.update(record.step, metrics)
             if found is None:
                 continue
             key = (found.kind, found.metric)

@@ -25,7 +25,11 @@ from stabmon.events import Anomaly, Metric
 
 @dataclass(frozen=True)
 class DriftConfig:
-    """Parameters of :class:`Drift` (config key ``drift``)."""
+    """Parameters of :class:`Drift` (config key ``drift``).
+
+    >>> DriftConfig().metrics
+    ('grad_norm', 'act_rms/*')
+    """
 
     enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.GRAD_NORM, Metric.ACT_RMS_PREFIX + "*"), non_empty,
@@ -102,7 +106,11 @@ class Drift(Detector):
 
 @dataclass(frozen=True)
 class FrozenEmbeddingConfig:
-    """Parameters of :class:`FrozenEmbedding` (config key ``frozen_embedding``)."""
+    """Parameters of :class:`FrozenEmbedding` (config key ``frozen_embedding``).
+
+    >>> FrozenEmbeddingConfig().epsilon, FrozenEmbeddingConfig().patience
+    (1e-07, 100)
+    """
 
     enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.EMB_UPDATE_PREFIX + "*",), non_empty, "update-ratio metrics")
@@ -169,7 +177,11 @@ class FrozenEmbedding(Detector):
 
 @dataclass(frozen=True)
 class StepTimeConfig:
-    """Parameters of :class:`StepTimeRegression` (config key ``step_time``)."""
+    """Parameters of :class:`StepTimeRegression` (config key ``step_time``).
+
+    >>> StepTimeConfig().max_regression
+    0.05
+    """
 
     enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.STEP_TIME,), non_empty, "step-time metric")

@@ -78,12 +78,13 @@ class _Rolling:
 class KillLossSpike:
     """LLM Foundry ``KillLossSpike`` (llmfoundry/callbacks/kill_loss_spike_callback.py).
 
-    Keeps a rolling window of the last ``window_size`` losses (every loss is appended, outliers included); checks
-    start once the window is full. A loss ``>= outlier_multiplier x`` the window mean is an outlier; more than
-    ``patience`` consecutive outliers is a loss spike (a non-outlier resets the count). Separately, once
-    ``step >= 2 x window_size``, half the window above ``loss_cap`` is "persistently high loss". Defaults:
-    patience 4, multiplier 2, loss cap 10, window ``max(100, 5% of the run's steps)`` (the callback's
-    ``fit_start`` sizing from ``max_duration``). NaN is never an outlier and poisons the mean, as in the original.
+    Keeps a rolling window of the last ``window_size`` losses (every loss is appended, outliers included);
+    checks start once the window is full. A loss ``>= outlier_multiplier x`` the window mean is an outlier;
+    more than ``patience`` consecutive outliers is a loss spike (a non-outlier resets the count). Separately,
+    once ``step >= 2 x window_size``, half the window above ``loss_cap`` is "persistently high loss".
+    Defaults: patience 4, multiplier 2, loss cap 10, window ``max(100, 5% of the run's steps)`` (the
+    callback's ``fit_start`` sizing from ``max_duration``). NaN is never an outlier and poisons the mean, as
+    in the original.
 
     >>> rule = KillLossSpike(total_steps=100)
     >>> flags = [rule.update(StepRecord(s, {"loss": 2.0 if s < 100 else 5.0})) for s in range(110)]
@@ -93,8 +94,16 @@ class KillLossSpike:
 
     name = "llm_foundry"
 
-    def __init__(self, *, total_steps: int = 0, patience: int = 4, outlier_multiplier: float = 2.0,
-                 loss_cap: float = 10.0, min_window: int = 100, window_fraction: float = 0.05) -> None:
+    def __init__(
+        self,
+        *,
+        total_steps: int = 0,
+        patience: int = 4,
+        outlier_multiplier: float = 2.0,
+        loss_cap: float = 10.0,
+        min_window: int = 100,
+        window_fraction: float = 0.05,
+    ) -> None:
         self.window_size = max(min_window, round(total_steps * window_fraction))
         self.patience = patience
         self.outlier_multiplier = outlier_multiplier
@@ -122,7 +131,11 @@ class KillLossSpike:
         return alert
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": list(self.window.values), "outlier_counter": self.outlier_counter, "seen": self.seen}
+        return {
+            "window": list(self.window.values),
+            "outlier_counter": self.outlier_counter,
+            "seen": self.seen,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.window = _Rolling(self.window_size, state["window"], cap=self.loss_cap)
@@ -133,10 +146,11 @@ class KillLossSpike:
 class OlmoStabilityMonitor:
     """OLMo-core ``StabilityMonitorCallback`` (olmo_core/train/callbacks/stability_monitor.py).
 
-    For the training loss and the gradient norm separately: a value above ``mean + threshold_std x std`` of the
-    previous ``window_size`` values (population std; no check while std < 1e-10) is a spike; every value is then
-    appended. Defaults: window 128, 6 sigma. Checks start once ``min_history`` values are held (64 here, the
-    active-from point the evaluation protocol specifies; the callback version we read waits for the full 128).
+    For the training loss and the gradient norm separately: a value above ``mean + threshold_std x std`` of
+    the previous ``window_size`` values (population std; no check while std < 1e-10) is a spike; every value
+    is then appended. Defaults: window 128, 6 sigma. Checks start once ``min_history`` values are held (64
+    here, the active-from point the evaluation protocol specifies; the callback version we read waits for the
+    full 128).
 
     >>> rule = OlmoStabilityMonitor()
     >>> flags = [rule.update(StepRecord(s, {"loss": 2.0 + 0.01 * (s % 3)})) for s in range(80)]
@@ -176,13 +190,15 @@ class OlmoStabilityMonitor:
 
 
 class ZClip:
-    """ZClip adaptive gradient clipping (bluorion-com/ZClip ``zclip/zclip.py``), as a grad-norm spike detector.
+    """ZClip adaptive gradient clipping (bluorion-com/ZClip ``zclip/zclip.py``), as a grad-norm spike
+    detector.
 
     The first ``warmup_steps`` (25) norms initialise the EMA mean and variance; after that
     ``z = (g - mean) / (std + eps)`` and ``z > z_thresh`` (2.5) is a spike, which ZClip clips to
-    ``mean + z_thresh x std / (z / z_thresh)`` (``adaptive_scaling``). The EMA (alpha 0.97) is then updated with
-    the clipped value on a spike and the raw norm otherwise (``skip_update_on_spike=False``), the variance with the
-    freshly updated mean, exactly as the reference does. Runs without a grad norm give no alerts.
+    ``mean + z_thresh x std / (z / z_thresh)`` (``adaptive_scaling``). The EMA (alpha 0.97) is then updated
+    with the clipped value on a spike and the raw norm otherwise (``skip_update_on_spike=False``), the
+    variance with the freshly updated mean, exactly as the reference does. Runs without a grad norm give no
+    alerts.
 
     >>> rule = ZClip()
     >>> flags = [rule.update(StepRecord(s, {"grad_norm": 1.0 + 0.05 * (s % 2)})) for s in range(40)]
@@ -192,8 +208,9 @@ class ZClip:
 
     name = "zclip"
 
-    def __init__(self, *, alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 25,
-                 eps: float = 1e-6) -> None:
+    def __init__(
+        self, *, alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 25, eps: float = 1e-6
+    ) -> None:
         self.alpha, self.z_thresh, self.warmup_steps, self.eps = alpha, z_thresh, warmup_steps, eps
         self.buffer: list[float] = []
         self.mean: float | None = None
@@ -229,15 +246,16 @@ class LightningSpikeDetection:
     """Lightning Fabric ``SpikeDetection`` (lightning/fabric/utilities/spike.py), mode ``min``.
 
     A running mean over the last ``window`` (10) non-spike losses; from batch ``warmup`` (1) on, a loss is a
-    spike when it did not improve on the previous accepted loss and ``|loss - mean| >= rtol x |mean|`` (rtol 2,
-    atol unset), or when it is non-finite (``finite_only=True``). Spikes are not added to the statistics; the
-    original raises ``TrainingSpikeException`` here, the replay only records the alert.
+    spike when it did not improve on the previous accepted loss and ``|loss - mean| >= rtol x |mean|`` (rtol
+    2, atol unset), or when it is non-finite (``finite_only=True``). Spikes are not added to the statistics;
+    the original raises ``TrainingSpikeException`` here, the replay only records the alert.
     """
 
     name = "lightning"
 
-    def __init__(self, *, window: int = 10, warmup: int = 1, rtol: float | None = 2.0,
-                 atol: float | None = None) -> None:
+    def __init__(
+        self, *, window: int = 10, warmup: int = 1, rtol: float | None = 2.0, atol: float | None = None
+    ) -> None:
         self.window_size, self.warmup, self.rtol, self.atol = window, warmup, rtol, atol
         self.window = _Rolling(window)
         self.last_val = 0.0
@@ -275,8 +293,8 @@ class LightningSpikeDetection:
 class MegatronSpikyLoss:
     """Megatron-LM's rerun state machine check for an unexpectedly large loss
     (``megatron/core/rerun_state_machine.py``, ``is_unexpectedly_large`` as used by
-    ``--check-for-spiky-loss``): the maximum of the first ``initial_values`` (100) losses is the reference; a later
-    loss at least ``threshold`` (10) times it is spiky. Megatron's default NaN/inf loss check
+    ``--check-for-spiky-loss``): the maximum of the first ``initial_values`` (100) losses is the reference; a
+    later loss at least ``threshold`` (10) times it is spiky. Megatron's default NaN/inf loss check
     (``--check-for-nan-in-loss-and-grad``) is included: a non-finite loss alerts at any step.
 
     >>> rule = MegatronSpikyLoss(initial_values=3)
@@ -318,5 +336,10 @@ PEER_RULES = (KillLossSpike, OlmoStabilityMonitor, ZClip, LightningSpikeDetectio
 
 def peer_rules(*, total_steps: int) -> list[PeerRule]:
     """A fresh instance of every peer rule with its project's defaults, sized for a run of ``total_steps``."""
-    return [KillLossSpike(total_steps=total_steps), OlmoStabilityMonitor(), ZClip(), LightningSpikeDetection(),
-            MegatronSpikyLoss()]
+    return [
+        KillLossSpike(total_steps=total_steps),
+        OlmoStabilityMonitor(),
+        ZClip(),
+        LightningSpikeDetection(),
+        MegatronSpikyLoss(),
+    ]

@@ -1,25 +1,28 @@
 """Evaluate stabmon and the peer rules against labelled incidents in recorded runs.
 
 For every run named by a LABELS.csv (segments stitched), the records are replayed through stabmon's pipeline
-(the live detector and engine classes) and through each peer rule of :mod:`stabmon.replay.baselines`. An *alert*
-is a step at which a method fired: for stabmon, a step with an anomaly of at least ``min_severity`` (default
-``warning``); for a peer rule, a step at which it returned True. Then, per labelled incident and method:
+(the live detector and engine classes) and through each peer rule of :mod:`stabmon.replay.baselines`. An
+*alert* is a step at which a method fired: for stabmon, a step with an anomaly of at least ``min_severity``
+(default ``warning``); for a peer rule, a step at which it returned True. Then, per labelled incident and
+method:
 
 - ``detected``: an alert in ``[step_start - pre, step_end]`` (``pre`` = 100 steps);
-- ``first_alert_step``: the first alert in that window; ``lead_steps = step_start - first_alert_step`` (negative
+- ``first_alert_step``: the first alert in that window; ``lead_steps = step_start - first_alert_step``
+  (negative
   when the alert came after the onset);
 - ``severity``: stabmon's highest anomaly severity in the window (None for peer rules, which have none);
 
-and per run and method: ``steps`` (records replayed) and ``false_alarms``: alert steps outside every numeric or
-other incident window of that run (control windows do not excuse alerts), also per 10k steps. stabmon rows add
-``decisions`` and ``intervention_decisions`` (decisions whose action is not ``alert_only``): what the runbook would
-have done there.
+and per run and method: ``steps`` (records replayed) and ``false_alarms``: alert steps outside every numeric
+or other incident window of that run (control windows do not excuse alerts), also per 10k steps. stabmon rows
+add ``decisions`` and ``intervention_decisions`` (decisions whose action is not ``alert_only``): what the
+runbook would have done there.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -54,15 +57,22 @@ class RunAlerts:
     error: str | None = None
 
 
-def default_factory(*, runbook: Any = "default", overrides: Sequence[str] = (),
-                    detector_config: dict[str, Any] | None = None) -> Pipeline:
+def default_factory(
+    *, runbook: Any = "default", overrides: Sequence[str] = (), detector_config: dict[str, Any] | None = None
+) -> Pipeline:
     """stabmon's live pipeline (detectors + runbook engine, simulated executor)."""
     return build_pipeline(runbook=runbook, overrides=overrides, detector_config=detector_config)[0]
 
 
-def alerts_for(records: Sequence[StepRecord], *, run: str, factory: PipelineFactory | None,
-               min_severity: Severity = Severity.WARNING, restarts: Sequence[int] = (),
-               peers: bool = True) -> RunAlerts:
+def alerts_for(
+    records: Sequence[StepRecord],
+    *,
+    run: str,
+    factory: PipelineFactory | None,
+    min_severity: Severity = Severity.WARNING,
+    restarts: Sequence[int] = (),
+    peers: bool = True,
+) -> RunAlerts:
     """Run stabmon (when ``factory`` is given) and the peer rules over one run's records."""
     out = RunAlerts(run=run, steps=len(records), restarts=list(restarts))
     if factory is not None:
@@ -88,20 +98,33 @@ def alerts_for(records: Sequence[StepRecord], *, run: str, factory: PipelineFact
     return out
 
 
-def _run_one(run: str, files: Sequence[Path], factory: PipelineFactory | None, min_severity: Severity,
-             peers: bool) -> RunAlerts:
+def _run_one(
+    run: str, files: Sequence[Path], factory: PipelineFactory | None, min_severity: Severity, peers: bool
+) -> RunAlerts:
     try:
         imported = import_files(files)
     except Exception as exc:  # noqa: BLE001 - one unreadable run is reported, the others are still evaluated
         return RunAlerts(run=run, error=f"{type(exc).__name__}: {exc}")
     try:
-        out = alerts_for(imported.records, run=run, factory=factory, min_severity=min_severity,
-                         restarts=imported.restarts, peers=peers)
+        out = alerts_for(
+            imported.records,
+            run=run,
+            factory=factory,
+            min_severity=min_severity,
+            restarts=imported.restarts,
+            peers=peers,
+        )
     except Exception as exc:  # noqa: BLE001
         log.exception("evaluating %s failed", run)
         return RunAlerts(run=run, steps=len(imported.records), error=f"{type(exc).__name__}: {exc}")
     out.malformed = imported.malformed
     return out
+
+
+def _spawn() -> Any:
+    """Worker processes are spawned, never forked: polars' thread pool (used to read the logs) does not
+    survive a fork of a process that already used it, and the workers would hang."""
+    return multiprocessing.get_context("spawn")
 
 
 @dataclass
@@ -111,15 +134,18 @@ class EvalReport:
     summary: dict[str, dict[str, Any]]  # per method
 
     def rows(self) -> list[dict[str, Any]]:
-        return [{"type": "incident", **r} for r in self.incidents] + [{"type": "file", **r} for r in self.files]
+        return [{"type": "incident", **r} for r in self.incidents] + [
+            {"type": "file", **r} for r in self.files
+        ]
 
 
 def _windows(labels: Iterable[Label], pre: int) -> list[tuple[int, int]]:
     return [(lb.step_start - pre, lb.step_end) for lb in labels if lb.category != "control"]
 
 
-def score(labels: Sequence[Label], runs: dict[str, RunAlerts], label_runs: dict[int, str], *,
-          pre: int = 100) -> EvalReport:
+def score(
+    labels: Sequence[Label], runs: dict[str, RunAlerts], label_runs: dict[int, str], *, pre: int = 100
+) -> EvalReport:
     """Turn per-run alerts into the per-incident and per-run rows (see the module docstring)."""
     incidents: list[dict[str, Any]] = []
     files: list[dict[str, Any]] = []
@@ -131,23 +157,41 @@ def score(labels: Sequence[Label], runs: dict[str, RunAlerts], label_runs: dict[
             first = steps[0] if steps else None
             sev = None
             if m == STABMON and steps:
-                sev = max((Severity(ra.severities[s]) for s in steps if s in ra.severities),
-                          key=lambda x: x.rank).value
-            incidents.append({
-                "file": lb.file, "step_start": lb.step_start, "step_end": lb.step_end, "kind": lb.kind,
-                "label_source": lb.label_source, "category": lb.category, "method": m, "detected": bool(steps),
-                "first_alert_step": first, "lead_steps": None if first is None else lb.step_start - first,
-                "severity": sev, "run": ra.run, "error": ra.error,
-            })
+                sev = max(
+                    (Severity(ra.severities[s]) for s in steps if s in ra.severities), key=lambda x: x.rank
+                ).value
+            incidents.append(
+                {
+                    "file": lb.file,
+                    "step_start": lb.step_start,
+                    "step_end": lb.step_end,
+                    "kind": lb.kind,
+                    "label_source": lb.label_source,
+                    "category": lb.category,
+                    "method": m,
+                    "detected": bool(steps),
+                    "first_alert_step": first,
+                    "lead_steps": None if first is None else lb.step_start - first,
+                    "severity": sev,
+                    "run": ra.run,
+                    "error": ra.error,
+                }
+            )
     for run, ra in runs.items():
         wins = _windows([lb for i, lb in enumerate(labels) if label_runs[i] == run], pre)
         for m in methods:
             fa = [s for s in ra.alerts.get(m, []) if not any(a <= s <= b for a, b in wins)]
             row: dict[str, Any] = {
-                "file": run, "method": m, "steps": ra.steps, "false_alarms": len(fa),
+                "file": run,
+                "method": m,
+                "steps": ra.steps,
+                "false_alarms": len(fa),
                 "false_alarms_per_10k": round(1e4 * len(fa) / ra.steps, 3) if ra.steps else None,
-                "alerts": len(ra.alerts.get(m, [])), "first_false_alarms": fa[:5], "restarts": ra.restarts,
-                "malformed": ra.malformed, "error": ra.error,
+                "alerts": len(ra.alerts.get(m, [])),
+                "first_false_alarms": fa[:5],
+                "restarts": ra.restarts,
+                "malformed": ra.malformed,
+                "error": ra.error,
             }
             if m == STABMON:
                 row["decisions"] = len(ra.decisions)
@@ -156,8 +200,9 @@ def score(labels: Sequence[Label], runs: dict[str, RunAlerts], label_runs: dict[
     return EvalReport(incidents, files, summarize(incidents, files, methods))
 
 
-def summarize(incidents: list[dict[str, Any]], files: list[dict[str, Any]],
-              methods: Sequence[str]) -> dict[str, dict[str, Any]]:
+def summarize(
+    incidents: list[dict[str, Any]], files: list[dict[str, Any]], methods: Sequence[str]
+) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
         num = [r for r in incidents if r["method"] == m and r["category"] == "numeric"]
@@ -179,10 +224,19 @@ def summarize(incidents: list[dict[str, Any]], files: list[dict[str, Any]],
     return out
 
 
-def evaluate(labels_path: str | Path, *, factory: PipelineFactory | None = None, stabmon: bool = True,
-             runbook: Any = "default", overrides: Sequence[str] = (), min_severity: Severity = Severity.WARNING,
-             pre: int = 100, jobs: int = 1, peers: bool = True,
-             progress: Callable[[int], None] | None = None) -> EvalReport:
+def evaluate(
+    labels_path: str | Path,
+    *,
+    factory: PipelineFactory | None = None,
+    stabmon: bool = True,
+    runbook: Any = "default",
+    overrides: Sequence[str] = (),
+    min_severity: Severity = Severity.WARNING,
+    pre: int = 100,
+    jobs: int = 1,
+    peers: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> EvalReport:
     """Evaluate every method on every labelled run; ``jobs > 1`` runs the runs in parallel processes."""
     labels_path = Path(labels_path)
     labels = read_labels(labels_path)
@@ -204,7 +258,7 @@ def evaluate(labels_path: str | Path, *, factory: PipelineFactory | None = None,
             runs[name] = RunAlerts(run=name, error=f"no file matches {name!r} under the labels' directory")
     todo = [(n, p) for n, p in todo if p]
     if jobs > 1 and len(todo) > 1:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=_spawn()) as pool:
             futures = {n: pool.submit(_run_one, n, p, factory, min_severity, peers) for n, p in todo}
             for n, fut in futures.items():
                 runs[n] = fut.result()

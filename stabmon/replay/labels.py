@@ -1,13 +1,15 @@
 """Labelled incidents (``LABELS.csv``) and the runs they refer to.
 
-Columns: ``file, step_start, step_end, kind, label_source, note``. ``file`` is relative to the labels file and may be
-a glob (``410m-seed5_*.tsv``). Each label is put in one of three categories by its ``kind``:
+Columns: ``file, step_start, step_end, kind, label_source, note``. ``file`` is relative to the labels file and
+may be a glob (``410m-seed5_*.tsv``). Each label is put in one of three categories by its ``kind``:
 
 - ``numeric``: a numeric instability a detector should catch (spikes, divergence, loss-scale collapse or drop,
   collapse after resume, grad-norm blips); these make up recall.
-- ``control``: a stretch known to be healthy (``none_control``, ``benign_*``, ``rollbacks_without_instability``);
+- ``control``: a stretch known to be healthy (``none_control``, ``benign_*``,
+  ``rollbacks_without_instability``);
   alerts inside it are false alarms, and it is reported on its own.
-- ``other``: incidents that are not numeric (crash, exit, hang, throughput, rollback/data-skip records); reported
+- ``other``: incidents that are not numeric (crash, exit, hang, throughput, rollback/data-skip records);
+  reported
   separately, not counted in recall, and alerts inside their window are not false alarms.
 
 A run is a set of files: a label's files plus every file in the same directory with the same run prefix (the
@@ -15,7 +17,7 @@ name before a W&B run id), so the segments of a resumed run are evaluated stitch
 
 >>> Label("a.log", 10, 12, "loss_spike_then_divergence", "author").category
 'numeric'
->>> Label("a.log", 1, 9, "benign_overflow", "observed_by_us").category, Label("a", 5, 5, "hang", "author").category
+>>> Label("a.log", 1, 9, "benign_overflow", "observed_by_us").category, Label("a", 5, 5, "hang", "x").category
 ('control', 'other')
 """
 
@@ -74,8 +76,16 @@ def read_labels(path: str | Path) -> list[Label]:
                 raise ValueError(f"{where}: step_start/step_end must be integers") from None
             if end < start:
                 raise ValueError(f"{where}: step_end {end} < step_start {start}")
-            labels.append(Label(row["file"].strip(), start, end, row["kind"].strip(),
-                                (row.get("label_source") or "").strip(), (row.get("note") or "").strip()))
+            labels.append(
+                Label(
+                    row["file"].strip(),
+                    start,
+                    end,
+                    row["kind"].strip(),
+                    (row.get("label_source") or "").strip(),
+                    (row.get("note") or "").strip(),
+                )
+            )
     return labels
 
 
@@ -91,8 +101,14 @@ def run_files(label: Label, base: Path) -> tuple[str, list[Path]]:
     if not files:
         return label.file, []
     keys = {(p.parent, run_key(p)) for p in files}
-    segments = sorted({q for parent, key in keys for q in parent.iterdir()
-                       if q.is_file() and run_key(q) == key and q.suffix == files[0].suffix})
+    segments = sorted(
+        {
+            q
+            for parent, key in keys
+            for q in parent.iterdir()
+            if q.is_file() and run_key(q) == key and q.suffix == files[0].suffix
+        }
+    )
     if len(segments) <= 1:
         return label.file, files
     parent, key = sorted(keys)[0]

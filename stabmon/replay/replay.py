@@ -3,8 +3,8 @@
 :func:`replay` feeds StepRecords one at a time into a :class:`stabmon.pipeline.Pipeline` built from the very
 classes the live monitor uses (:class:`stabmon.detect.DetectorSuite`, :class:`stabmon.runbook.Engine`,
 :class:`stabmon.interventions.LiveExecutor`); only the executor's target differs: a
-:class:`~stabmon.replay.simulate.SimulatedTarget`. Any object with the pipeline protocols can be passed instead
-(``pipeline=``), which is how tests and :mod:`stabmon.replay.eval` run it.
+:class:`~stabmon.replay.simulate.SimulatedTarget`. Any object with the pipeline protocols can be passed
+instead (``pipeline=``), which is how tests and :mod:`stabmon.replay.eval` run it.
 
 Replay is deterministic: the same records through freshly built objects give the same events, apart from the
 random event ids; :func:`canonical` replaces those by ordinals so two replays compare equal.
@@ -18,13 +18,15 @@ random event ids; :func:`canonical` replaces those by ordinals so two replays co
 ...     def state_dict(self): return {}
 ...     def load_state_dict(self, s): pass
 >>> from stabmon.pipeline import Pipeline
->>> res = replay([StepRecord(s, {"loss": v}) for s, v in enumerate([2.0, 9.0, 2.1])], pipeline=Pipeline(Above()))
+>>> records = [StepRecord(s, {"loss": v}) for s, v in enumerate([2.0, 9.0, 2.1])]
+>>> res = replay(records, pipeline=Pipeline(Above()))
 >>> [(a.step, a.kind) for a in res.anomalies], res.steps, res.samples
 ([(1, 'spike')], 3, 3)
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,7 +98,8 @@ def make_detectors(config: dict[str, Any] | None = None, overrides: Sequence[str
 
 def make_engine(runbook: Any, mode: str | None = None) -> Any:
     """The runbook engine for a runbook name, path, Runbook or engine (None: no engine), built exactly as the
-    live monitor builds it (:func:`stabmon.collect.wiring.resolve_engine`); ``mode`` None keeps the runbook's."""
+    live monitor builds it (:func:`stabmon.collect.wiring.resolve_engine`); ``mode`` None keeps the
+    runbook's."""
     if runbook is None:
         return None
     from stabmon.collect.wiring import resolve_engine
@@ -112,10 +115,20 @@ def build_pipeline(
     target: SimulatedTarget | None = None,
     mode: str | None = None,
 ) -> tuple[Pipeline, SimulatedTarget]:
-    """A pipeline of live detector + engine objects whose executor acts on a simulated target."""
+    """A pipeline of live detector + engine objects whose executor acts on a simulated target.
+
+    The detectors take ``detector_config``, or else the runbook's ``detectors:`` section (where an override
+    file written by ``stabmon tune`` lands through ``include:``), then the ``detector.param=value``
+    ``overrides``."""
     from stabmon.interventions import LiveExecutor
 
     target = target or SimulatedTarget()
+    if isinstance(runbook, (str, os.PathLike)):
+        from stabmon.runbook import load_runbook
+
+        runbook = load_runbook(runbook)
+    if detector_config is None and getattr(runbook, "detectors", None):
+        detector_config = dict(runbook.detectors)  # the runbook's `detectors:` (e.g. an included tune result)
     engine = make_engine(runbook, mode)
     executor = LiveExecutor(target, simulated=True) if engine is not None else None
     return Pipeline(make_detectors(detector_config, overrides), engine, executor), target
@@ -137,20 +150,21 @@ def replay(
 ) -> ReplayResult:
     """Run ``records`` (in step order) through the pipeline; see the module docstring.
 
-    ``approve``: answer every proposal "yes" at once (as if a human approved it), so the simulation shows what an
-    apply-mode run would have done. ``restarts``: steps at which the recorded run resumed from a checkpoint; with
-    ``grace_on_restart`` the detectors re-enter their grace period there, as a freshly resumed monitor would when
-    its detector state was not restored (the default carries the detector history across, as a monitor restored
-    from its own ``state_dict`` does). ``progress(n)`` is called with the number of records processed since the
-    last call.
+    ``approve``: answer every proposal "yes" at once (as if a human approved it), so the simulation shows what
+    an apply-mode run would have done. ``restarts``: steps at which the recorded run resumed from a
+    checkpoint; with ``grace_on_restart`` the detectors re-enter their grace period there, as a freshly
+    resumed monitor would when its detector state was not restored (the default carries the detector history
+    across, as a monitor restored from its own ``state_dict`` does). ``progress(n)`` is called with the number
+    of records processed since the last call.
     """
     if pipeline is None:
-        pipeline, target = build_pipeline(runbook=runbook, detector_config=detector_config, overrides=overrides,
-                                          target=target)
+        pipeline, target = build_pipeline(
+            runbook=runbook, detector_config=detector_config, overrides=overrides, target=target
+        )
     executor = pipeline.executor
     if target is None:
-        target = getattr(executor, "target", None) if isinstance(getattr(executor, "target", None),
-                                                                  SimulatedTarget) else SimulatedTarget()
+        found = getattr(executor, "target", None)
+        target = found if isinstance(found, SimulatedTarget) else SimulatedTarget()
     result = ReplayResult(target=target)
     restart_set = set(restarts)
     pending = 0
@@ -212,8 +226,9 @@ def canonical(events: Iterable[Event]) -> list[dict[str, Any]]:
 
 
 def event_rows(events: Iterable[Event]) -> list[dict[str, Any]]:
-    """The JSON objects ``stabmon replay --json`` prints: one per anomaly, decision, intervention and outcome, each
-    with ``type, step, kind, metric, severity`` (a decision takes metric and severity from its anomaly)."""
+    """The JSON objects ``stabmon replay --json`` prints: one per anomaly, decision, intervention and outcome,
+    each with ``type, step, kind, metric, severity`` (a decision takes metric and severity from its
+    anomaly)."""
     anomalies: dict[str, Anomaly] = {}
     rows = []
     for ev in events:
@@ -228,18 +243,48 @@ def event_row(event: Event, anomalies: dict[str, Anomaly] | None = None) -> dict
     d = to_dict(event)
     row: dict[str, Any] = {"type": d["type"], "step": d.get("step")}
     if isinstance(event, Anomaly):
-        row.update(kind=event.kind, metric=event.metric, severity=event.severity.value, score=event.score,
-                   threshold=event.threshold, detector=event.detector, message=event.message, id=event.id)
+        row.update(
+            kind=event.kind,
+            metric=event.metric,
+            severity=event.severity.value,
+            score=event.score,
+            threshold=event.threshold,
+            detector=event.detector,
+            message=event.message,
+            id=event.id,
+        )
     elif isinstance(event, Decision):
         cause = (anomalies or {}).get(event.anomaly_id or "")
-        row.update(kind=event.action, metric=cause.metric if cause else None,
-                   severity=cause.severity.value if cause else None, status=event.status.value, rule=event.rule,
-                   rung=event.rung, params=d["params"], reason=event.reason, anomaly_id=event.anomaly_id,
-                   id=event.id)
+        row.update(
+            kind=event.action,
+            metric=cause.metric if cause else None,
+            severity=cause.severity.value if cause else None,
+            status=event.status.value,
+            rule=event.rule,
+            rung=event.rung,
+            params=d["params"],
+            reason=event.reason,
+            anomaly_id=event.anomaly_id,
+            id=event.id,
+        )
     elif isinstance(event, InterventionRecord):
-        row.update(kind=event.action, metric=None, severity=None, before=d["before"], after=d["after"], reverted=event.reverted,
-                   decision_id=event.decision_id, id=event.id)
+        row.update(
+            kind=event.action,
+            metric=None,
+            severity=None,
+            before=d["before"],
+            after=d["after"],
+            reverted=event.reverted,
+            decision_id=event.decision_id,
+            id=event.id,
+        )
     elif isinstance(event, Outcome):
-        row.update(kind=event.verdict.value, metric=None, severity=None, evidence=d["evidence"], decision_id=event.decision_id, id=event.id)
+        row.update(
+            kind=event.verdict.value,
+            metric=None,
+            severity=None,
+            evidence=d["evidence"],
+            decision_id=event.decision_id,
+            id=event.id,
+        )
     return row
-

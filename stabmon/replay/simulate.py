@@ -1,12 +1,12 @@
 """The replay side of interventions: a target that records what would have changed, without torch.
 
-:class:`SimulatedTarget` implements :class:`stabmon.pipeline.InterventionTarget`. The real intervention classes
-(through :class:`stabmon.interventions.LiveExecutor` with ``simulated=True``) act on it exactly as they act on the
-live monitor: overrides are set on its :class:`~stabmon.overrides.Overrides`, a rollback is answered with the
-checkpoint the run would have gone back to (the last one at a multiple of ``checkpoint_interval`` at least
-``lookback`` steps before the onset) and the batch range it would have skipped, and checkpoint-and-stop marks the
-step at which the run would have stopped. The recorded run keeps going (it is a recording), so replay continues
-after a simulated stop or rollback and reports them.
+:class:`SimulatedTarget` implements :class:`stabmon.pipeline.InterventionTarget`. The real intervention
+classes (through :class:`stabmon.interventions.LiveExecutor` with ``simulated=True``) act on it exactly as
+they act on the live monitor: overrides are set on its :class:`~stabmon.overrides.Overrides`, a rollback is
+answered with the checkpoint the run would have gone back to (the last one at a multiple of
+``checkpoint_interval`` at least ``lookback`` steps before the onset) and the batch range it would have
+skipped, and checkpoint-and-stop marks the step at which the run would have stopped. The recorded run keeps
+going (it is a recording), so replay continues after a simulated stop or rollback and reports them.
 
 >>> from stabmon.events import StepRecord
 >>> t = SimulatedTarget(checkpoint_interval=100)

@@ -2,9 +2,9 @@
 
 A job that restarts from a checkpoint logs a new W&B run (a new segment). When it resumed from an *older*
 checkpoint than where the previous segment stopped, the segments overlap; the later segment is what the model
-actually became, so it supersedes the earlier one from its first step on, and that step is recorded as a restart.
-Segments are ordered by (first step, last step): of two segments starting at the same step, the one that ended
-first was the aborted attempt.
+actually became, so it supersedes the earlier one from its first step on, and that step is recorded as a
+restart. Segments are ordered by (first step, last step): of two segments starting at the same step, the one
+that ended first was the aborted attempt.
 
 Files belong to the same run when they share the prefix before the W&B run id (``410m-seed5_4cpv52gc.tsv`` and
 ``410m-seed5_i8jjatq1.tsv`` are run ``410m-seed5``).
@@ -52,7 +52,9 @@ def stitch(segments: Sequence[ImportResult], names: Sequence[str] | None = None)
         raise ValueError("stitch: no segments given")
     labelled = list(zip(segments, names or [f"segment {i}" for i in range(len(segments))], strict=True))
     labelled = [(s, n) for s, n in labelled if s.records] + [(s, n) for s, n in labelled if not s.records]
-    labelled.sort(key=lambda sn: (sn[0].records[0].step, sn[0].records[-1].step) if sn[0].records else (1 << 62, 0))
+    labelled.sort(
+        key=lambda sn: (sn[0].records[0].step, sn[0].records[-1].step) if sn[0].records else (1 << 62, 0)
+    )
     formats = sorted({s.format for s in segments})
     out = ImportResult(format=formats[0] if len(formats) == 1 else "+".join(formats), records=[])
     for seg, name in labelled:
@@ -65,8 +67,13 @@ def stitch(segments: Sequence[ImportResult], names: Sequence[str] | None = None)
         first = seg.records[0].step
         if out.records and first <= out.records[-1].step:
             out.restarts.append(first)
-            out.events.append((first, f"{name}: resumed at step {first}, superseding steps "
-                                      f"{first}..{out.records[-1].step} of the previous segment"))
+            out.events.append(
+                (
+                    first,
+                    f"{name}: resumed at step {first}, superseding steps "
+                    f"{first}..{out.records[-1].step} of the previous segment",
+                )
+            )
             out.records = [r for r in out.records if r.step < first]
         elif out.records:
             out.events.append((first, f"{name}: resumed at step {first}"))

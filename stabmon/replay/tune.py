@@ -1,12 +1,13 @@
-"""Search detector parameters against labelled runs, cross-validated, and write the winner as an override file.
+"""Search detector parameters against labelled runs, cross-validated, and write the winner as an override
+file.
 
 Every candidate is a set of ``detector.param=value`` overrides. It is scored on a set of labelled runs by
-replaying them through stabmon (the same detectors and, when given, runbook as :func:`stabmon.replay.eval.evaluate`)
-and applying :func:`objective`: recall on the numeric incidents, plus a small reward for lead time, minus a
-penalty per false alarm per 10k steps. Runs are split into ``folds`` groups; for each fold the best candidate on
-the other runs is reported on the held-out one (so the figures are not fitted to the runs they describe), and the
-candidate best over all runs is the one written. Candidates are scored in parallel processes (``jobs``); each
-worker imports the runs once.
+replaying them through stabmon (the same detectors and, when given, runbook as
+:func:`stabmon.replay.eval.evaluate`) and applying :func:`objective`: recall on the numeric incidents, plus a
+small reward for lead time, minus a penalty per false alarm per 10k steps. Runs are split into ``folds``
+groups; for each fold the best candidate on the other runs is reported on the held-out one (so the figures are
+not fitted to the runs they describe), and the candidate best over all runs is the one written. Candidates are
+scored in parallel processes (``jobs``); each worker imports the runs once.
 
 The output is a YAML mapping ``{"detectors": {name: {param: value}}}`` that a runbook merges with
 ``include: tuned.yaml``.
@@ -34,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from stabmon.replay.eval import RunAlerts, alerts_for, default_factory, score
+from stabmon.replay.eval import RunAlerts, _spawn, alerts_for, default_factory, score
 from stabmon.replay.importers.detect import import_files
 from stabmon.replay.labels import Label, read_labels, run_files
 
@@ -49,7 +50,9 @@ LEAD_CAP = 10
 FA_WEIGHT = 0.1  # per false alarm per 10k steps
 
 
-def objective(metrics: Mapping[str, Any], *, fa_weight: float = FA_WEIGHT, lead_weight: float = LEAD_WEIGHT) -> float:
+def objective(
+    metrics: Mapping[str, Any], *, fa_weight: float = FA_WEIGHT, lead_weight: float = LEAD_WEIGHT
+) -> float:
     """``recall + lead_weight * clip(mean lead, +-10) - fa_weight * false alarms per 10k steps`` (rounded)."""
     recall = metrics.get("recall") or 0.0
     lead = metrics.get("mean_lead") or 0.0
@@ -116,8 +119,11 @@ def metrics_for(runs: Sequence[LabelledRun], alerts: Mapping[str, RunAlerts]) ->
     label_runs = {i: r.name for i, (r, _) in enumerate((r, lb) for r in runs for lb in r.labels)}
     report = score(labels, {r.name: alerts[r.name] for r in runs}, label_runs)
     summary = report.summary.get("stabmon", {})
-    leads = [x["lead_steps"] for x in report.incidents
-             if x["method"] == "stabmon" and x["category"] == "numeric" and x["lead_steps"] is not None]
+    leads = [
+        x["lead_steps"]
+        for x in report.incidents
+        if x["method"] == "stabmon" and x["category"] == "numeric" and x["lead_steps"] is not None
+    ]
     return {**summary, "mean_lead": sum(leads) / len(leads) if leads else None}
 
 
@@ -129,12 +135,15 @@ def _init_worker(labels_path: str) -> None:
     _RUNS = load_runs(labels_path)
 
 
-def _candidate_alerts(overrides: Mapping[str, Any], runbook: Any,
-                      runs: Sequence[LabelledRun] | None = None) -> dict[str, RunAlerts]:
+def _candidate_alerts(
+    overrides: Mapping[str, Any], runbook: Any, runs: Sequence[LabelledRun] | None = None
+) -> dict[str, RunAlerts]:
     items = tuple(f"{k}={v}" for k, v in overrides.items())
     factory = functools.partial(default_factory, runbook=runbook, overrides=items)
-    return {r.name: alerts_for(r.records, run=r.name, factory=factory, restarts=r.restarts, peers=False)
-            for r in (runs if runs is not None else _RUNS)}
+    return {
+        r.name: alerts_for(r.records, run=r.name, factory=factory, restarts=r.restarts, peers=False)
+        for r in (runs if runs is not None else _RUNS)
+    }
 
 
 @dataclass
@@ -142,21 +151,33 @@ class TuneResult:
     best: dict[str, Any]
     best_metrics: dict[str, Any]
     candidates: list[dict[str, Any]] = field(default_factory=list)  # overrides, objective on all runs
-    folds: list[dict[str, Any]] = field(default_factory=list)  # per fold: train/test runs, winner, held-out metrics
+    folds: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # per fold: train/test runs, winner, held-out metrics
 
     def overrides_yaml(self) -> str:
         nested: dict[str, dict[str, Any]] = {}
         for key, value in self.best.items():
             det, param = key.split(".")
             nested.setdefault(det, {})[param] = value
-        head = "# detector settings chosen by `stabmon tune`; merge into a runbook with `include: <this file>`\n"
+        head = (
+            "# detector settings chosen by `stabmon tune`; merge into a runbook with `include: <this file>`\n"
+        )
         return head + yaml.safe_dump({"detectors": nested}, sort_keys=True)
 
 
-def tune(labels_path: str | Path, *, space: Mapping[str, Sequence[Any]] | None = None, n_random: int | None = None,
-         seed: int = 0, folds: int = 2, jobs: int = 1, runbook: Any = None,
-         score_fn: Callable[[Mapping[str, Any]], float] = objective,
-         progress: Callable[[int], None] | None = None) -> TuneResult:
+def tune(
+    labels_path: str | Path,
+    *,
+    space: Mapping[str, Sequence[Any]] | None = None,
+    n_random: int | None = None,
+    seed: int = 0,
+    folds: int = 2,
+    jobs: int = 1,
+    runbook: Any = None,
+    score_fn: Callable[[Mapping[str, Any]], float] = objective,
+    progress: Callable[[int], None] | None = None,
+) -> TuneResult:
     """Search, cross-validate and pick the winner; see the module docstring."""
     space = validate_space(space if space is not None else DEFAULT_SPACE)
     if folds < 1:
@@ -169,8 +190,9 @@ def tune(labels_path: str | Path, *, space: Mapping[str, Sequence[Any]] | None =
         raise ValueError(f"{labels_path}: no labelled run could be imported")
     per_candidate: list[dict[str, RunAlerts]] = []
     if jobs > 1:
-        with ProcessPoolExecutor(max_workers=jobs, initializer=_init_worker,
-                                 initargs=(str(labels_path),)) as pool:
+        with ProcessPoolExecutor(
+            max_workers=jobs, mp_context=_spawn(), initializer=_init_worker, initargs=(str(labels_path),)
+        ) as pool:
             for res in pool.map(functools.partial(_candidate_alerts, runbook=runbook), candidates):
                 per_candidate.append(res)
                 if progress:
@@ -180,7 +202,7 @@ def tune(labels_path: str | Path, *, space: Mapping[str, Sequence[Any]] | None =
             per_candidate.append(_candidate_alerts(cand, runbook, runs))
             if progress:
                 progress(1)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for cand, alerts in zip(candidates, per_candidate, strict=True):
         m = metrics_for(runs, alerts)
         rows.append({"overrides": cand, "objective": score_fn(m), "metrics": m})
@@ -194,11 +216,20 @@ def tune(labels_path: str | Path, *, space: Mapping[str, Sequence[Any]] | None =
             scores = [score_fn(metrics_for(train, a)) for a in per_candidate]
             win = max(range(len(scores)), key=lambda i: (scores[i], -i))
             held = metrics_for(test, per_candidate[win])
-            fold_rows.append({"fold": f, "train_runs": [r.name for r in train], "test_runs": [r.name for r in test],
-                              "overrides": candidates[win], "train_objective": scores[win],
-                              "test_objective": score_fn(held), "test_metrics": held})
-    return TuneResult(best=candidates[best_i], best_metrics=rows[best_i]["metrics"], candidates=rows,
-                      folds=fold_rows)
+            fold_rows.append(
+                {
+                    "fold": f,
+                    "train_runs": [r.name for r in train],
+                    "test_runs": [r.name for r in test],
+                    "overrides": candidates[win],
+                    "train_objective": scores[win],
+                    "test_objective": score_fn(held),
+                    "test_metrics": held,
+                }
+            )
+    return TuneResult(
+        best=candidates[best_i], best_metrics=rows[best_i]["metrics"], candidates=rows, folds=fold_rows
+    )
 
 
 def count_candidates(space: Mapping[str, Sequence[Any]] | None, n_random: int | None) -> int:

@@ -112,6 +112,10 @@ class Engine:
         if inc is None or inc["decision"]["id"] != decision.id:
             return
         inc["intervention_id"] = record.id
+        if decision.action != "rollback":
+            # the change acts from the target's step at application; records of earlier steps still to come
+            # (the rest of a live monitor's flush) were measured before it and are not part of its window
+            inc["effective_step"] = record.step
         if "error" in record.after:
             inc["error"] = str(record.after["error"])
 
@@ -167,6 +171,9 @@ class Engine:
         if inc["phase"] == "proposed":
             if self._tick - inc["decision_tick"] >= self.runbook.approval.timeout:
                 return self._timeout(record.step)
+            return []
+        eff = inc.get("effective_step")
+        if eff is not None and record.step < eff and inc.get("error") is None:
             return []
         rule = self.runbook.rule(inc["rule"])
         matched = sum(1 for a in anomalies if rule.when.matches(a))
@@ -306,7 +313,8 @@ class Engine:
             return
         if decision.action != "alert_only":
             self._budget.append(self._tick)
-        inc.update(phase="observing", decision=_plain(decision), window=[], intervention_id=None, error=None)
+        inc.update(phase="observing", decision=_plain(decision), window=[], intervention_id=None, error=None,
+                   effective_step=None)
 
     def _decision(self, action: str, params: dict[str, Any], status: DecisionStatus, step: int,
                   reason: str) -> Decision:

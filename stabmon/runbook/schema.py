@@ -108,8 +108,9 @@ def _rung_model(cls: type[Intervention]) -> type[_RungBase]:
     except ValueError:
         params = (cls.Params, ...)
     name = f"{cls.__name__}Rung"
+    tag: Any = Literal[cls.name]
     model = create_model(  # type: ignore[call-overload]
-        name, __base__=_RungBase, __module__=__name__, action=(Literal[cls.name], ...), params=params
+        name, __base__=_RungBase, __module__=__name__, action=(tag, ...), params=params
     )
     globals()[name] = model  # importable by name, so runbooks pickle
     return model  # type: ignore[no-any-return]

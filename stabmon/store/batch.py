@@ -1,10 +1,11 @@
 """A batch of queued writes, its JSON form for the spool, and the idempotent SQL that writes it.
 
 Every insert is "insert or ignore" on a natural key (run id + seq, event id, ...), so writing a batch twice (a
-spool replayed after a commit whose acknowledgement was lost) leaves exactly one copy. Decisions are upserted so
-that a later status of the same decision (proposed -> approved -> applied) wins. Per-step metrics go through the
-raw DBAPI cursor: ``executemany`` on SQLite, ``COPY`` into a temporary table then ``INSERT ... ON CONFLICT DO
-NOTHING`` on PostgreSQL.
+spool replayed after a commit whose acknowledgement was lost) leaves exactly one copy. Decisions are upserted
+so that a later status of the same decision (proposed -> approved -> applied) wins. Per-step metrics go
+through the raw DBAPI cursor: ``executemany`` on SQLite, binary ``COPY`` on PostgreSQL (falling back to
+``COPY`` into a temporary table then ``INSERT ... ON CONFLICT DO NOTHING`` when the batch was partly written
+before).
 
 >>> b = Batch(hi=3); b.steps.append(("r", 1, 0, None, None, {"loss": float("nan")}))
 >>> Batch.from_json(b.to_json()).steps[0][5]["loss"]
@@ -33,6 +34,13 @@ _TIME_FIELDS = ("started_at", "ended_at", "created_at")
 
 def to_datetime(t: float | None) -> datetime | None:
     return None if t is None else datetime.fromtimestamp(t, tz=timezone.utc)
+
+
+def _scalar(value: Any) -> Any:
+    """numpy / torch scalars that slipped into a record: their Python value."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"cannot spool a {type(value).__name__}")
 
 
 @dataclass
@@ -80,6 +88,7 @@ class Batch:
                 "run_updates": self.run_updates,
             },
             separators=(",", ":"),
+            default=_scalar,
         )
 
     @classmethod
@@ -97,14 +106,14 @@ class Batch:
 
 
 class NameCache(dict[str, int]):
-    """metric name -> id, filled from the database on first use of a name (inside the writer's transaction).
-
-    Cleared when a transaction fails, since ids inserted by it were rolled back.
+    """metric name -> id (and run id -> run key), filled from the database on first use inside the writer's
+    transaction. Cleared when a transaction fails, since ids inserted by it were rolled back.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.conn: sa.Connection | None = None
+        self.run_keys: dict[str, int] = {}
 
     def __missing__(self, name: str) -> int:
         assert self.conn is not None, "NameCache used outside a write"
@@ -113,6 +122,20 @@ class NameCache(dict[str, int]):
         mid = self.conn.execute(sa.select(table.c.id).where(table.c.name == name)).scalar_one()
         self[name] = mid
         return mid
+
+    def run_key(self, run_id: str) -> int:
+        """The integer key of a run that must already exist (its row is written before its steps)."""
+        key = self.run_keys.get(run_id)
+        if key is None:
+            assert self.conn is not None, "NameCache used outside a write"
+            runs = Base.metadata.tables["runs"]
+            key = self.conn.execute(sa.select(runs.c.key).where(runs.c.id == run_id)).scalar_one()
+            self.run_keys[run_id] = key
+        return key
+
+    def clear(self) -> None:
+        super().clear()
+        self.run_keys.clear()
 
 
 def _insert_ignore(conn: sa.Connection, table: Any, upsert: tuple[str, ...] = ()) -> Any:
@@ -151,40 +174,63 @@ def write_batch(conn: sa.Connection, batch: Batch, names: NameCache) -> None:
 
 
 def _write_steps(conn: sa.Connection, steps: list[StepTuple], names: NameCache) -> None:
-    step_rows = [(r, q, s, b, t) for r, q, s, b, t, _ in steps]
+    keys = {r: names.run_key(r) for r in {s[0] for s in steps}}
+    step_rows = [(keys[r], q, s, b, t) for r, q, s, b, t, _ in steps]
     metric_rows = [
-        (r, names[n], q, s, None if v != v else float(v))
+        (keys[r], names[n], q, s, None if v != v else float(v))
         for r, q, s, _b, _t, m in steps
         for n, v in m.items()
     ]
     if conn.dialect.name == "postgresql":
-        _copy_ignore(conn, "steps", "run_id, seq, step, batch_index, time", step_rows)
-        _copy_ignore(conn, "step_metrics", "run_id, metric_id, seq, step, value", metric_rows)
+        _copy_ignore(conn, "steps", "run_key, seq, step, batch_index, time", step_rows)
+        _copy_ignore(conn, "step_metrics", "run_key, metric_id, seq, step, value", metric_rows)
         return
     ph = "?" if conn.dialect.paramstyle == "qmark" else "%s"
     conn.exec_driver_sql(
-        f"INSERT INTO steps (run_id, seq, step, batch_index, time) VALUES ({ph}, {ph}, {ph}, {ph}, {ph}) "
+        f"INSERT INTO steps (run_key, seq, step, batch_index, time) VALUES ({ph}, {ph}, {ph}, {ph}, {ph}) "
         "ON CONFLICT DO NOTHING",
         step_rows,  # type: ignore[arg-type]
     )
     if metric_rows:
         conn.exec_driver_sql(
-            f"INSERT INTO step_metrics (run_id, metric_id, seq, step, value) VALUES ({ph}, {ph}, {ph}, {ph}, {ph}) "
+            "INSERT INTO step_metrics (run_key, metric_id, seq, step, value) "
+            f"VALUES ({ph}, {ph}, {ph}, {ph}, {ph}) "
             "ON CONFLICT DO NOTHING",
             metric_rows,  # type: ignore[arg-type]
         )
 
 
+_PG_TYPES = {
+    "steps": ["int4", "int8", "int8", "int8", "float8"],
+    "step_metrics": ["int4", "int4", "int8", "int8", "float8"],
+}
+
+
 def _copy_ignore(conn: sa.Connection, table: str, columns: str, rows: list[tuple[Any, ...]]) -> None:
-    """PostgreSQL: COPY into a session temp table, then insert what is not there yet."""
+    """PostgreSQL: binary COPY straight into ``table``; if some rows are already there (a replayed batch),
+    undo that and COPY into a session temp table, then insert only what is missing."""
     if not rows:
         return
+    import psycopg
+
     raw: Any = conn.connection.driver_connection
-    tmp = f"_stabmon_{table}"
     with raw.cursor() as cur:
+        cur.execute("SAVEPOINT stabmon_copy")
+        try:
+            _copy(cur, table, columns, rows, table)
+            cur.execute("RELEASE SAVEPOINT stabmon_copy")
+            return
+        except psycopg.errors.UniqueViolation:
+            cur.execute("ROLLBACK TO SAVEPOINT stabmon_copy")
+        tmp = f"_stabmon_{table}"
         cur.execute(f"CREATE TEMP TABLE IF NOT EXISTS {tmp} (LIKE {table}) ON COMMIT DELETE ROWS")
-        with cur.copy(f"COPY {tmp} ({columns}) FROM STDIN") as copy:
-            for row in rows:
-                copy.write_row(row)
+        _copy(cur, tmp, columns, rows, table)
         cur.execute(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {tmp} ON CONFLICT DO NOTHING")
         cur.execute(f"TRUNCATE {tmp}")
+
+
+def _copy(cur: Any, target: str, columns: str, rows: list[tuple[Any, ...]], table: str) -> None:
+    with cur.copy(f"COPY {target} ({columns}) FROM STDIN (FORMAT BINARY)") as copy:
+        copy.set_types(_PG_TYPES[table])
+        for row in rows:
+            copy.write_row(row)

@@ -1,8 +1,8 @@
 """Conversions between events and table rows, and a JSON encoding that keeps NaN and infinities.
 
-PostgreSQL's JSON types reject NaN and Infinity, and SQLite cannot hold a NaN REAL. JSON columns therefore store
-a non-finite float ``x`` as ``{"$float": "nan" | "inf" | "-inf"}`` and :func:`decode` turns it back; a NaN in a
-REAL column is stored as NULL (:func:`to_real` / :func:`from_real`).
+PostgreSQL's JSON types reject NaN and Infinity, and SQLite cannot hold a NaN REAL. JSON columns therefore
+store a non-finite float ``x`` as ``{"$float": "nan" | "inf" | "-inf"}`` and :func:`decode` turns it back; a
+NaN in a REAL column is stored as NULL (:func:`to_real` / :func:`from_real`).
 
 >>> decode(encode({"v": float("nan"), "w": [1.0, float("-inf")]}))
 {'v': nan, 'w': [1.0, -inf]}

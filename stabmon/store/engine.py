@@ -17,7 +17,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import NullPool, StaticPool
 
 from stabmon.resources import migrations_dir
 
@@ -36,6 +36,12 @@ def safe_url(url: str | URL) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:  # noqa: BLE001 - unparseable URL: show it as given
         return str(url)
+
+
+def is_memory(url: str | URL) -> bool:
+    """True for an in-memory SQLite URL (``sqlite://``), which lives only as long as its engine."""
+    u = make_url(url)
+    return u.get_backend_name() == "sqlite" and (not u.database or u.database == ":memory:")
 
 
 def sqlite_path(url: str | URL) -> Path | None:
@@ -63,10 +69,15 @@ def make_engine(url: str | URL, *, pooled: bool = True) -> Engine:
     try:
         u = make_url(url)
         kwargs: dict[str, Any] = {}
-        if not pooled:
+        if is_memory(u):  # one connection shared by every thread, or each would see its own empty database
+            kwargs["poolclass"] = StaticPool
+            kwargs["connect_args"] = {"check_same_thread": False}
+        elif not pooled:
             kwargs["poolclass"] = NullPool
         elif u.get_backend_name() != "sqlite":
             kwargs["pool_pre_ping"] = True
+        if u.get_backend_name() == "postgresql" and "connect_timeout" not in u.query:
+            kwargs["connect_args"] = {"connect_timeout": 10}  # a vanished server must not hang the writer
         engine = sa.create_engine(u, **kwargs)
         if u.get_backend_name() == "sqlite":
             sa.event.listen(engine, "connect", _sqlite_pragmas)
@@ -96,16 +107,18 @@ def head_revision() -> str:
     return head
 
 
-def upgrade(url: str | URL, revision: str = "head") -> None:
-    """Bring the database at ``url`` to ``revision`` (default: the newest schema). Idempotent."""
+def upgrade(url: str | URL | Engine, revision: str = "head") -> None:
+    """Bring the database at ``url`` (or behind an engine) to ``revision`` (default: the newest schema).
+    Idempotent."""
     from alembic import command
 
-    engine = make_engine(url)
+    engine = url if isinstance(url, Engine) else make_engine(url)
     try:
         with engine.begin() as conn:
             command.upgrade(alembic_config(connection=conn), revision)
     finally:
-        engine.dispose()
+        if engine is not url:
+            engine.dispose()
 
 
 def current_revision(engine: Engine) -> str | None:

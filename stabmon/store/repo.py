@@ -1,7 +1,7 @@
 """Keyword-only repository functions over a SQLAlchemy session: runs, metrics, events, answers, alerts.
 
-Readers (CLI, replay, report, trace) call these with a session from :meth:`stabmon.store.Store.session` or their
-own ``Session(engine)``; writers on the training path go through :class:`~stabmon.store.Store` instead.
+Readers (CLI, replay, report, trace) call these with a session from :meth:`stabmon.store.Store.session` or
+their own ``Session(engine)``; writers on the training path go through :class:`~stabmon.store.Store` instead.
 
 >>> from sqlalchemy import create_engine
 >>> from sqlalchemy.orm import Session
@@ -31,6 +31,7 @@ from stabmon.store.engine import StoreError
 from stabmon.store.models import (
     AlertRow,
     AnomalyRow,
+    Base,
     CheckpointRow,
     DecisionRow,
     InterventionRow,
@@ -69,7 +70,7 @@ def _utc(dt: datetime | None) -> datetime | None:
     return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
 
 
-# -- runs -------------------------------------------------------------------------------------------------------
+# -- runs ----------------------------------------------------------------------------------------------------
 def add_run(
     *,
     session: Session,
@@ -124,8 +125,8 @@ class RunSummary:
 def list_runs(*, session: Session, limit: int | None = None) -> list[RunSummary]:
     """Runs, newest first, with their recorded step count, last step and anomaly count."""
     steps = (
-        sa.select(Step.run_id, sa.func.count().label("n"), sa.func.max(Step.step).label("last"))
-        .group_by(Step.run_id)
+        sa.select(Step.run_key, sa.func.count().label("n"), sa.func.max(Step.step).label("last"))
+        .group_by(Step.run_key)
         .subquery()
     )
     anomalies = (
@@ -133,7 +134,7 @@ def list_runs(*, session: Session, limit: int | None = None) -> list[RunSummary]
     )
     q = (
         sa.select(Run, steps.c.n, steps.c.last, anomalies.c.n)
-        .outerjoin(steps, steps.c.run_id == Run.id)
+        .outerjoin(steps, steps.c.run_key == Run.key)
         .outerjoin(anomalies, anomalies.c.run_id == Run.id)
         .order_by(Run.started_at.desc(), Run.id)
         .limit(limit)
@@ -144,9 +145,9 @@ def list_runs(*, session: Session, limit: int | None = None) -> list[RunSummary]
             r.name,
             r.kind,
             r.status,
-            _utc(r.started_at),
+            _utc(r.started_at) or r.started_at,
             _utc(r.ended_at),
-            n or 0,  # type: ignore[arg-type]
+            n or 0,
             last,
             na or 0,
             r.parent_run_id,
@@ -155,8 +156,15 @@ def list_runs(*, session: Session, limit: int | None = None) -> list[RunSummary]
     ]
 
 
+def _run_key(session: Session, run_id: str) -> int:
+    key = session.scalar(sa.select(Run.key).where(Run.id == run_id))
+    if key is None:
+        raise RunNotFoundError(f"no run with id {run_id!r}")
+    return key
+
+
 def get_run(*, session: Session, run_id: str) -> Run:
-    run = session.get(Run, run_id)
+    run = session.scalars(sa.select(Run).where(Run.id == run_id)).first()
     if run is None:
         raise RunNotFoundError(f"no run with id {run_id!r}")
     return run
@@ -169,7 +177,7 @@ def resolve_run(*, session: Session, ref: str) -> Run:
         if run is None:
             raise RunNotFoundError("no runs recorded yet")
         return run
-    run = session.get(Run, ref)
+    run = session.scalars(sa.select(Run).where(Run.id == ref)).first()
     if run is not None:
         return run
     for where, what in (
@@ -189,17 +197,25 @@ def resolve_run(*, session: Session, ref: str) -> Run:
 
 def next_seq(*, session: Session, run_id: str) -> int:
     """The next free record sequence number of a run (0 for a new run)."""
-    tables = [Step, AnomalyRow, DecisionRow, InterventionRow, OutcomeRow]
-    top = max((session.scalar(sa.select(sa.func.max(t.seq)).where(t.run_id == run_id)) or -1) for t in tables)
+    key = session.scalar(sa.select(Run.key).where(Run.id == run_id))
+    tops = [session.scalar(sa.select(sa.func.max(Step.seq)).where(Step.run_key == key))] if key else []
+    for table in ("anomalies", "decisions", "interventions", "outcomes"):
+        t = Base.metadata.tables[table]
+        tops.append(session.scalar(sa.select(sa.func.max(t.c.seq)).where(t.c.run_id == run_id)))
+    top = max((x for x in tops if x is not None), default=-1)
     return top + 1
 
 
-# -- metrics and steps ------------------------------------------------------------------------------------------
+# -- metrics and steps ---------------------------------------------------------------------------------------
 def metric_names(*, session: Session, run_id: str) -> list[str]:
     q = (
         sa.select(MetricName.name)
         .where(
-            MetricName.id.in_(sa.select(StepMetric.metric_id).where(StepMetric.run_id == run_id).distinct())
+            MetricName.id.in_(
+                sa.select(StepMetric.metric_id)
+                .where(StepMetric.run_key == _run_key(session, run_id))
+                .distinct()
+            )
         )
         .order_by(MetricName.id)
     )
@@ -211,7 +227,7 @@ def get_metrics(*, session: Session, run_id: str, names: Sequence[str] | None = 
     q = (
         sa.select(StepMetric.seq, StepMetric.step, MetricName.name, StepMetric.value)
         .join(MetricName, MetricName.id == StepMetric.metric_id)
-        .where(StepMetric.run_id == run_id)
+        .where(StepMetric.run_key == _run_key(session, run_id))
     )
     if names:
         q = q.where(MetricName.name.in_(list(names)))
@@ -225,9 +241,10 @@ def load_steps(*, session: Session, run_id: str) -> list[StepRecord]:
     """The run's StepRecords exactly as written (NaN and infinities kept), in record order.
 
     Safe while the run is being written: records committed after the first query are left out whole."""
+    key = _run_key(session, run_id)
     steps = session.execute(
         sa.select(Step.seq, Step.step, Step.batch_index, Step.time)
-        .where(Step.run_id == run_id)
+        .where(Step.run_key == key)
         .order_by(Step.seq)
     ).all()
     if not steps:
@@ -236,7 +253,7 @@ def load_steps(*, session: Session, run_id: str) -> list[StepRecord]:
     q = (
         sa.select(StepMetric.seq, MetricName.name, StepMetric.value)
         .join(MetricName, MetricName.id == StepMetric.metric_id)
-        .where(StepMetric.run_id == run_id, StepMetric.seq <= steps[-1][0])
+        .where(StepMetric.run_key == key, StepMetric.seq <= steps[-1][0])
         .order_by(StepMetric.seq, StepMetric.metric_id)
     )
     for seq, name, value in session.execute(q):
@@ -245,14 +262,14 @@ def load_steps(*, session: Session, run_id: str) -> list[StepRecord]:
     return [StepRecord(step=int(s), metrics=metrics[seq], batch_index=b, time=t) for seq, s, b, t in steps]
 
 
-# -- events -----------------------------------------------------------------------------------------------------
+# -- events --------------------------------------------------------------------------------------------------
 def load_events(*, session: Session, run_id: str) -> list[Any]:
     """Anomalies, decisions, interventions and outcomes of a run, in the causal order they were written."""
     found: list[tuple[int, Any]] = []
     for table, model in _EVENT_MODELS.items():
         cols = model.__table__.columns
         for row in session.execute(sa.select(*cols).where(cols.run_id == run_id)).mappings():
-            found.append((row["seq"], event_from_row(table, row)))
+            found.append((row["seq"], event_from_row(table, dict(row))))
     found.sort(key=lambda p: p[0])
     return [ev for _, ev in found]
 
@@ -308,7 +325,7 @@ def take_answers(*, session: Session, run_id: str) -> list[tuple[str, bool]]:
     return [(r.id, bool(r.approved)) for r in rows]
 
 
-# -- alerts, checkpoints, skipped batches ----------------------------------------------------------------------
+# -- alerts, checkpoints, skipped batches --------------------------------------------------------------------
 def add_alert(
     *,
     session: Session,

@@ -1,9 +1,9 @@
 """A local JSONL file of batches that could not be written while the database was unavailable.
 
-One file per :class:`~stabmon.store.Store` (``spool-<id>.jsonl`` in the spool directory), held under an exclusive
-``flock`` while its store lives, so a later store can adopt files left behind by a process that died (see
-:func:`orphans`) without ever taking a live one. Batches are appended in queue order and replayed in that order;
-replay is idempotent, so a crash in the middle of a replay loses nothing and duplicates nothing.
+One file per :class:`~stabmon.store.Store` (``spool-<id>.jsonl`` in the spool directory), held under an
+exclusive ``flock`` while its store lives, so a later store can adopt files left behind by a process that died
+(see :func:`orphans`) without ever taking a live one. Batches are appended in queue order and replayed in that
+order; replay is idempotent, so a crash in the middle of a replay loses nothing and duplicates nothing.
 
 >>> import tempfile
 >>> from stabmon.store.batch import Batch

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -32,6 +33,7 @@ from stabmon.store.codec import encode
 from stabmon.store.engine import (
     StoreError,
     current_revision,
+    is_memory,
     make_engine,
     require_schema,
     safe_url,
@@ -64,11 +66,16 @@ class StoreConfig:
     the working directory."""
     close_timeout: float = 30.0
     """Seconds ``close()`` waits for queued writes before leaving the rest in the spool."""
+    poll_interval: float = 0.0
+    """Least seconds between two reads of human answers (``poll_answers``) for one run; 0 reads every time
+    the monitor asks (it asks once per flush)."""
     max_held_rows: int = 5_000_000
     """Rows kept in memory when neither the database nor the spool file can take them; beyond it rows are
     dropped and counted."""
 
     def __post_init__(self) -> None:
+        if not self.poll_interval >= 0:
+            raise ValueError(f"store.poll_interval must be >= 0, got {self.poll_interval!r}")
         for name in ("flush_interval", "retry_initial", "retry_max", "close_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"store.{name} must be > 0, got {getattr(self, name)!r}")
@@ -84,14 +91,15 @@ def _writer_url(url: sa.URL) -> sa.URL:
     path = sqlite_path(url)
     if path is None:
         return url
-    return url.set(database=f"file:{path.resolve()}", query={"mode": "rw", "uri": "true"})
+    return url.set(database=f"file:{path.resolve()}", query={**url.query, "mode": "rw", "uri": "true"})
 
 
 def open_store(url: str | None = None, *, config: StoreConfig | None = None) -> Store:
     """Open the store at ``url`` (default ``$STABMON_DB_URL``, else ``sqlite:///stabmon.db``).
 
-    A SQLite file without a schema is upgraded here; any other database must already be at the newest schema
-    (``stabmon db upgrade --db URL``). Raises ``ValueError`` with one line when the URL cannot be opened.
+    A SQLite file (or in-memory ``sqlite://``, meant for tests) without a schema is upgraded here; any other
+    database must already be at the newest schema (``stabmon db upgrade --db URL``). Raises ``ValueError``
+    with one line when the URL cannot be opened.
     """
     url = url or os.environ.get("STABMON_DB_URL") or DEFAULT_URL
     return Store(url, config=config)
@@ -111,14 +119,16 @@ class Store:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
         self.engine = make_engine(u)
-        if path is not None and current_revision(self.engine) is None:
-            upgrade(u)
+        memory = is_memory(u)
+        if (path is not None or memory) and current_revision(self.engine) is None:
+            upgrade(self.engine)
         require_schema(self.engine)
-        is_memory = u.get_backend_name() == "sqlite" and path is None
-        writer_engine = self.engine if is_memory else make_engine(_writer_url(u), pooled=path is None)
+        writer_engine = self.engine if memory else make_engine(_writer_url(u), pooled=path is None)
         spool_dir = Path(self.config.spool_dir or ((path.parent if path else Path.cwd()) / "stabmon-spool"))
         self._writer = Writer(writer_engine, Spool(spool_dir), config=self.config, adopted=orphans(spool_dir))
         self._seq: dict[str, int] = {}
+        self._seq_lock = threading.Lock()
+        self._next_poll: dict[str, float] = {}
         self._closed = False
         self._writer.start()
 
@@ -137,7 +147,7 @@ class Store:
         with Session(self.engine) as s, s.begin():
             yield s
 
-    # -- Sink -------------------------------------------------------------------------------------------------
+    # -- Sink ------------------------------------------------------------------------------------------------
     def start_run(
         self,
         *,
@@ -150,9 +160,11 @@ class Store:
         source: str | None = None,
         run_id: str | None = None,
     ) -> str:
-        """Create (or reopen) a run; the row is queued like everything else. ``environment=None`` records
-        :func:`stabmon.environment.fingerprint` for live runs. ``parent_run_id`` / ``source`` say what a replay
-        or import came from; ``run_id`` chooses the id (default: a new one)."""
+        """Create (or reopen) a run; the row is queued like everything else.
+
+        ``environment=None`` records :func:`stabmon.environment.fingerprint` for live runs. ``parent_run_id``
+        and ``source`` say what a replay or import came from; ``run_id`` chooses the id (default: a new one).
+        """
         if kind not in repo.RUN_KINDS:
             raise ValueError(f"store.start_run.kind must be one of {sorted(repo.RUN_KINDS)}, got {kind!r}")
         if environment is None and kind == "live":
@@ -187,20 +199,25 @@ class Store:
             return time.time_ns() // 1000
 
     def _next(self, run_id: str, n: int) -> int:
-        seq0 = self._seq.get(run_id, 0)
-        self._seq[run_id] = seq0 + n
+        with self._seq_lock:
+            seq0 = self._seq.get(run_id, 0)
+            self._seq[run_id] = seq0 + n
         return seq0
 
     def write_steps(self, *, run_id: str, records: Sequence[StepRecord]) -> None:
         """Queue StepRecords (their metrics mappings must not be mutated afterwards)."""
-        if records:
+        if self._closed:
+            self._after_close(sum(1 + len(r.metrics) for r in records))
+        elif records:
             self._writer.submit("steps", run_id, self._next(run_id, len(records)), records)
 
     def write_events(self, *, run_id: str, events: Sequence[LowVolumeEvent]) -> None:
         good = [e for e in events if isinstance(e, _EVENTS)]
         if len(good) != len(events):
             log.error("stabmon store: ignoring %d non-event objects", len(events) - len(good))
-        if good:
+        if self._closed:
+            self._after_close(len(good))
+        elif good:
             self._writer.submit("events", run_id, self._next(run_id, len(good)), good)
 
     def write_checkpoint(self, *, run_id: str, step: int, path: str, nbytes: int, valid: bool = True) -> None:
@@ -220,7 +237,14 @@ class Store:
             self._writer.submit("skipped", run_id, int(step), list(batch_indices))
 
     def poll_answers(self, *, run_id: str) -> list[tuple[str, bool]]:
-        """Answers given with ``stabmon approve/reject`` that this run has not picked up yet."""
+        """Answers given with ``stabmon approve/reject`` that this run has not picked up yet.
+
+        Reads the database at most every ``config.poll_interval`` seconds per run, and not at all while the
+        database is unavailable (so the training thread never waits on a connection attempt)."""
+        now = time.monotonic()
+        if now < self._next_poll.get(run_id, 0.0) or self._writer.backlog():
+            return []
+        self._next_poll[run_id] = now + self.config.poll_interval
         try:
             with self.session() as s:
                 return repo.take_answers(session=s, run_id=run_id)
@@ -231,6 +255,10 @@ class Store:
 
     def end_run(self, *, run_id: str, status: str) -> None:
         self._writer.submit("update", run_id, {"status": status, "ended_at": time.time()})
+
+    def _after_close(self, rows: int) -> None:
+        self.stats.dropped_rows += rows
+        log.error("stabmon store: %d rows written after close() were dropped", rows)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._writer.wait(timeout)
@@ -246,7 +274,8 @@ class Store:
                 "by the next store opened on this spool directory",
                 self._writer.spool.path,
             )
-            self._writer.cycle()  # anything still queued goes to the spool
+            if not self._writer.is_alive():
+                self._writer.drain_to_spool()
         self._writer.spool.close()
         self._writer.engine.dispose()
         self.engine.dispose()

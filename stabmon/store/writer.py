@@ -1,11 +1,12 @@
-"""The background writer: drains the store's queue into batches, writes them, spools them when the database is away.
+"""The background writer: drains the store's queue into batches, writes them, spools them when needed.
 
-The training thread only appends to a deque (``submit``). This thread wakes every ``flush_interval`` seconds (or
-at once on ``flush``), turns what is queued into one :class:`~stabmon.store.batch.Batch` and writes it in one
-transaction. When the database is unavailable the batch, and every batch after it, goes to the spool file in
-order; the writer retries with exponential backoff, replays the spool when the database answers again, and only
-then writes new batches directly. A batch the database refuses for its content (not for being unreachable) is set
-aside in a ``rejected-*.jsonl`` file and counted, so one bad value cannot wedge the writer.
+The training thread only appends to a deque (``submit``). This thread wakes every ``flush_interval`` seconds
+(or at once on ``flush``), turns what is queued into one :class:`~stabmon.store.batch.Batch` and writes it in
+one transaction. When the database is unavailable the batch, and every batch after it, goes to the spool file
+in order; the writer retries with exponential backoff, replays the spool when the database answers again, and
+only then writes new batches directly. A batch the database refuses for its content (not for being
+unreachable) is set aside in a ``rejected-*.jsonl`` file and counted, so one bad value cannot wedge the
+writer.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Writer(threading.Thread):
         self._retry_at = 0.0
         self._backoff = config.retry_initial
 
-    # -- training thread ----------------------------------------------------------------------------------------
+    # -- training thread -------------------------------------------------------------------------------------
     def submit(self, *item: Any) -> None:
         """Queue one item; O(1), never touches the database."""
         t = next(self._tickets)
@@ -105,7 +106,12 @@ class Writer(threading.Thread):
         self.join(timeout=5.0)
         return ok
 
-    # -- writer thread ------------------------------------------------------------------------------------------
+    def drain_to_spool(self) -> None:
+        """Put everything still queued into the spool without touching the database (used by close())."""
+        while self.queue:
+            self._spool(self._take())
+
+    # -- writer thread ---------------------------------------------------------------------------------------
     def run(self) -> None:
         while not self._stopping:
             self._wake.wait(self.cfg.flush_interval)
@@ -117,16 +123,16 @@ class Writer(threading.Thread):
 
     def cycle(self) -> None:
         """One round: retry the backlog if due, then write (or spool) what is queued."""
-        if self._backlog() and time.monotonic() >= self._retry_at:
+        if self.backlog() and time.monotonic() >= self._retry_at:
             self._replay_backlog()
         while self.queue:
             batch = self._take()
-            if self._backlog():
+            if self.backlog():
                 self._spool(batch)
             else:
                 self._write_or_spool(batch)
 
-    def _backlog(self) -> bool:
+    def backlog(self) -> bool:
         return bool(self._adopted or self.spool.pending or self._held)
 
     def _take(self) -> Batch:
@@ -212,6 +218,9 @@ class Writer(threading.Thread):
 
     def _replay(self, spool: Spool, *, own: bool) -> None:
         batches = spool.read()
+        if not own:
+            for batch in batches:
+                batch.hi = 0  # another process's queue tickets mean nothing to this store's flush()
         for batch in batches:
             try:
                 self._commit(batch)
@@ -225,7 +234,7 @@ class Writer(threading.Thread):
             self._mark_done(max(b.hi for b in batches))
 
     def _salvage(self, batch: Batch, exc: BaseException) -> None:
-        """The database refused ``batch`` for its content: write its parts one by one, set aside the bad ones."""
+        """The database refused ``batch`` for its content: write its parts one by one, set aside bad ones."""
         parts = batch.split()
         if len(parts) <= 1:
             self._reject(batch, exc)
@@ -267,7 +276,9 @@ def _add(batch: Batch, item: tuple[Any, ...]) -> int:
     if kind == "steps":
         _, run_id, seq0, records = item
         for i, r in enumerate(records):
-            batch.steps.append((run_id, seq0 + i, int(r.step), r.batch_index, r.time, dict(r.metrics)))
+            b, t = r.batch_index, r.time
+            b, t = (None if b is None else int(b)), (None if t is None else float(t))
+            batch.steps.append((run_id, seq0 + i, int(r.step), b, t, dict(r.metrics)))
         return sum(1 + len(r.metrics) for r in records)
     if kind == "events":
         _, run_id, seq0, events = item

@@ -1,13 +1,13 @@
 """Format auto-detection over every importer module in this package.
 
-An importer module exposes ``FORMAT``, ``sniff(head) -> bool`` and ``read(path, **options) -> ImportResult`` and
-may set ``PRIORITY`` (lower is tried first; default 50). :func:`importers` discovers them all, so a new module
-needs no registration. :func:`detect_format` sniffs the first 64 KB of a file; :func:`import_file` reads one file
-with the detected (or given) format and :func:`import_files` stitches several into one run.
+An importer module exposes ``FORMAT``, ``sniff(head) -> bool`` and ``read(path, **options) -> ImportResult``
+and may set ``PRIORITY`` (lower is tried first; default 50). :func:`importers` discovers them all, so a new
+module needs no registration. :func:`detect_format` sniffs the first 64 KB of a file; :func:`import_file`
+reads one file with the detected (or given) format and :func:`import_files` stitches several into one run.
 
 >>> import tempfile, pathlib
 >>> p = pathlib.Path(tempfile.mkdtemp()) / "history.tsv"
->>> _ = p.write_text("train/lm_loss\tstep\n3.40\t1\n")
+>>> _ = p.write_text("train/lm_loss\\tstep\\n3.40\\t1\\n")
 >>> detect_format(p).FORMAT, import_file(p).records[0].get("loss")
 ('wandb', 3.4)
 >>> formats()[-1]

@@ -1,11 +1,11 @@
 """fairseq / metaseq ``train_inner`` JSON log lines.
 
-fairseq's progress bar in ``--log-format json`` mode prints one JSON object per logged update, every value as a
-string (``"loss": "16.475"``), after a ``| INFO | train_inner |`` prefix. fp16 overflows are printed between them
-as ``NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: 2.0``; the skipped attempt does not
-advance ``num_updates``, so the overflow is attached to the next logged update (``overflow = 1.0`` and the new
-``loss_scale``) and the raw line is kept in ``events``. metaseq prints the same dicts (sometimes with a
-``| train_inner |`` prefix and no level); both are read.
+fairseq's progress bar in ``--log-format json`` mode prints one JSON object per logged update, every value as
+a string (``"loss": "16.475"``), after a ``| INFO | train_inner |`` prefix. fp16 overflows are printed between
+them as ``NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: 2.0``; the skipped
+attempt does not advance ``num_updates``, so the overflow is attached to the next logged update (``overflow =
+1.0`` and the new ``loss_scale``) and the raw line is kept in ``events``. metaseq prints the same dicts
+(sometimes with a ``| train_inner |`` prefix and no level); both are read.
 
 >>> import tempfile, pathlib
 >>> p = pathlib.Path(tempfile.mkdtemp()) / "train.log"
@@ -101,6 +101,8 @@ def read(path: Path, **options: Any) -> ImportResult:
             last_step = step
     if pending_overflow is not None and math.isfinite(pending_overflow):
         step = (last_step or 0) + 1
-        by_step[step] = StepRecord(step=step, metrics={Metric.OVERFLOW: 1.0, Metric.LOSS_SCALE: pending_overflow})
+        by_step[step] = StepRecord(
+            step=step, metrics={Metric.OVERFLOW: 1.0, Metric.LOSS_SCALE: pending_overflow}
+        )
     result.records = [by_step[s] for s in sorted(by_step)]
     return result

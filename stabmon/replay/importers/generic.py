@@ -1,11 +1,12 @@
 """Generic tabular logs: CSV / TSV / JSON lines / Parquet, with a column mapping.
 
-``read(path, mapping={"train/loss": "loss"}, step_column="step")`` reads the file with polars, takes the step from
-``step_column`` (default: the first of ``step``, ``_step``, ``global_step``, ``trainer/global_step``, ``iteration``
-present; else the row number) and renames columns through ``mapping`` (column -> stabmon metric name). Columns the
-mapping does not name are matched against :data:`KNOWN_COLUMNS` (common W&B / HF / Lightning names); other
-columns are kept under their own names (their non-numeric cells silently skipped) unless ``keep_unmapped=False``. Every value is read as text first
-and converted here, so a malformed cell is counted (``ImportResult.malformed``) instead of failing the file.
+``read(path, mapping={"train/loss": "loss"}, step_column="step")`` reads the file with polars, takes the step
+from ``step_column`` (default: the first of ``step``, ``_step``, ``global_step``, ``trainer/global_step``,
+``iteration`` present; else the row number) and renames columns through ``mapping`` (column -> stabmon metric
+name). Columns the mapping does not name are matched against :data:`KNOWN_COLUMNS` (common W&B / HF /
+Lightning names); other columns are kept under their own names (their non-numeric cells silently skipped)
+unless ``keep_unmapped=False``. Every value is read as text first and converted here, so a malformed cell is
+counted (``ImportResult.malformed``) instead of failing the file.
 
 >>> import tempfile, pathlib
 >>> p = pathlib.Path(tempfile.mkdtemp()) / "log.csv"
@@ -32,7 +33,15 @@ from stabmon.replay.importers.base import ImportResult
 FORMAT = "generic"
 PRIORITY = 90  # tried last by auto-detection: it accepts almost any table
 
-STEP_COLUMNS = ("step", "_step", "global_step", "trainer/global_step", "train/global_step", "iteration", "iter")
+STEP_COLUMNS = (
+    "step",
+    "_step",
+    "global_step",
+    "trainer/global_step",
+    "train/global_step",
+    "iteration",
+    "iter",
+)
 TIME_COLUMNS = ("_timestamp", "timestamp", "time")
 IGNORED = frozenset({"_runtime", "epoch", "train/epoch", "_wandb"})
 
@@ -68,8 +77,8 @@ KNOWN_COLUMNS: dict[str, str] = {
 
 
 def sniff(head: str) -> bool:
-    """A Parquet magic number, a JSON object on the first line, or a header row followed by a data row with the
-    same number of fields, at least one of them numeric."""
+    """A Parquet magic number, a JSON object on the first line, or a header row followed by a data row with
+    the same number of fields, at least one of them numeric."""
     if head.startswith("PAR1"):
         return True
     lines = [ln.strip() for ln in head.lstrip("\ufeff").split("\n", 3)[:3]]
@@ -119,8 +128,13 @@ def _read_frame(path: Path) -> pl.DataFrame:
     with warnings.catch_warnings():  # ragged rows are handled (truncated), not worth a warning per chunk
         warnings.simplefilter("ignore")
         return pl.read_csv(
-            path, separator=sep, infer_schema=False, truncate_ragged_lines=True, encoding="utf8-lossy",
-            ignore_errors=True, quote_char='"',
+            path,
+            separator=sep,
+            infer_schema=False,
+            truncate_ragged_lines=True,
+            encoding="utf8-lossy",
+            ignore_errors=True,
+            quote_char='"',
         )
 
 
@@ -170,7 +184,9 @@ def table_to_result(
     mapping = dict(mapping or {})
     step_col = step_column or next((c for c in STEP_COLUMNS if c in df.columns), None)
     if step_column and step_column not in df.columns:
-        result.problem(name, f"step column {step_column!r} not found (columns: {', '.join(df.columns)[:200]})")
+        result.problem(
+            name, f"step column {step_column!r} not found (columns: {', '.join(df.columns)[:200]})"
+        )
         return result
     time_col = next((c for c in TIME_COLUMNS if c in df.columns and c not in mapping), None)
     columns: dict[str, str] = {}
@@ -189,7 +205,7 @@ def table_to_result(
         try:
             step = row_no - 2 if step_col is None else int(_to_float(row[step_col]))
         except (TypeError, ValueError, OverflowError):
-            result.problem(where, f"unreadable step {row.get(step_col)!r}"[:120])
+            result.problem(where, f"unreadable step {row.get(step_col or '')!r}"[:120])
             continue
         metrics: dict[str, float] = {}
         for col, metric in columns.items():
@@ -233,5 +249,6 @@ def read(
         result = ImportResult(format=FORMAT, records=[])
         result.problem(name, f"unreadable table ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
         return result
-    return table_to_result(df, fmt=FORMAT, name=name, mapping=mapping, step_column=step_column,
-                           keep_unmapped=keep_unmapped)
+    return table_to_result(
+        df, fmt=FORMAT, name=name, mapping=mapping, step_column=step_column, keep_unmapped=keep_unmapped
+    )

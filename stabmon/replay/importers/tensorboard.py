@@ -1,9 +1,10 @@
 """TensorBoard event files (``events.out.tfevents.*``), through the ``tensorboard`` package's reader.
 
-``tensorboard`` is an optional extra (``pip install 'stabmon[tensorboard]'``); without it :func:`read` reports one
-clear problem instead of failing. Scalar tags are mapped like table columns
-(:data:`stabmon.replay.importers.generic.KNOWN_COLUMNS` plus ``mapping``; Megatron's ``lm loss``, ``grad-norm``,
-``loss-scale``, ``learning-rate`` tags are known too); a path that is a directory reads every event file in it.
+``tensorboard`` is an optional extra (``pip install 'stabmon[tensorboard]'``); without it :func:`read` reports
+one clear problem instead of failing. Scalar tags are mapped like table columns
+(:data:`stabmon.replay.importers.generic.KNOWN_COLUMNS` plus ``mapping``; Megatron's ``lm loss``,
+``grad-norm``, ``loss-scale``, ``learning-rate`` tags are known too); a path that is a directory reads every
+event file in it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Weights & Biases history exports: CSV or TSV with a step column.
 
 What ``wandb.Api().run(...).scan_history(keys=[...])`` or the UI's "Export CSV" produces: a header naming the
-logged keys (``train/lm_loss``, ``train/grad_norm``...) and ``_step`` or ``step``, one row per logged step. One file
-is one W&B run, i.e. one job segment; :func:`stabmon.replay.stitch.stitch` joins the segments of a resumed run.
-Column names are mapped through :data:`stabmon.replay.importers.generic.KNOWN_COLUMNS` plus ``mapping``.
+logged keys (``train/lm_loss``, ``train/grad_norm``...) and ``_step`` or ``step``, one row per logged step.
+One file is one W&B run, i.e. one job segment; :func:`stabmon.replay.stitch.stitch` joins the segments of a
+resumed run. Column names are mapped through :data:`stabmon.replay.importers.generic.KNOWN_COLUMNS` plus
+``mapping``.
 
 >>> import tempfile, pathlib
 >>> p = pathlib.Path(tempfile.mkdtemp()) / "410m-seed2_abcd1234.tsv"

@@ -1,0 +1,170 @@
+"""Monitoring overhead on the tiny GPT example (CPU): monitored vs unmonitored step time.
+
+Both loops train the same model from the same seed on the same pre-built batches and clip at the same max_norm
+(the unmonitored loop with ``torch.nn.utils.clip_grad_norm_(foreach=True)``, the monitored one through the
+monitor's optimizer hooks, which reuse their one fused norm). Blocks of ``--block`` steps alternate A, B, A,
+B... so machine-load drifts hit both; each round's ratio is B/A and the median over rounds is printed for
+
+  (a) the monitor's defaults (activation norms and embedding drift sampled every 10 steps, default detectors),
+  (b) every signal every step (activation and embedding sampling every step),
+  (c) the defaults with the real SQLite store (background writer) instead of no store.
+
+Two ratios are printed: process CPU time (what the monitor costs; insensitive to other processes competing for
+the cores, and it includes the store's writer thread) and wall time (what a user waits; noisy on a shared
+machine). Targets: (a) <= 1.01, (b) <= 1.05. Figures are from one run; run it on a quiet machine::
+
+    python benchmarks/overhead.py --rounds 15 --block 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stabmon.monitor import ActivationConfig, EmbeddingConfig, Monitor, MonitorConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_tiny_gpt() -> Any:
+    spec = importlib.util.spec_from_file_location("tiny_gpt", ROOT / "examples" / "tiny_gpt.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tiny_gpt"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class Loop:
+    """One training loop (model, optimizer, scheduler) that runs blocks of steps and times them."""
+
+    def __init__(
+        self,
+        tg: Any,
+        config: Any,
+        batches: list[Any],
+        monitor_config: MonitorConfig | None,
+        store: Any = None,
+    ) -> None:
+        self.model, self.opt, self.sched, _ = tg.build(config)
+        self.batches, self.clip, self.i = batches, config.clip, 0
+        self.mon = None
+        if monitor_config is not None:
+            self.mon = Monitor(
+                self.model,
+                self.opt,
+                scheduler=self.sched,
+                store=store,
+                config=monitor_config,
+                run_name="overhead-benchmark",
+            )
+
+    def block(self, n: int) -> tuple[float, float]:
+        """(wall seconds, process CPU seconds) for ``n`` steps."""
+        model, opt, sched, mon = self.model, self.opt, self.sched, self.mon
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            x, y = self.batches[self.i % len(self.batches)]
+            self.i += 1
+            if mon is not None:
+                mon.begin_step(batch_index=self.i)
+            loss = model(x, y)
+            loss.backward()
+            if mon is not None:
+                mon.observe(loss=loss)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip, foreach=True)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if mon is not None:
+                mon.end_step()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    def close(self) -> None:
+        if self.mon is not None:
+            self.mon.close()
+
+
+def measure(
+    tg: Any, label: str, monitor_config: MonitorConfig, *, rounds: int, block: int, store: Any = None
+) -> float:
+    config = tg.TrainConfig(steps=rounds * block + block)
+    batches = list(tg.Batches(tg.make_corpus(config.corpus_chars, config.seed), config))
+    a = Loop(tg, config, batches, None)
+    b = Loop(tg, config, batches, monitor_config, store=store)
+    a.block(block)  # warm-up, untimed
+    b.block(block)
+    wall, cpu, ta, tb = [], [], [], []
+    for r in range(rounds):
+        first, second = (a, b) if r % 2 == 0 else (b, a)
+        t1, t2 = first.block(block), second.block(block)
+        t_a, t_b = (t1, t2) if first is a else (t2, t1)
+        ta.append(t_a[0] / block)
+        tb.append(t_b[0] / block)
+        wall.append(t_b[0] / t_a[0])
+        cpu.append(t_b[1] / t_a[1])
+    a.close()
+    b.close()
+    ratio = statistics.median(cpu)
+    print(
+        f"{label:<40} median ratio: CPU {ratio:.4f} (IQR {_iqr(cpu)}), wall {statistics.median(wall):.4f} "
+        f"(IQR {_iqr(wall)}); unmonitored {statistics.median(ta) * 1e3:.2f} ms/step, "
+        f"monitored {statistics.median(tb) * 1e3:.2f} ms/step"
+    )
+    return ratio
+
+
+def _iqr(values: list[float]) -> str:
+    q = statistics.quantiles(values, n=4) if len(values) >= 2 else [values[0]] * 3
+    return f"{q[0]:.3f}-{q[2]:.3f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="monitored vs unmonitored step time on the tiny GPT")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--block", type=int, default=20, help="steps per timed block (one flush per block)")
+    args = p.parse_args(argv)
+    tg = load_tiny_gpt()
+    torch.set_num_threads(tg.TrainConfig.threads)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), tiny GPT stable setting, clip 1.0, "
+        f"{args.rounds} interleaved rounds x {args.block} steps; CPU = process time (robust to other load), "
+        f"wall = perf_counter"
+    )
+    defaults = MonitorConfig(clip=1.0, hang_timeout=None)
+    everything = MonitorConfig(
+        clip=1.0,
+        hang_timeout=None,
+        activations=ActivationConfig(every=1),
+        embeddings=EmbeddingConfig(every=1),
+    )
+    a = measure(tg, "(a) defaults, store=None", defaults, rounds=args.rounds, block=args.block)
+    b = measure(
+        tg, "(b) every signal every step, store=None", everything, rounds=args.rounds, block=args.block
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        measure(
+            tg,
+            "(c) defaults, SQLite store",
+            defaults,
+            rounds=args.rounds,
+            block=args.block,
+            store=f"sqlite:///{tmp}/overhead.db",
+        )
+    print(
+        f"targets: (a) <= 1.01 {'met' if a <= 1.01 else 'NOT met'}; "
+        f"(b) <= 1.05 {'met' if b <= 1.05 else 'NOT met'}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""``stabmon demo``: train the tiny GPT example under the monitor and summarise what was recorded."""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+from typing import Annotated, Any
+
+import typer
+
+from stabmon.cli._common import DbOption, db_url, fail
+
+_HERE = Path(__file__).resolve()
+
+
+def load_example(name: str = "tiny_gpt") -> ModuleType:
+    """Import an example script: shipped in the package (``stabmon/_examples``) or the checkout's
+    examples/."""
+    places = (_HERE.parents[1] / "_examples", _HERE.parents[2] / "examples")
+    for candidate in (place / f"{name}.py" for place in places):
+        if candidate.is_file():
+            spec = importlib.util.spec_from_file_location(f"stabmon_example_{name}", candidate)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+            return module
+    raise FileNotFoundError(f"the {name} example is not part of this installation")
+
+
+def _where(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite" and u.database:
+        return str(Path(u.database).resolve())
+    return u.render_as_string(hide_password=True)
+
+
+def _series(records: Any, name: str) -> list[tuple[int, float]]:
+    return [(r.step, r.metrics[name]) for r in records if name in r.metrics]
+
+
+def _fmt(values: list[tuple[int, float]], label: str) -> str:
+    if not values:
+        return f"  {label:<22} (not recorded)"
+    vals = [v for _, v in values]
+    peak = max(values, key=lambda sv: sv[1] if sv[1] == sv[1] else float("inf"))
+    return (
+        f"  {label:<22} first {vals[0]:.4g}  median {statistics.median(vals):.4g}  last {vals[-1]:.4g}  "
+        f"max {peak[1]:.4g} (step {peak[0]})  n={len(vals)}"
+    )
+
+
+def summary(monitor: Any, url: str, result: Any) -> list[str]:
+    """The lines ``stabmon demo`` prints about a finished monitored run."""
+    recs = list(monitor.records)
+    lines = [
+        f"database: {_where(url)}",
+        f"run: {monitor.run_id} ({monitor.run_name}), {result.steps} steps in {result.seconds:.1f}s, "
+        f"exit code {result.exit_code}",
+        "signals:",
+        _fmt(_series(recs, "loss"), "loss"),
+        _fmt(_series(recs, "grad_norm"), "grad_norm"),
+        _fmt(_series(recs, "lr"), "lr"),
+        _fmt(_series(recs, "step_time"), "step_time (s)"),
+    ]
+    for prefix in ("act_rms/", "emb_drift/", "emb_update/"):
+        names = sorted({k for r in recs for k in r.metrics if k.startswith(prefix)})
+        lines.extend(_fmt(_series(recs, n), n) for n in names)
+    kinds = Counter(type(e).__name__ for e in monitor.events)
+    lines.append("events: " + (", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none"))
+    anomalies = Counter((a.kind, a.metric) for a in monitor.anomalies)
+    for (kind, metric), n in anomalies.most_common(8):
+        first = next(a for a in monitor.anomalies if (a.kind, a.metric) == (kind, metric))
+        lines.append(f"  anomaly {kind:<18} {metric:<24} x{n:<4} first at step {first.step}")
+    for e in monitor.events:
+        if type(e).__name__ in ("Decision", "InterventionRecord", "Outcome"):
+            lines.append("  " + _describe(e))
+    lines.append(f"next: stabmon runs --db {url}   stabmon metrics {monitor.run_id} --db {url}")
+    return lines
+
+
+def _describe(e: Any) -> str:
+    name = type(e).__name__
+    if name == "Decision":
+        return f"decision   step {e.step:<5} {e.action} {dict(e.params)} [{e.status.value}] rule {e.rule}"
+    if name == "InterventionRecord":
+        return f"applied    step {e.step:<5} {e.action} {dict(e.before)} -> {dict(e.after)}"
+    return f"outcome    step {e.step:<5} {e.verdict.value}"
+
+
+def demo(
+    db: DbOption = None,
+    steps: Annotated[int, typer.Option(help="Training steps (about 30-40 ms each on one CPU core).")] = 600,
+    stable: Annotated[bool, typer.Option("--stable", help="Train the stable setting instead.")] = False,
+    runbook: Annotated[str, typer.Option(help="Runbook name or path ('none' to only watch).")] = "default",
+    mode: Annotated[str, typer.Option(help="apply | propose | observe")] = "apply",
+    seed: Annotated[int, typer.Option(help="Seed of the data and the model.")] = 1337,
+) -> None:
+    """Train a tiny GPT that goes unstable (or not, with --stable) under the monitor, then summarise the
+    record."""
+    if steps < 1:
+        fail(f"--steps must be >= 1, got {steps}")
+    if mode not in ("apply", "propose", "observe"):
+        fail(f"--mode must be apply, propose or observe, got {mode!r}")
+    url = db_url(db)
+    try:
+        tg = load_example()
+    except FileNotFoundError as exc:
+        fail(str(exc))
+    from stabmon.monitor import Monitor, MonitorConfig
+
+    config = tg.TrainConfig(steps=steps, seed=seed)
+    if not stable:
+        config = tg.unstable(config)
+    ckpt_dir = Path(_where(url)).parent / "stabmon-demo-checkpoints" if url.startswith("sqlite") else None
+    made: list[Any] = []
+
+    def factory(model: Any, opt: Any, sched: Any) -> Any:
+        mon = Monitor(
+            model,
+            opt,
+            scheduler=sched,
+            store=url,
+            runbook=None if runbook == "none" else runbook,
+            mode=mode,
+            config=MonitorConfig(clip=config.clip, checkpoint_every=50 if ckpt_dir else 0),
+            checkpoint_dir=str(ckpt_dir) if ckpt_dir else None,
+            run_name=f"demo-tiny-gpt-{'stable' if stable else 'unstable'}",
+        )
+        made.append(mon)
+        return mon
+
+    typer.echo(
+        f"training the tiny GPT ({'stable' if stable else 'unstable'} setting, {steps} steps) "
+        f"monitored into {_where(url)} ..."
+    )
+    try:
+        result = tg.train(config, monitor=factory)
+    except ValueError as exc:
+        fail(str(exc))
+    for line in summary(made[0], url, result):
+        typer.echo(line)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo")(demo)

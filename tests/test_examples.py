@@ -1,0 +1,94 @@
+"""Every example runs, and the tiny GPT's documented settings behave as documented."""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tg() -> ModuleType:
+    return load("tiny_gpt")
+
+
+@pytest.mark.slow
+def test_stable_setting_trains(tg: ModuleType) -> None:
+    result = tg.train(tg.TrainConfig(steps=150))
+    assert result.steps == 150
+    assert result.final_loss < result.losses[0] - 0.6
+    assert not result.diverged
+
+
+@pytest.mark.slow
+def test_unstable_setting_spikes_in_grad_norm_before_the_loss_blows_up(tg: ModuleType) -> None:
+    from stabmon.monitor import Monitor, MonitorConfig
+
+    config = tg.unstable(tg.TrainConfig(steps=200))
+
+    def factory(model, opt, sched):  # noqa: ANN001, ANN202
+        return Monitor(
+            model, opt, scheduler=sched, store=None, detectors=False, config=MonitorConfig(clip=config.clip)
+        )
+
+    result = tg.train(config, monitor=factory)
+    assert result.diverged
+    recs = list(result.monitor.records)
+    grad = [r.metrics["grad_norm"] for r in recs]
+    loss = [r.metrics["loss"] for r in recs]
+    smooth = [statistics.fmean(loss[i - 9 : i + 1]) for i in range(9, len(loss))]
+    best = smooth.index(min(smooth)) + 9
+    blowup = next(i + 9 for i, v in enumerate(smooth) if i + 9 > best and v > min(smooth) + 0.3)
+    baseline = statistics.median(grad[max(0, best - 50) : best])
+    first_spike = next(i for i in range(best, len(grad)) if grad[i] > 2.5 * baseline)
+    assert first_spike < blowup
+    # reproducible with the seed
+    again = tg.train(config, monitor=factory)
+    assert [r.metrics["grad_norm"] for r in again.monitor.records][:blowup] == grad[:blowup]
+
+
+def test_config_errors_name_the_field(tg: ModuleType) -> None:
+    with pytest.raises(ValueError, match=r"^config\.n_embd must be divisible by config\.n_head"):
+        tg.train(tg.TrainConfig(n_embd=30, n_head=4, steps=1))
+    with pytest.raises(ValueError, match=r"^config\.norm must be 'pre' or 'post'"):
+        tg.build(tg.TrainConfig(norm="mid"))
+
+
+def test_cli_runs_monitored_into_sqlite(
+    tg: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = tmp_path / "tiny.db"
+    code = tg.main(["--steps", "12", "--db", f"sqlite:///{db}", "--runbook", "default", "--mode", "apply"])
+    out = capsys.readouterr().out
+    assert code == 0 and db.is_file() and "12 steps" in out
+
+
+def test_stabmon_demo_command(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from stabmon.cli import app
+
+    db = tmp_path / "demo.db"
+    result = CliRunner().invoke(app, ["demo", "--db", f"sqlite:///{db}", "--steps", "25"])
+    assert result.exit_code == 0, result.output
+    assert f"database: {db.resolve()}" in result.output
+    for needle in ("grad_norm", "act_rms/h.0", "emb_drift/wte", "events:"):
+        assert needle in result.output
+    assert db.is_file() and (tmp_path / "stabmon-demo-checkpoints").is_dir()
+    bad = CliRunner().invoke(app, ["demo", "--db", f"sqlite:///{db}", "--steps", "0"])
+    assert bad.exit_code == 1 and "--steps must be >= 1" in bad.output
