@@ -35,10 +35,19 @@ from stabmon.collect.activations import ActivationNorms
 from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.config import ActivationConfig, EmbeddingConfig, GradConfig, MonitorConfig
 from stabmon.collect.data import DataCursor
+from stabmon.collect.distributed import RankFollower, broadcast, executed_decisions, mean_across_ranks, world
 from stabmon.collect.embeddings import EmbeddingDrift
+from stabmon.collect.flushing import decide, publish, share, start_run
 from stabmon.collect.grads import GradNorms
 from stabmon.collect.optim import OptimizerHooks
-from stabmon.collect.wiring import DEFAULT_STORE, MODES, build_pipeline, resolve_notifier, resolve_store
+from stabmon.collect.wiring import (
+    DEFAULT_STORE,
+    MODES,
+    build_pipeline,
+    check_model_and_optimizer,
+    resolve_notifier,
+    resolve_store,
+)
 from stabmon.events import Anomaly, Event, Metric, StepRecord
 from stabmon.overrides import Overrides
 
@@ -87,7 +96,7 @@ class Monitor:
         if not isinstance(self.config, MonitorConfig):
             raise ValueError(f"config: expected a MonitorConfig, got {type(self.config).__name__}")
         self.config.validate()
-        _check_model_and_optimizer(model, optimizer)
+        check_model_and_optimizer(model, optimizer)
         if mode not in MODES:
             raise ValueError(f"mode: must be one of {', '.join(map(str, MODES))}, got {mode!r}")
         self.model, self.optimizer, self.scaler, self.scheduler, self.mode = (
@@ -115,11 +124,20 @@ class Monitor:
             ema_decay=cfg.grads.skip_ema,
         )
         self.errors: Counter[str] = Counter()
-        self.store, self._owns_store = resolve_store(store)
-        self.notifier, self._owns_notifier = resolve_notifier(notifier, alerts)
+        self.rank, self.world_size = world()
+        if self.world_size > 1:
+            self.buffer.reduce = mean_across_ranks
+        self._follower = RankFollower()
+        leader = self.rank == 0  # only rank 0 writes to the store and sends alerts
+        self.store, self._owns_store = resolve_store(store if leader else None)
+        self.notifier, self._owns_notifier = resolve_notifier(
+            notifier if leader else None, alerts if leader else None
+        )
         self.pipeline, self.executor = build_pipeline(self, detectors=detectors, runbook=runbook, mode=mode)
         self.run_name = run_name or time.strftime("run-%Y%m%d-%H%M%S")
-        self.run_id = self._start_run(resume_run_id)
+        self.run_id = start_run(self, resume_run_id)
+        if self.world_size > 1:
+            self.run_id = broadcast(self.run_id)
         self.checkpoints = checkpoints
         if self.checkpoints is None and checkpoint_dir is not None:
             from stabmon.checkpoints import CheckpointManager
@@ -289,61 +307,27 @@ class Monitor:
     # -- flush -------------------------------------------------------------------------------------------
     def flush(self) -> list[StepRecord]:
         """Copy waiting metrics to the host once, run them through the pipeline, hand events to the sinks."""
+        records: list[StepRecord] = []
         try:
             records = self.buffer.drain()
-        except Exception:  # noqa: BLE001 - never raise into training
+        except Exception:  # noqa: BLE001 - never raise into training (and every rank still reaches _share)
             self.errors["collect"] += 1
             log.exception("stabmon: could not read back this flush's metrics")
-            return []
         for r in records:
             self._hooks.learn_host(r.get(Metric.GRAD_NORM), bool(r.get(Metric.SKIPPED)))
         self.records.extend(records)
-        if records:
-            self._guard("store", lambda: self.store.write_steps(run_id=self.run_id, records=records))
-        events: list[Event] = []
-        for r in records:
-            events.extend(self._guard("pipeline", lambda r=r: self.pipeline.process(r)) or [])
-        if self.pipeline.engine is not None and getattr(self.pipeline.engine, "mode", self.mode) == "propose":
-            events.extend(self._answers())
-        self._publish(events)
-        if self.kill_switch is not None and not self.should_stop and self.kill_switch.triggered():
-            self._publish(self._stop_event(self.kill_switch.reason()))
+        store = self.store
+        if records and store is not None:
+            self._guard("store", lambda: store.write_steps(run_id=self.run_id, records=records))
+        events = decide(self, records) if self.rank == 0 else []
+        if self.world_size > 1:
+            share(self, executed_decisions(events) if self.rank == 0 else None)
         return records
 
     def _on_hang(self, anomaly: Anomaly) -> None:
         """Watchdog thread: training is stuck, so publish at once instead of waiting for a flush."""
         log.error("stabmon: %s", anomaly.message)
-        self._publish([anomaly])
-
-    def _answers(self) -> list[Event]:
-        if self.store is None:
-            return []
-        answers = self._guard("store", lambda: self.store.poll_answers(run_id=self.run_id)) or []
-        out: list[Event] = []
-        for decision_id, approved in answers:
-            out.extend(
-                self._guard(
-                    "pipeline", lambda d=decision_id, a=approved: self.pipeline.answer(d, a, self._step)
-                )
-                or []
-            )
-        return out
-
-    def _stop_event(self, reason: str) -> list[Event]:
-        self.checkpoint_and_stop(reason=reason)
-        return []
-
-    def _publish(self, events: list[Event]) -> None:
-        low = [e for e in events if not isinstance(e, StepRecord)]
-        if not low:
-            return
-        self.events.extend(low)
-        self.anomalies.extend(e for e in low if isinstance(e, Anomaly))
-        self._guard("store", lambda: self.store.write_events(run_id=self.run_id, events=low))
-        if self.notifier is not None:
-            self._guard(
-                "alerts", lambda: self.notifier.handle(run_id=self.run_id, run_name=self.run_name, events=low)
-            )
+        publish(self, [anomaly])
 
     def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run training-path I/O: catch, log, count; never raise into training."""
@@ -355,23 +339,6 @@ class Monitor:
             self.errors[what] += 1
             log.exception("stabmon: %s failed at step %d (continuing)", what, self._step)
             return None
-
-    def _start_run(self, resume_run_id: str | None) -> str:
-        from stabmon.collect.wiring import environment
-
-        if self.store is None:
-            return resume_run_id or f"local-{time.time_ns():x}"
-        run_id = self._guard(
-            "store",
-            lambda: self.store.start_run(
-                name=self.run_name,
-                kind="live",
-                config={"monitor": self.config.to_dict(), "mode": self.mode},
-                environment=environment(),
-                resume_run_id=resume_run_id,
-            ),
-        )
-        return run_id or resume_run_id or f"local-{time.time_ns():x}"
 
     # -- state -------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Any:
@@ -405,6 +372,7 @@ class Monitor:
             "overrides": self.overrides.state_dict(),
             "pipeline": self._guard("pipeline", self.pipeline.state_dict),
             "executor": self.executor.state_dict() if hasattr(self.executor, "state_dict") else None,
+            "follower": self._follower.state_dict(),
             "hooks": self._hooks.state_dict(),
             "embeddings": self._emb.state_dict() if self._emb else None,
             "run_id": self.run_id,
@@ -423,6 +391,8 @@ class Monitor:
             self._guard("pipeline", lambda: self.pipeline.detectors.enter_grace(self.config.grace_steps))
         if pipeline and state.get("executor") is not None and hasattr(self.executor, "load_state_dict"):
             self.executor.load_state_dict(state["executor"])
+        if pipeline and state.get("follower") is not None:
+            self._follower.load_state_dict(state["follower"])
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def close(self, status: str | None = None) -> None:
@@ -438,28 +408,17 @@ class Monitor:
         if self._acts is not None:
             self._acts.disarm()
         status = status or ("stopped" if self.should_stop else "finished")
-        self._guard("store", lambda: self.store.end_run(run_id=self.run_id, status=status))
-        if self._owns_store:
-            self._guard("store", lambda: self.store.flush(timeout=30.0))
-            self._guard("store", self.store.close)
-        if self.notifier is not None and self._owns_notifier:
-            self._guard("alerts", lambda: self.notifier.close(timeout=10.0))
+        store, notifier = self.store, self.notifier
+        if store is not None:
+            self._guard("store", lambda: store.end_run(run_id=self.run_id, status=status))
+            if self._owns_store:
+                self._guard("store", lambda: store.flush(timeout=30.0))
+                self._guard("store", store.close)
+        if notifier is not None and self._owns_notifier:
+            self._guard("alerts", lambda: notifier.close(timeout=10.0))
 
     def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close(status="failed" if exc_type is not None else None)
-
-
-def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    params = {id(p) for p in model.parameters()}
-    if not params:
-        raise ValueError("model: has no parameters to monitor")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    if not params & held:
-        raise ValueError("optimizer: holds none of the model's parameters (was it built for another model?)")

@@ -180,7 +180,7 @@ def test_no_token_in_database_logs_or_command_output(
 def test_send_test_reports_each_channel(receiver: Receiver) -> None:
     receiver.fail_next = 1
     results = send_test(
-        [f"json://{receiver.netloc}/a", f"json://{receiver.netloc}/b", "nosuch://x"], timeout=2
+        [f"json://{receiver.netloc}/a", f"json://{receiver.netloc}/b", "nosuch://x"], timeout=5
     )
     assert [(r.channel, r.ok) for r in results] == [
         (f"json://{receiver.netloc}/***", False),

@@ -378,3 +378,17 @@ def test_alert_only_decision_reads_as_an_anomaly_alert() -> None:
     assert alert.kind == "anomaly" and alert.severity is Severity.WARNING
     assert alert.title == "[stabmon] WARNING: spike in loss at step 120 (n)"
     assert "rule other" in alert.body and "changed:" not in alert.body
+
+
+def test_apprise_parameters_survive_untouched() -> None:
+    from stabmon.alerts.delivery import Channel
+    from stabmon.alerts.routing import RESOLVE
+
+    ch = ChannelConfig.parse(PD + "?+team=ml%20ops&stabmon_min_severity=critical&region=eu")
+    assert ch.url == PD + "?+team=ml%20ops&region=eu" and ch.min_severity == "critical"
+    [alert] = _alerts([[_anomaly()]])
+    url = Channel(ch, timeout=1).url_for(alert, RESOLVE)
+    assert url.startswith(PD + "?+team=ml%20ops&region=eu&action=resolve&dedup=stabmon-r-spike%3Aloss")
+    assert "severity=error" in url and "overflow=truncate" in url
+    slack = ChannelConfig.parse(SLACK + "/#general?stabmon_events=stop")
+    assert slack.url == SLACK + "/#general" and slack.events == ("stop",)

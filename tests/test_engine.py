@@ -8,6 +8,8 @@ import pickle
 from collections.abc import Iterable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stabmon.events import (
     Anomaly,
@@ -327,3 +329,45 @@ def test_records_measured_before_the_change_landed_are_not_observed() -> None:
     out = [ev for s in range(6, 10) for ev in eng.process(StepRecord(s, {"loss": 2.0}), [])]
     assert [o.verdict for o in outcomes(out)] == [Verdict.RESOLVED]
     assert outcomes(out)[0].evidence["observed_steps"] == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    flags=st.lists(st.sampled_from(["", "spike", "collapse", "info"]), min_size=1, max_size=120),
+    losses=st.lists(st.floats(min_value=0.5, max_value=5.0) | st.just(float("nan")), min_size=1, max_size=120),
+    mode=st.sampled_from(["apply", "propose"]),
+    answers=st.lists(st.booleans() | st.none(), max_size=40),
+    budget=st.integers(1, 4),
+)
+def test_invariants_on_random_streams(flags, losses, mode, answers, budget) -> None:
+    """Whatever the stream: at most one change under observation, each outcome judges the change before it,
+    the budget holds, and the engine's state survives a JSON round trip at every step."""
+    eng = Engine(runbook(mode=mode, budget=budget, on_timeout="auto_apply", first_failure="revert"), id_seed="p")
+    open_change: str | None = None  # decision id of the change being observed
+    changes: list[int] = []
+    answer_iter = iter(answers)
+    for i, flag in enumerate(flags, start=1):
+        make = {"spike": spike, "collapse": lambda s: spike(s, kind="loss_scale_collapse"),
+                "info": lambda s: spike(s, severity=Severity.INFO)}.get(flag)
+        produced = eng.process(StepRecord(i, {"loss": losses[i % len(losses)]}), [make(i)] if make else [])
+        pending = [d for d in decisions(produced) if d.status == DecisionStatus.PROPOSED]
+        if pending:
+            a = next(answer_iter, None)
+            if a is not None:
+                produced += eng.answer(pending[-1].id, a, i)
+        for ev in produced:
+            if isinstance(ev, Outcome):
+                assert ev.decision_id == open_change
+                open_change = None
+            elif ev.status in (DecisionStatus.APPLY, DecisionStatus.APPROVED):
+                eng.applied(ev, InterventionRecord(decision_id=ev.id, step=i, action=ev.action, before={},
+                                                   after={}))
+                if ev.action in ("revert", "alert_only", "checkpoint_and_stop"):
+                    continue
+                assert open_change is None, "a second change while one is observed"
+                open_change = ev.id
+                changes.append(i)
+        assert all(sum(1 for t in changes if t > c - 1000) <= budget for c in changes)
+        clone = Engine(eng.runbook)
+        clone.load_state_dict(json.loads(json.dumps(eng.state_dict())))
+        assert clone.state_dict() == eng.state_dict()

@@ -34,14 +34,14 @@ def spiky_records(n: int = 400, spike_at: int = 300) -> list[StepRecord]:
 # -- simulated target ------------------------------------------------------------------------------
 def test_simulated_target_rollback_and_stop() -> None:
     t = SimulatedTarget(checkpoint_interval=250)
-    t.observe(StepRecord(step=1234, metrics={"lr": 1e-3}, batch_index=5000))
+    t.begin_block([StepRecord(step=1233, metrics={"lr": 1e-3}, batch_index=4999)])
     got = t.rollback(onset_step=1200, lookback=100, skip_batches=300)
     assert got["checkpoint_step"] == 1000 and got["skipped_batches"] == [5000, 5300]
     assert got["steps_lost"] == 234
     t.overrides.lr_scale = 0.5
     assert t.hparams()["lr"] == pytest.approx(5e-4)
     assert t.checkpoint_and_stop(reason="x")["stopped_at"] == 1234
-    t.observe(StepRecord(step=1300, metrics={}))
+    t.begin_block([StepRecord(step=1299, metrics={})])
     t.checkpoint_and_stop(reason="again")
     assert t.stopped_at == 1234 and len(t.stops) == 2
 
@@ -55,7 +55,7 @@ def test_live_executor_acts_on_simulated_target() -> None:
     from stabmon.interventions import LiveExecutor
 
     t = SimulatedTarget()
-    t.observe(StepRecord(step=7, metrics={"lr": 1e-3}))
+    t.begin_block([StepRecord(step=6, metrics={"lr": 1e-3})])
     ex = LiveExecutor(t, simulated=True)
     d = Decision(
         step=7,

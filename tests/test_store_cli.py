@@ -40,6 +40,12 @@ def recorded(sqlite_url: str) -> tuple[str, str]:
     return sqlite_url, run
 
 
+def test_db_upgrade_creates_the_sqlite_directory(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'new' / 'dir' / 'runs.db'}"
+    assert invoke("db", "upgrade", "--db", url).exit_code == 0
+    assert schema_revision(url) == head_revision()
+
+
 def test_db_upgrade_then_current(sqlite_url: str) -> None:
     res = invoke("db", "upgrade", "--db", sqlite_url)
     assert res.exit_code == 0, res.output

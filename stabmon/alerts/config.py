@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import unquote_plus
 
 from stabmon.events import Severity
 
@@ -36,6 +36,25 @@ ENV_URLS = "STABMON_ALERTS"
 ENV_CONFIG = "STABMON_ALERTS_CONFIG"
 _PREFIX = "stabmon_"
 _DEFAULT_MIN = {"pagerduty": Severity.ERROR}
+
+
+def split_query(url: str) -> tuple[str, list[str]]:
+    """``url`` before its first ``?``, and the raw ``key=value`` pieces after it (apprise's convention; pieces
+    are kept raw so that apprise's own ``+key``/``-key`` parameters survive untouched)."""
+    base, _, query = url.partition("?")
+    return base, [p for p in query.split("&") if p]
+
+
+def query_key(piece: str) -> str:
+    return unquote_plus(piece.split("=", 1)[0])
+
+
+def query_value(piece: str) -> str:
+    return unquote_plus(piece.split("=", 1)[1]) if "=" in piece else ""
+
+
+def join_query(base: str, pieces: Sequence[str]) -> str:
+    return f"{base}?{'&'.join(pieces)}" if pieces else base
 
 
 def scheme_of(url: str) -> str:
@@ -64,15 +83,12 @@ class ChannelConfig:
     @classmethod
     def parse(cls, url: str, **overrides: Any) -> ChannelConfig:
         """Build from a URL, lifting ``stabmon_*`` query parameters into fields (explicit overrides win)."""
-        parts = urlsplit(url.strip())
-        ours: dict[str, str] = {}
-        kept: list[tuple[str, str]] = []
-        for key, value in parse_qsl(parts.query, keep_blank_values=True):
-            if key.startswith(_PREFIX):
-                ours[key[len(_PREFIX) :]] = value
-            else:
-                kept.append((key, value))
-        clean = urlunsplit(parts._replace(query=urlencode(kept))) if ours else url.strip()
+        base, pieces = split_query(url.strip())
+        ours = {
+            query_key(p)[len(_PREFIX) :]: query_value(p) for p in pieces if query_key(p).startswith(_PREFIX)
+        }
+        kept = [p for p in pieces if not query_key(p).startswith(_PREFIX)]
+        clean = join_query(base, kept) if ours else url.strip()
         fields: dict[str, Any] = {"url": clean}
         if "min_severity" in ours:
             fields["min_severity"] = ours["min_severity"]

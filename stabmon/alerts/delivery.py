@@ -23,11 +23,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import quote
 
 import apprise
 
-from stabmon.alerts.config import AlertsConfig, ChannelConfig
+from stabmon.alerts.config import AlertsConfig, ChannelConfig, join_query, query_key, split_query
 from stabmon.alerts.message import Alert
 from stabmon.alerts.pagerduty import plugin_speaks_dedup, send_events_v2
 from stabmon.alerts.record import AlertRecorder
@@ -78,16 +78,18 @@ class Channel:
         """The URL of one send: for PagerDuty, with the Events v2 action, dedup key and severity added."""
         if not self.config.is_pagerduty or alert is None:
             return self.config.url
-        parts = urlsplit(self.config.url)
-        query = [
-            (k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in ("action", "dedup")
+        base, pieces = split_query(self.config.url)
+        pieces = [p for p in pieces if query_key(p) not in ("action", "dedup")]
+        keys = {query_key(p) for p in pieces}
+        pieces += [
+            f"action={'resolve' if action == RESOLVE else 'trigger'}",
+            f"dedup={quote(alert.dedup_key, safe='')}",
         ]
-        query += [("action", "resolve" if action == RESOLVE else "trigger"), ("dedup", alert.dedup_key)]
-        if not any(k == "severity" for k, _ in query):
-            query.append(("severity", alert.severity.value))
-        if not any(k == "overflow" for k, _ in query):
-            query.append(("overflow", "truncate"))  # Events v2 caps the summary at 1024 characters
-        return urlunsplit(parts._replace(query=urlencode(query)))
+        if "severity" not in keys:
+            pieces.append(f"severity={alert.severity.value}")
+        if "overflow" not in keys:
+            pieces.append("overflow=truncate")  # Events v2 caps the summary at 1024 characters
+        return join_query(base, pieces)
 
     def send(
         self, *, title: str, body: str, notify_type: Any, alert: Alert | None = None, action: str = "notify"

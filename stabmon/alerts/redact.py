@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import unquote, unquote_plus, urlsplit
 
 # Schemes whose host part is a network address rather than a token.
 HOST_SCHEMES = frozenset({"json", "jsons", "form", "forms", "xml", "xmls", "http", "https"})
@@ -75,8 +75,10 @@ def secrets_of(url: str) -> set[str]:
         found.add(hostport)
         found.add(hostport.split(":", 1)[0])
     found.update(seg for seg in parts.path.split("/") if seg)
-    found.update(v for _, v in parse_qsl(parts.query, keep_blank_values=False))
-    found.update({unquote(s) for s in found})
+    for piece in url.partition("?")[2].split("&"):
+        if "=" in piece:
+            found.add(piece.split("=", 1)[1])  # raw; the decoded form is added below
+    found.update({unquote(s) for s in found} | {unquote_plus(s) for s in found})
     return {s for s in found if len(s) >= _MIN_SECRET_LEN}
 
 

@@ -19,7 +19,7 @@ pinned memory with ``non_blocking=True`` on CUDA, then one event wait) and split
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +44,9 @@ class StepBuffer:
         self._steps: list[_Pending] = []
         self._current: _Pending | None = None
         self._pinned: torch.Tensor | None = None
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Applied to the stacked device vector before the copy (the cross-rank mean under
+        torch.distributed)."""
 
     @property
     def open(self) -> bool:
@@ -98,6 +101,8 @@ class StepBuffer:
     def _to_host(self, tensors: list[torch.Tensor]) -> list[float]:
         device = tensors[0].device
         flat = torch.cat([t.to(device=device, dtype=torch.float32) for t in tensors])
+        if self.reduce is not None:
+            flat = self.reduce(flat)
         if device.type != "cuda":
             return flat.tolist()
         if self._pinned is None or self._pinned.numel() < flat.numel():

@@ -59,6 +59,10 @@ def rollback(
         manager = CheckpointManager(checkpoint_dir)
     if manager is None:
         raise RuntimeError("rollback needs checkpoints: create the Monitor with checkpoint_dir=...")
+    if getattr(monitor, "rank", 0) != 0 and checkpoint_dir is None:
+        from stabmon.checkpoints import CheckpointManager
+
+        manager = CheckpointManager(manager.directory)  # rank 0 wrote the registry: read it afresh
     from_step, from_position = monitor.step, monitor.cursor.position
     info, state = manager.last_known_good(before_step=onset_step - lookback)
     overrides = monitor.overrides.state_dict()

@@ -19,6 +19,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+from torch import nn
+
 from stabmon.events import Anomaly, StepRecord
 from stabmon.pipeline import Pipeline
 from stabmon.sinks import NotifierLike, Sink
@@ -129,7 +132,7 @@ def resolve_detectors(detectors: Any) -> Any:
     )
 
 
-def resolve_engine(runbook: Any, mode: str) -> Any:
+def resolve_engine(runbook: Any, mode: str | None) -> Any:
     if runbook is None or mode == "observe":
         return None
     if all(hasattr(runbook, m) for m in ("process", "answer", "applied", "state_dict")):
@@ -145,7 +148,7 @@ def resolve_engine(runbook: Any, mode: str) -> Any:
     return _make_engine(Engine, runbook, mode)
 
 
-def _make_engine(engine_cls: Any, runbook: Any, mode: str) -> Any:
+def _make_engine(engine_cls: Any, runbook: Any, mode: str | None) -> Any:
     import inspect
 
     try:
@@ -155,7 +158,7 @@ def _make_engine(engine_cls: Any, runbook: Any, mode: str) -> Any:
     return engine_cls(runbook, mode=mode) if accepts_mode and mode is not None else engine_cls(runbook)
 
 
-def build_pipeline(target: Any, *, detectors: Any, runbook: Any, mode: str) -> tuple[Pipeline, Any]:
+def build_pipeline(target: Any, *, detectors: Any, runbook: Any, mode: str | None) -> tuple[Pipeline, Any]:
     """The pipeline (detectors, engine, live executor acting on ``target``) and its executor."""
     suite = resolve_detectors(detectors)
     engine = resolve_engine(runbook, mode)
@@ -178,3 +181,17 @@ def environment() -> dict[str, Any] | None:
     except Exception:  # noqa: BLE001 - a fingerprint is never worth failing a run for
         log.exception("stabmon: could not take the environment fingerprint")
         return None
+
+
+def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    """One-line ValueErrors naming ``model`` or ``optimizer`` for inputs the monitor cannot watch."""
+    params = {id(p) for p in model.parameters()}
+    if not params:
+        raise ValueError("model: has no parameters to monitor")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if not params & held:
+        raise ValueError("optimizer: holds none of the model's parameters (was it built for another model?)")

@@ -112,6 +112,8 @@ def upgrade(url: str | URL | Engine, revision: str = "head") -> None:
     Idempotent."""
     from alembic import command
 
+    if not isinstance(url, Engine) and (path := sqlite_path(url)) is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
     engine = url if isinstance(url, Engine) else make_engine(url)
     try:
         with engine.begin() as conn:

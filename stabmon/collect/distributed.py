@@ -1,0 +1,87 @@
+"""Rank consistency under ``torch.distributed``: reduce metrics, decide on rank 0, apply everywhere.
+
+At each flush every rank reaches the same point (flushes happen at the same step counts). The stacked metric
+vector is averaged across ranks with one ``all_reduce`` before the host copy, so every rank builds identical
+StepRecords; rank 0 alone runs detectors and engine (and writes to the store and the notifier); the decisions
+it executed are broadcast with ``broadcast_object_list`` and every other rank executes the same decisions
+through its own executor at the same step. Revert decisions name rank 0's intervention ids, which
+:class:`RankFollower` translates to the local ones. With one process (or no process group) all of this is
+skipped.
+
+>>> world()
+(0, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from stabmon.events import Decision, Event, InterventionRecord
+
+log = logging.getLogger(__name__)
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without an initialised process group."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def mean_across_ranks(flat: torch.Tensor) -> torch.Tensor:
+    """Average a flat metric vector over all ranks (SUM then divide: gloo has no AVG). NaN on any rank
+    stays."""
+    _, size = world()
+    if size == 1:
+        return flat
+    out = flat.clone()
+    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM)
+    return out / size
+
+
+def executed_decisions(events: Sequence[Event]) -> list[tuple[Decision, str]]:
+    """(decision, rank-0 intervention id) for every decision rank 0 executed in ``events``."""
+    decisions = {e.id: e for e in events if isinstance(e, Decision)}
+    return [
+        (decisions[e.decision_id], e.id)
+        for e in events
+        if isinstance(e, InterventionRecord) and e.decision_id in decisions and "error" not in e.after
+    ]
+
+
+def broadcast(payload: Any) -> Any:
+    """Rank 0's ``payload`` on every rank."""
+    box = [payload]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class RankFollower:
+    """Executes on a non-zero rank the decisions rank 0 executed, keeping rank 0's intervention ids mapped."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, str] = {}
+
+    def follow(self, executor: Any, executed: Sequence[tuple[Decision, str]]) -> None:
+        if executor is None:
+            return
+        for decision, leader_id in executed:
+            if decision.action == "revert":
+                theirs = str(decision.params.get("intervention_id"))
+                params = {**decision.params, "intervention_id": self.ids.pop(theirs, theirs)}
+                decision = dataclasses.replace(decision, params=params)
+            record = executor.execute(decision)
+            if record is not None:
+                self.ids[leader_id] = record.id
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ids": dict(self.ids)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ids = dict(state.get("ids", {}))
