@@ -130,9 +130,7 @@ class Monitor:
         self._follower = RankFollower()
         leader = self.rank == 0  # only rank 0 writes to the store and sends alerts
         self.store, self._owns_store = resolve_store(store if leader else None)
-        self.notifier, self._owns_notifier = resolve_notifier(
-            notifier if leader else None, alerts if leader else None
-        )
+        self.notifier, self._owns_notifier = resolve_notifier(notifier if leader else None, alerts if leader else None)
         self.pipeline, self.executor = build_pipeline(self, detectors=detectors, runbook=runbook, mode=mode)
         self.run_name = run_name or time.strftime("run-%Y%m%d-%H%M%S")
         self.run_id = start_run(self, resume_run_id)
@@ -155,6 +153,7 @@ class Monitor:
         self.should_stop = False
         self.stop_reason: str | None = None
         self._scale_snapshot: torch.Tensor | None = None
+        self._hp_snapshot = None
         self._t_last: float | None = None
         self._closed = False
         self._watchdog = None
@@ -237,6 +236,7 @@ class Monitor:
         self.buffer.begin(step=self._step, batch_index=batch_index)
         self._hooks.stepped = False
         self._scale_snapshot = None
+        self._hp_snapshot: dict[str, float] | None = None
         act_k, emb_k = self.config.activations.every, self.config.embeddings.every
         if self._acts is not None and self._step % act_k == 0:
             self._acts.arm()
@@ -251,9 +251,7 @@ class Monitor:
                 continue
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
-                    raise ValueError(
-                        f"observe: {name} must hold exactly one value, got shape {tuple(value.shape)}"
-                    )
+                    raise ValueError(f"observe: {name} must hold exactly one value, got shape {tuple(value.shape)}")
                 self.buffer.add([name], value.detach())
             elif isinstance(value, (int, float)):
                 self.buffer.add_host(name, value)
@@ -261,8 +259,11 @@ class Monitor:
                 raise ValueError(f"observe: {name} must be a tensor or a number, got {type(value).__name__}")
         self._collect_activations()
         scaler = self.scaler
-        if scaler is not None and scaler.is_enabled() and getattr(scaler, "_scale", None) is not None:
-            self._scale_snapshot = scaler._scale.detach().clone()
+        if scaler is not None and scaler.is_enabled():
+            # an overflow step never reaches the pre-hook: keep the values in force before scheduler.step()
+            self._hp_snapshot = self._hooks.hparams()
+            if getattr(scaler, "_scale", None) is not None:
+                self._scale_snapshot = scaler._scale.detach().clone()
 
     def end_step(self) -> None:
         """Close the step's record; flush when ``config.flush_every`` steps are waiting."""
@@ -270,7 +271,7 @@ class Monitor:
             return
         self._collect_activations()
         self._record_scaler()
-        hp = self._hooks.last_hparams if self._hooks.stepped else self._hooks.hparams()
+        hp = self._hooks.last_hparams if self._hooks.stepped else (self._hp_snapshot or self._hooks.hparams())
         for name, value in hp.items():
             self.buffer.add_host(name, value)
         now = time.perf_counter()
@@ -344,12 +345,8 @@ class Monitor:
     def save_checkpoint(self) -> Any:
         """Save :meth:`training_state` through the checkpoint manager; failures are logged and counted."""
         if self.checkpoints is None:
-            raise ValueError(
-                "checkpoint_dir: the monitor has no checkpoint manager (pass checkpoint_dir=...)"
-            )
-        return self._guard(
-            "checkpoint", lambda: self.checkpoints.save(self.training_state(), step=self._step)
-        )
+            raise ValueError("checkpoint_dir: the monitor has no checkpoint manager (pass checkpoint_dir=...)")
+        return self._guard("checkpoint", lambda: self.checkpoints.save(self.training_state(), step=self._step))
 
     def training_state(self) -> dict[str, Any]:
         """Everything a checkpoint holds: model, optimizer, scaler, scheduler and the monitor's own state."""

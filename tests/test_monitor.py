@@ -241,17 +241,22 @@ def test_grad_scaler_overflow_is_recorded() -> None:
     torch.manual_seed(0)
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    mon = Monitor(model, opt, scaler=scaler, store=None, detectors=False, config=MonitorConfig(clip=1.0))
+    mon = Monitor(
+        model, opt, scaler=scaler, scheduler=sched, store=None, detectors=False, config=MonitorConfig(clip=1.0)
+    )
     for step, idx in mon.steps(batches(5)):
         loss = loss_of(model, idx)
         scaler.scale(loss * (float("inf") if step == 2 else 1.0)).backward()
         mon.observe(loss=loss)
         scaler.step(opt)
         scaler.update()
+        sched.step()
         opt.zero_grad()
     mon.close()
     recs = list(mon.records)
+    assert [r.metrics[Metric.LR] for r in recs] == pytest.approx([0.1 / (1 + s) for s in range(5)])
     assert [r.metrics[Metric.OVERFLOW] for r in recs] == [0, 0, 1, 0, 0]
     assert [r.metrics[Metric.LOSS_SCALE] for r in recs] == [1024.0, 1024.0, 1024.0, 512.0, 512.0]
     assert Metric.GRAD_NORM not in recs[2].metrics

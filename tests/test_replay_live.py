@@ -7,6 +7,8 @@ the live :class:`stabmon.Monitor`, then replays the StepRecords read back from t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -57,9 +59,22 @@ def test_replay_of_stored_live_run_is_identical(sqlite_url: str, mode: str) -> N
     live = [e for e in live_events if isinstance(e, (Anomaly, Decision))]
     assert [e for e in live if isinstance(e, Anomaly)], "the blow-up should have been detected live"
     pipeline, target = build_pipeline(runbook="default", mode=mode)
-    replayed = [
-        e
-        for e in replay(records, pipeline=pipeline, target=target).events
-        if isinstance(e, (Anomaly, Decision))
-    ]
+    result = replay(records, pipeline=pipeline, target=target, flush_every=10)  # the live MonitorConfig's
+    replayed = [e for e in result.events if isinstance(e, (Anomaly, Decision))]
     assert canonical(replayed) == canonical(live)
+
+
+@pytest.mark.slow
+def test_cli_replay_of_stored_live_run_mimics_its_flushes_and_mode(sqlite_url: str) -> None:
+    from typer.testing import CliRunner
+
+    from stabmon.cli import app
+    from stabmon.replay.replay import event_rows
+
+    run_id, live_events = _live_run(sqlite_url, "apply")
+    res = CliRunner().invoke(app, ["replay", run_id, "--db", sqlite_url, "--json", "--no-store"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.output.splitlines()]
+    got = [(r["type"], r["step"], r["kind"], r["metric"], r["severity"]) for r in rows if r["type"] != "summary"]
+    want = [(r["type"], r["step"], r["kind"], r["metric"], r["severity"]) for r in event_rows(live_events)]
+    assert got == want

@@ -162,3 +162,25 @@ def test_reject_through_the_cli(store: Any, sqlite_url: str) -> None:
 def test_missing_database_is_one_clear_line(tmp_path: Any) -> None:
     result = CliRunner().invoke(app, ["trace", "latest", "--db", f"sqlite:///{tmp_path / 'none.db'}"])
     assert result.exit_code == 1 and "no stabmon database at" in result.output
+
+
+def test_detectors_re_enter_grace_only_after_a_real_change() -> None:
+    rb = loads_runbook("""
+name: grace
+rules:
+  - name: spikes
+    when: {kind: spike}
+    ladder:
+      - {action: alert_only, observe: 1}
+      - {action: rollback, observe: 1}
+      - {action: set_clip, params: {max_norm: 1.0}, observe: 1}
+""")
+    target = Target()  # no rollback(): the rollback fails and is recorded
+    detectors = ScriptedDetectors()
+    pipe = Pipeline(detectors, Engine(rb, id_seed="g"), LiveExecutor(target))
+    actions = []
+    for step, g in enumerate([9.0, 9.0, 9.0, 9.0], start=1):
+        target.step = step
+        actions += [(e.action, detectors.graces) for e in pipe.process(StepRecord(step, {"grad_norm": g}))
+                    if isinstance(e, Decision)]
+    assert actions == [("alert_only", 0), ("rollback", 0), ("set_clip", 1)]

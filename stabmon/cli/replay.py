@@ -16,36 +16,46 @@ SetOption = Annotated[
 ]
 
 
-def _from_store(ref: str, url: str) -> tuple[list[Any], str, str]:
+def _from_store(ref: str, url: str) -> tuple[list[Any], str, str, dict[str, Any]]:
+    """(records, run id, run name, run config) of a stored run."""
     from stabmon.store import RunNotFoundError, open_store
+    from stabmon.store.codec import decode
     from stabmon.store.repo import load_steps, resolve_run
 
     try:
         with open_store(url) as store, store.session() as session:
             run = resolve_run(session=session, ref=ref)
-            return load_steps(session=session, run_id=run.id), run.id, run.name
+            config = decode(run.config) if run.config else {}
+            return load_steps(session=session, run_id=run.id), run.id, run.name, dict(config or {})
     except (RunNotFoundError, ValueError) as exc:
         fail(str(exc))
+
+
+def _live_flush_every(config: dict[str, Any]) -> int:
+    """The flush cadence a stored live run was monitored with (1 when it was not recorded)."""
+    monitor = config.get("monitor") if isinstance(config, dict) else None
+    value = monitor.get("flush_every") if isinstance(monitor, dict) else None
+    return value if isinstance(value, int) and value >= 1 else 1
 
 
 def replay_command(
     source: Annotated[list[str], typer.Argument(help="A stored run (name or id) or log file(s) to import.")],
     runbook: Annotated[str, typer.Option("--runbook", help="Runbook name or YAML path.")] = "default",
     sets: SetOption = None,
-    approve: Annotated[
-        bool, typer.Option("--approve", help="Approve every proposal (apply-mode view).")
-    ] = False,
+    approve: Annotated[bool, typer.Option("--approve", help="Approve every proposal (apply-mode view).")] = False,
     fmt: Annotated[str | None, typer.Option("--format", help="Format of FILE (default: detected).")] = None,
-    maps: Annotated[
-        list[str] | None, typer.Option("--map", help="COLUMN=METRIC for FILE, repeatable.")
+    maps: Annotated[list[str] | None, typer.Option("--map", help="COLUMN=METRIC for FILE, repeatable.")] = None,
+    flush_every: Annotated[
+        int | None,
+        typer.Option("--flush-every", help="Live flush cadence to mimic (default: the stored run's, else 1)."),
     ] = None,
-    store_result: Annotated[
-        bool, typer.Option("--store/--no-store", help="Store the replay as a run.")
-    ] = True,
+    mode: Annotated[
+        str | None,
+        typer.Option("--mode", help="apply | propose (default: the stored run's, else the runbook's)."),
+    ] = None,
+    store_result: Annotated[bool, typer.Option("--store/--no-store", help="Store the replay as a run.")] = True,
     name: Annotated[str | None, typer.Option("--name", help="Name of the stored replay run.")] = None,
-    json_output: Annotated[
-        bool, typer.Option("--json", help="One JSON object per event, one per line.")
-    ] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per event, one per line.")] = False,
     db: DbOption = None,
 ) -> None:
     """Replay a recorded run through the same detector and runbook engine classes as live, with interventions
@@ -56,27 +66,34 @@ def replay_command(
     url = db_url(db)
     parent_id = None
     restarts: list[int] = []
+    config: dict[str, Any] = {}
     if all(Path(s).exists() for s in source):
         imported = read_inputs([Path(s) for s in source], fmt, maps, None)
         records, label, restarts = imported.records, ", ".join(source), imported.restarts
     elif len(source) == 1:
-        records, parent_id, label = _from_store(source[0], url)
+        records, parent_id, label, config = _from_store(source[0], url)
     else:
         fail(f"not all of these are files: {' '.join(source)}; name one stored run or several files")
+    if flush_every is not None and flush_every < 1:
+        fail(f"--flush-every must be >= 1, got {flush_every}")
+    stored_mode = config.get("mode") if config.get("mode") in ("apply", "propose") else None
     try:
-        pipeline, target = build_pipeline(runbook=runbook, overrides=tuple(sets or ()))
+        pipeline, target = build_pipeline(runbook=runbook, overrides=tuple(sets or ()), mode=mode or stored_mode)
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    every = flush_every or _live_flush_every(config)
     with progress_bar("replay", total=len(records), enabled=wanted(json_output)) as advance:
         result = replay(
-            records, pipeline=pipeline, target=target, approve=approve, restarts=restarts, progress=advance
+            records,
+            pipeline=pipeline,
+            target=target,
+            approve=approve,
+            restarts=restarts,
+            flush_every=every,
+            progress=advance,
         )
     low = [e for e in result.events if type(e).__name__ != "StepRecord"]
-    run_id = (
-        _store(url, name or f"replay of {label}", low, parent_id, label, runbook, sets)
-        if store_result
-        else None
-    )
+    run_id = _store(url, name or f"replay of {label}", low, parent_id, label, runbook, sets) if store_result else None
     rows = event_rows(low)
     if json_output:
         for row in rows:

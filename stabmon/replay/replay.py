@@ -145,6 +145,7 @@ def replay(
     approve: bool = False,
     restarts: Sequence[int] = (),
     grace_on_restart: bool = False,
+    flush_every: int = 1,
     progress: Progress | None = None,
     progress_every: int = 1000,
 ) -> ReplayResult:
@@ -156,7 +157,11 @@ def replay(
     resumed monitor would when its detector state was not restored (the default carries the detector history
     across, as a monitor restored from its own ``state_dict`` does). ``progress(n)`` is called with the number
     of records processed since the last call.
+    ``flush_every``: the live monitor's flush cadence (``MonitorConfig.flush_every``); interventions take effect
+    after each block of that many records, as they did live (this matters to replay a live run exactly).
     """
+    if flush_every < 1:
+        raise ValueError(f"replay.flush_every must be >= 1, got {flush_every}")
     if pipeline is None:
         pipeline, target = build_pipeline(
             runbook=runbook, detector_config=detector_config, overrides=overrides, target=target
@@ -168,23 +173,35 @@ def replay(
     result = ReplayResult(target=target)
     restart_set = set(restarts)
     pending = 0
-    for record in records:
-        target.observe(record)
-        if grace_on_restart and record.step in restart_set:
-            pipeline.detectors.enter_grace()
-        produced = pipeline.process(record)
-        if approve:
-            produced = _approve(pipeline, produced, record.step)
-        result.events.extend(produced)
-        result.steps += 1
-        result.samples += len(record.metrics)
-        pending += 1
-        if progress is not None and pending >= progress_every:
-            progress(pending)
-            pending = 0
+    for block in _blocks(records, flush_every):
+        target.begin_block(block)
+        for record in block:
+            if grace_on_restart and record.step in restart_set:
+                pipeline.detectors.enter_grace()
+            produced = pipeline.process(record)
+            if approve:
+                produced = _approve(pipeline, produced, target.step)
+            result.events.extend(produced)
+            result.steps += 1
+            result.samples += len(record.metrics)
+            pending += 1
+            if progress is not None and pending >= progress_every:
+                progress(pending)
+                pending = 0
     if progress is not None and pending:
         progress(pending)
     return result
+
+
+def _blocks(records: Iterable[StepRecord], size: int) -> Iterable[list[StepRecord]]:
+    block: list[StepRecord] = []
+    for record in records:
+        block.append(record)
+        if len(block) >= size:
+            yield block
+            block = []
+    if block:
+        yield block
 
 
 def _approve(pipeline: Pipeline, produced: list[Event], step: int) -> list[Event]:

@@ -8,20 +8,25 @@ answered with the checkpoint the run would have gone back to (the last one at a 
 skipped, and checkpoint-and-stop marks the step at which the run would have stopped. The recorded run keeps
 going (it is a recording), so replay continues after a simulated stop or rollback and reports them.
 
+Timing follows the live monitor, which runs the pipeline at a flush, after a block of ``flush_every`` steps
+has completed: an intervention acts from the step after the block, so ``step`` is the block's last step plus
+one. :func:`stabmon.replay.replay.replay` calls :meth:`SimulatedTarget.begin_block` with each block.
+
 >>> from stabmon.events import StepRecord
 >>> t = SimulatedTarget(checkpoint_interval=100)
->>> t.observe(StepRecord(step=950, metrics={"lr": 3e-4}))
->>> t.hparams()["lr"]
-0.0003
+>>> t.begin_block([StepRecord(step=950, metrics={"lr": 3e-4})])
+>>> t.step, t.hparams()["lr"]
+(951, 0.0003)
 >>> t.rollback(onset_step=940, lookback=100, skip_batches=200)["checkpoint_step"]
 800
 >>> t.checkpoint_and_stop(reason="diverged")["stopped_at"], t.stopped_at
-(950, 950)
+(951, 951)
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from stabmon.events import Metric, StepRecord
@@ -47,14 +52,18 @@ class SimulatedTarget:
     def step(self) -> int:
         return self._step
 
-    def observe(self, record: StepRecord) -> None:
-        """Advance to ``record`` (called by replay before the record enters the pipeline)."""
-        self._step = record.step
-        self._batch_index = record.batch_index
-        for name in (Metric.LR, Metric.BETA2, Metric.WEIGHT_DECAY, Metric.CLIP):
-            value = record.finite(name)
-            if value is not None:
-                self._recorded[name] = value
+    def begin_block(self, records: Sequence[StepRecord]) -> None:
+        """A flush block is about to go through the pipeline: stand where a live monitor stands at that flush
+        (after the block's last step, with the values recorded up to then)."""
+        for record in records:
+            for name in (Metric.LR, Metric.BETA2, Metric.WEIGHT_DECAY, Metric.CLIP):
+                value = record.finite(name)
+                if value is not None:
+                    self._recorded[name] = value
+        if records:
+            last = records[-1]
+            self._step = last.step + 1
+            self._batch_index = None if last.batch_index is None else last.batch_index + 1
 
     def hparams(self) -> dict[str, float]:
         """The recorded values, with the simulated overrides applied on top."""

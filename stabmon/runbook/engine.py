@@ -225,8 +225,6 @@ class Engine:
         if has_next:
             inc["rung"] += 1
             return out + self._issue_rung(step)
-        if rung.on_failure == "revert":
-            out.append(outcome(Verdict.EXHAUSTED))
         self._close()
         return out
 
