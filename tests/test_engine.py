@@ -339,11 +339,13 @@ def test_records_measured_before_the_change_landed_are_not_observed() -> None:
     mode=st.sampled_from(["apply", "propose"]),
     answers=st.lists(st.booleans() | st.none(), max_size=40),
     budget=st.integers(1, 4),
+    failures=st.tuples(st.sampled_from(["next", "revert", "stop"]), st.sampled_from(["next", "revert", "stop"])),
 )
-def test_invariants_on_random_streams(flags, losses, mode, answers, budget) -> None:
+def test_invariants_on_random_streams(flags, losses, mode, answers, budget, failures) -> None:
     """Whatever the stream: at most one change under observation, each outcome judges the change before it,
     the budget holds, and the engine's state survives a JSON round trip at every step."""
-    rb = runbook(mode=mode, budget=budget, on_timeout="auto_apply", first_failure="revert")
+    rb = runbook(mode=mode, budget=budget, on_timeout="auto_apply", first_failure=failures[0],
+                 last_failure=failures[1])
     eng = Engine(rb, id_seed="p")
     open_change: str | None = None  # decision id of the change being observed
     changes: list[int] = []

@@ -37,6 +37,7 @@ class EmbeddingDrift:
         self.names = [n for n, _ in self._embs]
         self._w0 = [m.weight.detach().clone() for _, m in self._embs]
         self._prev = [torch.empty_like(w) for w in self._w0]
+        self._w0_norm = self._norms(self._w0)
         self._metric_names = [f"{Metric.EMB_DRIFT_PREFIX}{n}" for n in self.names] + [
             f"{Metric.EMB_UPDATE_PREFIX}{n}" for n in self.names
         ]
@@ -57,14 +58,21 @@ class EmbeddingDrift:
         self._ready = False
         with torch.no_grad():
             weights = [m.weight.detach() for _, m in self._embs]
-            d0 = torch._foreach_sub(weights, self._w0)
-            dp = torch._foreach_sub(weights, self._prev)
-            n_d0 = torch.stack(torch._foreach_norm(d0, 2, dtype=torch.float32))
-            n_w0 = torch.stack(torch._foreach_norm(self._w0, 2, dtype=torch.float32))
-            n_dp = torch.stack(torch._foreach_norm(dp, 2, dtype=torch.float32))
+            # the scratch buffers hold the differences in turn: no allocation the size of an embedding
+            torch._foreach_sub_(self._prev, weights)
+            n_dp = torch.stack(torch._foreach_norm(self._prev, 2, dtype=torch.float32))
+            torch._foreach_copy_(self._prev, weights)
+            torch._foreach_sub_(self._prev, self._w0)
+            n_d0 = torch.stack(torch._foreach_norm(self._prev, 2, dtype=torch.float32))
             n_w = torch.stack(torch._foreach_norm(weights, 2, dtype=torch.float32))
-            values = torch.cat([n_d0 / n_w0, n_dp / n_w])
+            values = torch.cat([n_d0 / self._w0_norm, n_dp / n_w])
         return self._metric_names, values
+
+    @staticmethod
+    def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+        if not tensors:
+            return torch.zeros(0)
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
 
     def state_dict(self) -> dict[str, Any]:
         return {"w0": {n: w.cpu() for n, w in zip(self.names, self._w0, strict=True)}}
@@ -73,3 +81,4 @@ class EmbeddingDrift:
         for i, n in enumerate(self.names):
             if n in state.get("w0", {}):
                 self._w0[i].copy_(state["w0"][n])
+        self._w0_norm = self._norms(self._w0)

@@ -97,10 +97,11 @@ class MonitorSpec:
         scaler: Any = None,
         scheduler: Any = None,
         clip: float | None = None,
+        run_name: str | None = None,
         resume_run_id: str | None = None,
     ) -> Any:
         """A Monitor on the framework's objects; ``clip`` (the framework's own max-norm, taken over) applies
-        when the config sets none."""
+        when the config sets none; ``run_name`` (the framework's) applies when the spec has none."""
         from stabmon.monitor import Monitor
 
         config = self.config
@@ -118,7 +119,7 @@ class MonitorSpec:
             notifier=self.notifier,
             alerts=self.alerts,
             config=config,
-            run_name=self.run_name,
+            run_name=self.run_name or run_name,
             checkpoint_dir=self.checkpoint_dir,
             resume_run_id=resume_run_id,
         )

@@ -1,94 +1,236 @@
 """Hugging Face ``transformers.Trainer`` integration: one callback (needs the ``hf`` extra).
 
-``StabmonCallback(**monitor_kwargs)`` builds a :class:`~stabmon.monitor.Monitor` on the Trainer's model, optimizer
-(unwrapped from accelerate's ``AcceleratedOptimizer``) and scheduler when training begins, and drives it:
+``Trainer(model, args, train_dataset=ds, callbacks=[StabmonCallback(store=..., runbook=...)])``
 
-- the loss comes from a forward hook on the model (``output.loss`` of each training forward pass; under gradient
-  accumulation the mean over the micro-batches), so it stays a device tensor;
-- each optimizer step is one monitor step (``on_step_begin`` .. ``on_step_end``); the monitor's optimizer hooks
-  measure, clip and apply overrides as in a plain loop;
-- clipping moves to the monitor: when ``args.max_grad_norm > 0`` and the monitor config has no ``clip``, the
-  callback sets ``clip = args.max_grad_norm`` and ``args.max_grad_norm = 0`` so the gradients are clipped once and
-  ``grad_norm`` is the pre-clip norm (the Trainer still computes its own norm for its logs);
-- a checkpoint-and-stop decision sets ``control.should_training_stop``; ``callback.monitor.exit_code`` tells the
-  script what to exit with.
+What the callback does at each Trainer event:
 
-The Trainer itself reads tensors back (its NaN filter on the loss, its logged grad norm), so the monitor's
-no-sync property covers only the monitor's own work here.
+- ``__init__``: checks its arguments (store URL, runbook, mode, config, alerts) and opens the store, so a
+  mistake is one ``ValueError`` before the Trainer even exists.
+- ``on_train_begin``: builds a :class:`~stabmon.monitor.Monitor` on the Trainer's model, its optimizer
+  (unwrapped from accelerate's ``AcceleratedOptimizer``), scheduler and GradScaler; takes over gradient
+  clipping (below); on a resume, reloads the monitor state saved in the checkpoint and continues the same run
+  in the store.
+- each optimizer step is one monitor step (``on_step_begin`` .. ``on_step_end``; with gradient accumulation,
+  one record per optimizer step); the monitor's optimizer hooks measure, clip and apply overrides as in a
+  plain loop.
+- the loss: a forward hook on the model keeps ``output.loss`` of each training forward as a detached device
+  tensor (no ``.item()``); ``on_pre_optimizer_step`` hands their mean to the monitor (their sum when the Trainer
+  passed ``num_items_in_batch``, because the model then normalised by the whole accumulated batch). A custom
+  ``compute_loss`` whose model returns no loss can call :meth:`StabmonCallback.observe_loss`.
+- ``on_save``: flushes the monitor and writes its state (:data:`STATE_FILE`) into the Trainer's
+  ``checkpoint-N`` folder.
+- checkpoint-and-stop (a runbook decision or the kill switch): ``control.should_save`` and
+  ``control.should_training_stop`` are set, so the Trainer writes a checkpoint (monitor state included) and
+  ends; :attr:`StabmonCallback.exit_code` is then the monitor's stop code.
+- ``on_train_end``: closes the monitor and the store and gives ``args.max_grad_norm`` back.
+
+Clipping happens once, in the monitor. The Trainer clips in ``_clip_grad_norm`` between backward and
+``on_pre_optimizer_step``, before any callback could see the pre-clip gradients, so letting it clip would leave
+the monitor measuring already-clipped norms (spikes hidden under ``max_grad_norm``). The callback therefore sets
+``args.max_grad_norm = 0`` for the duration of ``train()`` and clips in the monitor's optimizer pre-step hook at
+the Trainer's value (an explicit ``config.clip`` wins), reusing the one fused norm the monitor computes anyway.
+The Trainer (transformers 5.x) still computes a norm of its own for its logs (``clip_grad_norm_`` with an
+infinite max_norm), and reads tensors back itself (the NaN filter on the loss, logged values), so the
+monitor's no-sync property covers only the monitor's own work here.
 
 >>> cb = StabmonCallback(store=None)
->>> cb.monitor is None
-True
+>>> cb.monitor is None, cb.exit_code
+(True, 0)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import os
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 
 from stabmon.collect.config import MonitorConfig
+from stabmon.collect.wiring import DEFAULT_STORE
+from stabmon.integrations._shared import MonitorSpec, align_step
+
+try:
+    from transformers import TrainerCallback
+except ImportError:  # pragma: no cover - without the ``hf`` extra the class still imports (docs, doctests)
+    TrainerCallback = object  # type: ignore[assignment,misc]
 
 log = logging.getLogger(__name__)
 
+STATE_FILE = "stabmon_monitor.pt"
+"""File name of the monitor state inside a Trainer ``checkpoint-N`` folder."""
+
+__all__ = ["STATE_FILE", "StabmonCallback"]
+
 
 class StabmonCallback(TrainerCallback):
-    """Monitor a ``transformers.Trainer`` run; see the module docstring. Keyword arguments go to Monitor."""
+    """Monitor a ``transformers.Trainer`` run; see the module docstring.
 
-    def __init__(self, **monitor_kwargs: Any) -> None:
-        self.kwargs = monitor_kwargs
+    Keyword arguments are those of :class:`~stabmon.monitor.Monitor` (checked here, before training), plus
+    ``resume_from``: a checkpoint folder to take monitor state from when it is not
+    ``<output_dir>/checkpoint-<global_step>`` (the folder ``Trainer.train(resume_from_checkpoint=...)`` uses
+    for checkpoints it wrote itself).
+
+    >>> cb = StabmonCallback(store=None, config=MonitorConfig(flush_every=5))
+    >>> cb.spec.config.flush_every
+    5
+    """
+
+    def __init__(
+        self,
+        *,
+        store: Any = DEFAULT_STORE,
+        runbook: Any = None,
+        mode: str | None = "propose",
+        alerts: Any = None,
+        notifier: Any = None,
+        detectors: Any = None,
+        config: MonitorConfig | None = None,
+        run_name: str | None = None,
+        checkpoint_dir: str | None = None,
+        resume_from: str | None = None,
+    ) -> None:
+        self.spec = MonitorSpec(
+            store=store,
+            runbook=runbook,
+            mode=mode,
+            alerts=alerts,
+            notifier=notifier,
+            detectors=detectors,
+            config=config,
+            run_name=run_name,
+            checkpoint_dir=checkpoint_dir,
+        )
+        self.resume_from = resume_from
         self.monitor: Any = None
+        self.stop_requested = False
+        self._saved_max_grad_norm: float | None = None
+        self._hook: Any = None
         self._losses: list[torch.Tensor] = []
-        self._handle: Any = None
+        self._loss_sum = False
+        self._warned_no_loss = False
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                       lr_scheduler: Any = None, **kwargs: Any) -> None:
-        from stabmon.monitor import Monitor
+    @property
+    def exit_code(self) -> int:
+        """0, or the monitor's stop code (86 by default) after checkpoint-and-stop / kill switch."""
+        return self.monitor.exit_code if self.monitor is not None else 0
 
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+        if model is None or optimizer is None:
+            raise ValueError("StabmonCallback: the Trainer passed no model/optimizer to on_train_begin")
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+        clip = None
+        if args.max_grad_norm and args.max_grad_norm > 0:
+            clip, self._saved_max_grad_norm = float(args.max_grad_norm), float(args.max_grad_norm)
+            args.max_grad_norm = 0.0  # the monitor clips; the Trainer must not clip a second time
+        saved = self._load_saved_state(args, state)
+        self.monitor = self.spec.build(
+            model,
+            inner,
+            scaler=getattr(optimizer, "scaler", None),
+            scheduler=kwargs.get("lr_scheduler"),
+            clip=clip,
+            run_name=getattr(args, "run_name", None),
+            resume_run_id=(saved or {}).get("run_id"),
+        )
+        if saved is not None:
+            self.monitor.load_state_dict(saved)
+        align_step(self.monitor, state.global_step)
+        self.stop_requested = False
+        self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._saved_max_grad_norm is not None:
+            args.max_grad_norm, self._saved_max_grad_norm = self._saved_max_grad_norm, None
         if self.monitor is not None:
-            return
-        config = self.kwargs.pop("config", None) or MonitorConfig()
-        if config.clip is None and getattr(args, "max_grad_norm", 0) and args.max_grad_norm > 0:
-            config = dataclasses.replace(config, clip=float(args.max_grad_norm))
-            args.max_grad_norm = 0.0  # the monitor clips, once, reusing its norm
-        opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the real one
-        self.kwargs.setdefault("run_name", getattr(args, "run_name", None))
-        self.monitor = Monitor(model, opt, scheduler=lr_scheduler, config=config, **self.kwargs)
-        self._handle = model.register_forward_hook(self._capture_loss)
+            self.monitor.close()
+        self.spec.close_store()
 
-    def _capture_loss(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    # -- steps -------------------------------------------------------------------------------------------
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.monitor is None:
+            return
+        align_step(self.monitor, state.global_step)
+        self.monitor.begin_step(batch_index=state.global_step * args.gradient_accumulation_steps)
+        self._losses = []
+
+    def _capture_loss(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not module.training:
             return
         loss = getattr(output, "loss", None)
         if loss is None and isinstance(output, dict):
             loss = output.get("loss")
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self._losses.append(loss.detach())
+            self._losses.append(loss.detach().reshape(()))
+            self._loss_sum = kwargs.get("num_items_in_batch") is not None
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.monitor is not None:
-            self._losses = []
-            self.monitor.begin_step()
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Hand one micro-batch's loss in yourself (a custom ``compute_loss`` whose model returns no loss)."""
+        self._losses.append(loss.detach().reshape(()))
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.monitor is not None and self._losses:
-            loss = self._losses[0] if len(self._losses) == 1 else torch.stack(self._losses).mean()
-            self.monitor.observe(loss=loss)
-            self._losses = []
+        if self.monitor is None:
+            return
+        loss = None
+        if len(self._losses) == 1:
+            loss = self._losses[0]
+        elif self._losses:
+            stacked = torch.stack(self._losses)
+            loss = stacked.sum() if self._loss_sum else stacked.mean()
+        elif not self._warned_no_loss:
+            self._warned_no_loss = True
+            log.warning(
+                "stabmon: the model returned no 'loss' in training forwards; call "
+                "StabmonCallback.observe_loss(loss) from your compute_loss to record it"
+            )
+        self.monitor.observe(loss=loss)  # before optimizer.step(): the GradScaler's scale is this step's
+        self._losses = []
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None:
             return
         self.monitor.end_step()
-        if self.monitor.should_stop:
-            control.should_training_stop = True
+        if self.monitor.should_stop and not self.stop_requested:
+            self.stop_requested = True
+            control.should_save = True  # checkpoint (with monitor state, through on_save) ...
+            control.should_training_stop = True  # ... then stop
+            log.warning(
+                "stabmon: stopping the Trainer at step %d: %s", state.global_step, self.monitor.stop_reason
+            )
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-        if self.monitor is not None:
-            self.monitor.close()
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.monitor is None or not state.is_world_process_zero:
+            return
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        try:
+            self.monitor.flush()  # the detector state then covers every step the checkpoint covers
+            torch.save(self.monitor.state_dict(), os.path.join(folder, STATE_FILE))
+        except Exception:  # noqa: BLE001 - a failed save must not end training
+            self.monitor.errors["checkpoint"] += 1
+            log.exception("stabmon: could not save monitor state into %s", folder)
+
+    def _load_saved_state(self, args: Any, state: Any) -> dict[str, Any] | None:
+        folder = self.resume_from
+        if folder is None:
+            if state.global_step <= 0:
+                return None
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        path = os.path.join(folder, STATE_FILE)
+        if not os.path.isfile(path):
+            log.warning(
+                "stabmon: resuming at step %d without monitor state (%s not found); detectors start fresh",
+                state.global_step,
+                path,
+            )
+            return None
+        try:
+            return torch.load(path, weights_only=False, map_location="cpu")
+        except Exception:  # noqa: BLE001 - a damaged state file costs the detector history, not the run
+            log.exception("stabmon: could not load monitor state from %s; detectors start fresh", path)
+            return None

@@ -1,0 +1,240 @@
+"""PyTorch Lightning integration: one callback (needs the ``lightning`` extra).
+
+``L.Trainer(callbacks=[StabmonCallback(store=..., runbook=...)]).fit(module, loader)``
+
+What the callback does at each Lightning hook:
+
+- ``__init__``: checks its arguments (store URL, runbook, mode, config, alerts) and opens the store, so a
+  mistake is one ``ValueError`` before ``fit`` starts.
+- ``on_fit_start``: builds a :class:`~stabmon.monitor.Monitor` on the LightningModule, its one optimizer,
+  scheduler and the precision plugin's GradScaler; takes over gradient clipping (below); on a resume, loads
+  the monitor state Lightning restored from the checkpoint and continues the same run in the store.
+- ``on_train_batch_start`` opens the monitor's record of an optimizer step, ``on_train_batch_end`` closes it
+  once the optimizer has stepped (with ``accumulate_grad_batches=k``, one record per k batches); the record's
+  ``batch_index`` is Lightning's ``batch_idx``.
+- the loss: ``on_before_backward`` receives each micro-batch's loss tensor (Lightning has already divided it by
+  ``accumulate_grad_batches``); their sum goes to the monitor as a device tensor, before the optimizer step
+  (``outputs["loss"]`` in ``on_train_batch_end`` arrives after the GradScaler update, too late for the scale).
+- ``on_before_optimizer_step`` runs the monitor's pre-step work: norms, clip, overrides. Lightning calls
+  ``optimizer.step(closure)`` and the closure runs forward and backward *inside* ``step()``, so a
+  ``torch.optim`` step pre-hook would fire before backward, on the previous step's gradients. The callback
+  therefore removes the monitor's pre-hook and runs it from this hook (after backward, after AMP unscaling,
+  before Lightning's own clipping); the post-hook stays a real step post-hook. When the GradScaler skips an
+  overflow step, the post work (restoring the scheduler-visible hyper-parameters) is done at batch end.
+- ``state_dict`` / ``load_state_dict``: the monitor state travels in Lightning checkpoints (as bytes, so
+  checkpoints still load with ``weights_only=True``).
+- checkpoint-and-stop: when the monitor asks to stop, ``trainer.save_checkpoint`` writes
+  ``stabmon-stop-step=N.ckpt`` (in ``stop_checkpoint_dir``, default ``trainer.default_root_dir``) and
+  ``trainer.should_stop`` ends the fit; :attr:`StabmonCallback.exit_code` is then the monitor's stop code.
+- ``on_fit_end`` / ``on_exception``: close the monitor (status ``finished``/``stopped`` or ``failed``) and the
+  store, and give ``trainer.gradient_clip_val`` back.
+
+Clipping happens once, in the monitor: with ``gradient_clip_val`` set and the norm algorithm, the monitor
+clips at that value (an explicit ``config.clip`` wins) and Lightning's clip is switched off during ``fit``.
+With ``gradient_clip_algorithm="value"`` Lightning keeps clipping by value, after the monitor has measured.
+
+>>> cb = StabmonCallback(store=None)
+>>> cb.monitor is None, cb.exit_code
+(True, 0)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from stabmon.collect.config import MonitorConfig
+from stabmon.collect.wiring import DEFAULT_STORE
+from stabmon.integrations._shared import MonitorSpec, align_step, state_from_bytes, state_to_bytes
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # pragma: no cover - the standalone package, or no extra at all
+    try:
+        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+    except ImportError:
+        Callback = object  # type: ignore[assignment,misc]
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StabmonCallback"]
+
+
+class StabmonCallback(Callback):
+    """Monitor a Lightning ``Trainer.fit``; see the module docstring.
+
+    Keyword arguments are those of :class:`~stabmon.monitor.Monitor` (checked here, before training), plus
+    ``stop_checkpoint_dir`` for the checkpoint written on checkpoint-and-stop.
+
+    >>> cb = StabmonCallback(store=None, config=MonitorConfig(clip=1.0))
+    >>> cb.spec.config.clip
+    1.0
+    """
+
+    def __init__(
+        self,
+        *,
+        store: Any = DEFAULT_STORE,
+        runbook: Any = None,
+        mode: str | None = "propose",
+        alerts: Any = None,
+        notifier: Any = None,
+        detectors: Any = None,
+        config: MonitorConfig | None = None,
+        run_name: str | None = None,
+        checkpoint_dir: str | None = None,
+        stop_checkpoint_dir: str | None = None,
+    ) -> None:
+        self.spec = MonitorSpec(
+            store=store,
+            runbook=runbook,
+            mode=mode,
+            alerts=alerts,
+            notifier=notifier,
+            detectors=detectors,
+            config=config,
+            run_name=run_name,
+            checkpoint_dir=checkpoint_dir,
+        )
+        self.stop_checkpoint_dir = stop_checkpoint_dir
+        self.monitor: Any = None
+        self.stop_requested = False
+        self.stop_checkpoint: str | None = None
+        self._pending: dict[str, Any] | None = None
+        self._saved_clip: Any = None
+        self._took_clip = False
+        self._post_handle: Any = None
+        self._optimizer: Any = None
+        self._losses: list[torch.Tensor] = []
+        self._attempted = False  # on_before_optimizer_step ran in this batch
+        self._post_pending = False  # ... and the step post-hook has not run yet
+
+    @property
+    def exit_code(self) -> int:
+        """0, or the monitor's stop code (86 by default) after checkpoint-and-stop / kill switch."""
+        return self.monitor.exit_code if self.monitor is not None else 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        optimizers = list(trainer.optimizers)
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"StabmonCallback: watches exactly one optimizer; the module configures {len(optimizers)}"
+            )
+        optimizer = self._optimizer = optimizers[0]
+        configs = getattr(trainer, "lr_scheduler_configs", None) or []
+        clip = self._take_over_clip(trainer)
+        pending, self._pending = self._pending, None
+        self.monitor = self.spec.build(
+            pl_module,
+            optimizer,
+            scaler=getattr(trainer.precision_plugin, "scaler", None),
+            scheduler=configs[0].scheduler if configs else None,
+            clip=clip,
+            resume_run_id=(pending or {}).get("run_id"),
+        )
+        if pending is not None:
+            self.monitor.load_state_dict(pending)
+        align_step(self.monitor, trainer.global_step)
+        # Lightning runs backward inside optimizer.step(closure): the pre-step work moves to
+        # on_before_optimizer_step, the post-step work stays a real step post-hook.
+        self.monitor._hooks.remove()
+        self._post_handle = optimizer.register_step_post_hook(self._after_step)
+        self.stop_requested, self.stop_checkpoint = False, None
+
+    def _take_over_clip(self, trainer: Any) -> float | None:
+        value = trainer.gradient_clip_val
+        algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm))
+        if not value or algorithm not in ("None", "norm"):
+            return None
+        self._saved_clip, self._took_clip = value, True
+        trainer.gradient_clip_val = None  # the monitor clips; Lightning must not clip a second time
+        return float(value)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._close(trainer, status=None)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._close(trainer, status="failed")
+
+    def _close(self, trainer: Any, status: str | None) -> None:
+        if self._post_handle is not None:
+            self._post_handle.remove()
+            self._post_handle = None
+        if self._took_clip:
+            trainer.gradient_clip_val, self._took_clip = self._saved_clip, False
+        if self.monitor is not None:
+            self.monitor.close(status=status)
+        self.spec.close_store()
+
+    # -- steps -------------------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.monitor is not None and not self.monitor.buffer.open:
+            align_step(self.monitor, trainer.global_step)
+            self.monitor.begin_step(batch_index=batch_idx)
+            self._losses = []
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        if self.monitor is not None and pl_module.training and loss.numel() == 1:
+            self._losses.append(loss.detach().reshape(()))
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.monitor is None:
+            return
+        loss = None
+        if self._losses:
+            loss = self._losses[0] if len(self._losses) == 1 else torch.stack(self._losses).sum()
+        self.monitor.observe(loss=loss)
+        self._losses = []
+        self.monitor._hooks._pre(self._optimizer, (), {})
+        self._attempted = self._post_pending = True
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._post_pending:
+            self._post_pending = False
+            self.monitor._hooks._post(optimizer, args, kwargs)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.monitor is None or not self._attempted:
+            return  # still accumulating gradients: the optimizer step (and so the record) is not done
+        self._attempted = False
+        if self._post_pending:  # the GradScaler skipped an overflow step: undo the pre-step changes
+            self._post_pending = False
+            self.monitor._hooks._post(self._optimizer, (), {})
+            self.monitor._hooks.stepped = False
+        self.monitor.end_step()
+        if self.monitor.should_stop and not self.stop_requested:
+            self._stop(trainer)
+
+    def _stop(self, trainer: Any) -> None:
+        self.stop_requested = True
+        folder = self.stop_checkpoint_dir or trainer.default_root_dir
+        path = os.path.join(folder, f"stabmon-stop-step={trainer.global_step}.ckpt")
+        try:
+            trainer.save_checkpoint(path)
+            self.stop_checkpoint = path
+        except Exception:  # noqa: BLE001 - the run stops either way; the failure is on the record
+            self.monitor.errors["checkpoint"] += 1
+            log.exception("stabmon: could not save the stop checkpoint %s", path)
+        trainer.should_stop = True
+        log.warning("stabmon: stopping Lightning at step %d: %s", trainer.global_step, self.monitor.stop_reason)
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self.monitor is None:
+            return {}
+        self.monitor.flush()  # the detector state then covers every step the checkpoint covers
+        return {"monitor": state_to_bytes(self.monitor.state_dict())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        data = state_dict.get("monitor")
+        if not data:
+            return
+        state = state_from_bytes(data)
+        if self.monitor is None:
+            self._pending = state  # the usual order: callbacks are restored before on_fit_start
+        else:  # strategies that restore after setup
+            self.monitor.load_state_dict(state)

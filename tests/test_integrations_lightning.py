@@ -1,0 +1,204 @@
+"""StabmonCallback in a real Lightning ``Trainer.fit()`` on a tiny model (CPU)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+L = pytest.importorskip("lightning.pytorch")
+
+import torch  # noqa: E402
+
+from stabmon.checkpoints import STOP_EXIT_CODE  # noqa: E402
+from stabmon.integrations.lightning import StabmonCallback  # noqa: E402
+from stabmon.monitor import MonitorConfig  # noqa: E402
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, lr: float = 0.1, opt: str = "sgd") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        self.lr, self.opt = lr, opt
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        if self.opt == "sgd":
+            opt: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def loader(n: int = 64, seed: int = 0) -> Any:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    y = 10 * x.sum(1, keepdim=True)  # large targets: large gradients, so clipping always bites
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+def trainer(tmp_path: Path, callbacks: list[Any], **kw: Any) -> Any:
+    base = dict(max_steps=20, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    base.update(kw)
+    return L.Trainer(callbacks=callbacks, **base)
+
+
+def metrics_by_step(url: str, run_id: str) -> dict[int, dict[str, float]]:
+    from stabmon.store import open_store
+    from stabmon.store.repo import get_metrics
+
+    store = open_store(url)
+    try:
+        with store.session() as session:
+            df = get_metrics(session=session, run_id=run_id)
+    finally:
+        store.close()
+    out: dict[int, dict[str, float]] = {}
+    for step, name, value in df.select("step", "name", "value").iter_rows():
+        out.setdefault(step, {})[name] = value
+    return out
+
+
+class Probe(L.Callback):
+    """Test helper, placed before StabmonCallback: the true pre-clip norm and the update of each step."""
+
+    def __init__(self, at: int | None = None, action: Any = None) -> None:
+        self.at, self.action = at, action
+        self.norms: list[float] = []
+        self.deltas: list[float] = []
+        self._before: torch.Tensor | None = None
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self._before = torch.cat([p.detach().flatten().clone() for p in module.parameters()])
+        if self.at is not None and trainer.global_step == self.at:
+            self.action()
+
+    def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        grads = [p.grad.flatten() for p in module.parameters() if p.grad is not None]
+        self.norms.append(float(torch.cat(grads).norm()))
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        after = torch.cat([p.detach().flatten() for p in module.parameters()])
+        self.deltas.append(float((after - self._before).norm()))
+
+
+@pytest.mark.slow
+def test_fit_records_every_step_and_clips_once(tmp_path: Path, sqlite_url: str, monkeypatch: Any) -> None:
+    from lightning.pytorch.plugins.precision import Precision
+
+    lightning_clips: list[float] = []
+    original = Precision.clip_grad_by_norm
+
+    def spy(self: Any, optimizer: Any, clip_val: float) -> None:
+        lightning_clips.append(clip_val)
+        original(self, optimizer, clip_val)
+
+    monkeypatch.setattr(Precision, "clip_grad_by_norm", spy)
+    clip = 0.05
+    probe, cb = Probe(), StabmonCallback(store=sqlite_url, config=MonitorConfig(flush_every=5))
+    t = trainer(tmp_path, [probe, cb], gradient_clip_val=clip)
+    t.fit(Tiny(), loader())
+
+    assert t.gradient_clip_val == clip  # given back after fit
+    assert lightning_clips == []  # Lightning did not clip: the monitor did
+    by_step = metrics_by_step(sqlite_url, cb.monitor.run_id)
+    assert sorted(by_step) == list(range(20))
+    assert len(probe.norms) == len(probe.deltas) == 20
+    for step, m in by_step.items():
+        assert {"loss", "grad_norm", "lr", "clip"} <= set(m), step
+        assert m["clip"] == pytest.approx(clip)
+        # this step's gradients (not the previous step's: Lightning runs backward inside optimizer.step)
+        assert m["grad_norm"] == pytest.approx(probe.norms[step], rel=1e-4)
+        assert m["grad_norm"] > clip
+        assert probe.deltas[step] == pytest.approx(m["lr"] * clip, rel=1e-3)  # clipped, once, at clip
+        assert math.isfinite(m["loss"]) and m["loss"] > 0
+    assert by_step[7]["lr"] == pytest.approx(0.05)  # the step scheduler's halving shows in the record
+    assert [r.batch_index for r in cb.monitor.records] == list(range(8)) * 2 + list(range(4))
+    assert cb.exit_code == 0 and not cb.stop_requested
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_gives_one_record_per_optimizer_step(tmp_path: Path) -> None:
+    cb = StabmonCallback(store=None, config=MonitorConfig(flush_every=3))
+    t = trainer(tmp_path, [cb], max_steps=6, accumulate_grad_batches=2)
+    t.fit(Tiny(opt="adamw", lr=1e-2), loader())
+    records = list(cb.monitor.records)
+    assert [r.step for r in records] == list(range(6))
+    assert [r.batch_index for r in records] == [0, 2, 4, 6, 0, 2]
+    assert all(r.get("grad_norm") is not None and r.get("loss") is not None for r in records)
+
+
+@pytest.mark.slow
+def test_forced_checkpoint_and_stop_stops_fit(tmp_path: Path, sqlite_url: str) -> None:
+    switch = tmp_path / "STOP"
+    cb = StabmonCallback(store=sqlite_url, config=MonitorConfig(flush_every=4, kill_switch=str(switch)))
+    probe = Probe(at=5, action=lambda: switch.write_text("operator stop"))
+    t = trainer(tmp_path, [probe, cb], max_steps=40)
+    t.fit(Tiny(), loader())
+
+    assert t.global_step == 8  # the first flush after the switch appeared
+    assert cb.stop_requested and cb.exit_code == STOP_EXIT_CODE
+    assert "operator stop" in (cb.monitor.stop_reason or "")
+    assert cb.stop_checkpoint == str(tmp_path / "stabmon-stop-step=8.ckpt")
+    ckpt = torch.load(cb.stop_checkpoint, weights_only=True)  # monitor state is bytes: still safe to load
+    assert ckpt["global_step"] == 8
+
+
+@pytest.mark.slow
+def test_monitor_state_survives_save_and_resume(tmp_path: Path, sqlite_url: str) -> None:
+    def set_override() -> None:
+        first.monitor.overrides.lr_scale = 0.5
+
+    first = StabmonCallback(store=sqlite_url, config=MonitorConfig(flush_every=5))
+    t1 = trainer(tmp_path, [Probe(at=3, action=set_override), first], max_steps=12)
+    t1.fit(Tiny(), loader())
+    path = tmp_path / "resume.ckpt"
+    t1.save_checkpoint(path)
+
+    second = StabmonCallback(store=sqlite_url, config=MonitorConfig(flush_every=5))
+    t2 = trainer(tmp_path, [second], max_steps=20)
+    t2.fit(Tiny(), loader(), ckpt_path=str(path))
+
+    mon = second.monitor
+    assert mon.run_id == first.monitor.run_id  # the same run continues in the store
+    assert mon.step == 20 and mon.overrides.lr_scale == 0.5
+    assert [r.step for r in mon.records] == list(range(12, 20))
+    for r in mon.records:  # restored scheduler (StepLR 7, 0.5) under the restored override (x0.5)
+        assert r.get("lr") == pytest.approx(0.5 * 0.1 * 0.5 ** (r.step // 7)), r.step
+    assert sorted(metrics_by_step(sqlite_url, mon.run_id)) == list(range(20))
+
+
+def test_bad_store_url_fails_before_fit() -> None:
+    with pytest.raises(ValueError, match=r"^store: cannot open") as info:
+        StabmonCallback(store="nosuchdialect://nowhere/db")
+    assert "\n" not in str(info.value)
+
+
+def test_bad_runbook_name_fails_before_fit() -> None:
+    with pytest.raises(ValueError, match=r"^runbook: ") as info:
+        StabmonCallback(store=None, runbook="no-such-runbook")
+    assert "\n" not in str(info.value)
+
+
+def test_two_optimizers_are_refused_at_fit_start(tmp_path: Path) -> None:
+    class Two(Tiny):
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+                    torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            return None
+
+    module = Two()
+    module.automatic_optimization = False
+    cb = StabmonCallback(store=None)
+    with pytest.raises(ValueError, match="exactly one optimizer"):
+        trainer(tmp_path, [cb], max_steps=2).fit(module, loader())
