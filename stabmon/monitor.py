@@ -153,7 +153,7 @@ class Monitor:
         self.should_stop = False
         self.stop_reason: str | None = None
         self._scale_snapshot: torch.Tensor | None = None
-        self._hp_snapshot = None
+        self._hp_snapshot: dict[str, float] | None = None
         self._t_last: float | None = None
         self._closed = False
         self._watchdog = None
@@ -219,8 +219,13 @@ class Monitor:
             self.begin_step(batch_index=index)
             try:
                 yield self._step, batch
-            except GeneratorExit:
-                self.end_step()
+            except GeneratorExit:  # the loop was left (break) during this step
+                if self._hooks.stepped or self.buffer.pending_values:
+                    self.end_step()
+                else:  # left before training on the batch: no step happened
+                    self.buffer.discard()
+                    if self._acts is not None:
+                        self._acts.disarm()
                 raise
             self.end_step()
             if self.should_stop or (max_steps is not None and self._step >= max_steps):
@@ -236,7 +241,7 @@ class Monitor:
         self.buffer.begin(step=self._step, batch_index=batch_index)
         self._hooks.stepped = False
         self._scale_snapshot = None
-        self._hp_snapshot: dict[str, float] | None = None
+        self._hp_snapshot = None
         act_k, emb_k = self.config.activations.every, self.config.embeddings.every
         if self._acts is not None and self._step % act_k == 0:
             self._acts.arm()

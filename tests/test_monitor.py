@@ -284,6 +284,29 @@ def test_state_dict_round_trip_and_resume_data_position() -> None:
     assert [r.step for r in mon2.records] == [4, 5, 6, 7]
 
 
+def test_leaving_the_loop_early_records_only_real_steps() -> None:
+    model, opt, mon = make(config=MonitorConfig(flush_every=3))
+    for step, idx in mon.steps(batches(10)):
+        if step == 4:
+            break  # before training on this batch: not a step
+        loss = loss_of(model, idx)
+        loss.backward()
+        mon.observe(loss=loss)
+        opt.step()
+        opt.zero_grad()
+    for step, idx in mon.steps(batches(10)[5:]):
+        loss = loss_of(model, idx)
+        loss.backward()
+        mon.observe(loss=loss)
+        opt.step()
+        opt.zero_grad()
+        if step == 6:
+            break  # after the update: step 6 happened
+    mon.close()
+    assert [r.step for r in mon.records] == list(range(7))
+    assert all("loss" in r.metrics and "grad_norm" in r.metrics for r in mon.records)
+
+
 def test_epochs_continue_the_index_and_never_yield_skipped() -> None:
     model, opt, mon = make()
     mon.cursor.skip_range(4, 3)

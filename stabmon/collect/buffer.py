@@ -65,6 +65,17 @@ class StepBuffer:
         self._current.names.extend(names)
         self._tensors.append(values.detach().reshape(-1))
 
+    @property
+    def pending_values(self) -> int:
+        """How many device values the open step has queued."""
+        return len(self._current.names) if self._current is not None else 0
+
+    def discard(self) -> None:
+        """Drop the open step and its queued values (a step that did not happen)."""
+        if self._current is not None and self._current.names:
+            self._tensors, _ = _split_tail(self._tensors, len(self._current.names))
+        self._current = None
+
     def add_host(self, name: str, value: float) -> None:
         if self._current is not None:
             self._current.host[name] = float(value)
