@@ -13,10 +13,16 @@ falls normally until the learning rate passes about 3e-2 (step ~100); then the g
 to 2-3x its level, the loss climbs a few steps later, and by step ~180 the model has collapsed to the unigram
 distribution (loss ~2.5) and never recovers. Seeded and single-threaded, so the same steps every time.
 
+Bad-data setting (``--bad-data``, :data:`BAD_DATA`): the stable setting, but batches 300-309 are random
+characters, as if a data shard were corrupted. The loss and gradient norm spike on those batches; PaLM's answer
+(runbook ``palm-rollback``) is to restore a checkpoint from before the spike and skip the batches.
+
 Run it::
 
     python examples/tiny_gpt.py                       # stable, unmonitored
     python examples/tiny_gpt.py --unstable --db sqlite:///tiny.db --runbook default --mode apply
+    python examples/tiny_gpt.py --bad-data --db sqlite:///tiny.db --runbook palm-rollback --mode apply \
+        --checkpoint-dir tiny-ckpt
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ class TrainConfig:
     threads: int = 1
     corpus_chars: int = 200_000
     log_every: int = 50
+    bad_batches: tuple[int, int] | None = None
+    """Batch indices ``[start, stop)`` whose text is replaced by random characters (a corrupted data shard)."""
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd", "threads"):
@@ -77,6 +85,10 @@ class TrainConfig:
 
 UNSTABLE = dict(norm="post", lr=1e-1, warmup=300, clip=None, beta2=0.999, weight_decay=0.0)
 """The documented unstable setting: post-LN blocks, a learning rate warmed up far too high, no clipping."""
+
+
+BAD_DATA = dict(bad_batches=(300, 310))
+"""The documented bad-data setting: ten batches of random characters (a corrupted shard) at batch 300."""
 
 
 def unstable(config: TrainConfig | None = None) -> TrainConfig:
@@ -99,21 +111,26 @@ def make_corpus(n_chars: int, seed: int) -> torch.Tensor:
 
 
 class Batches:
-    """``steps`` random (x, y) windows of the corpus, the same ones on every pass (seeded)."""
+    """Random (x, y) windows of the corpus, the same ones on every pass (seeded): ``2 x steps`` of them, so a
+    run that skips batches (a rollback) still has data for all its steps."""
 
     def __init__(self, data: torch.Tensor, config: TrainConfig) -> None:
         self.data, self.config = data, config
 
     def __len__(self) -> int:
-        return self.config.steps
+        return 2 * self.config.steps
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
         gen = torch.Generator().manual_seed(c.seed + 1)
-        for _ in range(c.steps):
+        noise = torch.Generator().manual_seed(c.seed + 2)
+        for index in range(len(self)):
             ix = torch.randint(len(self.data) - c.block_size - 1, (c.batch_size,), generator=gen)
             x = torch.stack([self.data[i : i + c.block_size] for i in ix.tolist()])
             y = torch.stack([self.data[i + 1 : i + 1 + c.block_size] for i in ix.tolist()])
+            if c.bad_batches is not None and c.bad_batches[0] <= index < c.bad_batches[1]:
+                garbage = torch.randint(len(VOCAB), (c.batch_size, c.block_size + 1), generator=noise)
+                x, y = garbage[:, :-1].contiguous(), garbage[:, 1:].contiguous()
             yield x, y
 
 
@@ -219,13 +236,15 @@ def train(config: TrainConfig, monitor: MonitorFactory | None = None) -> TrainRe
     mon = monitor(model, opt, sched) if monitor is not None else None
     result, pending = TrainResult(monitor=mon), []
     t0 = time.perf_counter()
-    steps = mon.steps(batches) if mon is not None else enumerate(batches)
+    steps = mon.steps(batches, max_steps=config.steps) if mon is not None else enumerate(batches)
     try:
         for step, (x, y) in steps:
+            if step >= config.steps:
+                break
             loss = model(x, y)
             loss.backward()
             if mon is not None:
-                mon.observe(loss=loss)
+                mon.observe(loss=loss, tokens=x.numel())
             elif config.clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip, foreach=True)
             opt.step()
@@ -249,15 +268,19 @@ def train(config: TrainConfig, monitor: MonitorFactory | None = None) -> TrainRe
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--unstable", action="store_true", help="the documented unstable setting (see UNSTABLE)")
+    p.add_argument("--bad-data", action="store_true", help="corrupt batches 300-309 (see BAD_DATA)")
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
     p.add_argument("--runbook", default=None, help="runbook name or path (default: none, observe only)")
     p.add_argument("--mode", default="propose", choices=["propose", "apply", "observe"])
     p.add_argument("--db", default=None, help="store URL; monitored when given (or with --runbook)")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
+    p.add_argument("--checkpoint-dir", default=None, help="checkpoint every 50 steps here (rollback needs it)")
     args = p.parse_args(argv)
     config = TrainConfig(steps=args.steps, seed=args.seed)
     if args.unstable:
         config = unstable(config)
+    if args.bad_data:
+        config = dataclasses.replace(config, **BAD_DATA)
     factory = None
     if args.db or args.runbook:
         from stabmon.monitor import Monitor, MonitorConfig
@@ -270,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
                 store=args.db or "default",
                 runbook=args.runbook,
                 mode=args.mode,
-                config=MonitorConfig(clip=config.clip),
-                run_name=f"tiny-gpt{'-unstable' if args.unstable else ''}",
+                config=MonitorConfig(clip=config.clip, checkpoint_every=50 if args.checkpoint_dir else 0),
+                checkpoint_dir=args.checkpoint_dir,
+                run_name="tiny-gpt" + ("-unstable" if args.unstable else "") + ("-bad-data" if args.bad_data else ""),
             )
 
     result = train(config, monitor=factory)

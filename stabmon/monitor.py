@@ -140,7 +140,9 @@ class Monitor:
         if self.checkpoints is None and checkpoint_dir is not None:
             from stabmon.checkpoints import CheckpointManager
 
-            self.checkpoints = CheckpointManager(checkpoint_dir, sink=self.store, run_id=self.run_id)
+            self.checkpoints = CheckpointManager(
+                checkpoint_dir, keep=cfg.checkpoint_keep, sink=self.store, run_id=self.run_id
+            )
         self.kill_switch = None
         if cfg.kill_switch:
             from stabmon.checkpoints import KillSwitch
@@ -154,6 +156,7 @@ class Monitor:
         self.stop_reason: str | None = None
         self._scale_snapshot: torch.Tensor | None = None
         self._hp_snapshot: dict[str, float] | None = None
+        self._tokens: int | None = None
         self._t_last: float | None = None
         self._closed = False
         self._watchdog = None
@@ -242,15 +245,19 @@ class Monitor:
         self._hooks.stepped = False
         self._scale_snapshot = None
         self._hp_snapshot = None
+        self._tokens = None
         act_k, emb_k = self.config.activations.every, self.config.embeddings.every
         if self._acts is not None and self._step % act_k == 0:
             self._acts.arm()
         self._hooks.sample_embeddings = bool(self._emb) and emb_k > 0 and self._step % emb_k == 0
 
-    def observe(self, loss: Any = None, **metrics: Any) -> None:
-        """Record this step's loss (and any other named scalars) as device tensors: no host sync."""
+    def observe(self, loss: Any = None, *, tokens: int | None = None, **metrics: Any) -> None:
+        """Record this step's loss (and any other named scalars) as device tensors: no host sync.
+        ``tokens`` (a host int: tokens in this step's batch) adds ``tokens_per_sec`` at the end of the step."""
         if not self.buffer.open:
             self.begin_step()
+        if tokens is not None:
+            self._tokens = int(tokens)
         for name, value in (("loss", loss), *metrics.items()):
             if value is None:
                 continue
@@ -280,7 +287,10 @@ class Monitor:
         for name, value in hp.items():
             self.buffer.add_host(name, value)
         now = time.perf_counter()
-        self.buffer.add_host(Metric.STEP_TIME, now - (self._t_last or now))
+        elapsed = now - (self._t_last or now)
+        self.buffer.add_host(Metric.STEP_TIME, elapsed)
+        if self._tokens is not None and elapsed > 0:
+            self.buffer.add_host(Metric.TOKENS_PER_SEC, self._tokens / elapsed)
         self.buffer.end(time=time.time())
         self._step += 1
         if self._watchdog is not None:

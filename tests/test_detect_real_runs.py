@@ -21,11 +21,9 @@ def test_bloom_spike_flagged_on_grad_norm_before_the_loss_spike(real_runs: Path)
     result = megatron.read(real_runs / "bigscience-chronicles" / "tr11-176B_spike-it31214-31251.log")
     loss_spike = 31219  # LABELS.csv / the BigScience chronicle: lm loss 2.20 -> 5.10
     assert result.records[0].step == 31214
-    # The fragment starts 31k healthy steps into the run: a live monitor would be long past its grace period.
-    # Replaying it, the first record stands in for that settled baseline (grace of one observation), and the
-    # detectors' principled defaults do the rest - nothing here depends on the step numbers.
-    suite = DetectorSuite.from_config(overrides={"spike.grace_period": 1, "robust_spike.grace_period": 1})
-    found = _replay(result, suite)
+    # The fragment starts 31k healthy steps into the run, long past the start-of-training grace: with the
+    # default settings its first record is the baseline and scoring starts at the second.
+    found = _replay(result, DetectorSuite.from_config())
     grad = [a for a in found if a.metric == Metric.GRAD_NORM and a.kind == "spike"]
     assert grad and grad[0].step < loss_spike
     assert any(a.severity >= Severity.ERROR and a.step < loss_spike for a in grad)
@@ -33,10 +31,23 @@ def test_bloom_spike_flagged_on_grad_norm_before_the_loss_spike(real_runs: Path)
     assert not [a for a in found if a.metric == Metric.LOSS and a.step < grad[0].step]
 
 
-def test_bloom_spike_with_default_grace_stays_quiet_until_it_has_a_baseline(real_runs: Path) -> None:
+def test_bloom_spike_after_an_explicit_grace_stays_quiet_until_it_has_a_baseline(real_runs: Path) -> None:
+    # a grace asked for explicitly (a resume without restored detector state) is counted in observations
     result = megatron.read(real_runs / "bigscience-chronicles" / "tr11-176B_spike-it31214-31251.log")
-    found = _replay(result, DetectorSuite.from_config())
+    suite = DetectorSuite.from_config()
+    suite.enter_grace()
+    found = _replay(result, suite)
     assert all(a.step > result.records[9].step for a in found if a.kind == "spike")
+
+
+def test_stream_starting_at_step_zero_keeps_the_start_of_training_grace() -> None:
+    from stabmon.events import StepRecord
+
+    suite = DetectorSuite.from_config(overrides={"drift.enabled": False})
+    wild = [StepRecord(s, {Metric.GRAD_NORM: 50.0 if s == 5 else 1.0, Metric.LOSS: 10.0 - s}) for s in range(10)]
+    assert not [a for r in wild for a in suite.update(r) if a.kind == "spike"]  # warm-up: steps 0-9
+    spike = suite.update(StepRecord(10, {Metric.GRAD_NORM: 1e4, Metric.LOSS: 1.0}))
+    assert [a.metric for a in spike if a.kind == "spike"] == [Metric.GRAD_NORM]
 
 
 def test_deepspeed_sft_healthy_fp16_scaling_is_not_a_collapse(real_runs: Path) -> None:
@@ -68,8 +79,7 @@ def test_loss_scale_collapse_in_tr8b_overflow_storm_with_a_mid_run_baseline(real
     result = megatron.read(real_runs / "bigscience-chronicles" /
                            "tr8b-104B_embnorm-exp7_spike-overflow-it17060-17068.log")
     # six overflows in seven steps; the fragment is mid-run so the initial-scale-search grace does not apply
-    suite = DetectorSuite.from_config(overrides={"loss_scale.grace_period": 0})
-    found = _replay(result, suite)
+    found = _replay(result, DetectorSuite.from_config())
     assert any(a.kind == "loss_scale_collapse" for a in found)
 
 

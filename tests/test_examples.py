@@ -62,6 +62,32 @@ def test_unstable_setting_spikes_in_grad_norm_before_the_loss_blows_up(tg: Modul
     assert [r.metrics["grad_norm"] for r in again.monitor.records][:blowup] == grad[:blowup]
 
 
+@pytest.mark.slow
+def test_bad_data_setting_is_rolled_back_past_the_corrupted_batches(tg: ModuleType, tmp_path: Path) -> None:
+    import dataclasses
+
+    from stabmon.events import InterventionRecord
+    from stabmon.monitor import Monitor, MonitorConfig
+
+    config = dataclasses.replace(tg.TrainConfig(steps=450), **tg.BAD_DATA)
+
+    def factory(model, opt, sched):  # noqa: ANN001, ANN202
+        return Monitor(model, opt, scheduler=sched, store=None, runbook="palm-rollback", mode="apply",
+                       config=MonitorConfig(clip=config.clip, checkpoint_every=50, hang_timeout=None),
+                       checkpoint_dir=str(tmp_path))
+
+    result = tg.train(config, monitor=factory)
+    mon = result.monitor
+    start, stop = config.bad_batches
+    spikes = [a.step for a in mon.anomalies if a.kind == "spike" and a.metric == "loss"]
+    assert spikes and start <= min(spikes) < stop  # the corrupted batches are seen as loss spikes
+    rollbacks = [e for e in mon.events if isinstance(e, InterventionRecord) and e.action == "rollback"]
+    assert rollbacks and "error" not in rollbacks[0].after
+    skipped = range(*rollbacks[0].after["skipped"])
+    assert start in skipped and stop - 1 in skipped
+    assert mon.step == 450 and not result.diverged
+
+
 def test_config_errors_name_the_field(tg: ModuleType) -> None:
     with pytest.raises(ValueError, match=r"^config\.n_embd must be divisible by config\.n_head"):
         tg.train(tg.TrainConfig(n_embd=30, n_head=4, steps=1))
@@ -90,5 +116,7 @@ def test_stabmon_demo_command(tmp_path: Path) -> None:
     for needle in ("grad_norm", "act_rms/h.0", "emb_drift/wte", "events:"):
         assert needle in result.output
     assert db.is_file() and (tmp_path / "stabmon-demo-checkpoints").is_dir()
+    bad = CliRunner().invoke(app, ["demo", "--db", f"sqlite:///{db}", "--scenario", "nope"])
+    assert bad.exit_code == 1 and "--scenario must be one of" in bad.output
     bad = CliRunner().invoke(app, ["demo", "--db", f"sqlite:///{db}", "--steps", "0"])
     assert bad.exit_code == 1 and "--steps must be >= 1" in bad.output

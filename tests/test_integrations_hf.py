@@ -181,6 +181,91 @@ def _continue_ema(start: float, norms: list[float | None], decay: float = 0.98) 
     return ema
 
 
+@pytest.mark.slow
+def test_gradient_accumulation_gives_one_record_per_optimizer_step(tmp_path: Path) -> None:
+    cb = StabmonCallback(store=None, config=MonitorConfig(flush_every=3))
+    args = make_args(tmp_path / "out", max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    transformers.Trainer(model=tiny_model(), args=args, train_dataset=dataset(), callbacks=[cb]).train()
+    records = list(cb.monitor.records)
+    assert [r.step for r in records] == list(range(6))
+    assert [r.batch_index for r in records] == [0, 2, 4, 6, 8, 10]
+    # the loss of the whole accumulated batch: neither the sum of micro-batch means nor half of it
+    assert records[0].get("loss") == pytest.approx(math.log(VOCAB), rel=0.1)
+    assert all(r.get("grad_norm") is not None for r in records)
+
+
+SYNCS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy"}
+
+
+class SyncCounter(torch.overrides.TorchFunctionMode):
+    """Counts host reads of tensors (``.item()``, ``bool()``, ``.tolist()``, ...) by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in SYNCS:
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.slow
+def test_callback_adds_one_host_read_per_flush_and_none_per_step(tmp_path: Path) -> None:
+    """The Trainer reads tensors back itself (its NaN filter); the same run with the callback reads back
+    exactly one more time per monitor flush and never on the steps in between."""
+
+    def run(callbacks: list[Any]) -> dict[str, int]:
+        args = make_args(tmp_path / f"out{len(callbacks)}", max_steps=24, max_grad_norm=1.0)
+        trainer = transformers.Trainer(model=tiny_model(), args=args, train_dataset=dataset(), callbacks=callbacks)
+        with SyncCounter() as counter:
+            trainer.train()
+        return counter.calls
+
+    cb = StabmonCallback(store=None, config=MonitorConfig(flush_every=5, hang_timeout=None))
+    flushes = []
+
+    class CountFlushes(transformers.TrainerCallback):
+        def on_train_begin(self, *a: Any, **k: Any) -> None:
+            real = cb.monitor.flush
+            cb.monitor.flush = lambda: (flushes.append(1), real())[1]
+
+    plain = run([])
+    monitored = run([cb, CountFlushes()])
+    assert len(flushes) == 5  # steps 5, 10, 15, 20 and the rest at train end
+    expected = dict(plain)
+    expected["tolist"] = expected.get("tolist", 0) + len(flushes)
+    assert monitored == expected
+
+
+@pytest.mark.slow
+def test_a_crashed_train_is_closed_as_failed_by_the_next_one(tmp_path: Path, sqlite_url: str) -> None:
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    cb = StabmonCallback(store=sqlite_url, config=MonitorConfig(flush_every=5))
+    args = make_args(tmp_path / "out", max_steps=6, max_grad_norm=0.5)
+    crashing = transformers.Trainer(model=tiny_model(), args=args, train_dataset=dataset(),
+                                    callbacks=[cb, Recorder(at=3, action=boom)])
+    with pytest.raises(RuntimeError, match="boom"):
+        crashing.train()
+    first = cb.monitor.run_id
+    transformers.Trainer(model=tiny_model(), args=args, train_dataset=dataset(), callbacks=[cb]).train()
+    assert args.max_grad_norm == 0.5 and cb.monitor.config.clip == 0.5
+
+    from stabmon.store import open_store
+    from stabmon.store.repo import list_runs
+
+    store = open_store(sqlite_url)
+    try:
+        with store.session() as session:
+            runs = {r.id: (r.status, r.steps) for r in list_runs(session=session)}
+    finally:
+        store.close()
+    assert runs == {first: ("failed", 3), cb.monitor.run_id: ("finished", 6)}
+
+
 def test_bad_store_url_fails_before_training() -> None:
     with pytest.raises(ValueError, match=r"^store: cannot open") as info:
         StabmonCallback(store="nosuchdialect://nowhere/db")
@@ -198,3 +283,83 @@ def test_bad_mode_and_config_name_the_argument() -> None:
         StabmonCallback(store=None, mode="sometimes")
     with pytest.raises(ValueError, match=r"^config: expected a MonitorConfig"):
         StabmonCallback(store=None, config={"clip": 1.0})  # type: ignore[arg-type]
+
+
+def load_example(name: str) -> Any:
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_script_runs_monitored_into_sqlite(tmp_path: Path, sqlite_url: str, capsys: Any) -> None:
+    ex = load_example("hf_trainer")
+    code = ex.main(["--steps", "20", "--db", sqlite_url, "--out", str(tmp_path / "out")])
+    assert code == 0
+    assert "20 steps" in capsys.readouterr().out
+    from stabmon.store import open_store
+    from stabmon.store.repo import list_runs
+
+    store = open_store(sqlite_url)
+    try:
+        with store.session() as session:
+            runs = list_runs(session=session)
+    finally:
+        store.close()
+    assert [(r.name, r.status, r.steps) for r in runs] == [("hf-trainer-example", "finished", 20)]
+    by_step = metrics_by_step(sqlite_url, runs[0].id)
+    assert sorted(by_step) == list(range(20))
+    assert by_step[19]["loss"] < by_step[0]["loss"] - 0.5  # it learns
+    assert all(m["clip"] == 1.0 for m in by_step.values())  # the Trainer's max_grad_norm, in the monitor
+
+
+@pytest.mark.slow
+def test_example_unstable_setting_learns_then_blows_up(tmp_path: Path, sqlite_url: str) -> None:
+    ex = load_example("hf_trainer")
+    cb = ex.train(steps=100, unstable=True, db=sqlite_url, out=str(tmp_path / "out"))
+    recs = list(cb.monitor.records)
+    loss = [r.get("loss") for r in recs]
+    norm = [r.get("grad_norm") for r in recs]
+    best = min(loss[:60])
+    assert best < 2.0  # it learned first (uniform is 3.47)
+    assert max(loss[60:]) > 4 * best  # then blew up
+    calm = sorted(norm[10:50])[20]  # median grad norm while learning
+    first_norm_jump = next(i for i, n in enumerate(norm) if i >= 50 and n > 2 * calm)
+    first_loss_jump = next(i for i, v in enumerate(loss) if i >= 50 and v > 2 * best)
+    assert first_norm_jump <= first_loss_jump  # the gradient norm moves first
+    assert cb.monitor.anomalies  # and the monitor noticed
+
+
+STOP_RUNBOOK = """\
+name: stop-on-spike
+description: Stop for a human at the first recurring spike.
+mode: apply
+rules:
+  - name: spike
+    description: Recurring loss or gradient-norm spikes.
+    when: {kind: spike, metric: "*", severity: warning, persistence: {seen: 3, of: 50}}
+    ladder:
+      - action: checkpoint_and_stop
+        params: {reason: "recurring spikes: stopped for a human"}
+        observe: 1
+"""
+
+
+@pytest.mark.slow
+def test_runbook_checkpoint_and_stop_ends_the_unstable_example(tmp_path: Path) -> None:
+    runbook = tmp_path / "stop.yaml"
+    runbook.write_text(STOP_RUNBOOK)
+    ex = load_example("hf_trainer")
+    out = tmp_path / "out"
+    cb = ex.train(steps=100, unstable=True, runbook=str(runbook), mode="apply", out=str(out))
+    stopped_at = cb.monitor.step
+    assert cb.exit_code == STOP_EXIT_CODE and stopped_at < 100
+    assert cb.monitor.stop_reason == "recurring spikes: stopped for a human"
+    decisions = [e for e in cb.monitor.events if type(e).__name__ == "Decision"]
+    assert [d.action for d in decisions] == ["checkpoint_and_stop"]
+    saved = torch.load(out / f"checkpoint-{stopped_at}" / STATE_FILE, weights_only=False)
+    assert saved["step"] == stopped_at

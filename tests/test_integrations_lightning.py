@@ -90,7 +90,6 @@ class Probe(L.Callback):
         self.deltas.append(float((after - self._before).norm()))
 
 
-@pytest.mark.slow
 def test_fit_records_every_step_and_clips_once(tmp_path: Path, sqlite_url: str, monkeypatch: Any) -> None:
     from lightning.pytorch.plugins.precision import Precision
 
@@ -125,7 +124,6 @@ def test_fit_records_every_step_and_clips_once(tmp_path: Path, sqlite_url: str, 
     assert cb.exit_code == 0 and not cb.stop_requested
 
 
-@pytest.mark.slow
 def test_gradient_accumulation_gives_one_record_per_optimizer_step(tmp_path: Path) -> None:
     cb = StabmonCallback(store=None, config=MonitorConfig(flush_every=3))
     t = trainer(tmp_path, [cb], max_steps=6, accumulate_grad_batches=2)
@@ -136,7 +134,6 @@ def test_gradient_accumulation_gives_one_record_per_optimizer_step(tmp_path: Pat
     assert all(r.get("grad_norm") is not None and r.get("loss") is not None for r in records)
 
 
-@pytest.mark.slow
 def test_forced_checkpoint_and_stop_stops_fit(tmp_path: Path, sqlite_url: str) -> None:
     switch = tmp_path / "STOP"
     cb = StabmonCallback(store=sqlite_url, config=MonitorConfig(flush_every=4, kill_switch=str(switch)))
@@ -152,7 +149,6 @@ def test_forced_checkpoint_and_stop_stops_fit(tmp_path: Path, sqlite_url: str) -
     assert ckpt["global_step"] == 8
 
 
-@pytest.mark.slow
 def test_monitor_state_survives_save_and_resume(tmp_path: Path, sqlite_url: str) -> None:
     def set_override() -> None:
         first.monitor.overrides.lr_scale = 0.5
@@ -174,6 +170,100 @@ def test_monitor_state_survives_save_and_resume(tmp_path: Path, sqlite_url: str)
     for r in mon.records:  # restored scheduler (StepLR 7, 0.5) under the restored override (x0.5)
         assert r.get("lr") == pytest.approx(0.5 * 0.1 * 0.5 ** (r.step // 7)), r.step
     assert sorted(metrics_by_step(sqlite_url, mon.run_id)) == list(range(20))
+
+
+def test_fp16_grad_scaler_overflow_steps_are_recorded_and_overrides_do_not_compound(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=8192.0, growth_interval=1000)  # overflows at first
+    cb = StabmonCallback(store=None, config=MonitorConfig(flush_every=3))
+    fp32 = StabmonCallback(store=None, config=MonitorConfig(flush_every=3))
+
+    def halve_lr() -> None:
+        cb.monitor.overrides.lr_scale = 0.5
+
+    t = trainer(tmp_path, [Probe(at=0, action=halve_lr), cb], max_steps=6,
+                plugins=[MixedPrecision(precision="16-mixed", device="cpu", scaler=scaler)])
+    t.fit(Tiny(opt="adamw", lr=1e-2), loader())
+    trainer(tmp_path, [fp32], max_steps=1).fit(Tiny(opt="adamw", lr=1e-2), loader())
+
+    records = list(cb.monitor.records)
+    overflow = [r.get("overflow") for r in records]
+    assert overflow[0] == 1.0 and overflow[-1] == 0.0  # the scaler's search for a scale, then clean steps
+    assert [r.get("loss_scale") for r in records][:2] == [8192.0, 4096.0]
+    # the loss is unscaled (Lightning hands on_before_backward the scaled one)
+    assert records[0].get("loss") == pytest.approx(fp32.monitor.records[0].get("loss"), rel=1e-2)
+    # lr x 0.5 on every step, skipped or not, and the param group is back to the scheduler's value
+    assert all(r.get("lr") == pytest.approx(0.005) for r in records)
+    assert t.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01)
+    clean = [r for r in records if r.get("overflow") == 0.0]
+    assert clean and all(math.isfinite(r.get("grad_norm")) for r in clean)
+
+
+SYNCS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy"}
+
+
+class SyncCounter(torch.overrides.TorchFunctionMode):
+    """Counts host reads of tensors (``.item()``, ``bool()``, ``.tolist()``, ...) by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in SYNCS:
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_callback_adds_one_host_read_per_flush_and_none_per_step(tmp_path: Path) -> None:
+    """The same fit with the callback reads tensors back exactly one more time per monitor flush."""
+
+    def run(callbacks: list[Any]) -> dict[str, int]:
+        t = trainer(tmp_path, callbacks, max_steps=20, gradient_clip_val=1.0)
+        with SyncCounter() as counter:
+            t.fit(Tiny(opt="adamw", lr=1e-2), loader())
+        return counter.calls
+
+    cb = StabmonCallback(store=None, config=MonitorConfig(flush_every=6, hang_timeout=None))
+    flushes = []
+
+    class CountFlushes(L.Callback):
+        def on_fit_start(self, *a: Any) -> None:
+            real = cb.monitor.flush
+            cb.monitor.flush = lambda: (flushes.append(1), real())[1]
+
+    plain = run([])
+    monitored = run([cb, CountFlushes()])
+    assert len(flushes) == 4  # steps 6, 12, 18 and the rest at fit end
+    expected = dict(plain)
+    expected["tolist"] = expected.get("tolist", 0) + len(flushes)
+    assert monitored == expected
+
+
+def test_a_crash_in_training_ends_the_run_as_failed(tmp_path: Path, sqlite_url: str) -> None:
+    class Crashes(Tiny):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.trainer.global_step == 3:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    cb = StabmonCallback(store=sqlite_url, config=MonitorConfig(flush_every=10))
+    t = trainer(tmp_path, [cb], max_steps=10, gradient_clip_val=0.5)
+    with pytest.raises(RuntimeError, match="boom"):
+        t.fit(Crashes(), loader())
+    assert t.gradient_clip_val == 0.5
+    from stabmon.store import open_store
+    from stabmon.store.repo import list_runs
+
+    store = open_store(sqlite_url)
+    try:
+        with store.session() as session:
+            runs = list_runs(session=session)
+    finally:
+        store.close()
+    assert [(r.status, r.steps) for r in runs] == [("failed", 3)]  # the steps before the crash are kept
 
 
 def test_bad_store_url_fails_before_fit() -> None:
@@ -202,3 +292,51 @@ def test_two_optimizers_are_refused_at_fit_start(tmp_path: Path) -> None:
     cb = StabmonCallback(store=None)
     with pytest.raises(ValueError, match="exactly one optimizer"):
         trainer(tmp_path, [cb], max_steps=2).fit(module, loader())
+
+
+def load_example(name: str) -> Any:
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_script_runs_monitored_into_sqlite(tmp_path: Path, sqlite_url: str, capsys: Any) -> None:
+    ex = load_example("lightning_loop")
+    code = ex.main(["--steps", "20", "--db", sqlite_url, "--out", str(tmp_path)])
+    assert code == 0
+    assert "20 steps" in capsys.readouterr().out
+    from stabmon.store import open_store
+    from stabmon.store.repo import list_runs
+
+    store = open_store(sqlite_url)
+    try:
+        with store.session() as session:
+            runs = list_runs(session=session)
+    finally:
+        store.close()
+    assert [(r.name, r.status, r.steps) for r in runs] == [("lightning-example", "finished", 20)]
+    by_step = metrics_by_step(sqlite_url, runs[0].id)
+    assert sorted(by_step) == list(range(20))
+    assert by_step[19]["loss"] < by_step[0]["loss"] - 0.5  # it learns
+    assert all(m["clip"] == 1.0 for m in by_step.values())  # Lightning's gradient_clip_val, in the monitor
+
+
+@pytest.mark.slow
+def test_example_unstable_setting_learns_then_diverges(tmp_path: Path) -> None:
+    ex = load_example("lightning_loop")
+    cb = ex.train(steps=100, unstable=True, out=str(tmp_path))
+    recs = list(cb.monitor.records)
+    loss = [r.get("loss") for r in recs]
+    norm = [r.get("grad_norm") for r in recs]
+    best = min(loss[:55])
+    assert best < 1.6  # it learned first (uniform is 3.47)
+    assert sum(loss[-10:]) / 10 > 1.8 * best  # then diverged and stayed there
+    calm = sorted(norm[10:50])[20]  # median grad norm while learning
+    first_norm_jump = next(i for i, n in enumerate(norm) if i >= 50 and n > 1.5 * calm)
+    first_loss_jump = next(i for i, v in enumerate(loss) if i >= 50 and v > 1.5 * best)
+    assert first_norm_jump <= first_loss_jump  # the gradient norm moves first

@@ -91,7 +91,12 @@ def test_clipping_and_norms_match_clip_grad_norm() -> None:
         ref_opt.step()
         ref_opt.zero_grad()
     model, opt, mon = make(config=MonitorConfig(clip=0.5))
-    train(mon, model, opt, data)
+    for _, idx in mon.steps(data):
+        loss = loss_of(model, idx)
+        loss.backward()
+        mon.observe(loss=loss, tokens=idx.numel())
+        opt.step()
+        opt.zero_grad()
     mon.close()
     got = [r.metrics[Metric.GRAD_NORM] for r in mon.records]
     assert got == pytest.approx(ref_norms, rel=1e-5)
@@ -109,6 +114,7 @@ def test_clipping_and_norms_match_clip_grad_norm() -> None:
     assert rec.metrics[Metric.CLIP] == 0.5 and rec.metrics[Metric.NONFINITE] == 0.0
     assert rec.metrics[Metric.LR] == 0.1 and rec.metrics[Metric.BETA2] == 0.999
     assert rec.metrics[Metric.WEIGHT_DECAY] == 0.01 and rec.metrics[Metric.STEP_TIME] > 0
+    assert rec.metrics[Metric.TOKENS_PER_SEC] == pytest.approx(24 / rec.metrics[Metric.STEP_TIME])
     assert [r.batch_index for r in mon.records] == list(range(12))
 
 
@@ -282,6 +288,41 @@ def test_state_dict_round_trip_and_resume_data_position() -> None:
     mon2.close()
     assert seen2 == [6, 7, 8, 9]
     assert [r.step for r in mon2.records] == [4, 5, 6, 7]
+
+
+def test_resume_from_a_checkpoint_continues_exactly(tmp_path: Any) -> None:
+    data = batches(12)
+
+    def run(until: int, ckpt: Any, resume: bool = False) -> tuple[Tiny, Monitor]:
+        torch.manual_seed(0)
+        model = Tiny()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+        cfg = MonitorConfig(clip=0.5, checkpoint_every=6, hang_timeout=None)
+        mon = Monitor(model, opt, scheduler=sched, store=None, detectors=False, config=cfg, checkpoint_dir=str(ckpt))
+        if resume:
+            _, state = mon.checkpoints.last_known_good()
+            mon.load_training_state(state)
+        for step, idx in mon.steps(data, max_steps=until):
+            if step == 3:
+                mon.overrides.lr_scale = 0.5
+            loss = loss_of(model, idx)
+            loss.backward()
+            mon.observe(loss=loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        mon.close()
+        return model, mon
+
+    straight, _ = run(12, tmp_path / "a")
+    run(8, tmp_path / "b")  # checkpoint at step 6, then the process "dies" at step 8
+    resumed, mon = run(12, tmp_path / "b", resume=True)
+    assert mon.overrides.lr_scale == 0.5  # set before the checkpoint, restored from it
+    assert [r.step for r in mon.records] == list(range(6, 12))
+    assert [r.batch_index for r in mon.records] == list(range(6, 12))
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_leaving_the_loop_early_records_only_real_steps() -> None:
@@ -601,6 +642,8 @@ def test_bad_input_is_one_line_naming_the_argument(tmp_path: Any) -> None:
         (dict(embeddings=EmbeddingConfig(every=-2)), "config.embeddings.every must be >= 0, got -2"),
         (dict(checkpoint_every=-1), "config.checkpoint_every must be >= 0, got -1"),
         (dict(exit_code=300), "config.exit_code must be in [0, 255], got 300"),
+        (dict(checkpoint_keep=0), "config.checkpoint_keep must be >= 1, got 0"),
+        (dict(hang_timeout=0.0), "config.hang_timeout must be > 0 or None, got 0.0"),
         (dict(history=-1), "config.history must be >= 0, got -1"),
     ],
 )
@@ -613,3 +656,17 @@ def test_config_errors_name_the_dotted_path(kwargs: dict[str, Any], message: str
 def test_config_round_trips_through_a_dict() -> None:
     cfg = MonitorConfig(clip=2.0, grads=GradConfig(layers=("a",)), activations=ActivationConfig(every=3))
     assert MonitorConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_hang_watchdog_publishes_at_once() -> None:
+    import time
+
+    sink = MemorySink()
+    model, opt, mon = make(store=sink, config=MonitorConfig(hang_timeout=0.2))
+    train(mon, model, opt, batches(2))
+    deadline = time.monotonic() + 10
+    while not mon.anomalies and time.monotonic() < deadline:
+        time.sleep(0.05)  # training "hangs": no step arrives
+    mon.close()
+    assert [(a.kind, a.step) for a in mon.anomalies] == [("hang", 1)]
+    assert any(getattr(e, "kind", None) == "hang" for e in sink.events)

@@ -124,3 +124,38 @@ def test_store_that_goes_away_does_not_stop_training(tmp_path: Any) -> None:
         opt.zero_grad()
     mon.close()
     assert mon.step == 10 and mon.errors["store"] >= 2
+
+
+@pytest.mark.slow
+def test_palm_rollback_runbook_end_to_end(tmp_path: Any) -> None:
+    """Real detectors, the shipped palm-rollback runbook, the live executor, checkpoints and the data cursor:
+    a loss spike caused by bad batches is answered by restoring an older checkpoint and skipping past them."""
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = batches(2000)
+    bad = set(range(300, 304))
+    cfg = MonitorConfig(checkpoint_every=50, hang_timeout=None)
+    mon = Monitor(model, opt, store=f"sqlite:///{tmp_path / 'rb.db'}", runbook="palm-rollback", mode="apply",
+                  config=cfg, checkpoint_dir=str(tmp_path / "ckpt"))
+    seen = []
+    for step, idx in mon.steps(data, max_steps=600):
+        index = mon.buffer._current.batch_index  # type: ignore[union-attr]
+        seen.append((step, index))
+        loss = loss_of(model, idx) * (1e3 if index in bad else 1.0)
+        loss.backward()
+        mon.observe(loss=loss)
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    rollbacks = [e for e in mon.events if isinstance(e, InterventionRecord) and e.action == "rollback"]
+    assert len(rollbacks) == 1 and "error" not in rollbacks[0].after
+    after = rollbacks[0].after
+    assert after["checkpoint_step"] <= rollbacks[0].before["onset_step"] - 100
+    start, stop = after["skipped"]
+    assert stop - start == 300 and start == after["checkpoint_step"]
+    first_after = next(i for i, (s, _) in enumerate(seen) if i > 0 and s <= seen[i - 1][0])
+    replayed = seen[first_after:]
+    assert replayed[0] == (after["restored_step"], stop)  # resumes at the restored step, past the skipped batches
+    assert not {b for _, b in replayed} & (set(range(start, stop)) | bad)
+    assert mon.step == 600 and not mon.should_stop

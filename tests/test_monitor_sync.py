@@ -59,13 +59,18 @@ class Tiny(nn.Module):
 
 
 def _run(
-    config: MonitorConfig, counter: SyncCounter, *, overrides: Overrides | None = None, steps: int = 50
+    config: MonitorConfig,
+    counter: SyncCounter,
+    *,
+    overrides: Overrides | None = None,
+    steps: int = 50,
+    device: str = "cpu",
 ) -> Monitor:
     torch.manual_seed(0)
-    model = Tiny()
+    model = Tiny().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s))
-    data = [torch.randint(0, 17, (4, 8), generator=torch.Generator().manual_seed(i)) for i in range(steps)]
+    data = [torch.randint(0, 17, (4, 8), generator=torch.Generator().manual_seed(i)).to(device) for i in range(steps)]
     mon = Monitor(model, opt, scheduler=sched, store=None, detectors=False, config=config)
     if overrides is not None:
         mon.overrides.load_state_dict(overrides.state_dict())
@@ -108,6 +113,23 @@ def test_no_host_sync_outside_flushes(every: int) -> None:
     assert len(mon.records) == 50
     rec = mon.records[0]
     assert "act_rms/blocks.0" in rec.metrics and "emb_drift/wte" in rec.metrics and "skipped" in rec.metrics
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_host_sync_outside_flushes_on_cuda() -> None:
+    cfg = MonitorConfig(
+        clip=1.0,
+        flush_every=20,
+        activations=ActivationConfig(every=1),
+        embeddings=EmbeddingConfig(every=1),
+        hang_timeout=None,
+    )
+    counter = SyncCounter()
+    mon = _run(cfg, counter, overrides=Overrides(lr_scale=0.5, skip_factor=3.0), device="cuda")
+    assert counter.outside == []
+    assert counter.inside == ["tolist"] * 3  # of the pinned host buffer, after one event wait
+    assert len(mon.records) == 50 and mon.records[0].metrics["grad_norm"] > 0
 
 
 def test_counter_catches_an_injected_item(monkeypatch: pytest.MonkeyPatch) -> None:

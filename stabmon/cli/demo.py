@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import statistics
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
@@ -61,13 +63,14 @@ def summary(monitor: Any, url: str, result: Any) -> list[str]:
     recs = list(monitor.records)
     lines = [
         f"database: {_where(url)}",
-        f"run: {monitor.run_id} ({monitor.run_name}), {result.steps} steps in {result.seconds:.1f}s, "
-        f"exit code {result.exit_code}",
+        f"run: {monitor.run_id} ({monitor.run_name}), {monitor.step} steps ({result.steps} trained, rolled-back "
+        f"ones included) in {result.seconds:.1f}s, exit code {result.exit_code}",
         "signals:",
         _fmt(_series(recs, "loss"), "loss"),
         _fmt(_series(recs, "grad_norm"), "grad_norm"),
         _fmt(_series(recs, "lr"), "lr"),
         _fmt(_series(recs, "step_time"), "step_time (s)"),
+        _fmt(_series(recs, "tokens_per_sec"), "tokens_per_sec"),
     ]
     for prefix in ("act_rms/", "emb_drift/", "emb_update/"):
         names = sorted({k for r in recs for k in r.metrics if k.startswith(prefix)})
@@ -94,18 +97,28 @@ def _describe(e: Any) -> str:
     return f"outcome    step {e.step:<5} {e.verdict.value}"
 
 
+SCENARIOS = {
+    "unstable": ("the learning rate warms up far too high (post-LN, no clipping)", "default"),
+    "bad-data": ("ten batches of a corrupted shard at batch 300", "palm-rollback"),
+    "stable": ("the stable setting", "default"),
+}
+
+
 def demo(
     db: DbOption = None,
-    steps: Annotated[int, typer.Option(help="Training steps (about 30-40 ms each on one CPU core).")] = 600,
-    stable: Annotated[bool, typer.Option("--stable", help="Train the stable setting instead.")] = False,
-    runbook: Annotated[str, typer.Option(help="Runbook name or path ('none' to only watch).")] = "default",
+    steps: Annotated[int, typer.Option(help="Training steps (about 20-40 ms each on one CPU core).")] = 600,
+    scenario: Annotated[str, typer.Option(help="unstable | bad-data | stable")] = "unstable",
+    runbook: Annotated[
+        str | None, typer.Option(help="Runbook name or path, 'none' to only watch (default: per scenario).")
+    ] = None,
     mode: Annotated[str, typer.Option(help="apply | propose | observe")] = "apply",
     seed: Annotated[int, typer.Option(help="Seed of the data and the model.")] = 1337,
 ) -> None:
-    """Train a tiny GPT that goes unstable (or not, with --stable) under the monitor, then summarise the
-    record."""
+    """Train a tiny GPT that runs into trouble under the monitor, then summarise what was recorded."""
     if steps < 1:
         fail(f"--steps must be >= 1, got {steps}")
+    if scenario not in SCENARIOS:
+        fail(f"--scenario must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
     if mode not in ("apply", "propose", "observe"):
         fail(f"--mode must be apply, propose or observe, got {mode!r}")
     url = db_url(db)
@@ -115,10 +128,15 @@ def demo(
         fail(str(exc))
     from stabmon.monitor import Monitor, MonitorConfig
 
+    what, default_runbook = SCENARIOS[scenario]
+    runbook = runbook or default_runbook
     config = tg.TrainConfig(steps=steps, seed=seed)
-    if not stable:
+    if scenario == "unstable":
         config = tg.unstable(config)
-    ckpt_dir = Path(_where(url)).parent / "stabmon-demo-checkpoints" if url.startswith("sqlite") else None
+    elif scenario == "bad-data":
+        config = dataclasses.replace(config, **tg.BAD_DATA)
+    base = Path(_where(url)).parent if url.startswith("sqlite") else Path.cwd()
+    ckpt_dir = base / "stabmon-demo-checkpoints" / time.strftime("%Y%m%d-%H%M%S")  # one directory per run
     made: list[Any] = []
 
     def factory(model: Any, opt: Any, sched: Any) -> Any:
@@ -129,17 +147,15 @@ def demo(
             store=url,
             runbook=None if runbook == "none" else runbook,
             mode=mode,
-            config=MonitorConfig(clip=config.clip, checkpoint_every=50 if ckpt_dir else 0),
-            checkpoint_dir=str(ckpt_dir) if ckpt_dir else None,
-            run_name=f"demo-tiny-gpt-{'stable' if stable else 'unstable'}",
+            config=MonitorConfig(clip=config.clip, checkpoint_every=50),
+            checkpoint_dir=str(ckpt_dir),
+            run_name=f"demo-tiny-gpt-{scenario}",
         )
         made.append(mon)
         return mon
 
-    typer.echo(
-        f"training the tiny GPT ({'stable' if stable else 'unstable'} setting, {steps} steps) "
-        f"monitored into {_where(url)} ..."
-    )
+    typer.echo(f"training the tiny GPT for {steps} steps ({scenario}: {what}), runbook {runbook}, mode {mode}")
+    typer.echo(f"monitored into {_where(url)}, checkpoints in {ckpt_dir} ...")
     try:
         result = tg.train(config, monitor=factory)
     except ValueError as exc:

@@ -89,6 +89,9 @@ class MonitorConfig:
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     checkpoint_every: int = 0
     """Save a checkpoint every N steps through the checkpoint manager (0 = never; rollback needs some)."""
+    checkpoint_keep: int = 6
+    """How many of its own checkpoints the manager keeps: with ``checkpoint_every`` it bounds how far back a
+    rollback can reach (PaLM's recipe looks 100-200 steps back)."""
     kill_switch: str | None = None
     """A file path: when it exists at a flush, the monitor checkpoints and asks the loop to stop."""
     exit_code: int = EXIT_STOP
@@ -115,6 +118,8 @@ class MonitorConfig:
             raise ValueError(f"config.hang_timeout must be > 0 or None, got {self.hang_timeout}")
         if self.history < 0:
             raise ValueError(f"config.history must be >= 0, got {self.history}")
+        if self.checkpoint_keep < 1:
+            raise ValueError(f"config.checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
         if not 0 <= self.exit_code <= 255:
             raise ValueError(f"config.exit_code must be in [0, 255], got {self.exit_code}")
         self.grads.validate("config.grads")

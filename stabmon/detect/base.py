@@ -58,6 +58,11 @@ class Detector:
         self.config = config if config is not None else self.Config()
         self._evidence: deque[tuple[int, float]] = deque(maxlen=getattr(self.config, "evidence", 16))
         self._grace_left = int(getattr(self.config, "grace_period", 0))
+        #: the training step from which a detector that starts with the run scores (set by the first
+        #: :meth:`update`; None until then); see :meth:`_begin`
+        self._warmup_until: int | None = None
+        self._warming = False
+        self._grace_entered = False
         self._streak = 0
         self.n_learned = 0
         self._reset()
@@ -92,10 +97,15 @@ class Detector:
     # --- river-shaped API -----------------------------------------------------------------------------------
     @property
     def in_grace(self) -> bool:
-        return self._grace_left > 0
+        return self._grace_left > 0 or self._warming
 
     def learn_one(self, x: X) -> None:
-        v = self._value(x)
+        self._learn_value(self._value(x), x)
+
+    def score_one(self, x: X) -> float:
+        return self._score_value(self._value(x), x)
+
+    def _learn_value(self, v: float | None, x: X) -> None:
         if v is None:
             return
         self._learn(v, x)
@@ -103,50 +113,73 @@ class Detector:
         if self._grace_left > 0:
             self._grace_left -= 1
 
-    def score_one(self, x: X) -> float:
-        if self._grace_left > 0:
-            return 0.0
-        v = self._value(x)
-        if v is None:
+    def _score_value(self, v: float | None, x: X) -> float:
+        if v is None or self._grace_left > 0 or self._warming:
             return 0.0
         score = self._score(v, x)
         return score if math.isfinite(score) else 0.0
 
     def enter_grace(self, steps: int | None = None) -> None:
-        """Re-enter the grace period: score 0 and learn the next ``steps`` points (default:
-        ``grace_period``)."""
+        """Re-enter the grace period: score 0 and learn the next ``steps`` observations (default:
+        ``grace_period``). Used after an intervention, a rollback or a resume, and by the river-shaped
+        ``learn_one`` / ``score_one`` API, which knows no step numbers."""
         self._grace_left = int(getattr(self.config, "grace_period", 0) if steps is None else steps)
+        self._grace_entered = True
         self._streak = 0
+
+    def _begin(self, step: int) -> None:
+        """The first record this detector sees through :meth:`update`: fix its start-of-training grace.
+
+        Grace protects the volatile *start of training* (LR warm-up, the initial loss-scale search), so at the
+        start it is counted in training steps: a detector scores once ``step >= grace_period`` and it has
+        learned at least one observation (its baseline). A stream that begins mid-run (a monitor attached to
+        a resumed job, a log fragment cut from step 7000) is past that start: the volatile phase is long
+        over, so it scores from its second observation on. A grace the caller asked for explicitly
+        (:meth:`enter_grace` before the first record, e.g. on a resume without restored detector state) is
+        kept, counted in observations."""
+        if self._grace_entered or self.n_learned:
+            self._warmup_until = step  # grace, if any, is counted in observations
+            return
+        self._warmup_until = int(getattr(self.config, "grace_period", 0))
+        self._grace_left = 0
 
     def update(self, step: int, x: X) -> Anomaly | None:
         """Score, then learn unless flagged; return the Anomaly when the score reaches the threshold."""
+        if self._warmup_until is None:
+            self._begin(step)
         raw = x.get(self.metric)
         if raw is not None:
-            self._evidence.append((step, float(raw)))
-        score = self.score_one(x)
+            self._evidence.append((step, raw))
+        self._warming = step < self._warmup_until  # type: ignore[operator]
+        v = self._value(x)
+        score = self._score_value(v, x)
         if score > 0 and score >= self.threshold:
-            self._streak += 1
-            anomaly = Anomaly(
-                kind=self.kind,
-                metric=self.metric,
-                step=step,
-                score=float(score),
-                severity=self._severity(score, self._streak),
-                detector=self.name,
-                evidence=tuple(self._evidence),
-                threshold=float(self.threshold),
-                message=self._message(None if raw is None else float(raw), score),
-            )
-            self._on_flag()
-            relearn = getattr(self.config, "relearn_after", 0)
-            if relearn and self._streak >= relearn:
-                self._reset()
-                self.n_learned = 0
-                self.enter_grace()
-            return anomaly
+            return self._flag(step, raw, score)
         self._streak = 0
-        self.learn_one(x)
+        self._learn_value(v, x)
         return None
+
+    def _flag(self, step: int, raw: float | None, score: float) -> Anomaly:
+        """Report a flagged point (not learned: the protect filter)."""
+        self._streak += 1
+        anomaly = Anomaly(
+            kind=self.kind,
+            metric=self.metric,
+            step=step,
+            score=float(score),
+            severity=self._severity(score, self._streak),
+            detector=self.name,
+            evidence=tuple((s, float(v)) for s, v in self._evidence),
+            threshold=float(self.threshold),
+            message=self._message(None if raw is None else float(raw), score),
+        )
+        self._on_flag()
+        relearn = getattr(self.config, "relearn_after", 0)
+        if relearn and self._streak >= relearn:
+            self._reset()
+            self.n_learned = 0
+            self.enter_grace()
+        return anomaly
 
     # --- state ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -155,6 +188,8 @@ class Detector:
             "class": type(self).__name__,
             "metric": self.metric,
             "grace_left": self._grace_left,
+            "warmup_until": self._warmup_until,
+            "grace_entered": self._grace_entered,
             "streak": self._streak,
             "n_learned": self.n_learned,
             "evidence": [list(e) for e in self._evidence],
@@ -166,6 +201,9 @@ class Detector:
             raise ValueError(f"state is for {state.get('class')!r}, not {type(self).__name__}")
         self.metric = state["metric"]
         self._grace_left = int(state["grace_left"])
+        warmup = state.get("warmup_until")
+        self._warmup_until = None if warmup is None else int(warmup)
+        self._grace_entered = bool(state.get("grace_entered", False))
         self._streak = int(state["streak"])
         self.n_learned = int(state["n_learned"])
         evidence = ((int(s), float(v)) for s, v in state["evidence"])

@@ -22,7 +22,7 @@ from stabmon.detect.config import (
     param,
     positive,
 )
-from stabmon.events import Metric, Severity
+from stabmon.events import Anomaly, Metric, Severity
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,17 @@ class NonFinite(Detector):
             return 0.0
         return 1.0
 
-    def score_one(self, x: X) -> float:  # a NaN score is the point here: do not let the base class zero it
-        v = self._value(x)
+    def _score_value(self, v: float | None, x: X) -> float:  # a NaN is the point: the base would zero it
         return 0.0 if v is None else self._score(v, x)
+
+    def update(self, step: int, x: X) -> Anomaly | None:
+        raw = x.get(self.metric)
+        if raw is not None and math.isfinite(raw):  # the common case: nothing to score, nothing to learn
+            self._evidence.append((step, raw))
+            self._streak = 0
+            self.n_learned += 1
+            return None
+        return super().update(step, x)
 
     @property
     def threshold(self) -> float:
@@ -141,6 +149,15 @@ class MissingMetric(Detector):
 
     def _learn(self, v: float, x: X) -> None:
         self._present = self._present + 1 if v else 0
+
+    def update(self, step: int, x: X) -> Anomaly | None:
+        if self.metric in x and self._warmup_until is not None:  # the common case: it arrived
+            self._evidence.append((step, x[self.metric]))
+            self._present += 1
+            self._streak = 0
+            self.n_learned += 1
+            return None
+        return super().update(step, x)
 
     def _score(self, v: float, x: X) -> float:
         return 1.0 if not v and self._present >= self.config.min_streak else 0.0
@@ -233,11 +250,11 @@ class LossScaleCollapse(Detector):
     def _score(self, v: float, x: X) -> float:
         return self._rate(x) / self.config.max_overflow_rate
 
-    def score_one(self, x: X) -> float:
-        if self._value(x) is None:
+    def _score_value(self, v: float | None, x: X) -> float:
+        if v is None:
             return 0.0
         floor = 1.0 if self._floor_hit(x) else 0.0
-        return max(floor, super().score_one(x))
+        return max(floor, super()._score_value(v, x))
 
     @property
     def threshold(self) -> float:

@@ -120,6 +120,8 @@ class StabmonCallback(TrainerCallback):
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
         if model is None or optimizer is None:
             raise ValueError("StabmonCallback: the Trainer passed no model/optimizer to on_train_begin")
+        if self.monitor is not None:  # a previous train() raised: the Trainer has no exception event
+            self._finish(args, status="failed")
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
         clip = None
         if args.max_grad_norm and args.max_grad_norm > 0:
@@ -142,13 +144,18 @@ class StabmonCallback(TrainerCallback):
         self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._finish(args, status=None)
+
+    def _finish(self, args: Any, status: str | None) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
         if self._saved_max_grad_norm is not None:
             args.max_grad_norm, self._saved_max_grad_norm = self._saved_max_grad_norm, None
         if self.monitor is not None:
-            self.monitor.close()
+            if status == "failed":
+                self.monitor.buffer.discard()  # the step that crashed never finished: no record for it
+            self.monitor.close(status=status)  # idempotent: a closed monitor stays as it ended
         self.spec.close_store()
 
     # -- steps -------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # pragma: no cover - the standalone package, or no extra at all
     try:
-        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef,assignment]
     except ImportError:
         Callback = object  # type: ignore[assignment,misc]
 
@@ -158,6 +158,8 @@ class StabmonCallback(Callback):
         self._close(trainer, status=None)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.monitor is not None:
+            self.monitor.buffer.discard()  # the step that crashed never finished: no record for it
         self._close(trainer, status="failed")
 
     def _close(self, trainer: Any, status: str | None) -> None:
@@ -178,8 +180,14 @@ class StabmonCallback(Callback):
             self._losses = []
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
-        if self.monitor is not None and pl_module.training and loss.numel() == 1:
-            self._losses.append(loss.detach().reshape(()))
+        if self.monitor is None or not pl_module.training or loss.numel() != 1:
+            return
+        loss = loss.detach().reshape(())
+        scaler = self.monitor.scaler
+        scale = getattr(scaler, "_scale", None) if scaler is not None and scaler.is_enabled() else None
+        if isinstance(scale, torch.Tensor):  # MixedPrecision hands this hook the scaled loss
+            loss = loss.float() / scale.reshape(())
+        self._losses.append(loss)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self.monitor is None:

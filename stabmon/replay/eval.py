@@ -12,10 +12,20 @@ method:
   when the alert came after the onset);
 - ``severity``: stabmon's highest anomaly severity in the window (None for peer rules, which have none);
 
-and per run and method: ``steps`` (records replayed) and ``false_alarms``: alert steps outside every numeric
-or other incident window of that run (control windows do not excuse alerts), also per 10k steps. stabmon rows
-add ``decisions`` and ``intervention_decisions`` (decisions whose action is not ``alert_only``): what the
-runbook would have done there.
+and per run and method: ``steps`` (records replayed) and ``false_alarms``: alert *episodes* outside every
+numeric or other incident window of that run (control windows do not excuse alerts), also per 10k steps. An
+episode is a run of alert steps each at most ``episode_gap`` (10) steps after the previous one: one excursion
+that a method flags on five consecutive steps is one false page, not five (10 steps also spans the
+10-iteration log interval of the BigScience Megatron logs, so a log's cadence does not change the count). The
+same rule applies to every method; ``false_alarm_steps`` keeps the raw count of alert steps. stabmon rows add
+``decisions`` and ``intervention_decisions`` (decisions whose action is not ``alert_only``): what the runbook
+would have done there.
+
+stabmon's anomalies carry a severity, which gives it a second operating point for free: counting only
+``error``-or-worse anomalies as alerts (what pages a human by default: the ``pagerduty://`` channel's minimum
+severity, and what the default runbook acts on). The summary reports both: ``recall`` / ``false_alarms`` at
+``min_severity`` and ``recall_at_error`` / ``false_alarms_at_error`` (the same replay, alerts filtered by
+severity; nothing is re-run or re-fitted).
 """
 
 from __future__ import annotations
@@ -143,8 +153,35 @@ def _windows(labels: Iterable[Label], pre: int) -> list[tuple[int, int]]:
     return [(lb.step_start - pre, lb.step_end) for lb in labels if lb.category != "control"]
 
 
+EPISODE_GAP = 10
+
+
+def episodes(steps: Sequence[int], gap: int = EPISODE_GAP) -> list[int]:
+    """The first step of each alert episode: sorted ``steps`` split where two are more than ``gap`` apart.
+
+    >>> episodes([5, 6, 7, 30, 45, 52])
+    [5, 30, 45]
+    """
+    out: list[int] = []
+    prev: int | None = None
+    for s in steps:
+        if prev is None or s - prev > gap:
+            out.append(s)
+        prev = s
+    return out
+
+
+def _at_error(ra: RunAlerts) -> list[int]:
+    return sorted(s for s, sev in ra.severities.items() if Severity(sev) >= Severity.ERROR)
+
+
 def score(
-    labels: Sequence[Label], runs: dict[str, RunAlerts], label_runs: dict[int, str], *, pre: int = 100
+    labels: Sequence[Label],
+    runs: dict[str, RunAlerts],
+    label_runs: dict[int, str],
+    *,
+    pre: int = 100,
+    episode_gap: int = EPISODE_GAP,
 ) -> EvalReport:
     """Turn per-run alerts into the per-incident and per-run rows (see the module docstring)."""
     incidents: list[dict[str, Any]] = []
@@ -155,6 +192,10 @@ def score(
         for m in methods:
             steps = [s for s in ra.alerts.get(m, []) if lb.step_start - pre <= s <= lb.step_end]
             first = steps[0] if steps else None
+            extra: dict[str, Any] = {}
+            if m == STABMON:
+                errs = [s for s in _at_error(ra) if lb.step_start - pre <= s <= lb.step_end]
+                extra = {"first_error_step": errs[0] if errs else None}
             sev = None
             if m == STABMON and steps:
                 sev = max(
@@ -175,18 +216,21 @@ def score(
                     "severity": sev,
                     "run": ra.run,
                     "error": ra.error,
+                    **extra,
                 }
             )
     for run, ra in runs.items():
         wins = _windows([lb for i, lb in enumerate(labels) if label_runs[i] == run], pre)
         for m in methods:
-            fa = [s for s in ra.alerts.get(m, []) if not any(a <= s <= b for a, b in wins)]
+            fa_steps = [s for s in ra.alerts.get(m, []) if not any(a <= s <= b for a, b in wins)]
+            fa = episodes(fa_steps, episode_gap)
             row: dict[str, Any] = {
                 "file": run,
                 "method": m,
                 "steps": ra.steps,
                 "false_alarms": len(fa),
                 "false_alarms_per_10k": round(1e4 * len(fa) / ra.steps, 3) if ra.steps else None,
+                "false_alarm_steps": len(fa_steps),
                 "alerts": len(ra.alerts.get(m, [])),
                 "first_false_alarms": fa[:5],
                 "restarts": ra.restarts,
@@ -194,6 +238,8 @@ def score(
                 "error": ra.error,
             }
             if m == STABMON:
+                err_fa = [s for s in _at_error(ra) if not any(a <= s <= b for a, b in wins)]
+                row["false_alarms_at_error"] = len(episodes(err_fa, episode_gap))
                 row["decisions"] = len(ra.decisions)
                 row["intervention_decisions"] = sum(1 for _, a in ra.decisions if a != "alert_only")
             files.append(row)
@@ -211,6 +257,14 @@ def summarize(
         steps = sum(r["steps"] for r in rows)
         fa = sum(r["false_alarms"] for r in rows)
         leads = [r["lead_steps"] for r in num if r["lead_steps"] is not None]
+        if m == STABMON:
+            at_err = [r for r in num if r.get("first_error_step") is not None]
+            extra = {
+                "recall_at_error": round(len(at_err) / len(num), 3) if num else None,
+                "false_alarms_at_error": sum(r.get("false_alarms_at_error", 0) for r in rows),
+            }
+        else:
+            extra = {}
         out[m] = {
             "numeric_incidents": len(num),
             "detected": sum(r["detected"] for r in num),
@@ -220,6 +274,7 @@ def summarize(
             "false_alarms": fa,
             "false_alarms_per_10k": round(1e4 * fa / steps, 3) if steps else None,
             "steps": steps,
+            **extra,
         }
     return out
 
