@@ -33,9 +33,11 @@ def synthetic(n: int, seed: int) -> list:
     rng = random.Random(seed)
     out, scale, clean = [], 65536.0, 0
     for s in range(n):
-        overflow = 1.0 if rng.random() < 0.003 else 0.0
+        # healthy dynamic loss scaling: an overflow every ~1000 steps halves the scale, 500 clean steps double
+        # it (capped), so the scale hovers around its cap as in a healthy fp16 run
+        overflow = 1.0 if rng.random() < 0.001 else 0.0
         clean = 0 if overflow else clean + 1
-        scale = scale / 2 if overflow else (scale * 2 if clean % 500 == 0 else scale)
+        scale = scale / 2 if overflow else (min(scale * 2, 2.0**20) if clean % 500 == 0 else scale)
         spike = 8.0 if rng.random() < 0.0005 else 1.0
         out.append(
             StepRecord(

@@ -293,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
                 store=args.db or "default",
                 runbook=args.runbook,
                 mode=args.mode,
-                config=MonitorConfig(clip=config.clip, checkpoint_every=50 if args.checkpoint_dir else 0),
+                config=MonitorConfig(
+                    clip=config.clip, checkpoint_every=50 if args.checkpoint_dir else 0, checkpoint_keep=6
+                ),
                 checkpoint_dir=args.checkpoint_dir,
                 run_name="tiny-gpt" + ("-unstable" if args.unstable else "") + ("-bad-data" if args.bad_data else ""),
             )

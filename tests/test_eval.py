@@ -192,3 +192,23 @@ def test_cli_eval_errors(tmp_path: Path) -> None:
     (tmp_path / "L.csv").write_text("file,step_start,step_end,kind\na,1,2,x\n")
     res = runner.invoke(app, ["eval", "--labels", str(tmp_path / "L.csv"), "--runbook", "nope-runbook"])
     assert res.exit_code == 1 and "runbook 'nope-runbook'" in res.output
+
+
+def test_false_alarms_count_episodes_for_every_method_and_stabmon_reports_its_error_view() -> None:
+    from stabmon.replay.eval import episodes
+
+    assert episodes([]) == [] and episodes([1, 2, 3, 14, 24, 40]) == [1, 14, 40]
+    labels = [Label("r", 500, 510, "loss_spike", "author")]
+    alerts = RunAlerts(
+        run="r",
+        steps=1000,
+        alerts={STABMON: [100, 101, 102, 505, 800], "zclip": [300, 305, 309, 900]},
+        severities={100: "warning", 101: "error", 102: "error", 505: "error", 800: "warning"},
+    )
+    report = score(labels, {"r": alerts}, {0: "r"})
+    files = {r["method"]: r for r in report.files}
+    assert files[STABMON]["false_alarms"] == 2 and files[STABMON]["false_alarm_steps"] == 4
+    assert files["zclip"]["false_alarms"] == 2 and files["zclip"]["false_alarm_steps"] == 4
+    assert files[STABMON]["false_alarms_at_error"] == 1
+    assert report.summary[STABMON]["recall_at_error"] == 1.0
+    assert report.summary[STABMON]["false_alarms_at_error"] == 1

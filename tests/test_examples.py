@@ -71,9 +71,10 @@ def test_bad_data_setting_is_rolled_back_past_the_corrupted_batches(tg: ModuleTy
 
     config = dataclasses.replace(tg.TrainConfig(steps=450), **tg.BAD_DATA)
 
+    cfg = MonitorConfig(clip=config.clip, checkpoint_every=50, checkpoint_keep=6, hang_timeout=None)
+
     def factory(model, opt, sched):  # noqa: ANN001, ANN202
-        return Monitor(model, opt, scheduler=sched, store=None, runbook="palm-rollback", mode="apply",
-                       config=MonitorConfig(clip=config.clip, checkpoint_every=50, hang_timeout=None),
+        return Monitor(model, opt, scheduler=sched, store=None, runbook="palm-rollback", mode="apply", config=cfg,
                        checkpoint_dir=str(tmp_path))
 
     result = tg.train(config, monitor=factory)

@@ -662,11 +662,15 @@ def test_hang_watchdog_publishes_at_once() -> None:
     import time
 
     sink = MemorySink()
-    model, opt, mon = make(store=sink, config=MonitorConfig(hang_timeout=0.2))
+    model, opt, mon = make(store=sink, config=MonitorConfig(hang_timeout=0.5))
     train(mon, model, opt, batches(2))
-    deadline = time.monotonic() + 10
-    while not mon.anomalies and time.monotonic() < deadline:
+
+    def hung_after_last_step() -> bool:
+        return any(a.kind == "hang" and a.step == 1 for a in mon.anomalies)
+
+    deadline = time.monotonic() + 20
+    while not hung_after_last_step() and time.monotonic() < deadline:
         time.sleep(0.05)  # training "hangs": no step arrives
     mon.close()
-    assert [(a.kind, a.step) for a in mon.anomalies] == [("hang", 1)]
-    assert any(getattr(e, "kind", None) == "hang" for e in sink.events)
+    assert hung_after_last_step()  # (a slow step on a loaded machine may add an earlier one)
+    assert any(getattr(e, "kind", None) == "hang" and e.step == 1 for e in sink.events)

@@ -135,7 +135,7 @@ def test_palm_rollback_runbook_end_to_end(tmp_path: Any) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     data = batches(2000)
     bad = set(range(300, 304))
-    cfg = MonitorConfig(checkpoint_every=50, hang_timeout=None)
+    cfg = MonitorConfig(checkpoint_every=50, checkpoint_keep=6, hang_timeout=None)
     mon = Monitor(model, opt, store=f"sqlite:///{tmp_path / 'rb.db'}", runbook="palm-rollback", mode="apply",
                   config=cfg, checkpoint_dir=str(tmp_path / "ckpt"))
     seen = []

@@ -98,8 +98,8 @@ def _describe(e: Any) -> str:
 
 
 SCENARIOS = {
-    "unstable": ("the learning rate warms up far too high (post-LN, no clipping)", "default"),
     "bad-data": ("ten batches of a corrupted shard at batch 300", "palm-rollback"),
+    "unstable": ("the learning rate warms up far too high (post-LN, no clipping)", "default"),
     "stable": ("the stable setting", "default"),
 }
 
@@ -107,7 +107,7 @@ SCENARIOS = {
 def demo(
     db: DbOption = None,
     steps: Annotated[int, typer.Option(help="Training steps (about 20-40 ms each on one CPU core).")] = 600,
-    scenario: Annotated[str, typer.Option(help="unstable | bad-data | stable")] = "unstable",
+    scenario: Annotated[str, typer.Option(help="bad-data | unstable | stable")] = "bad-data",
     runbook: Annotated[
         str | None, typer.Option(help="Runbook name or path, 'none' to only watch (default: per scenario).")
     ] = None,
@@ -147,7 +147,7 @@ def demo(
             store=url,
             runbook=None if runbook == "none" else runbook,
             mode=mode,
-            config=MonitorConfig(clip=config.clip, checkpoint_every=50),
+            config=MonitorConfig(clip=config.clip, checkpoint_every=50, checkpoint_keep=6),
             checkpoint_dir=str(ckpt_dir),
             run_name=f"demo-tiny-gpt-{scenario}",
         )

@@ -89,9 +89,10 @@ class MonitorConfig:
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     checkpoint_every: int = 0
     """Save a checkpoint every N steps through the checkpoint manager (0 = never; rollback needs some)."""
-    checkpoint_keep: int = 6
-    """How many of its own checkpoints the manager keeps: with ``checkpoint_every`` it bounds how far back a
-    rollback can reach (PaLM's recipe looks 100-200 steps back)."""
+    checkpoint_keep: int = 3
+    """How many of its own checkpoints the manager keeps (the CheckpointManager's default). With
+    ``checkpoint_every`` it bounds how far back a rollback can reach: PaLM's recipe looks 100-200 steps back, so
+    with a checkpoint every 50 steps keep at least 6."""
     kill_switch: str | None = None
     """A file path: when it exists at a flush, the monitor checkpoints and asks the loop to stop."""
     exit_code: int = EXIT_STOP

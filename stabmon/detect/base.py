@@ -66,6 +66,7 @@ class Detector:
         self._streak = 0
         self.n_learned = 0
         self._reset()
+        self._threshold = float(self.threshold)  # config is frozen: the threshold never changes
 
     # --- subclass hooks -------------------------------------------------------------------------------------
     def _reset(self) -> None:
@@ -144,7 +145,10 @@ class Detector:
         self._grace_left = 0
 
     def update(self, step: int, x: X) -> Anomaly | None:
-        """Score, then learn unless flagged; return the Anomaly when the score reaches the threshold."""
+        """Score, then learn unless flagged; return the Anomaly when the score reaches the threshold.
+
+        The per-record hot path: the value is computed once, shared by scoring and learning, and the evidence
+        window is only copied into a tuple when a point is flagged."""
         if self._warmup_until is None:
             self._begin(step)
         raw = x.get(self.metric)
@@ -152,11 +156,17 @@ class Detector:
             self._evidence.append((step, raw))
         self._warming = step < self._warmup_until  # type: ignore[operator]
         v = self._value(x)
+        if v is None:
+            self._streak = 0
+            return None
         score = self._score_value(v, x)
-        if score > 0 and score >= self.threshold:
+        if score > 0 and score >= self._threshold:
             return self._flag(step, raw, score)
         self._streak = 0
-        self._learn_value(v, x)
+        self._learn(v, x)
+        self.n_learned += 1
+        if self._grace_left > 0:
+            self._grace_left -= 1
         return None
 
     def _flag(self, step: int, raw: float | None, score: float) -> Anomaly:
@@ -170,7 +180,7 @@ class Detector:
             severity=self._severity(score, self._streak),
             detector=self.name,
             evidence=tuple((s, float(v)) for s, v in self._evidence),
-            threshold=float(self.threshold),
+            threshold=self._threshold,
             message=self._message(None if raw is None else float(raw), score),
         )
         self._on_flag()
@@ -189,6 +199,7 @@ class Detector:
             "metric": self.metric,
             "grace_left": self._grace_left,
             "warmup_until": self._warmup_until,
+            "warming": self._warming,
             "grace_entered": self._grace_entered,
             "streak": self._streak,
             "n_learned": self.n_learned,
@@ -204,6 +215,7 @@ class Detector:
         warmup = state.get("warmup_until")
         self._warmup_until = None if warmup is None else int(warmup)
         self._grace_entered = bool(state.get("grace_entered", False))
+        self._warming = bool(state.get("warming", False))
         self._streak = int(state["streak"])
         self.n_learned = int(state["n_learned"])
         evidence = ((int(s), float(v)) for s, v in state["evidence"])

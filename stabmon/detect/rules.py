@@ -7,10 +7,9 @@ state round-trip) so the suite and the contract tests treat every detector alike
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
-
-from river import stats, utils
 
 from stabmon.detect.base import Detector, X
 from stabmon.detect.config import (
@@ -221,10 +220,13 @@ class LossScaleCollapse(Detector):
     Config = LossScaleConfig
     grace_exempt = "a scale at its floor is critical whenever it happens (the rate rule respects grace)"
     sees_every_record = True  # overflow without a printed loss scale still counts
-    _state_attrs = ("_overflows", "_at_floor")
+    _state_attrs = ("_overflows", "_count", "_at_floor")
 
     def _reset(self) -> None:
-        self._overflows: Any = utils.Rolling(stats.Sum, window_size=self.config.window)
+        # the last `window` overflow flags (0/1) and their running count: a plain deque, cheaper per step than
+        # river's generic `utils.Rolling(stats.Sum)` (which reverts through Python on every step)
+        self._overflows: deque[int] = deque(maxlen=self.config.window)
+        self._count = 0
         self._at_floor = False
 
     def _value(self, x: X) -> float | None:
@@ -233,18 +235,23 @@ class LossScaleCollapse(Detector):
         return None
 
     def _learn(self, v: float, x: X) -> None:
-        self._overflows.update(1.0 if x.get(Metric.OVERFLOW, 0.0) == 1.0 else 0.0)
+        window = self._overflows
+        if len(window) == window.maxlen:
+            self._count -= window[0]
+        flag = 1 if x.get(Metric.OVERFLOW, 0.0) == 1.0 else 0
+        window.append(flag)
+        self._count += flag
 
     def _floor_hit(self, x: X) -> bool:
         scale = x.get(self.metric)
         return scale is not None and not math.isnan(scale) and scale <= self.config.min_scale
 
     def _rate(self, x: X) -> float:
-        window = self._overflows.window
-        total = float(self._overflows.get() or 0.0)
+        window = self._overflows
+        total = self._count
         if len(window) >= self.config.window:
-            total -= float(window[0][0][0])
-        total += 1.0 if x.get(Metric.OVERFLOW, 0.0) == 1.0 else 0.0
+            total -= window[0]
+        total += 1 if x.get(Metric.OVERFLOW, 0.0) == 1.0 else 0
         return total / self.config.window
 
     def _score(self, v: float, x: X) -> float:
@@ -261,7 +268,29 @@ class LossScaleCollapse(Detector):
         return 1.0
 
     def update(self, step: int, x: X) -> Any:
+        if (not x.get(Metric.OVERFLOW) and self._count == 0 and self._warmup_until is not None
+                and not self._at_floor and not self._floor_hit(x)):
+            # the common case - no overflow in the window nor now, scale above its floor: nothing can fire,
+            # so only learn (what the general path below would do, without scoring)
+            self._streak = 0
+            if self._value(x) is None:
+                return None
+            self._warming = step < self._warmup_until
+            raw = x.get(self.metric)
+            if raw is not None:
+                self._evidence.append((step, raw))
+            self._floor = False
+            self._learn(1.0, x)
+            self.n_learned += 1
+            if self._grace_left > 0:
+                self._grace_left -= 1
+            return None
         self._floor = self._floor_hit(x)
+        if self._floor and self._at_floor and self._warmup_until is not None:
+            # still at the floor: already reported (critical, once); the point is flagged, so not learned
+            self._evidence.append((step, x[self.metric]))
+            self._streak += 1
+            return None
         anomaly = super().update(step, x)
         if self.metric in x:  # a scale stuck at the floor is reported once, again after it has recovered
             repeat = self._floor and self._at_floor

@@ -40,7 +40,7 @@ from stabmon.detect.config import (
     param,
     positive,
 )
-from stabmon.events import Metric, Severity
+from stabmon.events import Anomaly, Metric, Severity
 
 _TINY = 1e-30
 
@@ -107,6 +107,23 @@ class _LogSpike(Detector):
     def _centre(self) -> float:
         raise NotImplementedError
 
+    def update(self, step: int, x: X) -> Anomaly | None:
+        raw = x.get(self.metric)
+        if (raw is None or self._warmup_until is None or self._grace_left > 0 or step < self._warmup_until
+                or not 0.0 < raw < math.inf or self.n_learned == 0):
+            return super().update(step, x)  # grace, a first point, an unusable value: the general path
+        # the per-record hot path, the general path inlined: score the log-value, learn it unless flagged
+        self._evidence.append((step, raw))
+        self._warming = False
+        v = math.log(raw)
+        score = self._score(v, x)
+        if score > 0 and score >= self._threshold:
+            return self._flag(step, raw, score)
+        self._streak = 0
+        self._learn(v, x)
+        self.n_learned += 1
+        return None
+
     @classmethod
     def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:
         stream = [{Metric.GRAD_NORM: 1.0 + 0.05 * math.sin(i)} for i in range(40)]
@@ -131,6 +148,7 @@ class EWSpike(_LogSpike):
     _state_attrs = ("_mean", "_var")
 
     def _reset(self) -> None:
+        self._min_std = float(self.config.min_std)
         self._mean = stats.EWMean(fading_factor=self.config.alpha)
         self._var = stats.EWVar(fading_factor=self.config.alpha)
 
@@ -144,8 +162,11 @@ class EWSpike(_LogSpike):
     def _score(self, v: float, x: X) -> float:
         if self.n_learned == 0:
             return 0.0
-        std = max(math.sqrt(max(self._var.get() or 0.0, 0.0)), self.config.min_std)
-        return max(0.0, (v - self._centre()) / std)
+        var = self._var.get()
+        std = math.sqrt(var) if var > 0.0 else 0.0
+        std = std if std > self._min_std else self._min_std
+        d = v - self._mean.get()
+        return d / std if d > 0.0 else 0.0
 
 
 class RobustSpike(_LogSpike):

@@ -17,6 +17,7 @@ DETECTORS: dict[str, type[Detector]] = {
     c.name: c for c in (*SPIKE_DETECTORS, *RULE_DETECTORS, *TREND_DETECTORS)
 }
 ROOT = "detectors"
+_MAX_PLANS = 256  # distinct metric-name sets remembered (a stream rarely has more than a handful)
 
 
 def _is_glob(pattern: str) -> bool:
@@ -64,6 +65,9 @@ class DetectorSuite:
         self._detectors: dict[tuple[str, str], Detector] = {}
         self._patterns: dict[str, list[str]] = {}
         self._seen: set[str] = set()
+        # metric-name set of a record -> the detectors that must see it; built once per new set of names, so
+        # the per-record path does no glob matching and no membership tests per detector
+        self._plans: dict[tuple[str, ...], list[Detector]] = {}
         for name, config in self.configs.items():
             if not config.enabled:
                 continue
@@ -84,6 +88,7 @@ class DetectorSuite:
     def _add(self, name: str, metric: str) -> Detector:
         det = DETECTORS[name](metric, self.configs[name])
         self._detectors[(name, metric)] = det
+        self._plans = {}
         return det
 
     def _discover(self, metrics: Iterable[str]) -> None:
@@ -100,23 +105,36 @@ class DetectorSuite:
     def detectors(self) -> list[Detector]:
         return list(self._detectors.values())
 
+    def _plan(self, names: tuple[str, ...]) -> list[Detector]:
+        self._discover(names)
+        present = set(names)
+        plan = [d for d in self._detectors.values() if d.metric in present or d.sees_every_record]
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[names] = plan
+        return plan
+
     def update(self, record: StepRecord) -> list[Anomaly]:
-        """Every detector sees the record; return the anomalies found, most severe first per (kind,
-        metric)."""
-        self._discover(record.metrics)
-        best: dict[tuple[str, str], Anomaly] = {}
+        """Every detector that watches a metric of the record (or every record) sees it; return the
+        anomalies found, most severe first per (kind, metric)."""
         metrics = record.metrics
-        for det in self._detectors.values():
-            if det.metric not in metrics and not det.sees_every_record:
-                continue
-            found = det.update(record.step, metrics)
+        names = tuple(metrics)
+        plan = self._plans.get(names)
+        if plan is None:
+            plan = self._plan(names)
+        step = record.step
+        best: dict[tuple[str, str], Anomaly] | None = None
+        for det in plan:
+            found = det.update(step, metrics)
             if found is None:
                 continue
+            if best is None:
+                best = {}
             key = (found.kind, found.metric)
             old = best.get(key)
             if old is None or _rank(found) > _rank(old):
                 best[key] = found
-        return list(best.values())
+        return [] if best is None else list(best.values())
 
     def enter_grace(self, steps: int | None = None) -> None:
         """Every detector re-enters its grace period (after an intervention, rollback, resume or LR
@@ -141,6 +159,7 @@ class DetectorSuite:
             det = self._detectors.get((name, metric)) or self._add(name, metric)
             det.load_state_dict(det_state)
         self._seen = set(state.get("seen", ()))
+        self._plans = {}
 
 
 def _rank(a: Anomaly) -> tuple[int, float]:

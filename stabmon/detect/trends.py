@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -209,11 +209,12 @@ class StepTimeRegression(Detector):
     name = "step_time"
     kind = "step_time"
     Config = StepTimeConfig
-    _state_attrs = ("_baseline", "_recent", "_reported")
+    _state_attrs = ("_baseline", "_recent", "_sorted", "_reported")
 
     def _reset(self) -> None:
         self._baseline = stats.RollingQuantile(q=0.5, window_size=self.config.long_window)
         self._recent: deque[float] = deque(maxlen=self.config.short_window - 1)
+        self._sorted: list[float] = []  # the same values, kept sorted (bisect) so the median costs no sort
         self._reported = False
 
     def _value(self, x: X) -> float | None:
@@ -224,10 +225,20 @@ class StepTimeRegression(Detector):
         self._baseline.update(v)
 
     def _score(self, v: float, x: X) -> float:
-        base = self._baseline.get()
-        if not base or len(self._recent) < self._recent.maxlen:  # type: ignore[operator]
+        if len(self._recent) < self._recent.maxlen:  # type: ignore[operator]
             return 0.0
-        return max(0.0, statistics.median([*self._recent, v]) / base - 1.0)
+        base = self._baseline.get()
+        if not base:
+            return 0.0
+        window = self._sorted
+        n = len(window) + 1  # the recent values plus v
+        i = bisect.bisect_left(window, v)
+
+        def at(k: int) -> float:  # k-th smallest of window + [v]
+            return window[k] if k < i else (v if k == i else window[k - 1])
+
+        median = at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+        return max(0.0, median / base - 1.0)
 
     @property
     def threshold(self) -> float:
@@ -237,7 +248,11 @@ class StepTimeRegression(Detector):
         anomaly = super().update(step, x)
         v = self._value(x)
         if v is not None:
-            self._recent.append(v)
+            recent = self._recent
+            if len(recent) == recent.maxlen:
+                del self._sorted[bisect.bisect_left(self._sorted, recent[0])]
+            recent.append(v)
+            bisect.insort(self._sorted, v)
         if anomaly is None:
             self._reported = False if self._streak == 0 else self._reported
             return None

@@ -171,23 +171,27 @@ def replay(
         found = getattr(executor, "target", None)
         target = found if isinstance(found, SimulatedTarget) else SimulatedTarget()
     result = ReplayResult(target=target)
-    restart_set = set(restarts)
-    pending = 0
+    restart_set = set(restarts) if grace_on_restart else set()
+    pending = steps = samples = 0
+    events = result.events
+    process = pipeline.process
     for block in _blocks(records, flush_every):
         target.begin_block(block)
         for record in block:
-            if grace_on_restart and record.step in restart_set:
+            if restart_set and record.step in restart_set:
                 pipeline.detectors.enter_grace()
-            produced = pipeline.process(record)
-            if approve:
-                produced = _approve(pipeline, produced, target.step)
-            result.events.extend(produced)
-            result.steps += 1
-            result.samples += len(record.metrics)
+            produced = process(record)
+            if produced:
+                if approve:
+                    produced = _approve(pipeline, produced, target.step)
+                events.extend(produced)
+            steps += 1
+            samples += len(record.metrics)
             pending += 1
             if progress is not None and pending >= progress_every:
                 progress(pending)
                 pending = 0
+    result.steps, result.samples = steps, samples
     if progress is not None and pending:
         progress(pending)
     return result

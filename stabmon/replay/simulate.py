@@ -32,6 +32,8 @@ from typing import Any
 from stabmon.events import Metric, StepRecord
 from stabmon.overrides import Overrides
 
+_HPARAMS = (Metric.LR, Metric.BETA2, Metric.WEIGHT_DECAY, Metric.CLIP)
+
 
 class SimulatedTarget:
     """An :class:`~stabmon.pipeline.InterventionTarget` for replay; see the module docstring."""
@@ -55,11 +57,13 @@ class SimulatedTarget:
     def begin_block(self, records: Sequence[StepRecord]) -> None:
         """A flush block is about to go through the pipeline: stand where a live monitor stands at that flush
         (after the block's last step, with the values recorded up to then)."""
+        recorded = self._recorded
         for record in records:
-            for name in (Metric.LR, Metric.BETA2, Metric.WEIGHT_DECAY, Metric.CLIP):
-                value = record.finite(name)
-                if value is not None:
-                    self._recorded[name] = value
+            metrics = record.metrics
+            for name in _HPARAMS:
+                value = metrics.get(name)
+                if value is not None and math.isfinite(value):
+                    recorded[name] = value
         if records:
             last = records[-1]
             self._step = last.step + 1

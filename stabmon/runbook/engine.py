@@ -121,6 +121,8 @@ class Engine:
 
     # -- idle: does a rule fire? --
     def _maybe_open(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
+        if not anomalies and not any(self._history.values()):
+            return []  # the idle path: nothing new, nothing remembered to expire
         fresh: dict[str, Anomaly] = {}
         for a in anomalies:
             rule = self._rule_for(a)
