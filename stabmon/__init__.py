@@ -9,4 +9,13 @@ try:
 except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0+unknown"
 
-__all__ = ["__version__"]
+__all__ = ["Monitor", "MonitorConfig", "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    # Lazy, so that `import stabmon` (and the CLI) do not pay for importing torch until a Monitor is wanted.
+    if name in ("Monitor", "MonitorConfig"):
+        from stabmon import monitor
+
+        return getattr(monitor, name)
+    raise AttributeError(f"module 'stabmon' has no attribute {name!r}")

@@ -37,7 +37,7 @@ class Metric:
     LOSS_SCALE = "loss_scale"  # fp16 dynamic loss scale in force for the step
     OVERFLOW = "overflow"  # 1.0 when the step overflowed (optimizer update skipped by the scaler), else 0.0
     SKIPPED = "skipped"  # 1.0 when stabmon's own skip_step guard discarded this update
-    NONFINITE = "nonfinite"  # count of non-finite gradient elements (0 on healthy steps)
+    NONFINITE = "nonfinite"  # count of gradient tensors holding a NaN/inf (0 on healthy steps)
     STEP_TIME = "step_time"  # host wall-clock seconds for the step
     LR = "lr"  # learning rate in force (param group 0), overrides included
     BETA2 = "beta2"

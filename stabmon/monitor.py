@@ -130,7 +130,9 @@ class Monitor:
         self._follower = RankFollower()
         leader = self.rank == 0  # only rank 0 writes to the store and sends alerts
         self.store, self._owns_store = resolve_store(store if leader else None)
-        self.notifier, self._owns_notifier = resolve_notifier(notifier if leader else None, alerts if leader else None)
+        self.notifier, self._owns_notifier = (
+            resolve_notifier(notifier, alerts, self.store) if leader else (None, False)
+        )
         self.pipeline, self.executor = build_pipeline(self, detectors=detectors, runbook=runbook, mode=mode)
         self.run_name = run_name or time.strftime("run-%Y%m%d-%H%M%S")
         self.run_id = start_run(self, resume_run_id)
@@ -387,9 +389,16 @@ class Monitor:
             "follower": self._follower.state_dict(),
             "hooks": self._hooks.state_dict(),
             "embeddings": self._emb.state_dict() if self._emb else None,
+            "notifier": self._notifier_state(),
             "run_id": self.run_id,
             "run_name": self.run_name,
         }
+
+    def _notifier_state(self) -> dict[str, Any] | None:
+        """Which channels were told about which incident, so a resumed run does not page again."""
+        if not hasattr(self.notifier, "state_dict"):
+            return None
+        return self._guard("notifier", self.notifier.state_dict)
 
     def load_state_dict(self, state: dict[str, Any], *, pipeline: bool = True) -> None:
         self._step = int(state["step"])
@@ -405,6 +414,8 @@ class Monitor:
             self.executor.load_state_dict(state["executor"])
         if pipeline and state.get("follower") is not None:
             self._follower.load_state_dict(state["follower"])
+        if state.get("notifier") is not None and hasattr(self.notifier, "load_state_dict"):
+            self._guard("notifier", lambda: self.notifier.load_state_dict(state["notifier"]))
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def close(self, status: str | None = None) -> None:

@@ -28,7 +28,6 @@ def _tiny_gpt() -> Any:
 def test_monitored_unstable_run_alerts_and_records_every_attempt(sqlite_url: str) -> None:
     import sqlalchemy as sa
 
-    from stabmon.alerts import AlertsConfig, ChannelConfig, make_notifier
     from stabmon.monitor import Monitor, MonitorConfig
 
     bodies: list[dict[str, Any]] = []
@@ -47,14 +46,15 @@ def test_monitored_unstable_run_alerts_and_records_every_attempt(sqlite_url: str
     tiny = _tiny_gpt()
     config = tiny.unstable(tiny.TrainConfig(steps=300))
     url = f"json://127.0.0.1:{server.server_address[1]}/SecretHookPath123"
-    notifier = make_notifier(AlertsConfig(channels=[ChannelConfig.parse(url)], timeout=5), store=sqlite_url)
 
     def factory(model: Any, opt: Any, sched: Any) -> Monitor:
+        # alerts= as a user writes it: the monitor builds the notifier and records attempts in its own store
         return Monitor(model, opt, scheduler=sched, store=sqlite_url, runbook="default", mode="apply",
-                       config=MonitorConfig(clip=config.clip), notifier=notifier, run_name="alerts-e2e")
+                       config=MonitorConfig(clip=config.clip), alerts=[url], run_name="alerts-e2e")
 
     try:
         result = tiny.train(config, factory)
+        notifier = result.monitor.notifier
         assert notifier is not None and notifier.flush(20)
         notifier.close(5)
     finally:

@@ -70,24 +70,24 @@ def _safe(url: str) -> str:
         return repr(url)
 
 
-def resolve_notifier(
-    notifier: Any, alerts: Any, store_url: str | None = None
-) -> tuple[NotifierLike | None, bool]:
-    """(notifier, owned) from ``notifier=`` (an object) or ``alerts=`` (URLs, a config or a config file)."""
+def resolve_notifier(notifier: Any, alerts: Any, store: Any = None) -> tuple[NotifierLike | None, bool]:
+    """(notifier, owned) from ``notifier=`` (an object) or ``alerts=`` (URLs, a config or a config file).
+
+    Delivery attempts are recorded in ``store`` (the monitor's opened store, or a URL)."""
     if notifier is not None:
         if not isinstance(notifier, NotifierLike):
             raise ValueError(
                 f"notifier: expected an object with handle() and close(), got {type(notifier).__name__}"
             )
         return notifier, False
-    if alerts is None:
-        return None, False
     try:
         from stabmon.alerts import make_notifier
 
-        made = make_notifier(alerts)
+        # alerts=None still honours $STABMON_ALERTS / $STABMON_ALERTS_CONFIG; None when no channel is set.
+        made = make_notifier(alerts, store=store)
     except ValueError as exc:
-        raise ValueError(f"alerts: {exc}") from None
+        message = str(exc)
+        raise ValueError(message if message.startswith("alerts") else f"alerts: {message}") from None
     return made, made is not None
 
 
@@ -137,15 +137,22 @@ def resolve_engine(runbook: Any, mode: str | None) -> Any:
         return None
     if all(hasattr(runbook, m) for m in ("process", "answer", "applied", "state_dict")):
         return runbook  # an engine already
-    from stabmon.runbook import Engine, Runbook, load_runbook
+    from stabmon.runbook import Engine
 
-    if not isinstance(runbook, Runbook):
-        try:
-            runbook = load_runbook(os.fspath(runbook))
-        except (ValueError, OSError, TypeError) as exc:
-            first = (str(exc).splitlines() or [""])[0]
-            raise ValueError(f"runbook: {first}") from None
-    return _make_engine(Engine, runbook, mode)
+    return _make_engine(Engine, resolve_runbook(runbook), mode)
+
+
+def resolve_runbook(runbook: Any) -> Any:
+    """A loaded :class:`~stabmon.runbook.Runbook` from a name, a path or a Runbook; errors name ``runbook``."""
+    from stabmon.runbook import Runbook, load_runbook
+
+    if isinstance(runbook, Runbook):
+        return runbook
+    try:
+        return load_runbook(os.fspath(runbook))
+    except (ValueError, OSError, TypeError) as exc:
+        first = (str(exc).splitlines() or [""])[0]
+        raise ValueError(f"runbook: {first}") from None
 
 
 def _make_engine(engine_cls: Any, runbook: Any, mode: str | None) -> Any:
@@ -159,7 +166,14 @@ def _make_engine(engine_cls: Any, runbook: Any, mode: str | None) -> Any:
 
 
 def build_pipeline(target: Any, *, detectors: Any, runbook: Any, mode: str | None) -> tuple[Pipeline, Any]:
-    """The pipeline (detectors, engine, live executor acting on ``target``) and its executor."""
+    """The pipeline (detectors, engine, live executor acting on ``target``) and its executor.
+
+    Without ``detectors=``, the detectors take the runbook's ``detectors:`` section (where a ``stabmon tune``
+    result lands through ``include:``), exactly as replay does."""
+    if runbook is not None and mode != "observe" and not hasattr(runbook, "process"):
+        runbook = resolve_runbook(runbook)
+        if detectors is None and getattr(runbook, "detectors", None):
+            detectors = dict(runbook.detectors)
     suite = resolve_detectors(detectors)
     engine = resolve_engine(runbook, mode)
     executor = None

@@ -230,14 +230,12 @@ class StepTimeRegression(Detector):
         base = self._baseline.get()
         if not base:
             return 0.0
-        window = self._sorted
-        n = len(window) + 1  # the recent values plus v
+        window = self._sorted  # the recent values, sorted; v joins them for the median
         i = bisect.bisect_left(window, v)
-
-        def at(k: int) -> float:  # k-th smallest of window + [v]
-            return window[k] if k < i else (v if k == i else window[k - 1])
-
-        median = at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+        window.insert(i, v)
+        n = len(window)
+        median = window[n // 2] if n % 2 else (window[n // 2 - 1] + window[n // 2]) / 2
+        del window[i]
         return max(0.0, median / base - 1.0)
 
     @property
@@ -246,8 +244,8 @@ class StepTimeRegression(Detector):
 
     def update(self, step: int, x: X) -> Anomaly | None:
         anomaly = super().update(step, x)
-        v = self._value(x)
-        if v is not None:
+        v = x.get(self.metric)
+        if v is not None and 0.0 < v < math.inf:
             recent = self._recent
             if len(recent) == recent.maxlen:
                 del self._sorted[bisect.bisect_left(self._sorted, recent[0])]

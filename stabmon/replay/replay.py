@@ -197,7 +197,11 @@ def replay(
     return result
 
 
-def _blocks(records: Iterable[StepRecord], size: int) -> Iterable[list[StepRecord]]:
+def _blocks(records: Iterable[StepRecord], size: int) -> Iterable[Sequence[StepRecord]]:
+    if size == 1:  # the common case: one record per flush, no list to build
+        for record in records:
+            yield (record,)
+        return
     block: list[StepRecord] = []
     for record in records:
         block.append(record)

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import math
 import statistics
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,7 +72,8 @@ class Engine:
         self._salt = id_seed if id_seed is not None else new_id()
         self._counter = 0
         self._tick = 0
-        self._losses: list[tuple[int, float]] = []
+        # recent (step, loss) pairs: a bounded deque, so remembering one per record costs no list shifting
+        self._losses: deque[tuple[int, float]] = deque(maxlen=runbook.baseline_steps + _HISTORY_MARGIN)
         self._history: dict[str, list[list[int]]] = {}  # rule -> [[tick, step, onset_step], ...]
         self._cooldown_until = 0
         self._budget: list[int] = []
@@ -339,13 +341,9 @@ class Engine:
         self._cooldown_until = self._tick + self.runbook.cooldown
 
     def _remember_loss(self, record: StepRecord) -> None:
-        loss = record.finite(Metric.LOSS)
-        if loss is None:
-            return
-        self._losses.append((record.step, loss))
-        extra = len(self._losses) - (self.runbook.baseline_steps + _HISTORY_MARGIN)
-        if extra > 0:
-            del self._losses[:extra]
+        loss = record.metrics.get(Metric.LOSS)
+        if loss is not None and math.isfinite(loss):
+            self._losses.append((record.step, loss))
 
     def _next_id(self) -> str:
         self._counter += 1
@@ -373,7 +371,7 @@ class Engine:
         if state.get("runbook") != self.runbook.name:
             raise ValueError(f"engine.state.runbook is {state.get('runbook')!r}, not {self.runbook.name!r}")
         self._salt, self._counter, self._tick = state["salt"], state["counter"], state["tick"]
-        self._losses = [(int(s), float(v)) for s, v in state["losses"]]
+        self._losses = deque(((int(s), float(v)) for s, v in state["losses"]), maxlen=self._losses.maxlen)
         self._history = copy.deepcopy(state["history"])
         self._cooldown_until, self._budget = state["cooldown_until"], list(state["budget"])
         self._incident, self.stopped = copy.deepcopy(state["incident"]), bool(state["stopped"])
