@@ -42,6 +42,11 @@ class DriftConfig:
     evidence: int = param(32, at_least_one, "length of the (step, value) evidence window")
 
 
+_PH_INTERNALS = all(
+    hasattr(drift.PageHinkley(), a) for a in ("_x_mean", "_sum_increase", "_min_increase", "min_instances")
+)
+
+
 class Drift(Detector):
     """Slow upward trend of a log-metric (grad norm, activation RMS): river's ``drift.PageHinkley``, mode
     ``up``.
@@ -94,6 +99,27 @@ class Drift(Detector):
 
     def _on_flag(self) -> None:
         self._reset()
+
+    def update(self, step: int, x: X) -> Anomaly | None:
+        raw = x.get(self.metric)
+        if (raw is None or self._warmup_until is None or self._grace_left > 0 or step < self._warmup_until
+                or not 0.0 < raw < math.inf):
+            return super().update(step, x)
+        # hot path: learn first, then read the test statistic. Equivalent to score-then-learn because a
+        # report restarts the test (`_on_flag`), discarding the point with the old statistics; it saves
+        # computing the statistic twice.
+        ph = self._ph
+        if not _PH_INTERNALS:  # a river release with different internals: the general path
+            return super().update(step, x)
+        self._evidence.append((step, raw))
+        self._warming = False
+        ph.update(math.log(raw))
+        stat = ph._sum_increase - ph._min_increase if ph._x_mean.n >= ph.min_instances else 0.0
+        if stat > 0 and stat >= self._threshold:
+            return self._flag(step, raw, stat)
+        self._streak = 0
+        self.n_learned += 1
+        return None
 
     def _message(self, v: float | None, score: float) -> str:
         return f"{self.metric} is drifting upward (Page-Hinkley {score:.3g} >= {self.threshold:.3g}), now {v}"
@@ -243,9 +269,23 @@ class StepTimeRegression(Detector):
         return float(self.config.max_regression)
 
     def update(self, step: int, x: X) -> Anomaly | None:
-        anomaly = super().update(step, x)
         v = x.get(self.metric)
-        if v is not None and 0.0 < v < math.inf:
+        usable = v is not None and 0.0 < v < math.inf
+        if (usable and self._warmup_until is not None and self._grace_left == 0
+                and step >= self._warmup_until):  # hot path: the general one inlined
+            self._evidence.append((step, v))
+            self._warming = False
+            score = self._score(v, x)  # type: ignore[arg-type]
+            if score > 0 and score >= self._threshold:
+                anomaly: Anomaly | None = self._flag(step, v, score)
+            else:
+                self._streak = 0
+                self._learn(v, x)  # type: ignore[arg-type]
+                self.n_learned += 1
+                anomaly = None
+        else:
+            anomaly = super().update(step, x)
+        if usable:
             recent = self._recent
             if len(recent) == recent.maxlen:
                 del self._sorted[bisect.bisect_left(self._sorted, recent[0])]
