@@ -68,6 +68,9 @@ class TrainConfig:
     log_every: int = 50
     bad_batches: tuple[int, int] | None = None
     """Batch indices ``[start, stop)`` whose text is replaced by random characters (a corrupted data shard)."""
+    hard_bursts: tuple[int, int, int] | None = None
+    """``(first, every, length)``: from batch ``first`` on, every ``every`` batches, ``length`` consecutive batches
+    of random characters (rare bursts of high-gradient, out-of-distribution text)."""
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd", "threads"):
@@ -120,6 +123,16 @@ class Batches:
     def __len__(self) -> int:
         return 2 * self.config.steps
 
+    def is_garbage(self, index: int) -> bool:
+        """Whether batch ``index`` is random characters (a bad batch or part of a hard burst)."""
+        c = self.config
+        if c.bad_batches is not None and c.bad_batches[0] <= index < c.bad_batches[1]:
+            return True
+        if c.hard_bursts is not None:
+            first, every, length = c.hard_bursts
+            return index >= first and (index - first) % every < length
+        return False
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
         gen = torch.Generator().manual_seed(c.seed + 1)
@@ -128,7 +141,7 @@ class Batches:
             ix = torch.randint(len(self.data) - c.block_size - 1, (c.batch_size,), generator=gen)
             x = torch.stack([self.data[i : i + c.block_size] for i in ix.tolist()])
             y = torch.stack([self.data[i + 1 : i + 1 + c.block_size] for i in ix.tolist()])
-            if c.bad_batches is not None and c.bad_batches[0] <= index < c.bad_batches[1]:
+            if self.is_garbage(index):
                 garbage = torch.randint(len(VOCAB), (c.batch_size, c.block_size + 1), generator=noise)
                 x, y = garbage[:, :-1].contiguous(), garbage[:, 1:].contiguous()
             yield x, y

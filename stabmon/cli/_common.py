@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -15,6 +17,9 @@ DbOption = Annotated[
     str | None,
     typer.Option("--db", help="Store URL (default: $STABMON_DB_URL, else sqlite:///stabmon.db)."),
 ]
+
+
+RunArg = Annotated[str, typer.Argument(help="Run id, unique id prefix, name, or 'latest'.")]
 
 
 def db_url(value: str | None) -> str:
@@ -30,3 +35,30 @@ def fail(message: str) -> NoReturn:
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, default=str)
     sys.stdout.write("\n")
+
+
+@contextmanager
+def store_session(db: str | None) -> Iterator[Any]:
+    """A session on an existing, upgraded store, committed on success; store errors become one-line exits."""
+    from sqlalchemy.orm import Session
+
+    from stabmon.store import StoreError, make_engine
+    from stabmon.store.engine import require_schema, safe_url, sqlite_path
+
+    url = db_url(db)
+    path = sqlite_path(url)
+    if path is not None and not path.exists():
+        fail(f"no stabmon database at {path} (run `stabmon db upgrade --db {safe_url(url)}` or pass --db)")
+    try:
+        engine = make_engine(url)
+        require_schema(engine)
+    except StoreError as exc:
+        fail(str(exc))
+    try:
+        with Session(engine, expire_on_commit=False) as session, session.begin():
+            yield session
+    except StoreError as exc:
+        fail(str(exc))
+    finally:
+        engine.dispose()
+

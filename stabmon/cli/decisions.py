@@ -7,44 +7,15 @@ applies an approved decision there. ``DECISION`` may be a unique prefix of the d
 from __future__ import annotations
 
 import getpass
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from stabmon.cli._common import DbOption, db_url, fail, print_json
+from stabmon.cli._common import DbOption, RunArg, fail, print_json, store_session
 
-RunArg = Annotated[str, typer.Argument(help="Run id, unique id prefix, name, or 'latest'.")]
 DecisionArg = Annotated[str, typer.Argument(help="Decision id (or a unique prefix).")]
 ByOption = Annotated[str | None, typer.Option("--by", help="Who answers (default: the current user).")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the answered decision as JSON.")]
-
-
-@contextmanager
-def store_session(db: str | None) -> Iterator[Any]:
-    """A session on an existing, upgraded store, committed on success; one-line errors otherwise."""
-    from sqlalchemy.orm import Session
-
-    from stabmon.store import StoreError, make_engine
-    from stabmon.store.engine import require_schema, safe_url, sqlite_path
-
-    url = db_url(db)
-    path = sqlite_path(url)
-    if path is not None and not path.exists():
-        fail(f"no stabmon database at {path} (run `stabmon db upgrade --db {safe_url(url)}` or pass --db)")
-    try:
-        engine = make_engine(url)
-        require_schema(engine)
-    except StoreError as exc:
-        fail(str(exc))
-    try:
-        with Session(engine) as session, session.begin():
-            yield session
-    except StoreError as exc:
-        fail(str(exc))
-    finally:
-        engine.dispose()
 
 
 def _answer(run: str, decision: str, approved: bool, db: str | None, by: str | None, as_json: bool) -> None:

@@ -97,7 +97,7 @@ def _print(report: Any) -> None:
                 cells.append("error" if r["error"] else (f"lead {r['lead_steps']}" if r["detected"] else "-"))
             table.add_row(key[0][-48:], f"{key[1]}-{key[2]}", key[3][:28], *cells)
         console.print(table)
-    fa = Table("run", "steps", *methods, title="false alarms (alert steps outside incident windows)")
+    fa = Table("run", "steps", *methods, title="false alarms (alert episodes outside incident windows)")
     for run in dict.fromkeys(r["file"] for r in report.files):
         by_method = {r["method"]: r for r in report.files if r["file"] == run}
         first = next(iter(by_method.values()))
@@ -121,6 +121,11 @@ def _print(report: Any) -> None:
             str(s["false_alarms"]),
             str(s["false_alarms_per_10k"]),
         )
+        if s.get("recall_at_error") is not None:  # stabmon's second operating point: error-or-worse alerts only
+            steps = s["steps"] or 0
+            per10k = round(1e4 * s["false_alarms_at_error"] / steps, 3) if steps else None
+            summary.add_row(f"{m} (error+)", str(s["recall_at_error"]), "-", "-",
+                            str(s["false_alarms_at_error"]), str(per10k))
     console.print(summary)
     stab = [r for r in report.files if r["method"] == "stabmon" and r.get("intervention_decisions")]
     for r in stab:

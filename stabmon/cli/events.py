@@ -6,8 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stabmon.cli._common import DbOption, fail, print_json
-from stabmon.cli.decisions import RunArg, store_session
+from stabmon.cli._common import DbOption, RunArg, fail, print_json, store_session
 
 _SEVERITIES = ("info", "warning", "error", "critical")
 _MIN_HELP = "Lowest severity shown: info, warning, error or critical."

@@ -3,41 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
 
-from stabmon.cli._common import DbOption, db_url, fail, print_json
+from stabmon.cli._common import DbOption, fail, print_json, store_session
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
-
-
-@contextmanager
-def _session(db: str | None) -> Iterator[Any]:
-    """A read session on an existing, upgraded store; one-line errors otherwise."""
-    from sqlalchemy.orm import Session
-
-    from stabmon.store import StoreError, make_engine
-    from stabmon.store.engine import require_schema, safe_url, sqlite_path
-
-    url = db_url(db)
-    path = sqlite_path(url)
-    if path is not None and not path.exists():
-        fail(f"no stabmon database at {path} (run `stabmon db upgrade --db {safe_url(url)}` or pass --db)")
-    try:
-        engine = make_engine(url)
-        require_schema(engine)
-    except StoreError as exc:
-        fail(str(exc))
-    try:
-        with Session(engine) as session:
-            yield session
-    except StoreError as exc:
-        fail(str(exc))
-    finally:
-        engine.dispose()
 
 
 def _fmt(v: float | None) -> str:
@@ -53,7 +25,7 @@ def runs(db: DbOption = None, as_json: JsonOption = False) -> None:
 
     from stabmon.store import repo
 
-    with _session(db) as s:
+    with store_session(db) as s:
         found = repo.list_runs(session=s)
     if as_json:
         print_json([r.to_json() for r in found])
@@ -106,7 +78,7 @@ def metrics(
 
     from stabmon.store import repo
 
-    with _session(db) as s:
+    with store_session(db) as s:
         r = repo.resolve_run(session=s, ref=run)
         df = repo.get_metrics(session=s, run_id=r.id, names=name or None)
     if name and df.is_empty():

@@ -187,6 +187,7 @@ class RobustSpike(_LogSpike):
     _state_attrs = ("_median", "_iqr")
 
     def _reset(self) -> None:
+        self._min_std = float(self.config.min_std)
         self._median = stats.RollingQuantile(q=0.5, window_size=self.config.window)
         self._iqr = stats.RollingIQR(window_size=self.config.window, q_inf=0.25, q_sup=0.75)
 
@@ -200,8 +201,11 @@ class RobustSpike(_LogSpike):
     def _score(self, v: float, x: X) -> float:
         if self.n_learned == 0:
             return 0.0
-        std = max((self._iqr.get() or 0.0) / 1.349, self.config.min_std)
-        return max(0.0, (v - self._centre()) / std)
+        d = v - (self._median.get() or 0.0)
+        if d <= 0.0:
+            return 0.0  # at or below the median: not a spike, whatever the spread
+        std = (self._iqr.get() or 0.0) / 1.349
+        return d / (std if std > self._min_std else self._min_std)
 
 
 SPIKE_DETECTORS: tuple[type[Detector], ...] = (EWSpike, RobustSpike)
