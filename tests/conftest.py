@@ -78,3 +78,16 @@ def pg_url(pg_admin_url: str) -> Iterator[str]:
 def sqlite_url(tmp_path: Path) -> str:
     """A real SQLite file in a temporary directory."""
     return f"sqlite:///{tmp_path / 'stabmon.db'}"
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    """Examples pin torch's intra-op thread count for reproducibility; do not let that leak into other tests."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        yield
+        return
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

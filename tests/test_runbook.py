@@ -57,8 +57,9 @@ def test_opt175b_is_the_logbook_ladder() -> None:
     assert ladder == [
         ("set_clip", {"max_norm": 1.5}), ("set_clip", {"max_norm": 1.0}), ("set_beta2", {"beta2": 0.95}),
         ("set_weight_decay", {"weight_decay": 0.1}), ("scale_lr", {"factor": 0.9}),
-        ("scale_lr", {"scale": 0.667}),
+        ("scale_lr", {"scale": 0.667}), ("rollback", {"lookback": 0, "skip_batches": 0}),
     ]
+    assert rb.rule("instability").ladder[-1].on_failure == "stop"
     assert rb.rule("loss_scale_collapse").ladder[0].action == "rollback"
     assert rb.mode == "apply"
 

@@ -12,7 +12,7 @@ from stabmon.cli import app
 
 def test_validate_ok_and_bad(tmp_path: Path) -> None:
     ok = CliRunner().invoke(app, ["runbook", "validate", "opt175b"])
-    assert ok.exit_code == 0 and ok.output == "ok: opt175b (apply mode, 2 rules, 7 rungs)\n"
+    assert ok.exit_code == 0 and ok.output == "ok: opt175b (apply mode, 2 rules, 8 rungs)\n"
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nrules:\n  - name: r\n    ladder:\n      - action: set_clip\n"
                    "        observe: -1\n")

@@ -99,7 +99,7 @@ def _describe(e: Any) -> str:
 
 SCENARIOS = {
     "bad-data": ("ten batches of a corrupted shard at batch 300", "palm-rollback"),
-    "unstable": ("the learning rate warms up far too high (post-LN, no clipping)", "default"),
+    "unstable": ("post-LN, peak LR 10x too high, Adam beta2 0.99, no clipping: diverges at the peak", "opt175b"),
     "stable": ("the stable setting", "default"),
 }
 

@@ -242,6 +242,13 @@ class LossScaleCollapse(Detector):
         window.append(flag)
         self._count += flag
 
+    def load_state_dict(self, state: Any) -> None:
+        super().load_state_dict(state)
+        if not isinstance(self._overflows, deque):  # saved by a release that kept river's Rolling(Sum)
+            flags = (1 if a[0][0] == 1.0 else 0 for a in getattr(self._overflows, "window", ()))
+            self._overflows = deque(flags, maxlen=self.config.window)
+        self._count = sum(self._overflows)
+
     def _floor_hit(self, x: X) -> bool:
         scale = x.get(self.metric)
         return scale is not None and not math.isnan(scale) and scale <= self.config.min_scale

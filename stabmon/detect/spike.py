@@ -16,9 +16,10 @@ Defaults, and why:
 - ``persist = 3``: one flagged step is a ``warning`` (healthy runs have isolated one-step blips that recover
   on their own); three consecutive flagged steps are an ``error`` - the grad norm is climbing and the run
   needs an intervention (BLOOM tr11-176B it31215-31218: four rising steps before the loss spike).
-- ``grace_period = 10`` observations: enough for the baseline to mean something on a fresh run; after a resume
-  or an intervention the suite re-enters grace. Replaying a fragment cut from the middle of a healthy run can
-  lower it to 1 (the first record is then the settled baseline).
+- ``grace_period = 10`` training steps at the start of training (LR warm-up: the baseline of the first steps
+  means little), or 10 observations after ``enter_grace`` (an intervention, rollback or resume). A stream that
+  starts mid-run (a log fragment from step 31214) is past the start of training and scores from its second
+  observation, the first being its baseline (see :meth:`stabmon.detect.base.Detector._begin`).
 - ``relearn_after = 50``: a shift that lasts 50 consecutive flagged points is a new regime; it has been
   reported, and the detector re-baselines instead of alarming forever.
 """
@@ -58,7 +59,8 @@ class SpikeConfig:
     alpha: float = param(0.05, open_unit, "fading factor of the EW mean/var of log-values (memory ~2/alpha)")
     z_threshold: float = param(6.0, positive, "z-score of the log-value that flags a spike")
     min_std: float = param(0.05, positive, "floor on the std of the log-value")
-    grace_period: int = param(10, non_negative, "observations learned before scoring starts")
+    grace_period: int = param(10, non_negative, "start-of-training steps (or observations after enter_grace) "
+                              "learned before scoring starts")
     persist: int = param(3, at_least_one, "consecutive flagged steps that make a spike an error")
     relearn_after: int = param(50, non_negative, "flags in a row that restart the baseline (0: never)")
     evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
@@ -77,7 +79,7 @@ class RobustSpikeConfig:
     window: int = param(64, at_least_two, "rolling window of the median and IQR")
     z_threshold: float = param(6.0, positive, "robust z-score (IQR / 1.349 as sigma) that flags a spike")
     min_std: float = param(0.05, positive, "floor on the robust std of the log-value")
-    grace_period: int = param(10, non_negative, "observations learned before scoring starts")
+    grace_period: int = param(10, non_negative, "steps from the start (observations after enter_grace) unscored")
     persist: int = param(3, at_least_one, "consecutive flagged steps that make a spike an error")
     relearn_after: int = param(50, non_negative, "flags in a row that restart the baseline (0: never)")
     evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")

@@ -38,7 +38,7 @@ class DriftConfig:
     threshold: float = param(25.0, positive, "Page-Hinkley statistic (log units) that signals a drift")
     min_instances: int = param(100, at_least_one, "observations before the test can fire")
     alpha: float = param(0.999, open_unit, "forgetting factor of the cumulative sum")
-    grace_period: int = param(0, non_negative, "observations learned before scoring starts")
+    grace_period: int = param(0, non_negative, "steps from the start (observations after enter_grace) unscored")
     evidence: int = param(32, at_least_one, "length of the (step, value) evidence window")
 
 
@@ -214,7 +214,7 @@ class StepTimeConfig:
     max_regression: float = param(0.05, positive, "relative slow-down of the recent median that is reported")
     short_window: int = param(20, at_least_two, "recent steps whose median is compared")
     long_window: int = param(500, at_least_two, "baseline steps (median)")
-    grace_period: int = param(50, non_negative, "observations learned before scoring starts")
+    grace_period: int = param(50, non_negative, "steps from the start (observations after enter_grace) unscored")
     evidence: int = param(20, at_least_one, "length of the (step, value) evidence window")
 
 
