@@ -7,21 +7,25 @@ one CPU thread (about 30-40 ms a step on a laptop core).
 Stable setting (the default): pre-LayerNorm blocks, peak lr 3e-3 after a 50-step warm-up, weight decay 0.1,
 gradient clipping at 1.0. The loss falls from 2.6 to about 1.6 in 600 steps and stays there.
 
-Unstable setting (``--unstable``, :data:`UNSTABLE`): the optimizer a large run starts with before its
-logbook fills up, on the original Transformer's post-LayerNorm blocks: Adam's beta2 0.99 (a slow second-moment
-average), weight decay 0.05, no gradient clipping, and a peak learning rate of 3e-2 (ten times the stable one)
-reached after a 150-step warm-up. Mechanism: post-LN blocks put no normalisation between the residual stream
-and the updates, so the largest stable step size is small; while the learning rate is still warming up the run
-is fine, but near the peak the updates overshoot, the gradient norm starts jumping to 2-4x its level (steps
-~155-168, the first one flagged as a spike at step ~168), and Adam's second moment, averaged over ~100 steps,
-lags behind the growing gradients, so the update is not damped either: the loss blows up a step or two later
-(~169-171) and the model collapses to the digit frequencies (loss ~2.3). It creeps back only slowly under the
-decaying schedule and ends about 2.0, far above the ~1.6 it had reached. OPT's ladder answers each of the causes:
-clipping bounds the overshooting gradients, beta2 0.95 lets the second moment follow them within ~20 steps,
-and a lower learning rate moves the run back under its stable step size; with those in force from a
-checkpoint before the onset (the ladder's last rung rolls back and keeps the changes), the same data trains
-normally. Seeded and single-threaded, so the same steps every time; nothing here is tied to a step number
-except through the warm-up length and the peak learning rate.
+Unstable setting (``--unstable``, :data:`UNSTABLE`): the optimizer a large run starts with before its logbook
+fills up (OPT-175B began with clipping 2.5, beta2 0.98, weight decay 0.05), on the original Transformer's
+post-LayerNorm blocks: no gradient clipping, Adam's beta2 0.99, weight decay 0.05, and a peak learning rate of
+3e-2 (ten times the stable one) reached after a 150-step warm-up. Post-LN blocks have no normalisation between
+the residual stream and the updates, so their largest stable step size is small. While the learning rate warms
+up the run is fine (loss ~1.6 at step 150); near the peak the updates overshoot: the gradient norm starts
+jumping to 2-4x its level (steps ~155-168; the default detectors flag it as a spike at step 168), nothing
+clips it, the loss blows up one to three steps later (steps 169-171) and the model collapses towards
+predicting character frequencies (loss ~2.3). It creeps back only slowly under the decaying schedule and ends
+about 2.0. The changes of the OPT ladder each act on this: clipping bounds the overshooting gradients, beta2
+0.95 makes Adam's step size follow the gradient scale within ~20 steps instead of ~100, and a lower learning
+rate moves the run back under its stable step size. Applied to the collapsed model they do not bring it back
+within a few dozen steps; from a checkpoint saved before the onset (the ladder's last rung rolls back and
+keeps the changes in force) the same data trains normally, to a loss below the stable setting's. Seeded and
+single-threaded, so the same steps every time. The setting sits at the edge of stability, and whether it tips
+over depends on the seed: with the default seed (1337) it diverges as described; with seeds 1, 2 and 3 the
+same settings come through noisy but whole (final loss ~1.53), and with seed 1337 so does beta2 0.999 or a
+200-step warm-up. That is the honest shape of such instabilities (a large run diverges on one data order and
+not on another), and why the tests pin the seed.
 
 Bad-data setting (``--bad-data``, :data:`BAD_DATA`): the stable setting, but batches 300-309 are random
 characters, as if a data shard were corrupted. The loss and gradient norm spike on those batches; PaLM's answer

@@ -124,3 +124,19 @@ def test_stabmon_demo_command(tmp_path: Path) -> None:
     assert bad.exit_code == 1 and "--scenario must be one of" in bad.output
     bad = CliRunner().invoke(app, ["demo", "--db", f"sqlite:///{db}", "--steps", "0"])
     assert bad.exit_code == 1 and "--steps must be >= 1" in bad.output
+
+
+@pytest.mark.slow
+def test_stabmon_demo_unstable_scenario_prints_the_grad_norm_spike_and_the_recovery(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from stabmon.cli import app
+
+    result = CliRunner().invoke(app, ["demo", "--db", f"sqlite:///{tmp_path / 'demo.db'}", "--scenario", "unstable"])
+    assert result.exit_code == 0, result.output
+    assert "runbook opt175b" in result.output
+    anomalies = [line.split() for line in result.output.splitlines() if line.strip().startswith("anomaly spike")]
+    first = {words[2]: int(words[-1]) for words in anomalies}
+    assert "grad_norm" in first and first["grad_norm"] <= first.get("loss", first["grad_norm"]), result.output
+    assert "rollback" in result.output and "resolved" in result.output
+
