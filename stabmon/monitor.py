@@ -396,9 +396,8 @@ class Monitor:
 
     def _notifier_state(self) -> dict[str, Any] | None:
         """Which channels were told about which incident, so a resumed run does not page again."""
-        if not hasattr(self.notifier, "state_dict"):
-            return None
-        return self._guard("notifier", self.notifier.state_dict)
+        state_dict = getattr(self.notifier, "state_dict", None)
+        return None if state_dict is None else self._guard("notifier", state_dict)
 
     def load_state_dict(self, state: dict[str, Any], *, pipeline: bool = True) -> None:
         self._step = int(state["step"])
@@ -414,8 +413,9 @@ class Monitor:
             self.executor.load_state_dict(state["executor"])
         if pipeline and state.get("follower") is not None:
             self._follower.load_state_dict(state["follower"])
-        if state.get("notifier") is not None and hasattr(self.notifier, "load_state_dict"):
-            self._guard("notifier", lambda: self.notifier.load_state_dict(state["notifier"]))
+        load_notifier = getattr(self.notifier, "load_state_dict", None)
+        if state.get("notifier") is not None and load_notifier is not None:
+            self._guard("notifier", lambda: load_notifier(state["notifier"]))
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def close(self, status: str | None = None) -> None:

@@ -269,23 +269,23 @@ class StepTimeRegression(Detector):
         return float(self.config.max_regression)
 
     def update(self, step: int, x: X) -> Anomaly | None:
-        v = x.get(self.metric)
-        usable = v is not None and 0.0 < v < math.inf
-        if (usable and self._warmup_until is not None and self._grace_left == 0
+        raw = x.get(self.metric)
+        v = raw if raw is not None and 0.0 < raw < math.inf else None
+        if (v is not None and self._warmup_until is not None and self._grace_left == 0
                 and step >= self._warmup_until):  # hot path: the general one inlined
             self._evidence.append((step, v))
             self._warming = False
-            score = self._score(v, x)  # type: ignore[arg-type]
+            score = self._score(v, x)
             if score > 0 and score >= self._threshold:
                 anomaly: Anomaly | None = self._flag(step, v, score)
             else:
                 self._streak = 0
-                self._learn(v, x)  # type: ignore[arg-type]
+                self._learn(v, x)
                 self.n_learned += 1
                 anomaly = None
         else:
             anomaly = super().update(step, x)
-        if usable:
+        if v is not None:
             recent = self._recent
             if len(recent) == recent.maxlen:
                 del self._sorted[bisect.bisect_left(self._sorted, recent[0])]
