@@ -102,8 +102,14 @@ def format_trace(trace: dict[str, Any]) -> list[str]:
 def _changes(iv: dict[str, Any]) -> str:
     if "error" in iv["after"]:
         return f"FAILED: {iv['after']['error']}"
-    keys = list(dict.fromkeys([*iv["before"], *iv["after"]]))
-    parts = [f"{k} {_short(iv['before'].get(k))} -> {_short(iv['after'].get(k))}" for k in keys]
+    before, after = iv["before"], iv["after"]
+    shared = [k for k in before if k in after]
+    parts = [f"{k} {_short(before[k])} -> {_short(after[k])}" for k in shared]
+    # what only one side has (a rollback's request vs. what it restored) is listed as such, not as "None ->"
+    for side, values in (("before", before), ("after", after)):
+        only = [f"{k}={_short(v)}" for k, v in values.items() if k not in shared]
+        if only:
+            parts.append(f"{side}: {', '.join(only)}")
     return "; ".join(parts) or "no change"
 
 
