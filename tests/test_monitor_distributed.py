@@ -11,39 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_monitor import SpikeDetectors
 from torch import nn
 
 from stabmon.collect.config import MonitorConfig
-from stabmon.events import Anomaly, Decision, DecisionStatus, Severity, StepRecord
+from stabmon.events import Decision, DecisionStatus, StepRecord
 from stabmon.monitor import Monitor
-
-
-class LossSpikes:
-    """Test double of the detector suite: flags every averaged loss above 1e3."""
-
-    def update(self, record: StepRecord) -> list[Anomaly]:
-        v = record.get("loss")
-        if v is None or v < 1e3:
-            return []
-        return [
-            Anomaly(
-                kind="spike",
-                metric="loss",
-                step=record.step,
-                score=v,
-                severity=Severity.ERROR,
-                detector="test",
-            )
-        ]
-
-    def enter_grace(self, steps: int | None = None) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 class ClipThenRevert:
@@ -110,7 +83,7 @@ def _worker(rank: int, port: int, out: Any) -> None:
             model,
             opt,
             store=None,
-            detectors=LossSpikes(),
+            detectors=SpikeDetectors(),
             runbook=ClipThenRevert(),
             mode="apply",
             config=MonitorConfig(flush_every=2, hang_timeout=None),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_monitor import Tiny
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -34,30 +35,6 @@ class SyncCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.ff = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.ff(self.ln(x))
-
-
-class Tiny(nn.Module):
-    def __init__(self, vocab: int = 17, d: int = 16) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList([Block(d), Block(d)])
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
 def _run(
     config: MonitorConfig,
     counter: SyncCounter,
@@ -67,7 +44,7 @@ def _run(
     device: str = "cpu",
 ) -> Monitor:
     torch.manual_seed(0)
-    model = Tiny().to(device)
+    model = Tiny(vocab=17, d=16).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s))
     data = [torch.randint(0, 17, (4, 8), generator=torch.Generator().manual_seed(i)).to(device) for i in range(steps)]
