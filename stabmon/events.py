@@ -180,6 +180,11 @@ class InterventionRecord:
     simulated: bool = False  # True in replay
     id: str = field(default_factory=new_id)
 
+    @property
+    def changed_training(self) -> bool:
+        """Whether this changed the run: an alert changes nothing, and neither does a failed application."""
+        return self.action != "alert_only" and "error" not in self.after
+
 
 class Verdict(str, Enum):
     RESOLVED = "resolved"

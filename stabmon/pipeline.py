@@ -79,12 +79,6 @@ class InterventionTarget(Protocol):
         """Save a checkpoint and ask the training loop to stop with the documented exit code."""
 
 
-def _changed_training(decision: Decision, record: InterventionRecord) -> bool:
-    """Whether applying ``decision`` changed the run, so the detectors must re-learn (an alert changes nothing;
-    a failed application changed nothing either)."""
-    return decision.action != "alert_only" and "error" not in record.after
-
-
 class Pipeline:
     """Detectors, then engine, then executor, for one StepRecord at a time."""
 
@@ -125,7 +119,7 @@ class Pipeline:
             if record is not None:
                 events.append(record)
                 self.engine.applied(ev, record)
-                if _changed_training(ev, record):
+                if record.changed_training:
                     self.detectors.enter_grace()
         return events
 

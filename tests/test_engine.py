@@ -383,3 +383,35 @@ def test_revert_on_the_last_rung_closes_with_one_outcome() -> None:
     assert [x.action for x in decisions(d.events)] == ["set_clip", "set_beta2", "scale_lr", "revert"]
     assert [o.verdict for o in outcomes(d.events)] == [Verdict.ESCALATED, Verdict.ESCALATED, Verdict.REVERTED]
     assert not d.engine.busy
+
+
+ALERT_THEN_ACT = """
+name: alert-then-act
+mode: apply
+cooldown: 50
+rules:
+  - name: persistent
+    when: {kind: spike, severity: error}
+    ladder:
+      - action: set_clip
+        params: {max_norm: 1.0}
+        observe: 4
+  - name: blips
+    when: {kind: spike, severity: warning}
+    ladder:
+      - action: alert_only
+        observe: 1
+"""
+
+
+def test_an_alert_only_incident_does_not_start_the_cooldown() -> None:
+    """A spike is a warning on its first step and an error once it persists: the alert for the warning must not
+    hold back the change the error calls for. A change, by contrast, is followed by the cooldown."""
+    d = Driver(Engine(loads_runbook(ALERT_THEN_ACT), id_seed="c"))
+    warn = d.run(1, anomalous=[1], make=lambda s: spike(s, severity=Severity.WARNING))
+    assert [x.action for x in decisions(warn)] == ["alert_only"]
+    d.run(2)  # the alert's one-step window passes; its incident closes
+    acted = decisions(d.run(1, anomalous=[4]))
+    assert [x.action for x in acted] == ["set_clip"] and acted[0].rule == "persistent"
+    d.run(10)  # the change is judged and its incident closes: now the cooldown holds
+    assert decisions(d.run(5, anomalous=[15, 16, 17])) == []

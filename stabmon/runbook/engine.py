@@ -114,6 +114,8 @@ class Engine:
         if inc is None or inc["decision"]["id"] != decision.id:
             return
         inc["intervention_id"] = record.id
+        inc["changed"] = inc.get("changed", False) or record.changed_training
+        inc["alerted"] = inc.get("alerted", False) or record.action == "alert_only"
         if decision.action != "rollback":
             # the change acts from the target's step at application; records of earlier steps still to come
             # (the rest of a live monitor's flush) were measured before it and are not part of its window
@@ -336,9 +338,13 @@ class Engine:
         return b.max_interventions - len(self._budget)
 
     def _close(self) -> None:
+        # The cooldown lets the run settle after a change; an incident that only alerted changed nothing, so
+        # it must not hold back the rule that acts when the same signal turns out to persist (warning -> error).
+        inc = self._incident
+        if inc is None or not inc.get("alerted") or inc.get("changed"):
+            self._cooldown_until = self._tick + self.runbook.cooldown
         self._incident = None
         self._history = {}
-        self._cooldown_until = self._tick + self.runbook.cooldown
 
     def _remember_loss(self, record: StepRecord) -> None:
         loss = record.metrics.get(Metric.LOSS)
