@@ -132,3 +132,23 @@ def test_real_process_db_upgrade(tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.returncode == 1 and done.stderr.strip() == "error: no run matches 'x' (see `stabmon runs`)"
+
+
+@pytest.mark.parametrize("args", [["runs"], ["metrics", "x"], ["events", "x"], ["trace", "x"], ["db", "upgrade"],
+                                  ["approve", "x", "y"]])
+def test_an_unparseable_store_url_is_one_line(args: list[str]) -> None:
+    result = runner.invoke(app, [*args, "--db", "notaurl"])
+    assert result.exit_code == 1 and result.exception is not None and isinstance(result.exception, SystemExit)
+    assert result.output.strip().splitlines() == [
+        "error: store: cannot parse 'notaurl' as a database URL "
+        "(e.g. sqlite:///stabmon.db or postgresql+psycopg://user@host:5432/db)"
+    ]
+
+
+def test_json_output_is_strict_json(capsys: pytest.CaptureFixture[str]) -> None:
+    from stabmon.cli._common import print_json
+
+    print_json({"clip": math.inf, "loss": [1.0, math.nan], "floor": -math.inf})
+    out = capsys.readouterr().out
+    assert json.loads(out, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}")) == {
+        "clip": "inf", "loss": [1.0, "nan"], "floor": "-inf"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -32,8 +33,20 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(code=1)
 
 
+def _strict(obj: Any) -> Any:
+    """Non-finite floats as the strings "nan", "inf", "-inf" (strict JSON has no NaN/Infinity)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
 def print_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, default=str)
+    """Strict JSON on stdout: non-finite floats become "nan" / "inf" / "-inf", as in ``stabmon metrics --json``."""
+    json.dump(_strict(obj), sys.stdout, default=str, allow_nan=False)
     sys.stdout.write("\n")
 
 
@@ -46,7 +59,10 @@ def store_session(db: str | None) -> Iterator[Any]:
     from stabmon.store.engine import require_schema, safe_url, sqlite_path
 
     url = db_url(db)
-    path = sqlite_path(url)
+    try:
+        path = sqlite_path(url)
+    except StoreError as exc:
+        fail(str(exc))
     if path is not None and not path.exists():
         fail(f"no stabmon database at {path} (run `stabmon db upgrade --db {safe_url(url)}` or pass --db)")
     try:

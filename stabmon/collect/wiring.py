@@ -45,14 +45,12 @@ def resolve_store(store: Any) -> tuple[Sink | None, bool]:
     if store is DEFAULT_STORE:
         store = default_db_url()
     if isinstance(store, str):
-        try:
-            from stabmon.store import open_store
-        except ImportError as exc:
-            raise ValueError(
-                f"store: cannot open {_safe(store)}: stabmon.store is unavailable ({exc})"
-            ) from None
+        from stabmon.store import StoreError, open_store
+
         try:
             return open_store(store), True
+        except StoreError as exc:  # already one line that names the store and the URL
+            raise ValueError((str(exc).splitlines() or [""])[0]) from None
         except Exception as exc:  # noqa: BLE001 - any failure to open is the user's URL's fault
             first = (str(exc).splitlines() or [""])[0]
             raise ValueError(f"store: cannot open {_safe(store)}: {type(exc).__name__}: {first}") from None

@@ -38,15 +38,32 @@ def safe_url(url: str | URL) -> str:
         return str(url)
 
 
+def parse_url(url: str | URL) -> URL:
+    """``url`` parsed, or a one-line :class:`StoreError` saying what a store URL looks like.
+
+    >>> parse_url("notaurl")
+    Traceback (most recent call last):
+    ...
+    stabmon.store.engine.StoreError: store: cannot parse 'notaurl' as a database URL (e.g. sqlite:///stabmon.db or postgresql+psycopg://user@host:5432/db)
+    """
+    try:
+        return make_url(url)
+    except Exception:  # noqa: BLE001 - sqlalchemy raises ArgumentError (and others for odd types)
+        raise StoreError(
+            f"store: cannot parse {str(url)!r} as a database URL "
+            "(e.g. sqlite:///stabmon.db or postgresql+psycopg://user@host:5432/db)"
+        ) from None
+
+
 def is_memory(url: str | URL) -> bool:
     """True for an in-memory SQLite URL (``sqlite://``), which lives only as long as its engine."""
-    u = make_url(url)
+    u = parse_url(url)
     return u.get_backend_name() == "sqlite" and (not u.database or u.database == ":memory:")
 
 
 def sqlite_path(url: str | URL) -> Path | None:
     """The file behind a SQLite URL, or None for other databases and in-memory SQLite."""
-    u = make_url(url)
+    u = parse_url(url)
     if u.get_backend_name() != "sqlite" or not u.database or u.database == ":memory:":
         return None
     return Path(u.database)
