@@ -159,3 +159,41 @@ def test_palm_rollback_runbook_end_to_end(tmp_path: Any) -> None:
     assert replayed[0] == (after["restored_step"], stop)  # resumes at the restored step, past the skipped batches
     assert not {b for _, b in replayed} & (set(range(start, stop)) | bad)
     assert mon.step == 600 and not mon.should_stop
+
+
+def test_database_outage_mid_run_loses_nothing(tmp_path: Any) -> None:
+    """The SQLite file vanishes for five steps of a monitored run: training goes on, the store spools, and once
+    the file is back every step's metrics are in it exactly once."""
+    from sqlalchemy.orm import Session
+    from test_store_outage import FAST, _move, _unmove, wait_for
+
+    from stabmon.store import StoreConfig, open_store, repo
+
+    db = tmp_path / "run.db"
+    store = open_store(f"sqlite:///{db}", config=StoreConfig(spool_dir=str(tmp_path / "spool"), **FAST))
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = Monitor(model, opt, store=store, config=MonitorConfig(flush_every=2, hang_timeout=None))
+    for step, idx in mon.steps(batches(14)):
+        if step == 4:
+            assert store.flush(20)
+            store.engine.dispose()
+            _move(db, ".away")
+        if step == 10:
+            wait_for(lambda: store.stats.spooled_batches >= 1)  # the writer met the outage and spooled
+            assert not db.exists()
+            _unmove(db, ".away")
+        loss = loss_of(model, idx)
+        loss.backward()
+        mon.observe(loss=loss)
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    assert store.flush(30)
+    assert store.stats.failures >= 1 and store.stats.replayed_batches >= 1
+    store.close()
+    with Session(store.engine) as s:
+        stored = repo.load_steps(session=s, run_id=mon.run_id)
+    assert [r.step for r in stored] == [r.step for r in mon.records] == list(range(14))
+    assert all(a.metrics == b.metrics for a, b in zip(stored, mon.records, strict=True))
