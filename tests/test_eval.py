@@ -194,6 +194,15 @@ def test_cli_eval_errors(tmp_path: Path) -> None:
     assert res.exit_code == 1 and "runbook 'nope-runbook'" in res.output
 
 
+def test_cli_eval_names_min_severity_and_its_values(tmp_path: Path) -> None:
+    from stabmon.cli import app
+
+    (tmp_path / "L.csv").write_text("file,step_start,step_end,kind\na,1,2,x\n")
+    res = CliRunner().invoke(app, ["eval", "--labels", str(tmp_path / "L.csv"), "--min-severity", "loud"])
+    assert res.exit_code == 1
+    assert res.output.strip() == "error: --min-severity must be one of info, warning, error, critical, got 'loud'"
+
+
 def test_false_alarms_count_episodes_for_every_method_and_stabmon_reports_its_error_view() -> None:
     from stabmon.replay.eval import episodes
 

@@ -126,6 +126,19 @@ def test_stabmon_demo_command(tmp_path: Path) -> None:
     assert bad.exit_code == 1 and "--steps must be >= 1" in bad.output
 
 
+def test_stabmon_demo_rejects_a_bad_runbook_before_creating_anything(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from stabmon.cli import app
+
+    db = tmp_path / "demo.db"
+    bad = CliRunner().invoke(app, ["demo", "--db", f"sqlite:///{db}", "--runbook", "nosuch", "--steps", "5"])
+    assert bad.exit_code == 1, bad.output
+    lines = bad.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --runbook 'nosuch': ") and "no bundled runbook" in lines[0]
+    assert list(tmp_path.iterdir()) == []  # no database, no checkpoint folder
+
+
 @pytest.mark.slow
 def test_stabmon_demo_unstable_scenario_prints_the_grad_norm_spike_and_the_recovery(tmp_path: Path) -> None:
     from typer.testing import CliRunner

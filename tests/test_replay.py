@@ -195,6 +195,30 @@ def test_cli_replay_file_directly_and_errors(real_runs: Path, sqlite_url: str) -
     assert res.exit_code == 1 and "detector.param" in res.output
 
 
+def test_cli_replay_missing_file_and_bad_mode_are_named(real_runs: Path, sqlite_url: str, tmp_path: Path) -> None:
+    from stabmon.cli import app
+
+    runner = CliRunner()
+    db_file = tmp_path / "stabmon.db"
+    res = runner.invoke(app, ["replay", "nosuch.log", "--db", sqlite_url])
+    assert res.exit_code == 1 and res.output.strip() == "error: no such file: nosuch.log", res.output
+    assert not db_file.exists()  # nothing was created to find nothing in
+    res = runner.invoke(app, ["import", str(real_runs / FAIRSEQ), "--run", "fs13b", "--db", sqlite_url])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["replay", "nosuch.log", "--db", sqlite_url])
+    assert res.exit_code == 1 and res.output.strip() == "error: no file or run named 'nosuch.log'", res.output
+    res = runner.invoke(app, ["replay", "logs/nosuch", "--db", sqlite_url])
+    assert res.exit_code == 1 and res.output.strip() == "error: no such file: logs/nosuch", res.output
+    res = runner.invoke(app, ["replay", str(real_runs / FAIRSEQ), "nosuch.log", "--db", sqlite_url])
+    assert res.exit_code == 1 and res.output.strip().startswith("error: no such file: nosuch.log"), res.output
+    for source in (str(real_runs / FAIRSEQ), "fs13b"):
+        res = runner.invoke(app, ["replay", source, "--mode", "loud", "--no-store", "--db", sqlite_url])
+        assert res.exit_code == 1, res.output
+        assert res.output.strip() == "error: --mode must be one of apply, propose, got 'loud'"
+    res = runner.invoke(app, ["replay", "fs13b", "--mode", "propose", "--no-store", "--db", sqlite_url])
+    assert res.exit_code == 0, res.output
+
+
 def test_cli_import_map_and_bad_map(tmp_path: Path, sqlite_url: str) -> None:
     from stabmon.cli import app
 

@@ -152,3 +152,26 @@ def test_json_output_is_strict_json(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert json.loads(out, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}")) == {
         "clip": "inf", "loss": [1.0, "nan"], "floor": "-inf"}
+
+
+def test_approve_on_an_ended_run_says_the_answer_is_only_recorded(sqlite_url: str) -> None:
+    from stabmon.events import Decision, DecisionStatus
+
+    def proposal() -> Decision:
+        return Decision(10, "scale_lr", {"factor": 0.5}, DecisionStatus.PROPOSED, "opt175b", "grad_spike", 0,
+                        "grad norm spike", anomaly_id="a1", incident_id="inc1")
+
+    with open_store(sqlite_url, config=StoreConfig(flush_interval=0.02)) as store:
+        live, ended = store.start_run(name="live", environment={}), store.start_run(name="ended", environment={})
+        d_live, d_ended = proposal(), proposal()
+        store.write_events(run_id=live, events=[d_live])
+        store.write_events(run_id=ended, events=[d_ended])
+        store.end_run(run_id=ended, status="finished")
+        assert store.flush(20)
+    res = invoke("approve", ended, d_ended.id, "--db", sqlite_url, "--by", "t")
+    assert res.exit_code == 0, res.output
+    assert "the run has ended (status finished), so the answer is recorded only" in res.output
+    assert "next flush" not in res.output
+    res = invoke("reject", live, d_live.id, "--db", sqlite_url, "--by", "t")
+    assert res.exit_code == 0, res.output
+    assert "the run picks it up at its next flush" in res.output and "has ended" not in res.output

@@ -144,3 +144,56 @@ def test_replay_applies_the_included_tune_result(labelled: Path, tmp_path: Path)
     assert pipeline.detectors.configs["spike"].z_threshold == 3.5
     pipeline, _ = build_pipeline(runbook=str(rb), overrides=["spike.z_threshold=7"])
     assert pipeline.detectors.configs["spike"].z_threshold == 7.0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("spike.z_threshold: 6\n", "tune.space.spike.z_threshold must be a non-empty list of values, got 6"),
+        ("- spike.z_threshold\n- 6\n", "tune.space must be a non-empty mapping"),
+        ("", "tune.space must be a non-empty mapping"),
+        ("spike.z_threshold: [4\n", "--space"),
+    ],
+)
+def test_cli_tune_rejects_a_malformed_space_file(labelled: Path, tmp_path: Path, text: str, message: str) -> None:
+    from stabmon.cli import app
+
+    space = tmp_path / "space.yaml"
+    space.write_text(text)
+    out = tmp_path / "o.yaml"
+    res = CliRunner().invoke(
+        app, ["tune", "--labels", str(labelled), "--space", str(space), "--out", str(out)]
+    )
+    assert res.exit_code == 1, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.output
+    assert str(space) in lines[0] and not out.exists()
+
+
+def test_cli_tune_checks_options_and_out_before_searching(
+    labelled: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stabmon.replay.tune as tune_module
+    from stabmon.cli import app
+
+    def no_search(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the search ran before the options were checked")
+
+    monkeypatch.setattr(tune_module, "tune", no_search)
+    base = ["tune", "--labels", str(labelled)]
+    cases = [
+        (["--out", str(tmp_path / "no" / "such" / "dir" / "x.yaml")], "directory"),
+        (["--out", str(tmp_path)], "is a directory"),
+        (["--out", str(tmp_path / "o.yaml"), "--random", "0"], "--random must be >= 1, got 0"),
+        (["--out", str(tmp_path / "o.yaml"), "--random", "-3"], "--random must be >= 1, got -3"),
+        (["--out", str(tmp_path / "o.yaml"), "--folds", "1"], "--folds must be >= 2"),
+        (["--out", str(tmp_path / "o.yaml"), "--folds", "0"], "--folds must be >= 2"),
+        (["--out", str(tmp_path / "o.yaml"), "--jobs", "0"], "--jobs must be >= 1"),
+        (["--out", str(tmp_path / "o.yaml"), "--space", str(tmp_path / "nope.yaml")], "no such space file"),
+    ]
+    for extra, message in cases:
+        res = CliRunner().invoke(app, base + extra)
+        lines = res.output.strip().splitlines()
+        assert res.exit_code == 1 and len(lines) == 1 and message in lines[0], (extra, res.output)
+    assert "x.yaml" in CliRunner().invoke(app, base + cases[0][0]).output
+    assert not (tmp_path / "o.yaml").exists()

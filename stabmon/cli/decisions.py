@@ -1,7 +1,8 @@
 """``stabmon approve RUN DECISION`` / ``stabmon reject RUN DECISION``: answer a proposal in propose mode.
 
 The answer is written to the store; the training process picks it up at its next flush (``poll_answers``) and
-applies an approved decision there. ``DECISION`` may be a unique prefix of the decision id.
+applies an approved decision there; a run that has ended (status other than ``running``) only records it.
+``DECISION`` may be a unique prefix of the decision id.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def _answer(run: str, decision: str, approved: bool, db: str | None, by: str | N
 
     with store_session(db) as s:
         try:
-            run_id = repo.resolve_run(session=s, ref=run).id
+            found = repo.resolve_run(session=s, ref=run)
+            run_id, status = found.id, found.status
             ids = {e.id for e in repo.load_events(session=s, run_id=run_id) if isinstance(e, Decision)}
             matches = sorted(i for i in ids if i.startswith(decision))
             if decision in ids:
@@ -40,8 +42,10 @@ def _answer(run: str, decision: str, approved: bool, db: str | None, by: str | N
         print_json(to_dict(answered))
         return
     verb = "approved" if approved else "rejected"
+    then = ("the run picks it up at its next flush" if status == "running"
+            else f"the run has ended (status {status}), so the answer is recorded only")
     typer.echo(f"{verb} {answered.id}: {answered.action} {dict(answered.params)} (run {run_id}, rule "
-               f"{answered.rule}, rung {answered.rung + 1}); the run picks it up at its next flush")
+               f"{answered.rule}, rung {answered.rung + 1}); {then}")
 
 
 def _user() -> str:

@@ -121,6 +121,15 @@ def demo(
         fail(f"--scenario must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
     if mode not in ("apply", "propose", "observe"):
         fail(f"--mode must be apply, propose or observe, got {mode!r}")
+    what, default_runbook = SCENARIOS[scenario]
+    runbook = runbook or default_runbook
+    if runbook != "none":  # checked before anything is created (database, checkpoint folder)
+        from stabmon.runbook import load_runbook
+
+        try:
+            load_runbook(runbook)
+        except Exception as exc:  # noqa: BLE001 - a runbook that does not load is a user error here
+            fail(f"--runbook {runbook!r}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
     url = db_url(db)
     try:
         tg = load_example()
@@ -128,8 +137,6 @@ def demo(
         fail(str(exc))
     from stabmon.monitor import Monitor, MonitorConfig
 
-    what, default_runbook = SCENARIOS[scenario]
-    runbook = runbook or default_runbook
     config = tg.TrainConfig(steps=steps, seed=seed)
     if scenario == "unstable":
         config = tg.unstable(config)

@@ -35,8 +35,11 @@ def eval_command(
         fail(f"no such labels file: {labels}")
     if jobs < 1:
         fail(f"--jobs must be >= 1, got {jobs}")
+    allowed = [s.value for s in Severity]
+    if min_severity not in allowed:
+        fail(f"--min-severity must be one of {', '.join(allowed)}, got {min_severity!r}")
+    severity = Severity(min_severity)
     try:
-        severity = Severity(min_severity)
         _check_runbook(runbook)
         total = count_runs(labels)
         with progress_bar("eval", total=total, enabled=wanted(json_output)) as advance:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,18 +17,40 @@ SetOption = Annotated[
 ]
 
 
+MODES = ("apply", "propose")
+
+
+def _looks_like_path(ref: str) -> bool:
+    """Whether a replay argument reads as a file path: a path separator or a file extension."""
+    return "/" in ref or os.sep in ref or bool(Path(ref).suffix)
+
+
 def _from_store(ref: str, url: str) -> tuple[list[Any], str, str, dict[str, Any]]:
-    """(records, run id, run name, run config) of a stored run."""
+    """(records, run id, run name, run config) of a stored run; ``ref`` is not an existing file."""
     from stabmon.store import RunNotFoundError, open_store
     from stabmon.store.codec import decode
+    from stabmon.store.engine import sqlite_path
     from stabmon.store.repo import load_steps, resolve_run
 
+    path_like = _looks_like_path(ref)
+    if path_like:
+        try:
+            db_file = sqlite_path(url)
+        except Exception:  # noqa: BLE001 - a URL that does not parse is reported by open_store below
+            db_file = None
+        if db_file is not None and not db_file.exists():  # no runs to match: do not create a database
+            fail(f"no such file: {ref}")
     try:
         with open_store(url) as store, store.session() as session:
             run = resolve_run(session=session, ref=ref)
             config = decode(run.config) if run.config else {}
             return load_steps(session=session, run_id=run.id), run.id, run.name, dict(config or {})
-    except (RunNotFoundError, ValueError) as exc:
+    except RunNotFoundError as exc:
+        if path_like and str(exc).startswith("no run matches"):
+            # with a separator it reads as a file only; a bare "name.ext" could be a run name too
+            fail(f"no such file: {ref}" if "/" in ref or os.sep in ref else f"no file or run named {ref!r}")
+        fail(str(exc))
+    except ValueError as exc:
         fail(str(exc))
 
 
@@ -61,26 +84,27 @@ def replay_command(
     """Replay a recorded run through the same detector and runbook engine classes as live, with interventions
     simulated, and print what would have fired where."""
     from stabmon.cli.importing import read_inputs
-    from stabmon.replay.replay import build_pipeline, event_rows, replay
+    from stabmon.replay.replay import event_rows, replay
 
     url = db_url(db)
     parent_id = None
     restarts: list[int] = []
     config: dict[str, Any] = {}
-    if all(Path(s).exists() for s in source):
-        imported = read_inputs([Path(s) for s in source], fmt, maps, None)
-        records, label, restarts = imported.records, ", ".join(source), imported.restarts
-    elif len(source) == 1:
-        records, parent_id, label, config = _from_store(source[0], url)
-    else:
-        fail(f"not all of these are files: {' '.join(source)}; name one stored run or several files")
     if flush_every is not None and flush_every < 1:
         fail(f"--flush-every must be >= 1, got {flush_every}")
-    stored_mode = config.get("mode") if config.get("mode") in ("apply", "propose") else None
-    try:
-        pipeline, target = build_pipeline(runbook=runbook, overrides=tuple(sets or ()), mode=mode or stored_mode)
-    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as exc:
-        fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    if mode is not None and mode not in MODES:
+        fail(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+    missing = [s for s in source if not Path(s).exists()]
+    if missing and len(source) > 1:
+        fail(f"no such file: {', '.join(missing)} (name one stored run or several existing files)")
+    _pipeline(runbook, sets, mode)  # runbook and --set checked before the (possibly long) import
+    if not missing:
+        imported = read_inputs([Path(s) for s in source], fmt, maps, None)
+        records, label, restarts = imported.records, ", ".join(source), imported.restarts
+    else:
+        records, parent_id, label, config = _from_store(source[0], url)
+    stored_mode = config.get("mode") if config.get("mode") in MODES else None
+    pipeline, target = _pipeline(runbook, sets, mode or stored_mode)
     every = flush_every or _live_flush_every(config)
     with progress_bar("replay", total=len(records), enabled=wanted(json_output)) as advance:
         result = replay(
@@ -115,6 +139,16 @@ def replay_command(
             f"rollback at step {rb['step']} to checkpoint step {rb['checkpoint_step']}"
             f" (skipping batches {rb['skipped_batches'] or 'none'})"
         )
+
+
+def _pipeline(runbook: str, sets: list[str] | None, mode: str | None) -> tuple[Any, Any]:
+    """The replay pipeline and simulated target; a runbook or override that does not load is one line."""
+    from stabmon.replay.replay import build_pipeline
+
+    try:
+        return build_pipeline(runbook=runbook, overrides=tuple(sets or ()), mode=mode)
+    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as exc:
+        fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
 def _store(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -31,16 +31,21 @@ def tune_command(
 ) -> None:
     """Search detector parameters (grid or random, in parallel), objective recall and lead time penalised by
     false alarms, cross-validated over runs; write the winner as a file a runbook can `include:`."""
-    import yaml
-
     from stabmon.replay.tune import count_candidates, tune
 
+    if n_random is not None and n_random < 1:
+        fail(f"--random must be >= 1, got {n_random}")
     if use_grid and n_random:
         fail("--grid and --random are exclusive")
+    if folds < 2:
+        fail(f"--folds must be >= 2 (each fold is held out once for cross-validation), got {folds}")
+    if jobs < 1:
+        fail(f"--jobs must be >= 1, got {jobs}")
     if not labels.is_file():
         fail(f"no such labels file: {labels}")
+    _check_out(out)
+    space_map = _read_space(space) if space else None
     try:
-        space_map = yaml.safe_load(space.read_text()) if space else None
         total = count_candidates(space_map, n_random)
         with progress_bar("tune", total=total, enabled=wanted(json_output)) as advance:
             result = tune(
@@ -53,9 +58,12 @@ def tune_command(
                 runbook=runbook,
                 progress=advance,
             )
-    except (ValueError, OSError, yaml.YAMLError) as exc:
+    except (ValueError, OSError) as exc:
         fail(str(exc).splitlines()[0])
-    out.write_text(result.overrides_yaml())
+    try:
+        out.write_text(result.overrides_yaml())
+    except OSError as exc:
+        fail(f"--out {out}: cannot write: {exc.strerror or exc}")
     if json_output:
         print_json(
             {
@@ -78,6 +86,33 @@ def tune_command(
             f"false alarms/10k {tm.get('false_alarms_per_10k')}"
         )
     typer.echo(f"wrote {out} (use it with `include: {out}` in a runbook)")
+
+
+def _check_out(out: Path) -> None:
+    """Fail before the search when the override file could not be written afterwards."""
+    import os
+
+    if out.is_dir():
+        fail(f"--out {out} is a directory; name the file to write")
+    parent = out.parent
+    if not parent.is_dir():
+        fail(f"--out {out}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        fail(f"--out {out}: not writable")
+
+
+def _read_space(space: Path) -> dict[str, list[Any]]:
+    """The --space file, validated: a mapping of detector.param to a non-empty list of values."""
+    import yaml
+
+    from stabmon.replay.tune import validate_space
+
+    if not space.is_file():
+        fail(f"no such space file: {space}")
+    try:
+        return validate_space(yaml.safe_load(space.read_text()))
+    except (ValueError, OSError, yaml.YAMLError) as exc:
+        fail(f"--space {space}: {str(exc).splitlines()[0]}")
 
 
 def register(app: typer.Typer) -> None:

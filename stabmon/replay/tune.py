@@ -233,5 +233,5 @@ def tune(
 
 
 def count_candidates(space: Mapping[str, Sequence[Any]] | None, n_random: int | None) -> int:
-    total = math.prod(len(v) for v in (space or DEFAULT_SPACE).values())
+    total = math.prod(len(v) for v in validate_space(space if space is not None else DEFAULT_SPACE).values())
     return min(total, n_random) if n_random else total
