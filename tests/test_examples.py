@@ -139,6 +139,18 @@ def test_stabmon_demo_rejects_a_bad_runbook_before_creating_anything(tmp_path: P
     assert list(tmp_path.iterdir()) == []  # no database, no checkpoint folder
 
 
+@pytest.mark.parametrize("db", ["notaurl", "xyz://foo", "postgresql+psycopg://nobody@127.0.0.1:1/none"])
+def test_stabmon_demo_rejects_a_bad_store_url_in_one_line(db: str) -> None:
+    from typer.testing import CliRunner
+
+    from stabmon.cli import app
+
+    bad = CliRunner().invoke(app, ["demo", "--db", db, "--steps", "5"])
+    assert bad.exit_code == 1, bad.output
+    lines = bad.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: store: cannot open "), lines
+
+
 @pytest.mark.slow
 def test_stabmon_demo_unstable_scenario_prints_the_grad_norm_spike_and_the_recovery(tmp_path: Path) -> None:
     from typer.testing import CliRunner

@@ -34,10 +34,20 @@ def load_example(name: str = "tiny_gpt") -> ModuleType:
     raise FileNotFoundError(f"the {name} example is not part of this installation")
 
 
-def _where(url: str) -> str:
-    from sqlalchemy.engine import make_url
+def _check_store(url: str) -> None:
+    """Open (and, for a new SQLite file, create) the store before training, so a bad --db is one line."""
+    from stabmon.store import open_store
 
-    u = make_url(url)
+    try:
+        open_store(url).close()
+    except ValueError as exc:  # StoreError included: already one line naming the store and the URL
+        fail((str(exc).splitlines() or [type(exc).__name__])[0])
+
+
+def _where(url: str) -> str:
+    from stabmon.store.engine import parse_url
+
+    u = parse_url(url)
     if u.get_backend_name() == "sqlite" and u.database:
         return str(Path(u.database).resolve())
     return u.render_as_string(hide_password=True)
@@ -131,6 +141,7 @@ def demo(
         except Exception as exc:  # noqa: BLE001 - a runbook that does not load is a user error here
             fail(f"--runbook {runbook!r}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
     url = db_url(db)
+    _check_store(url)
     try:
         tg = load_example()
     except FileNotFoundError as exc:
