@@ -84,7 +84,7 @@ def format_trace(trace: dict[str, Any]) -> list[str]:
             d = s["decision"]
             params = ", ".join(f"{k}={v}" for k, v in d["params"].items())
             history = " -> ".join(f"{st}@{step}" for st, step in s["statuses"])
-            lines.append(f"  decision     rung {d['rung'] + 1}: {d['action']}({params}) [{history}]")
+            lines.append(f"  decision     {d['id']} rung {d['rung'] + 1}: {d['action']}({params}) [{history}]")
             lines.append(f"               {d['reason']}")
             iv = s["intervention"]
             if iv:
