@@ -101,7 +101,7 @@ def summary(monitor: Any, url: str, result: Any) -> list[str]:
 def _describe(e: Any) -> str:
     name = type(e).__name__
     if name == "Decision":
-        return f"decision   step {e.step:<5} {e.action} {dict(e.params)} [{e.status.value}] rule {e.rule}"
+        return f"decision   step {e.step:<5} {e.action} {dict(e.params)} [{e.status.value}] rule {e.rule} (id {e.id})"
     if name == "InterventionRecord":
         return f"applied    step {e.step:<5} {e.action} {dict(e.before)} -> {dict(e.after)}"
     return f"outcome    step {e.step:<5} {e.verdict.value}"
