@@ -6,6 +6,7 @@ Commands are thin: they parse options, call library functions and print. Nothing
 from __future__ import annotations
 
 import importlib
+from typing import Annotated
 
 import typer
 
@@ -44,7 +45,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
 ) -> None:
     """Training-stability monitor with an intervention runbook engine."""
 
