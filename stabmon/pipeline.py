@@ -96,8 +96,11 @@ class Pipeline:
         """Run one record through the pipeline; return every event it produced, in causal order."""
         anomalies = self.detectors.update(record)
         events: list[Event] = list(anomalies)
-        if self.engine is not None:
-            events.extend(self._run_engine(self.engine.process(record, anomalies)))
+        engine = self.engine
+        if engine is not None:
+            produced = engine.process(record, anomalies)
+            if produced:  # most records produce nothing: skip the executor loop
+                events.extend(self._run_engine(produced))
         return events
 
     def answer(self, decision_id: str, approved: bool, step: int) -> list[Event]:

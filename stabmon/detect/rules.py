@@ -275,6 +275,10 @@ class LossScaleCollapse(Detector):
         return 1.0
 
     def update(self, step: int, x: X) -> Any:
+        if (self.metric not in x and Metric.OVERFLOW not in x and self._count == 0
+                and self._warmup_until is not None and not self._at_floor):
+            self._streak = 0  # a run without loss scaling: the common case below, with nothing to learn
+            return None
         if (not x.get(Metric.OVERFLOW) and self._count == 0 and self._warmup_until is not None
                 and not self._at_floor and not self._floor_hit(x)):
             # the common case - no overflow in the window nor now, scale above its floor: nothing can fire,

@@ -109,6 +109,13 @@ class _LogSpike(Detector):
     def _centre(self) -> float:
         raise NotImplementedError
 
+    def _score(self, v: float, x: X) -> float:
+        return 0.0 if self.n_learned == 0 else self._z(v)
+
+    def _z(self, v: float) -> float:
+        """The upward z-score of the log-value ``v`` against the learned baseline (0 at or below it)."""
+        raise NotImplementedError
+
     def update(self, step: int, x: X) -> Anomaly | None:
         raw = x.get(self.metric)
         if (raw is None or self._warmup_until is None or self._grace_left > 0 or step < self._warmup_until
@@ -118,7 +125,7 @@ class _LogSpike(Detector):
         self._evidence.append((step, raw))
         self._warming = False
         v = math.log(raw)
-        score = self._score(v, x)
+        score = self._z(v)  # n_learned > 0 here, so the baseline is defined
         if score > 0 and score >= self._threshold:
             return self._flag(step, raw, score)
         self._streak = 0
@@ -161,14 +168,13 @@ class EWSpike(_LogSpike):
     def _centre(self) -> float:
         return float(self._mean.get() or 0.0)
 
-    def _score(self, v: float, x: X) -> float:
-        if self.n_learned == 0:
-            return 0.0
+    def _z(self, v: float) -> float:
+        d = v - self._mean.get()
+        if not d > 0.0:
+            return 0.0  # at or below the mean: not a spike, whatever the spread
         var = self._var.get()
         std = math.sqrt(var) if var > 0.0 else 0.0
-        std = std if std > self._min_std else self._min_std
-        d = v - self._mean.get()
-        return d / std if d > 0.0 else 0.0
+        return d / (std if std > self._min_std else self._min_std)
 
 
 class RobustSpike(_LogSpike):
@@ -200,9 +206,7 @@ class RobustSpike(_LogSpike):
     def _centre(self) -> float:
         return float(self._median.get() or 0.0)
 
-    def _score(self, v: float, x: X) -> float:
-        if self.n_learned == 0:
-            return 0.0
+    def _z(self, v: float) -> float:
         d = v - (self._median.get() or 0.0)
         if d <= 0.0:
             return 0.0  # at or below the median: not a spike, whatever the spread

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from stabmon.detect.base import Detector
+from stabmon.detect.base import Detector, X
 from stabmon.detect.config import apply_overrides, build
 from stabmon.detect.rules import RULE_DETECTORS
 from stabmon.detect.spike import SPIKE_DETECTORS
@@ -17,6 +17,7 @@ DETECTORS: dict[str, type[Detector]] = {
     c.name: c for c in (*SPIKE_DETECTORS, *RULE_DETECTORS, *TREND_DETECTORS)
 }
 ROOT = "detectors"
+_Update = Callable[[int, X], "Anomaly | None"]  # a detector's bound update method
 _MAX_PLANS = 256  # distinct metric-name sets remembered (a stream rarely has more than a handful)
 
 
@@ -65,9 +66,10 @@ class DetectorSuite:
         self._detectors: dict[tuple[str, str], Detector] = {}
         self._patterns: dict[str, list[str]] = {}
         self._seen: set[str] = set()
-        # metric-name set of a record -> the detectors that must see it; built once per new set of names, so
-        # the per-record path does no glob matching and no membership tests per detector
-        self._plans: dict[tuple[str, ...], list[Detector]] = {}
+        # metric-name set of a record -> the bound ``update`` methods of the detectors that must see it; built
+        # once per new set of names, so the per-record path does no glob matching, no membership tests and no
+        # method lookups per detector
+        self._plans: dict[tuple[str, ...], list[_Update]] = {}
         for name, config in self.configs.items():
             if not config.enabled:
                 continue
@@ -105,10 +107,12 @@ class DetectorSuite:
     def detectors(self) -> list[Detector]:
         return list(self._detectors.values())
 
-    def _plan(self, names: tuple[str, ...]) -> list[Detector]:
+    def _plan(self, names: tuple[str, ...]) -> list[_Update]:
         self._discover(names)
         present = set(names)
-        plan = [d for d in self._detectors.values() if d.metric in present or d.sees_every_record]
+        plan: list[_Update] = [
+            d.update for d in self._detectors.values() if d.metric in present or d.sees_every_record
+        ]
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[names] = plan
@@ -124,8 +128,8 @@ class DetectorSuite:
             plan = self._plan(names)
         step = record.step
         best: dict[tuple[str, str], Anomaly] | None = None
-        for det in plan:
-            found = det.update(step, metrics)
+        for update in plan:
+            found = update(step, metrics)
             if found is None:
                 continue
             if best is None:

@@ -175,8 +175,9 @@ def replay(
     pending = steps = samples = 0
     events = result.events
     process = pipeline.process
+    begin_block = target.begin_block
     for block in _blocks(records, flush_every):
-        target.begin_block(block)
+        begin_block(block)
         for record in block:
             if restart_set and record.step in restart_set:
                 pipeline.detectors.enter_grace()
@@ -185,12 +186,13 @@ def replay(
                 if approve:
                     produced = _approve(pipeline, produced, target.step)
                 events.extend(produced)
-            steps += 1
             samples += len(record.metrics)
-            pending += 1
-            if progress is not None and pending >= progress_every:
-                progress(pending)
-                pending = 0
+            if progress is not None:
+                pending += 1
+                if pending >= progress_every:
+                    progress(pending)
+                    pending = 0
+            steps += 1
     result.steps, result.samples = steps, samples
     if progress is not None and pending:
         progress(pending)

@@ -88,11 +88,15 @@ class Engine:
 
     def process(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
         self._tick += 1
-        self._remember_loss(record)
+        loss = record.metrics.get(Metric.LOSS)  # remember the recent losses (inline: this runs on every record)
+        if loss is not None and math.isfinite(loss):
+            self._losses.append((record.step, loss))
         if self.stopped:
             return []
         if self._incident is not None:
             return self._advance(record, anomalies)
+        if not anomalies and not self._history:
+            return []  # the idle path: nothing new, nothing remembered (see _maybe_open)
         return self._maybe_open(record, anomalies)
 
     def answer(self, decision_id: str, approved: bool, step: int) -> list[Decision | Outcome]:
@@ -345,11 +349,6 @@ class Engine:
             self._cooldown_until = self._tick + self.runbook.cooldown
         self._incident = None
         self._history = {}
-
-    def _remember_loss(self, record: StepRecord) -> None:
-        loss = record.metrics.get(Metric.LOSS)
-        if loss is not None and math.isfinite(loss):
-            self._losses.append((record.step, loss))
 
     def _next_id(self) -> str:
         self._counter += 1
