@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import torch  # noqa: E402
+from store_support import metrics_by_step  # noqa: E402
 
 from stabmon.checkpoints import STOP_EXIT_CODE  # noqa: E402
 from stabmon.integrations.hf import STATE_FILE, StabmonCallback  # noqa: E402
@@ -52,22 +53,6 @@ def make_args(out: Path, **kw: Any) -> Any:
     )
     base.update(kw)
     return transformers.TrainingArguments(**base)
-
-
-def metrics_by_step(url: str, run_id: str) -> dict[int, dict[str, float]]:
-    from stabmon.store import open_store
-    from stabmon.store.repo import get_metrics
-
-    store = open_store(url)
-    try:
-        with store.session() as session:
-            df = get_metrics(session=session, run_id=run_id)
-    finally:
-        store.close()
-    out: dict[int, dict[str, float]] = {}
-    for step, name, value in df.select("step", "name", "value").iter_rows():
-        out.setdefault(step, {})[name] = value
-    return out
 
 
 class Recorder(transformers.TrainerCallback):

@@ -11,6 +11,7 @@ import pytest
 L = pytest.importorskip("lightning.pytorch")
 
 import torch  # noqa: E402
+from store_support import metrics_by_step  # noqa: E402
 
 from stabmon.checkpoints import STOP_EXIT_CODE  # noqa: E402
 from stabmon.integrations.lightning import StabmonCallback  # noqa: E402
@@ -49,22 +50,6 @@ def trainer(tmp_path: Path, callbacks: list[Any], **kw: Any) -> Any:
                 enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
     base.update(kw)
     return L.Trainer(callbacks=callbacks, **base)
-
-
-def metrics_by_step(url: str, run_id: str) -> dict[int, dict[str, float]]:
-    from stabmon.store import open_store
-    from stabmon.store.repo import get_metrics
-
-    store = open_store(url)
-    try:
-        with store.session() as session:
-            df = get_metrics(session=session, run_id=run_id)
-    finally:
-        store.close()
-    out: dict[int, dict[str, float]] = {}
-    for step, name, value in df.select("step", "name", "value").iter_rows():
-        out.setdefault(step, {})[name] = value
-    return out
 
 
 class Probe(L.Callback):
