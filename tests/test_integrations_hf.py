@@ -13,6 +13,7 @@ pytest.importorskip("accelerate")
 
 import torch  # noqa: E402
 from store_support import metrics_by_step  # noqa: E402
+from sync_support import SyncCounter  # noqa: E402
 
 from stabmon.checkpoints import STOP_EXIT_CODE  # noqa: E402
 from stabmon.integrations.hf import STATE_FILE, StabmonCallback  # noqa: E402
@@ -177,23 +178,6 @@ def test_gradient_accumulation_gives_one_record_per_optimizer_step(tmp_path: Pat
     # the loss of the whole accumulated batch: neither the sum of micro-batch means nor half of it
     assert records[0].get("loss") == pytest.approx(math.log(VOCAB), rel=0.1)
     assert all(r.get("grad_norm") is not None for r in records)
-
-
-SYNCS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy"}
-
-
-class SyncCounter(torch.overrides.TorchFunctionMode):
-    """Counts host reads of tensors (``.item()``, ``bool()``, ``.tolist()``, ...) by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: dict[str, int] = {}
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", "")
-        if name in SYNCS:
-            self.calls[name] = self.calls.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ L = pytest.importorskip("lightning.pytorch")
 
 import torch  # noqa: E402
 from store_support import metrics_by_step  # noqa: E402
+from sync_support import SyncCounter  # noqa: E402
 
 from stabmon.checkpoints import STOP_EXIT_CODE  # noqa: E402
 from stabmon.integrations.lightning import StabmonCallback  # noqa: E402
@@ -183,23 +184,6 @@ def test_fp16_grad_scaler_overflow_steps_are_recorded_and_overrides_do_not_compo
     assert t.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01)
     clean = [r for r in records if r.get("overflow") == 0.0]
     assert clean and all(math.isfinite(r.get("grad_norm")) for r in clean)
-
-
-SYNCS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy"}
-
-
-class SyncCounter(torch.overrides.TorchFunctionMode):
-    """Counts host reads of tensors (``.item()``, ``bool()``, ``.tolist()``, ...) by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: dict[str, int] = {}
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", "")
-        if name in SYNCS:
-            self.calls[name] = self.calls.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_callback_adds_one_host_read_per_flush_and_none_per_step(tmp_path: Path) -> None:

@@ -10,29 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sync_support import SyncCounter
 from test_monitor import Tiny
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from stabmon.collect.config import ActivationConfig, EmbeddingConfig, MonitorConfig
 from stabmon.monitor import Monitor
 from stabmon.overrides import Overrides
-
-SYNCS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy"}
-
-
-class SyncCounter(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.in_flush = 0
-        self.outside: list[str] = []
-        self.inside: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        name = getattr(func, "__name__", "")
-        if name in SYNCS:
-            (self.inside if self.in_flush else self.outside).append(name)
-        return func(*args, **(kwargs or {}))
 
 
 def _run(
