@@ -50,7 +50,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -83,6 +83,16 @@ class TrainConfig:
     log_every: int = 50
     bad_batches: tuple[int, int] | None = None
     """Batch indices ``[start, stop)`` whose text is replaced by random characters (a corrupted data shard)."""
+    amp: str | None = None
+    """"fp16": the output head (final LayerNorm and logits) under ``torch.autocast`` in float16, gradients
+    through a ``GradScaler`` (None: float32 throughout)."""
+    fault: str | None = None
+    """A fault injected at ``fault_step`` (see :data:`FAULTS`); None: no fault."""
+    fault_step: int = 0
+    """Step at which a one-time fault strikes (the first time the run reaches it; a rollback does not repeat
+    it, as a transient hardware fault would not)."""
+    eval_batches: int = 4
+    """Held-out batches (text drawn with another seed) whose mean loss is :attr:`TrainResult.val_loss`."""
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd", "threads"):
@@ -96,6 +106,12 @@ class TrainConfig:
             raise ValueError(f"config.norm must be 'pre' or 'post', got {self.norm!r}")
         if not self.lr > 0:
             raise ValueError(f"config.lr must be > 0, got {self.lr}")
+        if self.amp not in (None, "fp16"):
+            raise ValueError(f"config.amp must be None or 'fp16', got {self.amp!r}")
+        if self.fault is not None and self.fault not in FAULTS:
+            raise ValueError(f"config.fault must be one of {', '.join(FAULTS)} or None, got {self.fault!r}")
+        if self.fault == "overflow_state" and self.amp != "fp16":
+            raise ValueError("config.fault 'overflow_state' needs config.amp = 'fp16'")
 
 
 UNSTABLE = dict(norm="post", lr=3e-2, warmup=150, clip=None, beta2=0.99, weight_decay=0.05)
@@ -187,14 +203,18 @@ class GPT(nn.Module):
         self.h = nn.ModuleList([Block(c) for _ in range(c.n_layer)])
         self.ln_f = nn.LayerNorm(c.n_embd)
         self.lm_head = nn.Linear(c.n_embd, len(VOCAB), bias=False)
+        self.fp16_head = c.amp == "fp16"
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        # fp16: the output head runs under float16 autocast (the loss itself is computed in float32, as
+        # autocast does); the blocks stay in float32 because float16 matmuls are slow on a CPU
+        with torch.autocast("cpu", dtype=torch.float16, enabled=self.fp16_head and self.training):
+            logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
 
 
 def lr_lambda(c: TrainConfig) -> Callable[[int], float]:
@@ -220,6 +240,41 @@ def build(config: TrainConfig) -> tuple[GPT, torch.optim.Optimizer, Any, Batches
     return model, opt, sched, Batches(make_corpus(config.corpus_chars, config.seed), config)
 
 
+# -- faults --------------------------------------------------------------------------------------------------
+FAULTS = {
+    "corrupt_weight": "silent data corruption: the top exponent bit of 4 weights of the first block's MLP "
+    "flipped (each becomes ~2^128 times larger), once, at fault_step",
+    "overflow_state": "fp16 only: the final LayerNorm's gain multiplied by 2^14, once, at fault_step, so the "
+    "logits overflow float16 on every later step; every update is skipped and the loss scale collapses",
+    "freeze_wpe": "the positional embedding never receives a gradient (OPT-175B's frozen positional "
+    "embeddings): nothing diverges, it just does not learn",
+}
+"""Faults :class:`TrainConfig` can inject (``fault``): each fails the run by construction, for every seed."""
+
+
+class Fault:
+    """Applies ``config.fault`` to the model: one-time state faults at ``fault_step`` (once per process, so a
+    rollback to before it does not repeat it), a frozen parameter on every step."""
+
+    def __init__(self, config: TrainConfig, model: GPT) -> None:
+        self.kind, self.step, self.model, self.fired = config.fault, config.fault_step, model, False
+        self.gen = torch.Generator().manual_seed(config.seed + 3)
+        if self.kind == "freeze_wpe":
+            model.wpe.weight.requires_grad_(False)
+
+    @torch.no_grad()
+    def before_step(self, step: int) -> None:
+        if self.fired or step != self.step or self.kind not in ("corrupt_weight", "overflow_state"):
+            return
+        self.fired = True
+        if self.kind == "corrupt_weight":  # flip the top exponent bit: |w| < 2 becomes |w| x 2^128
+            bits = self.model.h[0].mlp[0].weight.view(-1).view(torch.int32)
+            hit = torch.randperm(bits.numel(), generator=self.gen)[:4]
+            bits[hit] ^= 1 << 30
+        else:
+            self.model.ln_f.weight.mul_(2.0**14)
+
+
 # -- training ------------------------------------------------------------------------------------------------
 @dataclass
 class TrainResult:
@@ -228,6 +283,10 @@ class TrainResult:
     seconds: float = 0.0
     exit_code: int = 0
     monitor: Any = None
+    val_loss: float = float("nan")
+    """Mean loss of the final model on held-out batches (inf when it is not finite)."""
+    stopped_at: int | None = None
+    """The step at which the run was stopped (by the monitor or a peer's response); None: it ran to the end."""
 
     @property
     def final_loss(self) -> float:
@@ -242,14 +301,30 @@ class TrainResult:
         )
 
 
-MonitorFactory = Callable[[nn.Module, torch.optim.Optimizer, Any], Any]
+MonitorFactory = Callable[..., Any]
+"""``(model, optimizer, scheduler) -> Monitor``; with ``config.amp`` it is also given ``scaler=``."""
 
 
-def train(config: TrainConfig, monitor: MonitorFactory | None = None) -> TrainResult:
-    """Train; with ``monitor`` (a factory ``(model, optimizer, scheduler) -> Monitor``) the loop is monitored
-    and the monitor clips. Losses are read back every ``log_every`` steps only (the monitor reads nothing)."""
+class Response(Protocol):
+    """What an unmonitored loop does about instability itself (a peer's automatic response): called after
+    the gradients are ready (unscaled), it may clip them and answers ``"step"``, ``"skip"`` (drop this update)
+    or ``"stop"`` (end the run). Unless it ``clips`` itself, the recipe's own ``config.clip`` applies first."""
+
+    clips: bool
+
+    def on_step(self, step: int, loss: torch.Tensor, model: nn.Module) -> str: ...
+
+
+def train(config: TrainConfig, monitor: MonitorFactory | None = None, response: Response | None = None) -> TrainResult:
+    """Train; with ``monitor`` (see :data:`MonitorFactory`) the loop is monitored and the monitor clips;
+    with ``response`` (unmonitored only) a peer's automatic response acts instead of the configured clip.
+    Losses are read back every ``log_every`` steps only (the monitor reads nothing)."""
     model, opt, sched, batches = build(config)
-    mon = monitor(model, opt, sched) if monitor is not None else None
+    scaler = torch.amp.GradScaler("cpu") if config.amp == "fp16" else None
+    mon = None
+    if monitor is not None:
+        mon = monitor(model, opt, sched, scaler=scaler) if scaler is not None else monitor(model, opt, sched)
+    fault = Fault(config, model)
     result, pending = TrainResult(monitor=mon), []
     t0 = time.perf_counter()
     steps = mon.steps(batches, max_steps=config.steps) if mon is not None else enumerate(batches)
@@ -257,28 +332,78 @@ def train(config: TrainConfig, monitor: MonitorFactory | None = None) -> TrainRe
         for step, (x, y) in steps:
             if step >= config.steps:
                 break
+            fault.before_step(step)
             loss = model(x, y)
-            loss.backward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            pending.append(loss.detach().float())
+            result.steps += 1
             if mon is not None:
                 mon.observe(loss=loss, tokens=x.numel())
-            elif config.clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip, foreach=True)
-            opt.step()
+            elif not _unmonitored_update(config, model, opt, scaler, response, step, loss):
+                result.stopped_at = step
+                break
+            if mon is None or not mon.should_stop:
+                _optimizer_step(opt, scaler)
             sched.step()
             opt.zero_grad(set_to_none=True)
-            pending.append(loss.detach())
-            if len(pending) == config.log_every or step == config.steps - 1:
+            if len(pending) == config.log_every:
                 result.losses.extend(torch.stack(pending).tolist())
                 pending = []
-            result.steps += 1
     finally:
         if pending:
             result.losses.extend(torch.stack(pending).tolist())
         if mon is not None:
             mon.close()
             result.exit_code = mon.exit_code
+            if mon.should_stop:
+                result.stopped_at = mon.step
     result.seconds = time.perf_counter() - t0
+    result.val_loss = evaluate(model, config)
     return result
+
+
+def _unmonitored_update(
+    config: TrainConfig, model: GPT, opt: Any, scaler: Any, response: Response | None, step: int, loss: Any
+) -> bool:
+    """Clip (or let ``response`` act); False when the response stops the run. A skipped update zeroes the
+    gradients, so the optimizer step that follows changes nothing (AdamW skips parameters without one)."""
+    if scaler is not None:
+        scaler.unscale_(opt)
+    if config.clip is not None and not (response is not None and response.clips):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip, foreach=True)
+    if response is None:
+        return True
+    action = response.on_step(step, loss.detach(), model)
+    if action == "stop":
+        return False
+    if action == "skip":
+        opt.zero_grad(set_to_none=True)
+    return True
+
+
+def _optimizer_step(opt: torch.optim.Optimizer, scaler: Any) -> None:
+    if scaler is None:
+        opt.step()
+        return
+    if any(p.grad is not None for g in opt.param_groups for p in g["params"]):
+        scaler.step(opt)
+        scaler.update()
+    else:  # a skipped update: nothing to step, and the scaler saw no overflow
+        scaler.update()
+
+
+@torch.no_grad()
+def evaluate(model: GPT, config: TrainConfig) -> float:
+    """Mean loss on ``config.eval_batches`` held-out batches (text drawn with another seed); inf when the
+    model's output is not finite."""
+    held_out = dataclasses.replace(config, seed=config.seed + 10_000, bad_batches=None, steps=config.eval_batches)
+    data = make_corpus(max(20 * config.block_size * config.batch_size, 20_000), held_out.seed)
+    was_training = model.training
+    model.eval()
+    losses = [model(x, y) for _, (x, y) in zip(range(config.eval_batches), Batches(data, held_out))]
+    model.train(was_training)
+    value = float(torch.stack(losses).mean())
+    return value if math.isfinite(value) else math.inf
 
 
 def main(argv: list[str] | None = None) -> int:

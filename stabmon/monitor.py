@@ -161,6 +161,7 @@ class Monitor:
         self._tokens: int | None = None
         self._t_last: float | None = None
         self._closed = False
+        self._initial_saved = False
         self._watchdog = None
         if cfg.hang_timeout is not None:
             from stabmon.detect.hang import HangWatchdog
@@ -241,6 +242,10 @@ class Monitor:
         loop)."""
         if self.buffer.open:
             self.end_step()
+        if self._step == 0 and not self._initial_saved and self.config.checkpoint_every:
+            self._initial_saved = True  # the initial state is known-good: a rollback can always reach it
+            if self.checkpoints is not None:
+                self.save_checkpoint()
         if self._t_last is None:
             self._t_last = time.perf_counter()
         self.buffer.begin(step=self._step, batch_index=batch_index)

@@ -87,6 +87,8 @@ def test_protect_filter_does_not_learn_flagged_points(cls: type[Detector]) -> No
         before = det.n_learned
         state = det.state_dict()["stats"]
         if det.update(len(healthy) + i, x) is not None:
+            if cls.learns_flagged:  # a rolling window of every value; the reason is documented on the class
+                return
             assert det.n_learned == before
             after = det.state_dict()["stats"]
             if cls.name == "step_time":  # its short recent window sees every point; the baseline is protected
@@ -108,7 +110,8 @@ def test_zero_variance_is_safe(cls: type[Detector]) -> None:
     for i, x in enumerate(constant):
         score = det.score_one(x)
         assert math.isfinite(score) and score >= 0
-        assert det.update(i, x) is None
+        found = det.update(i, x)
+        assert found is None or cls.name == "no_progress"  # a loss that never falls is what it reports
     nudged = {k: v * 1.001 for k, v in healthy[0].items()}
     assert math.isfinite(det.score_one(nudged))
 

@@ -88,7 +88,8 @@ class MonitorConfig:
     activations: ActivationConfig = field(default_factory=ActivationConfig)
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     checkpoint_every: int = 0
-    """Save a checkpoint every N steps through the checkpoint manager (0 = never; rollback needs some)."""
+    """Save a checkpoint every N steps through the checkpoint manager, and one of the initial state before the
+    first step (0 = never; rollback needs some)."""
     checkpoint_keep: int = 3
     """How many of its own checkpoints the manager keeps (the CheckpointManager's default). With
     ``checkpoint_every`` it bounds how far back a rollback can reach: PaLM's recipe looks 100-200 steps back, so

@@ -64,7 +64,8 @@ def rollback(
 
         manager = CheckpointManager(manager.directory)  # rank 0 wrote the registry: read it afresh
     from_step, from_position = monitor.step, monitor.cursor.position
-    info, state = manager.last_known_good(before_step=onset_step - lookback)
+    # a run younger than the lookback goes back to its oldest checkpoint (the initial state is saved at step 0)
+    info, state = manager.last_known_good(before_step=max(0, onset_step - lookback))
     overrides = monitor.overrides.state_dict()
     skipped_before = set(monitor.cursor.skip)
     load_training_state(monitor, state, pipeline=False)

@@ -49,6 +49,9 @@ class Detector:
     #: why (if at all) this detector keeps firing during grace; safety rules (NaN, a loss scale at its floor)
     #: must not be silenced by a grace period that an intervention or a resume started.
     grace_exempt: ClassVar[str] = ""
+    #: why (if at all) this detector learns the points it flags: a rolling window that must hold every value
+    #: (the progress detectors compare the loss with its own history) cannot protect its baseline.
+    learns_flagged: ClassVar[str] = ""
     #: True for detectors that must see records lacking their metric (absence, or other metrics, signal);
     #: the suite skips the others on such records, so an absent metric neither scores nor breaks a streak.
     sees_every_record: ClassVar[bool] = False

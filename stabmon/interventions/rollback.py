@@ -28,11 +28,15 @@ from stabmon.interventions.base import Intervention, Params
 class RollbackParams(Params):
     """``lookback``: how many steps before the onset the checkpoint must have been saved (>= 0).
     ``skip_batches``: how many batches to skip after restoring (>= 0).
+    ``lr_factor``: restart with the learning-rate scale in force multiplied by this (``0.5`` = "roll back and
+    halve the LR"; with the rung's ``repeat`` it keeps halving while the instability recurs). None: the LR in
+    force is kept.
     ``checkpoint_dir``: where the checkpoints are, when not the monitor's own directory; must exist.
     ``onset_step``: set by the engine."""
 
     lookback: int = Field(default=100, ge=0)
     skip_batches: int = Field(default=0, ge=0)
+    lr_factor: float | None = Field(default=None, gt=0, le=1)
     checkpoint_dir: str | None = None
     onset_step: int | None = None
 
@@ -56,6 +60,9 @@ class Rollback(Intervention):
     >>> rec = Rollback(T(), {"onset_step": 850, "skip_batches": 200}, decision_id="d").apply()
     >>> rec.before["step"], rec.after["restored_step"]
     (900, 700)
+    >>> t = T(); rec = Rollback(t, {"onset_step": 850, "lr_factor": 0.5}, decision_id="d").apply()
+    >>> rec.before["lr_scale"], rec.after["lr_scale"], t.overrides.lr_scale
+    (1.0, 0.5, 0.5)
     """
 
     name = "rollback"
@@ -70,6 +77,11 @@ class Rollback(Intervention):
         kwargs: dict[str, Any] = {"onset_step": onset, "lookback": p.lookback, "skip_batches": p.skip_batches}
         if p.checkpoint_dir is not None:
             kwargs["checkpoint_dir"] = p.checkpoint_dir
-        result = self.target.rollback(**kwargs)
+        result = dict(self.target.rollback(**kwargs))
         before = {"step": before_step, "onset_step": onset, "lookback": p.lookback}
-        return before, dict(result)
+        if p.lr_factor is not None:  # restart with a lower LR: the one recipe change this rung makes
+            overrides = self.target.overrides
+            before["lr_scale"] = overrides.lr_scale
+            overrides.lr_scale = overrides.lr_scale * p.lr_factor
+            result["lr_scale"] = overrides.lr_scale
+        return before, result

@@ -215,8 +215,11 @@ class ZClip:
         self.buffer: list[float] = []
         self.mean: float | None = None
         self.var: float | None = None
+        self.clip_to: float | None = None
+        """The norm ZClip clips the last update's gradient to (None: no clipping on that step)."""
 
     def update(self, record: StepRecord) -> bool:
+        self.clip_to = None
         g = record.get(Metric.GRAD_NORM)
         if g is None:
             return False
@@ -231,6 +234,7 @@ class ZClip:
         z = (g - self.mean) / (std + self.eps)
         spike = z > self.z_thresh
         effective = self.mean + (self.z_thresh * std) / (z / self.z_thresh) if spike else g
+        self.clip_to = effective if spike else None
         self.mean = self.alpha * self.mean + (1 - self.alpha) * effective
         self.var = self.alpha * self.var + (1 - self.alpha) * (effective - self.mean) ** 2
         return bool(spike)

@@ -124,6 +124,10 @@ class Engine:
             # the change acts from the target's step at application; records of earlier steps still to come
             # (the rest of a live monitor's flush) were measured before it and are not part of its window
             inc["effective_step"] = record.step
+        elif "error" not in record.after and not record.after.get("simulated"):
+            # a live rollback rewound the step counter: records still to come from the abandoned timeline (the
+            # rest of the flush) are not part of its window, which starts at the restored step
+            inc["await_step"] = record.step
         if "error" in record.after:
             inc["error"] = str(record.after["error"])
 
@@ -185,6 +189,10 @@ class Engine:
         eff = inc.get("effective_step")
         if eff is not None and record.step < eff and inc.get("error") is None:
             return []
+        if inc.get("await_step") is not None:
+            if record.step != inc["await_step"]:
+                return []
+            inc["await_step"] = None
         rule = self.runbook.rule(inc["rule"])
         matched = sum(1 for a in anomalies if rule.when.matches(a))
         signal = record.get(inc["metric"])
@@ -222,6 +230,11 @@ class Engine:
         if ok:
             self._close()
             return [outcome(Verdict.RESOLVED)]
+        attempt = inc.get("attempt", 1)
+        if attempt < rung.repeat and inc.get("error") is None:
+            inc["attempt"] = attempt + 1  # the same rung again, on top of the last attempt
+            evidence["attempt"] = attempt
+            return [outcome(Verdict.ESCALATED)] + self._issue_rung(step)
         has_next = inc["rung"] + 1 < len(rule.ladder)
         if rung.on_failure == "stop":
             out: list[Decision | Outcome] = [outcome(Verdict.STOPPED)]
@@ -234,6 +247,7 @@ class Engine:
             out = [outcome(Verdict.ESCALATED if has_next else Verdict.EXHAUSTED)]
         if has_next:
             inc["rung"] += 1
+            inc["attempt"] = 1
             return out + self._issue_rung(step)
         self._close()
         return out
@@ -284,6 +298,8 @@ class Engine:
         if rung.action == "rollback":
             params["onset_step"] = inc["onset_step"]
         reason = f"{inc['trigger']}; rung {inc['rung'] + 1}/{len(rule.ladder)} of rule {rule.name}"
+        if rung.repeat > 1:
+            reason += f" (attempt {inc.get('attempt', 1)} of {rung.repeat})"
         return [self._propose_or_apply(rung.action, params, step, reason)]
 
     def _issue_stop(self, step: int) -> list[Decision | Outcome]:
@@ -322,7 +338,7 @@ class Engine:
         if decision.action != "alert_only":
             self._budget.append(self._tick)
         inc.update(phase="observing", decision=_plain(decision), window=[], intervention_id=None, error=None,
-                   effective_step=None)
+                   effective_step=None, await_step=None)
 
     def _decision(self, action: str, params: dict[str, Any], status: DecisionStatus, step: int,
                   reason: str) -> Decision:

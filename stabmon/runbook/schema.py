@@ -16,6 +16,10 @@ A runbook maps anomalies to ladders of interventions::
             observe: 100
             success: {quiet_steps: 50, loss_within: 0.1}
             on_failure: next       # next | revert | stop
+          - action: scale_lr
+            params: {factor: 0.5}
+            observe: 50
+            repeat: 4              # halve again while the incident persists: down to 1/16
 
 Each rung's ``params`` are validated by the intervention's own parameter model (see
 :mod:`stabmon.interventions`), so an unknown action or a wrong parameter type fails at load time. Load
@@ -89,12 +93,19 @@ class _RungBase(_Strict):
     on_failure: Literal["next", "revert", "stop"] = "next"
     """next: keep the change and go to the next rung; revert: undo it, then the next rung; stop: checkpoint
     and stop the run."""
+    repeat: int = Field(default=1, ge=1)
+    """How many times the rung is tried while the incident persists: each attempt applies the change again on
+    top of the last one and is judged on its own window, so ``scale_lr {factor: 0.5}`` with ``repeat: 5``
+    keeps halving the LR (down to 1/32) until the run is quiet. ``on_failure`` applies after the last
+    attempt; an attempt that failed to apply (an error) is not repeated."""
 
     @model_validator(mode="after")
     def _consistent(self) -> _RungBase:
         cls = INTERVENTIONS[self.action]  # type: ignore[attr-defined]
         if self.on_failure == "revert" and not cls.revertible:
             raise ValueError(f"on_failure: revert is impossible, {cls.name} cannot be reverted")
+        if self.repeat > 1 and self.on_failure == "revert":
+            raise ValueError("repeat: a rung that is reverted on failure cannot be repeated (use next or stop)")
         if self.success.quiet_steps is not None and self.success.quiet_steps > self.observe:
             raise ValueError(f"success.quiet_steps ({self.success.quiet_steps}) exceeds observe "
                              f"({self.observe})")

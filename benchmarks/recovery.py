@@ -1,0 +1,266 @@
+"""Rescue rate: what stabmon's runbooks save, beside the peers' automatic responses, on scenarios that fail
+for certain (``examples/scenarios.py``).
+
+For each scenario and seed, on the same batches: the healthy reference (the same run without its fault), the
+run left alone, stabmon in apply mode with each shipped runbook, and each peer's automatic response
+(``benchmarks/peers.py``). A run is *rescued* when its final held-out loss is finite and within 10% of the same
+seed's healthy run; *wasted steps* are steps trained again after rollbacks, plus skipped batches and skipped
+updates, as a percentage of the run; a *false intervention* is any action that changed training on a healthy
+control.
+
+    python benchmarks/recovery.py                         # 7 scenarios x 5 seeds (0-4) x 9 arms
+    python benchmarks/recovery.py --first-seed 5 --jobs 2 --json recovery.json
+    python benchmarks/recovery.py --scenarios bad-shard,healthy --arms unmonitored,stabmon:default
+    python benchmarks/recovery.py --sweep --seeds 10      # the learning-rate sweep behind lr-too-high
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+from collections import defaultdict
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
+
+import scenarios as sc  # noqa: E402
+import tiny_gpt  # noqa: E402
+from peers import PEERS  # noqa: E402
+
+RUNBOOKS = ("default", "opt175b", "palm-rollback")
+ARMS = ("unmonitored", *(f"stabmon:{r}" for r in RUNBOOKS), *PEERS)
+RESCUE_TOLERANCE = 0.10
+CHECKPOINT_EVERY = 25
+
+
+@dataclass
+class Row:
+    scenario: str
+    seed: int
+    arm: str
+    healthy_control: bool
+    rescuable: bool
+    failed_unmonitored: bool
+    rescued: bool
+    final_loss: float
+    healthy_loss: float
+    unmonitored_loss: float
+    worse_than_unmonitored: bool
+    stopped_at: int | None
+    wasted_steps_pct: float
+    detect_step: int | None
+    interventions: int
+    false_interventions: int
+    actions: list[str]
+    seconds: float
+
+
+def monitored(config: tiny_gpt.TrainConfig, runbook: str, ckpt: str) -> tiny_gpt.TrainResult:
+    from stabmon.monitor import Monitor, MonitorConfig
+
+    def factory(model: Any, opt: Any, sched: Any, scaler: Any = None) -> Monitor:
+        return Monitor(model, opt, scheduler=sched, scaler=scaler, store=None, runbook=runbook, mode="apply",
+                       checkpoint_dir=ckpt, run_name=f"recovery-{runbook}",
+                       config=MonitorConfig(clip=config.clip, checkpoint_every=CHECKPOINT_EVERY,
+                                            checkpoint_keep=config.steps // CHECKPOINT_EVERY + 1,
+                                            hang_timeout=None))
+
+    return tiny_gpt.train(config, monitor=factory)
+
+
+def _stabmon_facts(result: tiny_gpt.TrainResult, steps: int) -> dict[str, Any]:
+    mon = result.monitor
+    kinds = [type(e).__name__ for e in mon.events]
+    changes = [e for e in mon.events if type(e).__name__ == "InterventionRecord" and e.changed_training]
+    decisions = [e for e in mon.events if type(e).__name__ == "Decision"]
+    recomputed = result.steps - min(mon.step, steps)
+    return {
+        "wasted": recomputed + len(mon.cursor.skip),
+        "detect_step": decisions[0].step if decisions else None,
+        "interventions": len(changes),
+        "actions": [f"{e.action}@{e.step}" for e in decisions if e.action != "revert"][:12],
+        "events": len(kinds),
+    }
+
+
+class _Counting:
+    """Wraps a peer response to count what it did (skips, stops, clipped steps) and when it first acted."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.clips, self.acted, self.skips, self.first = inner, inner.clips, 0, 0, None
+
+    def on_step(self, step: int, loss: Any, model: Any) -> str:
+        clip_to = getattr(getattr(self.inner, "rule", None), "clip_to", "n/a")
+        action = self.inner.on_step(step, loss, model)
+        adaptive_clip = clip_to != "n/a" and getattr(self.inner.rule, "clip_to", None) is not None
+        if action != "step" or adaptive_clip:
+            self.acted += 1
+            self.first = step if self.first is None else self.first
+        self.skips += action == "skip"
+        return action
+
+
+def run_arm(arm: str, config: tiny_gpt.TrainConfig) -> tuple[tiny_gpt.TrainResult, dict[str, Any]]:
+    if arm == "unmonitored":
+        result = tiny_gpt.train(config)
+        return result, {"wasted": 0, "detect_step": None, "interventions": 0, "actions": []}
+    if arm.startswith("stabmon:"):
+        with tempfile.TemporaryDirectory(prefix="stabmon-recovery-") as ckpt:
+            result = monitored(config, arm.split(":", 1)[1], ckpt)
+        return result, _stabmon_facts(result, config.steps)
+    response = _Counting(PEERS[arm](config.steps))
+    result = tiny_gpt.train(config, response=response)
+    actions = [f"{'stop' if result.stopped_at is not None else arm}@{response.first}"] if response.first else []
+    return result, {"wasted": response.skips, "detect_step": response.first, "interventions": response.acted,
+                    "actions": actions}
+
+
+def run_case(scenario: str, seed: int, arms: Iterable[str]) -> list[Row]:
+    """Every arm of one (scenario, seed); the healthy reference and the unmonitored run first."""
+    import torch
+
+    torch.set_num_threads(1)
+    s = sc.scenario(scenario)
+    healthy = tiny_gpt.train(s.healthy_config(seed)).val_loss
+    config = s.config(seed)
+    base, _ = run_arm("unmonitored", config)
+    failed = not _within(base.val_loss, healthy)
+    rows = []
+    for arm in arms:
+        result, facts = (base, {"wasted": 0, "detect_step": None, "interventions": 0, "actions": []}) \
+            if arm == "unmonitored" else run_arm(arm, config)
+        stopped = result.stopped_at is not None
+        rows.append(Row(
+            scenario=scenario, seed=seed, arm=arm, healthy_control=s.healthy, rescuable=s.rescuable,
+            failed_unmonitored=failed, rescued=_within(result.val_loss, healthy), final_loss=result.val_loss,
+            healthy_loss=healthy, unmonitored_loss=base.val_loss,
+            worse_than_unmonitored=not stopped and result.val_loss > base.val_loss * 1.02 + 1e-9,
+            stopped_at=result.stopped_at, wasted_steps_pct=100.0 * facts["wasted"] / config.steps,
+            detect_step=facts["detect_step"], interventions=facts["interventions"],
+            false_interventions=facts["interventions"] if s.healthy else 0, actions=facts["actions"],
+            seconds=round(result.seconds, 2)))
+    return rows
+
+
+def _within(loss: float, healthy: float) -> bool:
+    return math.isfinite(loss) and loss <= healthy * (1 + RESCUE_TOLERANCE)
+
+
+# -- reporting ------------------------------------------------------------------------------------------------
+def table(rows: list[Row], arms: list[str]) -> list[str]:
+    out = [f"{'scenario':<18} {'arm':<24} {'failed':>6} {'rescued':>8} {'worse':>5} {'stops':>5} "
+           f"{'wasted%':>8} {'detect':>7} {'interv':>6}  final loss (healthy)"]
+    by = defaultdict(list)
+    for r in rows:
+        by[(r.scenario, r.arm)].append(r)
+    for scenario in dict.fromkeys(r.scenario for r in rows):
+        for arm in arms:
+            rs = by[(scenario, arm)]
+            if not rs:
+                continue
+            detect = [r.detect_step for r in rs if r.detect_step is not None]
+            failed = [r for r in rs if r.failed_unmonitored]
+            rescued = sum(r.rescued for r in failed)
+            loss = statistics.median(r.final_loss for r in rs)
+            healthy = statistics.median(r.healthy_loss for r in rs)
+            out.append(
+                f"{scenario:<18} {arm:<24} {len(failed):>3}/{len(rs):<2} {rescued:>5}/{len(failed):<2} "
+                f"{sum(r.worse_than_unmonitored for r in rs):>5} {sum(r.stopped_at is not None for r in rs):>5} "
+                f"{statistics.mean(r.wasted_steps_pct for r in rs):>8.1f} "
+                f"{(str(int(statistics.median(detect))) if detect else '-'):>7} "
+                f"{statistics.mean(r.interventions for r in rs):>6.1f}  {loss:.3f} ({healthy:.3f})")
+        out.append("")
+    return out
+
+
+def summary(rows: list[Row], arms: list[str]) -> list[str]:
+    out = [f"{'arm':<24} {'rescue rate':>16} {'worse':>6} {'false interv.':>14} {'wasted% (rescued)':>18}"]
+    for arm in arms:
+        rs = [r for r in rows if r.arm == arm]
+        pool = [r for r in rs if r.failed_unmonitored and r.rescuable and not r.healthy_control]
+        rescued = [r for r in pool if r.rescued]
+        rate = f"{len(rescued)}/{len(pool)} ({100 * len(rescued) / len(pool):.0f}%)" if pool else "-"
+        wasted = f"{statistics.mean(r.wasted_steps_pct for r in rescued):.1f}" if rescued else "-"
+        out.append(f"{arm:<24} {rate:>16} {sum(r.worse_than_unmonitored for r in rs):>6} "
+                   f"{sum(r.false_interventions for r in rs):>14} {wasted:>18}")
+    return out
+
+
+# -- the sweep behind lr-too-high -----------------------------------------------------------------------------
+def sweep_case(seed: int, lrs: list[float], warmups: list[int]) -> list[dict[str, Any]]:
+    import torch
+
+    torch.set_num_threads(1)
+    healthy = tiny_gpt.train(sc.healthy_config("healthy", seed)).val_loss
+    out = []
+    for warmup in warmups:
+        for lr in lrs:
+            loss = tiny_gpt.train(sc.scenario("healthy").config(seed, lr=lr, warmup=warmup)).val_loss
+            out.append({"seed": seed, "lr": lr, "warmup": warmup, "val_loss": loss, "healthy": healthy,
+                        "failed": not _within(loss, healthy)})
+    return out
+
+
+def sweep(seeds: list[int], jobs: int) -> list[dict[str, Any]]:
+    lrs, warmups = [3e-3, 1e-2, 3e-2, 1e-1, 0.2, 0.3, 1.0], [sc.BASE["warmup"], sc.BASE["steps"]]
+    with ProcessPoolExecutor(jobs) as pool:
+        results = [r for rs in pool.map(sweep_case, seeds, [lrs] * len(seeds), [warmups] * len(seeds)) for r in rs]
+    print(f"{'warmup':>6} {'peak lr':>8} {'x stable':>8} {'failed':>8}  val loss per seed")
+    for warmup in warmups:
+        for lr in lrs:
+            rs = [r for r in results if r["lr"] == lr and r["warmup"] == warmup]
+            losses = " ".join(f"{r['val_loss']:.2f}" for r in rs)
+            print(f"{warmup:>6} {lr:>8.3g} {lr / 3e-3:>8.0f} {sum(r['failed'] for r in rs):>5}/{len(rs):<2}  {losses}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=5, help="seeds per scenario (default 5)")
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=1, help="parallel processes")
+    p.add_argument("--json", type=Path, default=None, help="write one object per (scenario, seed, arm)")
+    p.add_argument("--scenarios", default=",".join(sc.SCENARIOS), help="comma-separated scenario names")
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms")
+    p.add_argument("--sweep", action="store_true", help="run the learning-rate sweep instead")
+    args = p.parse_args(argv)
+    if args.seeds < 1 or args.jobs < 1:
+        p.error("--seeds and --jobs must be >= 1")
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    if args.sweep:
+        results = sweep(seeds, args.jobs)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+        return 0
+    names = [n for n in args.scenarios.split(",") if n]
+    arms = [a for a in args.arms.split(",") if a]
+    for name in names:
+        if name not in sc.SCENARIOS:
+            p.error(f"--scenarios: unknown scenario {name!r} (known: {', '.join(sc.SCENARIOS)})")
+    for arm in arms:
+        if arm not in ARMS:
+            p.error(f"--arms: unknown arm {arm!r} (known: {', '.join(ARMS)})")
+    cases = [(n, s) for n in names for s in seeds]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        rows = [r for rs in pool.map(run_case, *zip(*cases), [arms] * len(cases)) for r in rs]
+    print(f"recovery: {len(names)} scenarios x seeds {seeds[0]}-{seeds[-1]} x {len(arms)} arms; rescued = final "
+          f"held-out loss within {RESCUE_TOLERANCE:.0%} of the same seed's healthy run\n")
+    print("\n".join(table(rows, arms)))
+    print("rescue rate over the runs that failed unmonitored (rescuable scenarios):")
+    print("\n".join(summary(rows, arms)))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
