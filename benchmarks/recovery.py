@@ -71,7 +71,7 @@ def monitored(config: tiny_gpt.TrainConfig, runbook: str, ckpt: str) -> tiny_gpt
         return Monitor(model, opt, scheduler=sched, scaler=scaler, store=None, runbook=runbook, mode="apply",
                        checkpoint_dir=ckpt, run_name=f"recovery-{runbook}",
                        config=MonitorConfig(clip=config.clip, checkpoint_every=CHECKPOINT_EVERY,
-                                            checkpoint_keep=config.steps // CHECKPOINT_EVERY + 1,
+                                            checkpoint_keep=40,
                                             hang_timeout=None))
 
     return tiny_gpt.train(config, monitor=factory)
@@ -85,11 +85,21 @@ def _stabmon_facts(result: tiny_gpt.TrainResult, steps: int) -> dict[str, Any]:
     recomputed = result.steps - min(mon.step, steps)
     return {
         "wasted": recomputed + len(mon.cursor.skip),
-        "detect_step": decisions[0].step if decisions else None,
+        "detect_step": detect_step(mon.anomalies),
         "interventions": len(changes),
         "actions": [f"{e.action}@{e.step}" for e in decisions if e.action != "revert"][:12],
         "events": len(kinds),
     }
+
+
+def detect_step(anomalies: list[Any]) -> int | None:
+    """The first anomaly at error severity or above (what runbooks act on); where there is none, the first
+    warning other than a slow step (the only level a frozen embedding or a drift reaches)."""
+    from stabmon.events import Severity
+
+    errors = [a.step for a in anomalies if a.severity >= Severity.ERROR]
+    warnings = [a.step for a in anomalies if a.kind != "step_time"]
+    return errors[0] if errors else (warnings[0] if warnings else None)
 
 
 class _Counting:
@@ -251,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--arms: unknown arm {arm!r} (known: {', '.join(ARMS)})")
     cases = [(n, s) for n in names for s in seeds]
     with ProcessPoolExecutor(args.jobs) as pool:
-        rows = [r for rs in pool.map(run_case, *zip(*cases), [arms] * len(cases)) for r in rs]
+        rows = [r for rs in pool.map(run_case, [n for n, _ in cases], [s for _, s in cases], [arms] * len(cases))
+                for r in rs]
     print(f"recovery: {len(names)} scenarios x seeds {seeds[0]}-{seeds[-1]} x {len(arms)} arms; rescued = final "
           f"held-out loss within {RESCUE_TOLERANCE:.0%} of the same seed's healthy run\n")
     print("\n".join(table(rows, arms)))

@@ -86,7 +86,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "weight-corruption",
             "Silent data corruption (BLOOM, Megatron's re-run checks, Llama 3's faulty GPUs): at step 100, 16 "
-            "weights of the first block's MLP get exponent bits flipped (x2^20); the run never recovers",
+            "weights of the first block's MLP get their top exponent bit flipped (x2^128): NaN from then on",
             {"fault": "corrupt_weight", "fault_step": 100},
         ),
         Scenario(

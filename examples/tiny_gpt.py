@@ -7,36 +7,16 @@ one CPU thread (about 30-40 ms a step on a laptop core).
 Stable setting (the default): pre-LayerNorm blocks, peak lr 3e-3 after a 50-step warm-up, weight decay 0.1,
 gradient clipping at 1.0. The loss falls from 2.6 to about 1.6 in 600 steps and stays there.
 
-Unstable setting (``--unstable``, :data:`UNSTABLE`): the optimizer a large run starts with before its logbook
-fills up (OPT-175B began with clipping 2.5, beta2 0.98, weight decay 0.05), on the original Transformer's
-post-LayerNorm blocks: no gradient clipping, Adam's beta2 0.99, weight decay 0.05, and a peak learning rate of
-3e-2 (ten times the stable one) reached after a 150-step warm-up. Post-LN blocks have no normalisation between
-the residual stream and the updates, so their largest stable step size is small. While the learning rate warms
-up the run is fine (loss ~1.6 at step 150); near the peak the updates overshoot: the gradient norm starts
-jumping to 2-4x its level (steps ~155-168; the default detectors flag it as a spike at step 168), nothing
-clips it, the loss blows up one to three steps later (steps 169-171) and the model collapses towards
-predicting character frequencies (loss ~2.3). It creeps back only slowly under the decaying schedule and ends
-about 2.0. The changes of the OPT ladder each act on this: clipping bounds the overshooting gradients, beta2
-0.95 makes Adam's step size follow the gradient scale within ~20 steps instead of ~100, and a lower learning
-rate moves the run back under its stable step size. Applied to the collapsed model they do not bring it back
-within a few dozen steps; from a checkpoint saved before the onset (the ladder's last rung rolls back and
-keeps the changes in force) the same data trains normally, to a loss below the stable setting's. Seeded and
-single-threaded, so the same steps every time. The setting sits at the edge of stability, and whether it tips
-over depends on the seed: with the default seed (1337) it diverges as described; with seeds 1, 2 and 3 the
-same settings come through noisy but whole (final loss ~1.53), and with seed 1337 so does beta2 0.999 or a
-200-step warm-up. That is the honest shape of such instabilities (a large run diverges on one data order and
-not on another), and why the tests pin the seed.
-
-Bad-data setting (``--bad-data``, :data:`BAD_DATA`): the stable setting, but batches 300-309 are random
-characters, as if a data shard were corrupted. The loss and gradient norm spike on those batches; PaLM's answer
-(runbook ``palm-rollback``) is to restore a checkpoint from before the spike and skip the batches.
+The ways it goes wrong live in ``scenarios.py`` beside this file: a learning rate far too high, a corrupted
+data shard, an fp16 loss-scale collapse, a silently corrupted weight, a frozen positional embedding, a slow
+drift into divergence, each failing for every seed when nobody intervenes (by an injected fault, :data:`FAULTS`,
+or by a setting far past the edge of stability). ``benchmarks/recovery.py`` measures what the runbooks rescue.
 
 Run it::
 
-    python examples/tiny_gpt.py                       # stable, unmonitored
-    python examples/tiny_gpt.py --unstable --db sqlite:///tiny.db --runbook opt175b --mode apply \
-        --checkpoint-dir tiny-ckpt
-    python examples/tiny_gpt.py --bad-data --db sqlite:///tiny.db --runbook palm-rollback --mode apply \
+    python examples/tiny_gpt.py                                   # stable, unmonitored
+    python examples/tiny_gpt.py --scenario lr-too-high            # a scenario, unmonitored: it fails
+    python examples/tiny_gpt.py --scenario bad-shard --db sqlite:///tiny.db --runbook default --mode apply \
         --checkpoint-dir tiny-ckpt
 """
 
@@ -44,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import random
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -61,7 +43,7 @@ VOCAB = "0123456789+=;"
 
 @dataclass
 class TrainConfig:
-    """Everything the example trains with; ``--unstable`` swaps in :data:`UNSTABLE`."""
+    """Everything the example trains with (the scenarios of ``scenarios.py`` change some fields)."""
 
     steps: int = 600
     batch_size: int = 16
@@ -114,19 +96,6 @@ class TrainConfig:
             raise ValueError("config.fault 'overflow_state' needs config.amp = 'fp16'")
 
 
-UNSTABLE = dict(norm="post", lr=3e-2, warmup=150, clip=None, beta2=0.99, weight_decay=0.05)
-"""The documented unstable setting: post-LN blocks, a peak learning rate ten times the stable one, a slow
-Adam second moment (beta2 0.99), no clipping, weight decay 0.05."""
-
-
-BAD_DATA = dict(bad_batches=(300, 310))
-"""The documented bad-data setting: ten batches of random characters (a corrupted shard) at batch 300."""
-
-
-def unstable(config: TrainConfig | None = None) -> TrainConfig:
-    return dataclasses.replace(config or TrainConfig(), **UNSTABLE)
-
-
 # -- data ----------------------------------------------------------------------------------------------------
 def make_corpus(n_chars: int, seed: int) -> torch.Tensor:
     """Token ids of ``a+b=c;`` lines drawn with ``seed``."""
@@ -143,14 +112,14 @@ def make_corpus(n_chars: int, seed: int) -> torch.Tensor:
 
 
 class Batches:
-    """Random (x, y) windows of the corpus, the same ones on every pass (seeded): ``2 x steps`` of them, so a
-    run that skips batches (a rollback) still has data for all its steps."""
+    """Random (x, y) windows of the corpus, the same ones on every pass (seeded): ``4 x steps`` of them, so a
+    run that skips batches (rollbacks) still has data for all its steps."""
 
     def __init__(self, data: torch.Tensor, config: TrainConfig) -> None:
         self.data, self.config = data, config
 
     def __len__(self) -> int:
-        return 2 * self.config.steps
+        return 4 * self.config.steps
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
@@ -400,7 +369,7 @@ def evaluate(model: GPT, config: TrainConfig) -> float:
     data = make_corpus(max(20 * config.block_size * config.batch_size, 20_000), held_out.seed)
     was_training = model.training
     model.eval()
-    losses = [model(x, y) for _, (x, y) in zip(range(config.eval_batches), Batches(data, held_out))]
+    losses = [model(x, y) for x, y in itertools.islice(Batches(data, held_out), config.eval_batches)]
     model.train(was_training)
     value = float(torch.stack(losses).mean())
     return value if math.isfinite(value) else math.inf
@@ -408,45 +377,52 @@ def evaluate(model: GPT, config: TrainConfig) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--unstable", action="store_true", help="the documented unstable setting (see UNSTABLE)")
-    p.add_argument("--bad-data", action="store_true", help="corrupt batches 300-309 (see BAD_DATA)")
-    p.add_argument("--steps", type=int, default=TrainConfig.steps)
+    p.add_argument("--scenario", default=None, help="a scenario of scenarios.py (default: the stable setting)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the setting's own)")
     p.add_argument("--runbook", default=None, help="runbook name or path (default: none, observe only)")
     p.add_argument("--mode", default="propose", choices=["propose", "apply", "observe"])
     p.add_argument("--db", default=None, help="store URL; monitored when given (or with --runbook)")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
-    p.add_argument("--checkpoint-dir", default=None, help="checkpoint every 50 steps here (rollback needs it)")
+    p.add_argument("--checkpoint-dir", default=None, help="checkpoint every 25 steps here (rollback needs it)")
     args = p.parse_args(argv)
-    config = TrainConfig(steps=args.steps, seed=args.seed)
-    if args.unstable:
-        config = unstable(config)
-    if args.bad_data:
-        config = dataclasses.replace(config, **BAD_DATA)
+    steps = {} if args.steps is None else {"steps": args.steps}
+    if args.scenario is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import scenarios
+
+        try:
+            config = scenarios.scenario(args.scenario).config(args.seed, **steps)
+        except ValueError as exc:
+            p.error(f"--scenario: {exc}")
+    else:
+        config = TrainConfig(seed=args.seed, **steps)
     factory = None
     if args.db or args.runbook:
         from stabmon.monitor import Monitor, MonitorConfig
 
-        def factory(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> Monitor:
+        def factory(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, scaler: Any = None) -> Monitor:
             return Monitor(
                 model,
                 opt,
                 scheduler=sched,
+                scaler=scaler,
                 store=args.db or "default",
                 runbook=args.runbook,
                 mode=args.mode,
                 config=MonitorConfig(
-                    clip=config.clip, checkpoint_every=50 if args.checkpoint_dir else 0, checkpoint_keep=6
+                    clip=config.clip, checkpoint_every=25 if args.checkpoint_dir else 0,
+                    checkpoint_keep=40,
                 ),
                 checkpoint_dir=args.checkpoint_dir,
-                run_name="tiny-gpt" + ("-unstable" if args.unstable else "") + ("-bad-data" if args.bad_data else ""),
+                run_name="tiny-gpt" + (f"-{args.scenario}" if args.scenario else ""),
             )
 
     result = train(config, monitor=factory)
     for i in range(0, len(result.losses), config.log_every):
         print(f"step {i:5d}  loss {result.losses[i]:.4f}")
     print(
-        f"{result.steps} steps in {result.seconds:.1f}s, final loss {result.final_loss:.4f}"
-        f"{' (diverged)' if result.diverged else ''}"
+        f"{result.steps} steps in {result.seconds:.1f}s, final loss {result.final_loss:.4f}, held-out loss "
+        f"{result.val_loss:.4f}{' (diverged)' if result.diverged else ''}"
     )
     return result.exit_code
 

@@ -1,4 +1,5 @@
-"""The notifier inside a real monitored training run: the tiny GPT example in its unstable setting."""
+"""The notifier inside a real monitored training run: the tiny GPT with a silently corrupted weight (NaN from
+step 100 on, by construction: every seed, every machine)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _tiny_gpt() -> Any:
 
 
 @pytest.mark.slow
-def test_monitored_unstable_run_alerts_and_records_every_attempt(sqlite_url: str) -> None:
+def test_monitored_corrupted_run_alerts_and_records_every_attempt(sqlite_url: str) -> None:
     import sqlalchemy as sa
 
     from stabmon.monitor import Monitor, MonitorConfig
@@ -44,7 +45,7 @@ def test_monitored_unstable_run_alerts_and_records_every_attempt(sqlite_url: str
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     tiny = _tiny_gpt()
-    config = tiny.unstable(tiny.TrainConfig(steps=300))
+    config = tiny.TrainConfig(steps=150, fault="corrupt_weight", fault_step=100)
     url = f"json://127.0.0.1:{server.server_address[1]}/SecretHookPath123"
 
     def factory(model: Any, opt: Any, sched: Any) -> Monitor:
@@ -61,7 +62,7 @@ def test_monitored_unstable_run_alerts_and_records_every_attempt(sqlite_url: str
         server.shutdown()
         server.server_close()
     run_id = result.monitor.run_id
-    assert bodies, "the unstable run produced no alert"
+    assert bodies, "the corrupted run produced no alert"
     assert notifier.counters.get("sent", 0) == len(bodies)
     for body in bodies:
         assert "run: alerts-e2e (id " in body["message"] and f"stabmon trace {run_id}" in body["message"]

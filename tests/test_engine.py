@@ -415,3 +415,49 @@ def test_an_alert_only_incident_does_not_start_the_cooldown() -> None:
     assert [x.action for x in acted] == ["set_clip"] and acted[0].rule == "persistent"
     d.run(10)  # the change is judged and its incident closes: now the cooldown holds
     assert decisions(d.run(5, anomalous=[15, 16, 17])) == []
+
+
+REPEAT = """
+name: repeat
+cooldown: 0
+budget: {max_interventions: 20, per_steps: 1000}
+rules:
+  - name: spikes
+    when: {kind: spike, severity: error}
+    ladder:
+      - action: scale_lr
+        params: {factor: 0.5}
+        observe: 3
+        repeat: 3
+      - action: alert_only
+        observe: 1
+"""
+
+
+def test_a_repeated_rung_is_tried_again_while_the_incident_persists_then_the_ladder_moves_on() -> None:
+    d = Driver(Engine(loads_runbook(REPEAT), id_seed="r"))
+    d.run(11, anomalous=range(1, 12))  # the spikes never stop
+    made = decisions(d.events)[:4]
+    assert [x.action for x in made] == ["scale_lr", "scale_lr", "scale_lr", "alert_only"]
+    assert ["attempt 1 of 3" in made[0].reason, "attempt 2 of 3" in made[1].reason,
+            "attempt 3 of 3" in made[2].reason] == [True, True, True]
+    assert {x.rung for x in made[:3]} == {0} and made[3].rung == 1
+    judged = outcomes(d.events)
+    assert [o.verdict for o in judged[:3]] == [Verdict.ESCALATED] * 3
+    assert [o.evidence.get("attempt") for o in judged[:2]] == [1, 2]
+
+
+def test_a_repeated_rung_stops_repeating_once_an_attempt_resolves_it() -> None:
+    d = Driver(Engine(loads_runbook(REPEAT), id_seed="r"))
+    d.run(4, anomalous=range(1, 5))  # attempt 1 (made at 1) judged at 4: not quiet; attempt 2 made at 4
+    d.run(6)  # quiet from here on
+    assert [x.action for x in decisions(d.events)] == ["scale_lr", "scale_lr"]
+    assert [o.verdict for o in outcomes(d.events)] == [Verdict.ESCALATED, Verdict.RESOLVED]
+
+
+def test_repeat_cannot_be_combined_with_revert() -> None:
+    from stabmon.runbook.loader import RunbookError
+
+    bad = REPEAT.replace("repeat: 3", "repeat: 3\n        on_failure: revert")
+    with pytest.raises((RunbookError, ValueError), match="cannot be repeated"):
+        loads_runbook(bad)

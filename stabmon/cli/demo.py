@@ -62,9 +62,10 @@ def _fmt(values: list[tuple[int, float]], label: str) -> str:
         return f"  {label:<22} (not recorded)"
     vals = [v for _, v in values]
     peak = max(values, key=lambda sv: sv[1] if sv[1] == sv[1] else float("inf"))
+    low = min(values, key=lambda sv: sv[1] if sv[1] == sv[1] else float("inf"))
     return (
-        f"  {label:<22} first {vals[0]:.4g}  median {statistics.median(vals):.4g}  last {vals[-1]:.4g}  "
-        f"max {peak[1]:.4g} (step {peak[0]})  n={len(vals)}"
+        f"  {label:<22} first {vals[0]:.4g}  min {low[1]:.4g}  median {statistics.median(vals):.4g}  "
+        f"last {vals[-1]:.4g}  max {peak[1]:.4g} (step {peak[0]})  n={len(vals)}"
     )
 
 
@@ -74,11 +75,12 @@ def summary(monitor: Any, url: str, result: Any) -> list[str]:
     lines = [
         f"database: {_where(url)}",
         f"run: {monitor.run_id} ({monitor.run_name}), {monitor.step} steps ({result.steps} trained, rolled-back "
-        f"ones included) in {result.seconds:.1f}s, exit code {result.exit_code}",
+        f"ones included) in {result.seconds:.1f}s, exit code {result.exit_code}, held-out loss {result.val_loss:.4f}",
         "signals:",
         _fmt(_series(recs, "loss"), "loss"),
         _fmt(_series(recs, "grad_norm"), "grad_norm"),
         _fmt(_series(recs, "lr"), "lr"),
+        _fmt(_series(recs, "loss_scale"), "loss_scale"),
         _fmt(_series(recs, "step_time"), "step_time (s)"),
         _fmt(_series(recs, "tokens_per_sec"), "tokens_per_sec"),
     ]
@@ -107,32 +109,34 @@ def _describe(e: Any) -> str:
     return f"outcome    step {e.step:<5} {e.verdict.value}"
 
 
-SCENARIOS = {
-    "bad-data": ("ten batches of a corrupted shard at batch 300", "palm-rollback"),
-    "unstable": ("post-LN, peak LR 10x too high, Adam beta2 0.99, no clipping: diverges at the peak", "opt175b"),
-    "stable": ("the stable setting", "default"),
-}
+def _scenarios() -> ModuleType:
+    try:
+        load_example("tiny_gpt")
+        return load_example("scenarios")
+    except FileNotFoundError as exc:
+        fail(str(exc))
+        raise  # unreachable: fail() exits
 
 
 def demo(
     db: DbOption = None,
-    steps: Annotated[int, typer.Option(help="Training steps (about 20-40 ms each on one CPU core).")] = 600,
-    scenario: Annotated[str, typer.Option(help="bad-data | unstable | stable")] = "bad-data",
-    runbook: Annotated[
-        str | None, typer.Option(help="Runbook name or path, 'none' to only watch (default: per scenario).")
-    ] = None,
+    steps: Annotated[int | None, typer.Option(help="Training steps (default: the scenario's, 300).")] = None,
+    scenario: Annotated[
+        str, typer.Option(help="bad-shard | lr-too-high | fp16-overflow | weight-corruption | frozen-pos-emb | "
+                               "activation-drift | healthy (examples/scenarios.py)")
+    ] = "bad-shard",
+    runbook: Annotated[str, typer.Option(help="Runbook name or path, 'none' to only watch.")] = "default",
     mode: Annotated[str, typer.Option(help="apply | propose | observe")] = "apply",
-    seed: Annotated[int, typer.Option(help="Seed of the data and the model.")] = 1337,
+    seed: Annotated[int, typer.Option(help="Seed of the data and the model (every seed shows the same story).")] = 0,
 ) -> None:
     """Train a tiny GPT that runs into trouble under the monitor, then summarise what was recorded."""
-    if steps < 1:
+    if steps is not None and steps < 1:
         fail(f"--steps must be >= 1, got {steps}")
-    if scenario not in SCENARIOS:
-        fail(f"--scenario must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
     if mode not in ("apply", "propose", "observe"):
         fail(f"--mode must be apply, propose or observe, got {mode!r}")
-    what, default_runbook = SCENARIOS[scenario]
-    runbook = runbook or default_runbook
+    sc = _scenarios()
+    if scenario not in sc.SCENARIOS:
+        fail(f"--scenario must be one of {', '.join(sc.SCENARIOS)}, got {scenario!r}")
     if runbook != "none":  # checked before anything is created (database, checkpoint folder)
         from stabmon.runbook import load_runbook
 
@@ -142,40 +146,34 @@ def demo(
             fail(f"--runbook {runbook!r}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
     url = db_url(db)
     _check_store(url)
-    try:
-        tg = load_example()
-    except FileNotFoundError as exc:
-        fail(str(exc))
     from stabmon.monitor import Monitor, MonitorConfig
 
-    config = tg.TrainConfig(steps=steps, seed=seed)
-    if scenario == "unstable":
-        config = tg.unstable(config)
-    elif scenario == "bad-data":
-        config = dataclasses.replace(config, **tg.BAD_DATA)
+    chosen = sc.SCENARIOS[scenario]
+    config = chosen.config(seed, **({} if steps is None else {"steps": steps}))
     base = Path(_where(url)).parent if url.startswith("sqlite") else Path.cwd()
     ckpt_dir = base / "stabmon-demo-checkpoints" / time.strftime("%Y%m%d-%H%M%S")  # one directory per run
     made: list[Any] = []
 
-    def factory(model: Any, opt: Any, sched: Any) -> Any:
+    def factory(model: Any, opt: Any, sched: Any, scaler: Any = None) -> Any:
         mon = Monitor(
             model,
             opt,
             scheduler=sched,
+            scaler=scaler,
             store=url,
             runbook=None if runbook == "none" else runbook,
             mode=mode,
-            config=MonitorConfig(clip=config.clip, checkpoint_every=50, checkpoint_keep=6),
+            config=MonitorConfig(clip=config.clip, checkpoint_every=25, checkpoint_keep=40),
             checkpoint_dir=str(ckpt_dir),
             run_name=f"demo-tiny-gpt-{scenario}",
         )
         made.append(mon)
         return mon
 
-    typer.echo(f"training the tiny GPT for {steps} steps ({scenario}: {what}), runbook {runbook}, mode {mode}")
-    typer.echo(f"monitored into {_where(url)}, checkpoints in {ckpt_dir} ...")
+    typer.echo(f"training the tiny GPT for {config.steps} steps, scenario {scenario}: {chosen.origin}")
+    typer.echo(f"runbook {runbook}, mode {mode}, seed {seed}; monitored into {_where(url)}, checkpoints in {ckpt_dir} ...")
     try:
-        result = tg.train(config, monitor=factory)
+        result = sc.tiny_gpt.train(config, monitor=factory)
     except ValueError as exc:
         fail(str(exc))
     for line in summary(made[0], url, result):

@@ -84,14 +84,9 @@ def rollback(
                 run_id=monitor.run_id, step=monitor.step, batch_indices=skipped
             ),
         )
-    log.warning(
-        "stabmon: rolled back from step %d to checkpoint step %d (%s); skipping batches [%d, %d)",
-        from_step,
-        info.step,
-        info.path,
-        start,
-        start + skip_batches,
-    )
+    skipping = f"; skipping batches [{start}, {start + skip_batches})" if skip_batches else ""
+    log.warning("stabmon: rolled back from step %d to checkpoint step %d (%s)%s", from_step, info.step, info.path,
+                skipping)
     return {
         "checkpoint_path": info.path,
         "checkpoint_step": info.step,

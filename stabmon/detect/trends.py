@@ -141,14 +141,15 @@ class FrozenEmbeddingConfig:
     enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.EMB_UPDATE_PREFIX + "*",), non_empty, "update-ratio metrics")
     epsilon: float = param(1e-7, positive, "update ratio below which a matrix did not move")
-    patience: int = param(100, at_least_one, "consecutive frozen steps that are reported")
+    patience: int = param(100, at_least_one, "training steps frozen (first to last frozen sample) that are reported")
     evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
 
 
 class FrozenEmbedding(Detector):
     """An embedding whose update ratio ``||W_t - W_{t-1}|| / ||W_t||`` stays below ``epsilon`` for
-    ``patience`` steps while the rest of the model moves (non-zero finite grad norm, learning rate not 0).
-    ``warning``.
+    ``patience`` training steps while the rest of the model moves (non-zero finite grad norm, learning rate
+    not 0). ``warning``. Counted in steps, not samples: the monitor samples embeddings every 10 steps, and a
+    frozen embedding must be reported within a few hundred steps whatever the sampling.
 
     ``epsilon = 1e-7`` is about fp32's relative precision: a smaller ratio cannot be told from no update at
     all. OPT-175B trained for a while with frozen positional embeddings without anyone noticing.
@@ -164,10 +165,18 @@ class FrozenEmbedding(Detector):
     name = "frozen_embedding"
     kind = "frozen_embedding"
     Config = FrozenEmbeddingConfig
-    _state_attrs = ("_frozen",)
+    _state_attrs = ("_since", "_now")
 
     def _reset(self) -> None:
-        self._frozen = 0
+        self._since: int | None = None  # first step of the current frozen stretch
+        self._now: int | None = None
+
+    def update(self, step: int, x: X) -> Anomaly | None:
+        self._now = step
+        return super().update(step, x)
+
+    def _clock(self) -> int:
+        return self._now if self._now is not None else self.n_learned  # river API: one observation, one step
 
     @staticmethod
     def _rest_moves(x: X) -> bool:
@@ -179,13 +188,19 @@ class FrozenEmbedding(Detector):
         return abs(v) < self.config.epsilon and self._rest_moves(x)
 
     def _learn(self, v: float, x: X) -> None:
-        self._frozen = self._frozen + 1 if self._is_frozen(v, x) else 0
+        if not self._is_frozen(v, x):
+            self._since = None
+        elif self._since is None:
+            self._since = self._clock()
 
     def _score(self, v: float, x: X) -> float:
-        return float(self._frozen + 1) if self._is_frozen(v, x) else 0.0
+        if not self._is_frozen(v, x):
+            return 0.0
+        since = self._since if self._since is not None else self._clock()
+        return float(self._clock() - since + 1)
 
     def _on_flag(self) -> None:
-        self._frozen = 0
+        self._since = None
 
     @property
     def threshold(self) -> float:
