@@ -221,7 +221,7 @@ def sweep_case(seed: int, lrs: list[float], warmups: list[int]) -> list[dict[str
 
 
 def sweep(seeds: list[int], jobs: int) -> list[dict[str, Any]]:
-    lrs, warmups = [3e-3, 1e-2, 3e-2, 1e-1, 0.2, 0.3, 1.0], [sc.BASE["warmup"], sc.BASE["steps"]]
+    lrs, warmups = [3e-2, 1e-1, sc.LR_TOO_HIGH], [sc.BASE["warmup"], sc.BASE["steps"]]
     with ProcessPoolExecutor(jobs) as pool:
         results = [r for rs in pool.map(sweep_case, seeds, [lrs] * len(seeds), [warmups] * len(seeds)) for r in rs]
     print(f"{'warmup':>6} {'peak lr':>8} {'x stable':>8} {'failed':>8}  val loss per seed")

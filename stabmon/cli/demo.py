@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import statistics
 import sys
@@ -171,7 +170,8 @@ def demo(
         return mon
 
     typer.echo(f"training the tiny GPT for {config.steps} steps, scenario {scenario}: {chosen.origin}")
-    typer.echo(f"runbook {runbook}, mode {mode}, seed {seed}; monitored into {_where(url)}, checkpoints in {ckpt_dir} ...")
+    typer.echo(f"runbook {runbook}, mode {mode}, seed {seed}; monitored into {_where(url)}, "
+               f"checkpoints in {ckpt_dir} ...")
     try:
         result = sc.tiny_gpt.train(config, monitor=factory)
     except ValueError as exc:
