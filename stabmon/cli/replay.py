@@ -61,6 +61,16 @@ def _live_flush_every(config: dict[str, Any]) -> int:
     return value if isinstance(value, int) and value >= 1 else 1
 
 
+def _live_checkpoints(config: dict[str, Any]) -> int | None:
+    """The checkpoint cadence of a stored live run (None: it saved none, so its rollbacks failed); 1 for a
+    recording that says nothing about checkpoints (an imported log: assume one may be anywhere)."""
+    monitor = config.get("monitor") if isinstance(config, dict) else None
+    if not isinstance(monitor, dict) or "checkpoint_every" not in monitor:
+        return 1
+    every = monitor["checkpoint_every"]
+    return every if isinstance(every, int) and every >= 1 else None
+
+
 def replay_command(
     source: Annotated[list[str], typer.Argument(help="A stored run (name or id) or log file(s) to import.")],
     runbook: Annotated[str, typer.Option("--runbook", help="Runbook name or YAML path.")] = "default",
@@ -104,7 +114,7 @@ def replay_command(
     else:
         records, parent_id, label, config = _from_store(source[0], url)
     stored_mode = config.get("mode") if config.get("mode") in MODES else None
-    pipeline, target = _pipeline(runbook, sets, mode or stored_mode)
+    pipeline, target = _pipeline(runbook, sets, mode or stored_mode, _live_checkpoints(config))
     every = flush_every or _live_flush_every(config)
     with progress_bar("replay", total=len(records), enabled=wanted(json_output)) as advance:
         result = replay(
@@ -141,12 +151,15 @@ def replay_command(
         )
 
 
-def _pipeline(runbook: str, sets: list[str] | None, mode: str | None) -> tuple[Any, Any]:
-    """The replay pipeline and simulated target; a runbook or override that does not load is one line."""
+def _pipeline(runbook: str, sets: list[str] | None, mode: str | None, every: int | None = 1) -> tuple[Any, Any]:
+    """The replay pipeline and simulated target (checkpoints every ``every`` steps, None: none); a runbook or
+    override that does not load is one line."""
     from stabmon.replay.replay import build_pipeline
+    from stabmon.replay.simulate import SimulatedTarget
 
     try:
-        return build_pipeline(runbook=runbook, overrides=tuple(sets or ()), mode=mode)
+        target = SimulatedTarget(checkpoint_interval=every)
+        return build_pipeline(runbook=runbook, overrides=tuple(sets or ()), mode=mode, target=target)
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 

@@ -4,9 +4,10 @@
 classes (through :class:`stabmon.interventions.LiveExecutor` with ``simulated=True``) act on it exactly as
 they act on the live monitor: overrides are set on its :class:`~stabmon.overrides.Overrides`, a rollback is
 answered with the checkpoint the run would have gone back to (the last one at a multiple of
-``checkpoint_interval`` at least ``lookback`` steps before the onset) and the batch range it would have
-skipped, and checkpoint-and-stop marks the step at which the run would have stopped. The recorded run keeps
-going (it is a recording), so replay continues after a simulated stop or rollback and reports them.
+``checkpoint_interval`` at least ``lookback`` steps before the onset; ``None``: the run saved none, and the
+rollback fails as it did live) and the batch range it would have skipped, and checkpoint-and-stop marks the
+step at which the run would have stopped. The recorded run keeps going (it is a recording), so replay continues
+after a simulated stop or rollback and reports them.
 
 Timing follows the live monitor, which runs the pipeline at a flush, after a block of ``flush_every`` steps
 has completed: an intervention acts from the step after the block, so ``step`` is the block's last step plus
@@ -38,9 +39,9 @@ _HPARAMS = (Metric.LR, Metric.BETA2, Metric.WEIGHT_DECAY, Metric.CLIP)
 class SimulatedTarget:
     """An :class:`~stabmon.pipeline.InterventionTarget` for replay; see the module docstring."""
 
-    def __init__(self, *, checkpoint_interval: int = 1, overrides: Overrides | None = None) -> None:
-        if checkpoint_interval < 1:
-            raise ValueError(f"replay.checkpoint_interval must be >= 1, got {checkpoint_interval}")
+    def __init__(self, *, checkpoint_interval: int | None = 1, overrides: Overrides | None = None) -> None:
+        if checkpoint_interval is not None and checkpoint_interval < 1:
+            raise ValueError(f"replay.checkpoint_interval must be >= 1 or None, got {checkpoint_interval}")
         self.overrides = overrides if overrides is not None else Overrides()
         self.checkpoint_interval = checkpoint_interval
         self._step = 0
@@ -82,6 +83,8 @@ class SimulatedTarget:
         return out
 
     def rollback(self, *, onset_step: int, lookback: int, skip_batches: int, **_: Any) -> dict[str, Any]:
+        if self.checkpoint_interval is None:  # the recorded run saved none: its rollback failed, so does ours
+            raise RuntimeError("rollback needs checkpoints: the recorded run saved none")
         latest = max(0, onset_step - lookback)
         checkpoint = latest - latest % self.checkpoint_interval
         start = self._batch_index if self._batch_index is not None else self._step
