@@ -24,7 +24,7 @@ import sys
 import tempfile
 from collections import defaultdict
 from collections.abc import Iterable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -261,8 +261,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--arms: unknown arm {arm!r} (known: {', '.join(ARMS)})")
     cases = [(n, s) for n in names for s in seeds]
     with ProcessPoolExecutor(args.jobs) as pool:
-        rows = [r for rs in pool.map(run_case, [n for n, _ in cases], [s for _, s in cases], [arms] * len(cases))
-                for r in rs]
+        futures = [pool.submit(run_case, n, s, arms) for n, s in cases]
+        for done, future in enumerate(as_completed(futures), 1):
+            future.result()
+            print(f"[{done}/{len(cases)} cases done]", file=sys.stderr, flush=True)
+        rows = [r for future in futures for r in future.result()]
     print(f"recovery: {len(names)} scenarios x seeds {seeds[0]}-{seeds[-1]} x {len(arms)} arms; rescued = final "
           f"held-out loss within {RESCUE_TOLERANCE:.0%} of the same seed's healthy run\n")
     print("\n".join(table(rows, arms)))

@@ -37,7 +37,9 @@ class RegressionConfig:
 
 class LossRegression(Detector):
     """The loss's rolling median stays more than ``rise`` above the best rolling median the run has reached,
-    for ``patience`` steps in a row: the run has got worse and is not coming back by itself. ``error``.
+    for ``patience`` steps in a row: the run has got worse and is not coming back by itself. ``error``, reported
+    once per excursion (again once the loss has come back, or after a rollback). Silent for a loss that has
+    been zero or negative (an RL objective, not a likelihood).
 
     A healthy run's smoothed loss does not climb 10% above its best and stay there; a diverging run, a model
     wrecked by corrupted data or weights, or a learning rate that has crept past the edge of stability does.
@@ -55,13 +57,14 @@ class LossRegression(Detector):
     Config = RegressionConfig
     grace_exempt = "it compares the loss with the run's own best, which no warm-up can fake"
     learns_flagged = "its rolling median must see every loss, flagged or not"
-    _state_attrs = ("_recent", "_best", "_above", "_last_step")
+    _state_attrs = ("_recent", "_best", "_above", "_last_step", "_positive")
 
     def _reset(self) -> None:
         self._recent: deque[float] = deque(maxlen=self.config.window)
         self._best = float("inf")
         self._above = 0
         self._last_step = -1
+        self._positive = True  # a loss that has been <= 0 is no likelihood: a relative rise means nothing
 
     def update(self, step: int, x: X) -> Anomaly | None:
         if step <= self._last_step:  # the step counter went back (a rollback): a new timeline, same best
@@ -72,7 +75,10 @@ class LossRegression(Detector):
         if raw is not None:
             self._evidence.append((step, raw))
         v = self._value(x)
-        if v is None:
+        if v is None or not self._positive:
+            return None
+        if v <= 0:
+            self._positive = False
             return None
         self._recent.append(v)
         self.n_learned += 1
@@ -83,7 +89,7 @@ class LossRegression(Detector):
             self._best, self._above = min(self._best, median), 0
             return None
         self._above += 1
-        if self._above < self.config.patience:
+        if self._above != self.config.patience:  # reported once per excursion, when it has lasted long enough
             return None
         return self._flag(step, raw, median / self._best)
 
