@@ -1,0 +1,206 @@
+"""``stabmon report``: downsampling keeps spikes, rollbacks are told apart, and the page draws in a real
+headless Chromium with no console errors, non-blank charts and a mark at the right step."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from browser_support import open_page
+from stabmon.cli import app
+from stabmon.events import (
+    Anomaly,
+    Decision,
+    DecisionStatus,
+    InterventionRecord,
+    Outcome,
+    Severity,
+    StepRecord,
+    Verdict,
+)
+from stabmon.report import RunInfo, build_report, records_frame, render_html
+from stabmon.report.series import build_series, metrics_frame
+from stabmon.store import open_store
+
+runner = CliRunner()
+
+
+def test_min_max_buckets_keep_every_spike_of_a_million_steps() -> None:
+    n, rng = 1_000_000, random.Random(7)
+    spikes = sorted(rng.sample(range(n), 5))
+    values = [1.0 + 0.01 * rng.random() for _ in range(n)]
+    for s in spikes:
+        values[s] = 50.0
+    values[spikes[0] + 1] = -40.0  # a dip next to a spike survives too
+    df = pl.DataFrame({"seq": range(n), "step": range(n), "name": ["grad_norm"] * n, "value": values})
+    (series,) = build_series(df, buckets=1000)
+    assert len(series.steps) <= 2000 and series.points == n
+    kept = {s for s, v in zip(series.steps, series.values, strict=True) if v == 50.0}
+    assert kept == set(spikes)
+    assert (spikes[0] + 1, -40.0) in set(zip(series.steps, series.values, strict=True))
+    assert series.steps == sorted(series.steps)
+
+
+@pytest.mark.slow
+def test_a_million_step_report_stays_small() -> None:
+    n = 1_000_000
+    frames = [
+        pl.DataFrame({"seq": range(n), "step": range(n), "name": [name] * n,
+                      "value": [float(i % 97) for i in range(n)]})
+        for name in ("loss", "grad_norm", "lr", "step_time")
+    ]
+    data = build_report(pl.concat(frames), [], run=RunInfo("r", "big"))
+    size = len(render_html(data).encode())
+    assert size < 3_000_000, size
+    assert data.records == n and data.step_range == (0, n - 1)
+
+
+def test_non_finite_values_are_kept_apart_and_rollback_stretches_marked_abandoned() -> None:
+    rows = [(0, 0, "loss", 2.0), (1, 1, "loss", math.nan), (2, 2, "loss", 3.0), (3, 1, "loss", 1.9),
+            (4, 2, "loss", math.inf), (5, 3, "loss", 1.8)]
+    (s,) = build_series(metrics_frame(rows), buckets=100)
+    assert (s.steps, s.values) == ([0, 1, 3], [2.0, 1.9, 1.8])
+    assert s.abandoned == ([2], [3.0])
+    assert s.nonfinite == [1, 2]
+
+
+def _records(n: int) -> list[StepRecord]:
+    rng = random.Random(3)
+    recs = []
+    for s in range(n):
+        m = {"loss": 3.0 - s / n + 0.05 * rng.random(), "grad_norm": 1.0 + 0.2 * rng.random(), "lr": 1e-3,
+             "loss_scale": 2.0 ** (16 - (s > 1800)), "step_time": 0.03 + 0.001 * rng.random(),
+             "tokens_per_sec": 3e4 + 100 * rng.random()}
+        for k, layer in enumerate(("h.0", "h.1")):
+            m[f"grad_norm/{layer}"] = 0.5 + 0.1 * rng.random()
+            m[f"act_rms/{layer}"] = 1.5 + k + 0.01 * s / n
+        m["emb_drift/wte"] = 0.1 * s / n
+        m["emb_update/wte"] = 1e-4 + 1e-5 * rng.random()
+        recs.append(StepRecord(step=s, metrics=m))
+    return recs
+
+
+ANOMALY_STEP = 1234
+
+
+def _events() -> list[object]:
+    a = Anomaly("spike", "grad_norm", ANOMALY_STEP, 9.5, Severity.ERROR, "zscore",
+                ((ANOMALY_STEP - 1, 1.1), (ANOMALY_STEP, 7.25)), threshold=6.0, message="grad norm spike")
+    d = Decision(ANOMALY_STEP, "rollback", {"lookback": 100}, DecisionStatus.APPLY, "palm-rollback", "spikes", 0,
+                 "loss spike", a.id, "inc1")
+    i = InterventionRecord(d.id, 1100, "rollback", {"step": 1300},
+                           {"checkpoint_step": 1100, "restored_step": 1100, "from_step": 1300})
+    o = Outcome(i.id, d.id, 1500, Verdict.RESOLVED, {"signal_max": 1.2}, "inc1")
+    return [a, d, i, o]
+
+
+@pytest.fixture
+def stored_run(sqlite_url: str) -> str:
+    recs = _records(2000)
+    retrained = [StepRecord(step=r.step, metrics={**r.metrics, "loss": r.metrics["loss"] - 0.3}) for r in recs]
+    with open_store(sqlite_url) as store:
+        run = store.start_run(name="report-test", environment={"torch": {"version": "2.13.0"}, "host": "h1"})
+        store.write_steps(run_id=run, records=recs[:1300])  # trained to 1300, rolled back to 1100, trained on
+        store.write_steps(run_id=run, records=retrained[1100:])
+        store.write_events(run_id=run, events=_events())  # type: ignore[arg-type]
+        store.end_run(run_id=run, status="finished")
+        assert store.flush(20)
+    return run
+
+
+def _blue(p: tuple[int, int, int]) -> bool:
+    """The first series colour of every chart (#1f77b4), also where anti-aliasing blends it with white."""
+    return p[2] - p[0] > 50 and p[1] - p[0] > 25
+
+
+def _red(p: tuple[int, int, int]) -> bool:
+    """An anomaly mark (#d62728)."""
+    return p[0] - p[1] > 80 and p[0] - p[2] > 80
+
+
+def _count(img, box: tuple[int, int, int, int], kind) -> int:
+    crop = img.crop(box)
+    return sum(1 for y in range(crop.height) for x in range(crop.width) if kind(crop.getpixel((x, y))))
+
+
+PROBES = {
+    "charts": "JSON.stringify([...document.querySelectorAll('svg[data-chart]')].map(s => {"
+              "const r = s.getBoundingClientRect(); return [s.dataset.chart, r.left + scrollX, r.top + scrollY,"
+              " r.width, r.height]; }))",
+    "mark": "(() => { const svg = document.querySelector('svg[data-chart=grad_norm]');"
+            " const m = svg.querySelector('line.mark-anomaly').getBoundingClientRect();"
+            " const ticks = {}; svg.querySelectorAll('g.axis text').forEach(t => { const r = t.getBoundingClientRect();"
+            " ticks[t.textContent] = r.left + r.width / 2; });"
+            " return JSON.stringify({x: m.left + m.width / 2, top: m.top + scrollY, ticks: ticks}); })()",
+    "hover": "(() => { const hit = document.querySelector('svg[data-chart=loss] line.mark-anomaly').nextSibling;"
+             " const r = hit.getBoundingClientRect(); hit.dispatchEvent(new MouseEvent('mousemove', {bubbles: true,"
+             " clientX: r.left + 1, clientY: r.top + 20})); return document.getElementById('tip').textContent; })()",
+    "lit": "(() => { document.querySelector('tr[data-row^=ev-]').click();"
+           " return document.querySelectorAll('line.mark.lit').length; })()",
+    "abandoned": "document.querySelectorAll('svg[data-chart=loss] polyline.abandoned').length",
+    "bands": "document.querySelectorAll('svg[data-chart=loss] rect.band').length",
+}
+
+
+def test_report_draws_in_headless_chromium(stored_run: str, sqlite_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "report.html"
+    res = runner.invoke(app, ["report", stored_run, "-o", str(out), "--db", sqlite_url])
+    assert res.exit_code == 0, res.output
+    assert "wrote" in res.output
+    page = out.read_text()
+    assert "2.13.0" in page and "palm-rollback" in page
+
+    load = open_page(out, PROBES)
+    assert load.errors == []
+    assert load.requests == [out.resolve().as_uri()]  # nothing fetched: the file is self-contained
+    import json
+
+    charts = json.loads(load.values["charts"])
+    assert [c[0] for c in charts] == ["loss", "grad_norm", "grad_norm_layers", "loss_scale", "act_rms", "emb_drift",
+                                      "emb_update", "lr", "step_time", "tokens_per_sec"]
+    for name, x, y, w, h in charts:
+        assert _count(load.screenshot, (int(x), int(y), int(x + w), int(y + h)), _blue) > 300, name
+
+    mark = json.loads(load.values["mark"])
+    x1000, x1500 = mark["ticks"]["1000"], mark["ticks"]["1500"]
+    expected = x1000 + (ANOMALY_STEP - 1000) / 500 * (x1500 - x1000)
+    assert mark["x"] == pytest.approx(expected, abs=1.5)
+    red = _count(load.screenshot, (round(mark["x"]) - 1, int(mark["top"]), round(mark["x"]) + 2,
+                                   int(mark["top"]) + 150), _red)
+    assert red > 100  # the mark is on screen where the geometry says
+
+    assert "spike on grad_norm" in load.values["hover"] and "7.25" in load.values["hover"]
+    assert load.values["lit"] >= len(charts)  # a trace row lights its mark on every chart
+    assert load.values["abandoned"] >= 1 and load.values["bands"] == 1
+
+
+def test_report_of_unknown_run_is_one_line(sqlite_url: str, stored_run: str, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["report", "nope", "-o", str(tmp_path / "r.html"), "--db", sqlite_url])
+    assert res.exit_code == 1
+    assert "no run matches" in res.output and len(res.output.strip().splitlines()) == 1
+    res = runner.invoke(app, ["report", stored_run, "--buckets", "3", "--db", sqlite_url])
+    assert res.exit_code == 1 and "--buckets must be >= 10" in res.output
+
+
+def test_replay_writes_the_same_report(stored_run: str, sqlite_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "replay.html"
+    res = runner.invoke(app, ["replay", stored_run, "--no-store", "--report", str(out), "--db", sqlite_url])
+    assert res.exit_code == 0, res.output
+    page = out.read_text()
+    assert "replay of report-test" in page and "2.13.0" in page  # the replayed run's environment
+    assert 'id="stabmon-data"' in page or "id='stabmon-data'" in page
+
+
+def test_records_frame_matches_the_stored_table(stored_run: str, sqlite_url: str) -> None:
+    from stabmon.store.repo import get_metrics, load_steps
+
+    with open_store(sqlite_url) as store, store.session() as s:
+        stored = get_metrics(session=s, run_id=stored_run)
+        rebuilt = records_frame(load_steps(session=s, run_id=stored_run))
+    key = ["seq", "step", "name"]
+    assert stored.select(key).sort(key).equals(rebuilt.select(key).sort(key))
