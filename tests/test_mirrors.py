@@ -25,11 +25,12 @@ from stabmon.store.repo import load_events, load_steps
 
 RECORDS = [StepRecord(step=s, metrics={"loss": 3.0 - s / 10, "grad_norm/h.0": 0.5 + s, "nonfinite": 0.0})
            for s in range(6)]
-A = Anomaly("spike", "grad_norm", 4, 9.0, Severity.ERROR, "zscore", ((4, 4.5),), message="spike")
-D = Decision(4, "set_clip", {"max_norm": 1.0}, DecisionStatus.APPLY, "default", "grad_spike", 0, "clip it", A.id)
-I = InterventionRecord(D.id, 5, "set_clip", {"clip": float("inf")}, {"clip": 1.0})
-O = Outcome(I.id, D.id, 5, Verdict.RESOLVED, {"signal_max": 1.1})
-EVENTS = [A, D, I, O]
+ANOMALY = Anomaly("spike", "grad_norm", 4, 9.0, Severity.ERROR, "zscore", ((4, 4.5),), message="spike")
+DECISION = Decision(4, "set_clip", {"max_norm": 1.0}, DecisionStatus.APPLY, "default", "grad_spike", 0, "clip it",
+                    ANOMALY.id)
+INTERVENTION = InterventionRecord(DECISION.id, 5, "set_clip", {"clip": float("inf")}, {"clip": 1.0})
+OUTCOME = Outcome(INTERVENTION.id, DECISION.id, 5, Verdict.RESOLVED, {"signal_max": 1.1})
+EVENTS = [ANOMALY, DECISION, INTERVENTION, OUTCOME]
 
 
 def _feed(sink: MirrorSink) -> str:

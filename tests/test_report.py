@@ -9,9 +9,9 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from browser_support import open_page
 from typer.testing import CliRunner
 
-from browser_support import open_page
 from stabmon.cli import app
 from stabmon.events import (
     Anomaly,

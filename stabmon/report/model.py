@@ -234,7 +234,7 @@ def build_charts(df: pl.DataFrame, *, buckets: int) -> tuple[list[Chart], list[s
         if not wanted:
             missing.append(spec.title)
             continue
-        per_series = max(50, buckets // max(1, len(wanted)) if len(wanted) > 4 else buckets)
+        per_series = buckets if len(wanted) <= 4 else max(100, 4 * buckets // len(wanted))  # a few MB at most
         charts.append(Chart(spec.id, spec.title, build_series(df, buckets=per_series, names=wanted), spec.log))
     return charts, missing
 

@@ -52,34 +52,44 @@ def records_frame(records: Sequence[StepRecord]) -> pl.DataFrame:
 
 
 def mark_abandoned(df: pl.DataFrame) -> pl.DataFrame:
-    """``df`` with a boolean ``abandoned`` column: a later record trained the same step (or an earlier one)."""
-    per_record = df.select("seq", "step").unique("seq").sort("seq")
+    """``df`` sorted by ``seq`` with a boolean ``abandoned`` column: a later record trained the same step (or an
+    earlier one). A run that never stepped back (no rollback) is checked in one pass, without a join."""
+    if not df["seq"].is_sorted():
+        df = df.sort("seq", maintain_order=True)
+    first = pl.col("seq") != pl.col("seq").shift(1)
+    per_record = df.select("seq", "step").filter(first.fill_null(True))
+    if per_record["step"].is_sorted():
+        return df.with_columns(abandoned=pl.lit(False))
     later_min = pl.col("step").reverse().cum_min().reverse().shift(-1)
     per_record = per_record.with_columns(abandoned=(pl.col("step") >= later_min).fill_null(False))
     return df.join(per_record.select("seq", "abandoned"), on="seq", how="left")
 
 
+def _bucket(lo: int, hi: int, buckets: int) -> pl.Expr:
+    return (pl.col("step") - lo) * buckets // max(1, hi - lo + 1)
+
+
 def _minmax(df: pl.DataFrame, lo: int, hi: int, buckets: int) -> pl.DataFrame:
-    """Rows of ``df`` (finite values of one series) kept by min/max per step bucket, in step order."""
+    """``name, abandoned, step, value`` kept of ``df`` (finite values): every row of a series with at most
+    ``2 * buckets`` points, else the smallest and the largest value of each (series, abandoned, step bucket)."""
+    groups = ["name", "abandoned"]
+    cols = [*groups, "step", "value"]
     if df.height <= 2 * buckets:
-        return df.sort("step", "seq")
-    width = max(1, hi - lo + 1)
-    keyed = df.with_row_index("_i").with_columns(_b=((pl.col("step") - lo) * buckets // width))
-    picks = keyed.group_by("_b").agg(
-        pl.col("_i").get(pl.col("value").arg_min()).alias("lo"),
-        pl.col("_i").get(pl.col("value").arg_max()).alias("hi"),
+        return df.select(cols)
+    sized = df.select(cols).with_columns(_n=pl.len().over(groups))
+    small = sized.filter(pl.col("_n") <= 2 * buckets).drop("_n")
+    picked = (
+        sized.filter(pl.col("_n") > 2 * buckets)
+        .group_by([*groups, _bucket(lo, hi, buckets).alias("_b")])
+        .agg(
+            pl.col("step").get(pl.col("value").arg_min()).alias("step_lo"),
+            pl.col("value").min().alias("value_lo"),
+            pl.col("step").get(pl.col("value").arg_max()).alias("step_hi"),
+            pl.col("value").max().alias("value_hi"),
+        )
     )
-    keep = pl.concat([picks["lo"], picks["hi"]]).unique()
-    return keyed.filter(pl.col("_i").is_in(keep.implode())).drop("_i", "_b").sort("step", "seq")
-
-
-def _nonfinite_steps(df: pl.DataFrame, lo: int, hi: int, buckets: int) -> list[int]:
-    """Steps of non-finite values, at most one per bucket."""
-    if df.is_empty():
-        return []
-    width = max(1, hi - lo + 1)
-    firsts = df.with_columns(_b=((pl.col("step") - lo) * buckets // width)).group_by("_b").agg(pl.col("step").min())
-    return sorted(firsts["step"].to_list())
+    ends = [picked.select(*groups, step=f"step_{end}", value=f"value_{end}") for end in ("lo", "hi")]
+    return pl.concat([small, *ends]).unique(subset=["name", "abandoned", "step", "value"])
 
 
 def build_series(df: pl.DataFrame, *, buckets: int = 1000, names: Sequence[str] | None = None) -> list[Series]:
@@ -90,25 +100,25 @@ def build_series(df: pl.DataFrame, *, buckets: int = 1000, names: Sequence[str] 
     if "abandoned" not in df.columns:
         df = mark_abandoned(df)
     wanted = list(names) if names is not None else list(dict.fromkeys(df["name"].to_list()))
-    parts = df.filter(pl.col("name").is_in(wanted)).partition_by("name", as_dict=True)
+    df = df.filter(pl.col("name").is_in(wanted))
+    finite = pl.col("value").is_finite()
+    kept = _minmax(df.filter(finite), lo, hi, buckets).sort("name", "step")
+    bad = (df.filter(~finite).with_columns(_b=_bucket(lo, hi, buckets))
+           .group_by("name", "_b").agg(pl.col("step").min()).sort("name", "step"))
+    counts = dict(df.group_by("name").len().iter_rows())
+    parts = kept.partition_by("name", "abandoned", as_dict=True)
+    nonfinite = {k[0]: g["step"].to_list() for k, g in bad.partition_by("name", as_dict=True).items()}
     out = []
     for name in wanted:
-        part = parts.get((name,))
-        if part is None:
+        if name not in counts:
             continue
-        out.append(_one(name, part, lo, hi, buckets))
+        main, gone = parts.get((name, False)), parts.get((name, True))
+        out.append(Series(
+            name=name,
+            steps=main["step"].to_list() if main is not None else [],
+            values=main["value"].to_list() if main is not None else [],
+            abandoned=(gone["step"].to_list(), gone["value"].to_list()) if gone is not None else ([], []),
+            nonfinite=nonfinite.get(name, []),
+            points=counts[name],
+        ))
     return out
-
-
-def _one(name: str, df: pl.DataFrame, lo: int, hi: int, buckets: int) -> Series:
-    finite = df.filter(pl.col("value").is_finite())
-    kept = _minmax(finite.filter(~pl.col("abandoned")), lo, hi, buckets)
-    gone = _minmax(finite.filter(pl.col("abandoned")), lo, hi, buckets)
-    return Series(
-        name=name,
-        steps=kept["step"].to_list(),
-        values=kept["value"].to_list(),
-        abandoned=(gone["step"].to_list(), gone["value"].to_list()),
-        nonfinite=_nonfinite_steps(df.filter(~pl.col("value").is_finite()), lo, hi, buckets),
-        points=df.height,
-    )
