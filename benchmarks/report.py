@@ -25,8 +25,9 @@ def make_frame(steps: int, layers: int, seed: int):  # noqa: ANN201 - polars Dat
     step = pl.int_range(0, steps, eager=True)
     frames = []
     for k, name in enumerate(names):
-        noise = pl.Series(values=[random.Random(seed + k).random() for _ in range(1000)]).sample(
-            steps, with_replacement=True, seed=seed + k)
+        rng = random.Random(seed + k)
+        pool = pl.Series(values=[rng.random() for _ in range(1000)])
+        noise = pool.sample(steps, with_replacement=True, seed=seed + k)
         frames.append(pl.DataFrame({"seq": step, "step": step, "name": [name] * steps, "value": 1.0 + noise}))
     return pl.concat(frames), names
 
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"html size {len(page.encode()) / 1e6:.2f} MB")
     print(f"points drawn {drawn} = {drawn / df.height:.5f} of recorded")
     print(f"spikes drawn at their step {len(kept & set(spikes))}/{len(spikes)}; "
-          f"non-finite loss steps shown {len(loss.nonfinite)}/{len(nans)}")
+          f"non-finite loss values marked {len(loss.nonfinite)}/{len({s * args.buckets // args.steps for s in nans})} "
+          f"(one mark per step bucket holding any; {len(nans)} NaN steps injected)")
     return 0
 
 
