@@ -186,7 +186,8 @@ def rollback_bands(events: Sequence[Any]) -> list[Band]:
         start = e.after.get("checkpoint_step")
         stop = e.after.get("from_step", e.before.get("step"))
         if isinstance(start, int) and isinstance(stop, int) and stop >= start:
-            bands.append(Band(start, stop, f"re-trained after rollback at step {stop} to checkpoint {start}"))
+            what = "would be re-trained after the simulated" if e.simulated else "re-trained after"
+            bands.append(Band(start, stop, f"{what} rollback at step {stop} to checkpoint {start}"))
     return bands
 
 
