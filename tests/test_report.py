@@ -3,6 +3,7 @@ headless Chromium with no console errors, non-blank charts and a mark at the rig
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
@@ -128,15 +129,29 @@ def _count(img, box: tuple[int, int, int, int], kind) -> int:
     return sum(1 for y in range(crop.height) for x in range(crop.width) if kind(crop.getpixel((x, y))))
 
 
+def mark_probe(chart: str, kind: str) -> str:
+    """JS: the page x of the first ``kind`` mark on ``chart`` and of each x-axis tick label, by its text."""
+    return (f"(() => {{ const svg = document.querySelector('svg[data-chart={chart}]');"
+            f" const m = svg.querySelector('line.mark-{kind}').getBoundingClientRect();"
+            " const ticks = {}; svg.querySelectorAll('g.axis text[text-anchor=middle]').forEach(t => {"
+            " const r = t.getBoundingClientRect(); ticks[t.textContent] = r.left + r.width / 2; });"
+            " return JSON.stringify({x: m.left + m.width / 2, top: m.top + scrollY, ticks: ticks}); })()")
+
+
+def assert_mark_at(probe: str, step: int) -> dict:
+    """The mark sits where the axis's own tick labels put ``step`` (linear between the two ticks around it)."""
+    mark = json.loads(probe)
+    ticks = sorted((int(t), x) for t, x in mark["ticks"].items())
+    (t0, x0), (t1, x1) = next((a, b) for a, b in zip(ticks, ticks[1:], strict=False) if a[0] <= step <= b[0])
+    assert mark["x"] == pytest.approx(x0 + (step - t0) / (t1 - t0) * (x1 - x0), abs=1.5)
+    return mark
+
+
 PROBES = {
+    "mark": mark_probe("grad_norm", "anomaly"),
     "charts": "JSON.stringify([...document.querySelectorAll('svg[data-chart]')].map(s => {"
               "const r = s.getBoundingClientRect(); return [s.dataset.chart, r.left + scrollX, r.top + scrollY,"
               " r.width, r.height]; }))",
-    "mark": "(() => { const svg = document.querySelector('svg[data-chart=grad_norm]');"
-            " const m = svg.querySelector('line.mark-anomaly').getBoundingClientRect();"
-            " const ticks = {}; svg.querySelectorAll('g.axis text').forEach(t => { const r = t.getBoundingClientRect();"
-            " ticks[t.textContent] = r.left + r.width / 2; });"
-            " return JSON.stringify({x: m.left + m.width / 2, top: m.top + scrollY, ticks: ticks}); })()",
     "hover": "(() => { const hit = document.querySelector('svg[data-chart=loss] line.mark-anomaly').nextSibling;"
              " const r = hit.getBoundingClientRect(); hit.dispatchEvent(new MouseEvent('mousemove', {bubbles: true,"
              " clientX: r.left + 1, clientY: r.top + 20})); return document.getElementById('tip').textContent; })()",
@@ -158,18 +173,13 @@ def test_report_draws_in_headless_chromium(stored_run: str, sqlite_url: str, tmp
     load = open_page(out, PROBES)
     assert load.errors == []
     assert load.requests == [out.resolve().as_uri()]  # nothing fetched: the file is self-contained
-    import json
-
     charts = json.loads(load.values["charts"])
     assert [c[0] for c in charts] == ["loss", "grad_norm", "grad_norm_layers", "loss_scale", "act_rms", "emb_drift",
                                       "emb_update", "lr", "step_time", "tokens_per_sec"]
     for name, x, y, w, h in charts:
         assert _count(load.screenshot, (int(x), int(y), int(x + w), int(y + h)), _blue) > 300, name
 
-    mark = json.loads(load.values["mark"])
-    x1000, x1500 = mark["ticks"]["1000"], mark["ticks"]["1500"]
-    expected = x1000 + (ANOMALY_STEP - 1000) / 500 * (x1500 - x1000)
-    assert mark["x"] == pytest.approx(expected, abs=1.5)
+    mark = assert_mark_at(load.values["mark"], ANOMALY_STEP)
     red = _count(load.screenshot, (round(mark["x"]) - 1, int(mark["top"]), round(mark["x"]) + 2,
                                    int(mark["top"]) + 150), _red)
     assert red > 100  # the mark is on screen where the geometry says
@@ -204,3 +214,29 @@ def test_records_frame_matches_the_stored_table(stored_run: str, sqlite_url: str
         rebuilt = records_frame(load_steps(session=s, run_id=stored_run))
     key = ["seq", "step", "name"]
     assert stored.select(key).sort(key).equals(rebuilt.select(key).sort(key))
+
+
+@pytest.mark.slow
+def test_the_demo_report_draws_its_rollback_at_its_step(sqlite_url: str, tmp_path: Path) -> None:
+    """The real thing: the tiny GPT meets a corrupted shard, the runbook rolls back, the report shows it."""
+    from stabmon.events import InterventionRecord
+    from stabmon.store.repo import load_events, resolve_run
+
+    res = runner.invoke(app, ["demo", "--db", sqlite_url, "--steps", "400"])
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "demo.html"
+    res = runner.invoke(app, ["report", "latest", "-o", str(out), "--db", sqlite_url])
+    assert res.exit_code == 0, res.output
+    with open_store(sqlite_url) as store, store.session() as s:
+        events = load_events(session=s, run_id=resolve_run(session=s, ref="latest").id)
+    (rollback,) = [e for e in events if isinstance(e, InterventionRecord) and e.action == "rollback"]
+    load = open_page(out, {"charts": PROBES["charts"], "mark": mark_probe("loss", "rollback"),
+                           "bands": PROBES["bands"]})
+    assert load.errors == [] and load.requests == [out.resolve().as_uri()]
+    charts = json.loads(load.values["charts"])
+    assert {"loss", "grad_norm", "grad_norm_layers", "act_rms", "emb_drift", "emb_update", "step_time"} <= {
+        c[0] for c in charts}
+    for name, x, y, w, h in charts:
+        assert _count(load.screenshot, (int(x), int(y), int(x + w), int(y + h)), _blue) > 300, name
+    assert_mark_at(load.values["mark"], rollback.step)
+    assert load.values["bands"] == 1
