@@ -70,6 +70,15 @@ def test_non_finite_values_are_kept_apart_and_rollback_stretches_marked_abandone
     assert s.nonfinite == [1, 2]
 
 
+def test_a_run_without_clipping_is_not_flagged_non_finite() -> None:
+    recs = [StepRecord(step=s, metrics={"grad_norm": 1.0, "clip": math.inf, "loss": math.nan if s == 3 else 1.0})
+            for s in range(10)]
+    data = build_report(records_frame(recs), [], run=RunInfo("r", "x"))
+    charts = {c.id: c for c in data.charts}
+    assert [s.name for s in charts["grad_norm"].series] == ["grad_norm"]  # nothing of clip left to draw
+    assert charts["loss"].series[0].nonfinite == [3]
+
+
 def _records(n: int) -> list[StepRecord]:
     rng = random.Random(3)
     recs = []

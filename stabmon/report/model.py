@@ -15,6 +15,7 @@ trace and the environment fingerprint. :mod:`stabmon.report.render` turns it int
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Any
 
 import polars as pl
 
-from stabmon.events import Anomaly, Decision, InterventionRecord, Outcome
+from stabmon.events import Anomaly, Decision, InterventionRecord, Metric, Outcome
 from stabmon.report.series import Series, build_series, records_frame  # noqa: F401 - records_frame re-exported
 
 
@@ -226,7 +227,7 @@ def _step_rows(key: str, s: Mapping[str, Any]) -> list[TraceRow]:
 
 def build_charts(df: pl.DataFrame, *, buckets: int) -> tuple[list[Chart], list[str]]:
     """The charts of :data:`CHARTS` that have data, and the titles of those that have none."""
-    names = list(dict.fromkeys(df["name"].to_list())) if not df.is_empty() else []
+    names = df["name"].unique(maintain_order=True).to_list() if not df.is_empty() else []
     charts, missing = [], []
     for spec in CHARTS:
         wanted = [n for n in spec.names if n in names]
@@ -236,8 +237,14 @@ def build_charts(df: pl.DataFrame, *, buckets: int) -> tuple[list[Chart], list[s
             missing.append(spec.title)
             continue
         per_series = buckets if len(wanted) <= 4 else max(100, 4 * buckets // len(wanted))  # a few MB at most
-        charts.append(Chart(spec.id, spec.title, build_series(df, buckets=per_series, names=wanted), spec.log))
+        series = [_no_clip_as_infinity(s) for s in build_series(df, buckets=per_series, names=wanted)]
+        charts.append(Chart(spec.id, spec.title, [s for s in series if s.steps or s.nonfinite], spec.log))
     return charts, missing
+
+
+def _no_clip_as_infinity(s: Series) -> Series:
+    """``clip`` is inf while the run does not clip: that is a setting, not a non-finite value to flag."""
+    return dataclasses.replace(s, nonfinite=[]) if s.name == Metric.CLIP else s
 
 
 def build_report(
