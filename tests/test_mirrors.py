@@ -4,6 +4,7 @@ no network), a failing mirror never reaches training, and the Monitor takes a Mi
 from __future__ import annotations
 
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,17 @@ def _wandb_records(run_dir: Path) -> list:
     return out
 
 
+def _complete_wandb_log(run_dir: Path, timeout: float = 60.0) -> list:
+    """The run's records once W&B's core process has written the closing ``exit`` record (``run.finish()`` can
+    return before the core has flushed the file on a busy machine)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        recs = _wandb_records(run_dir)
+        if any(r.WhichOneof("record_type") == "exit" for r in recs) or time.monotonic() > deadline:
+            return recs
+        time.sleep(0.2)
+
+
 def test_wandb_offline_logs_metrics_and_alerts_interventions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("wandb")
     from stabmon.integrations.wandb import WandbMirror
@@ -96,11 +108,12 @@ def test_wandb_offline_logs_metrics_and_alerts_interventions(tmp_path: Path, mon
     run_id = _feed(MirrorSink(None, wb))
     assert not wb.errors
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
-    recs = _wandb_records(run_dir)
+    recs = _complete_wandb_log(run_dir)
     rows = [{i.nested_key[0] if i.nested_key else i.key: i.value_json for i in r.history.item}
             for r in recs if r.WhichOneof("record_type") == "history"]
     logged = [(int(r["stabmon/step"]), float(r["loss"])) for r in rows if "loss" in r]
-    assert logged == [(r.step, r.metrics["loss"]) for r in RECORDS]
+    kinds = [r.WhichOneof("record_type") for r in recs]
+    assert logged == [(r.step, r.metrics["loss"]) for r in RECORDS], (kinds, rows[:3])
     assert any("stabmon/events" in r for r in rows)
     (alert,) = [r.alert for r in recs if r.WhichOneof("record_type") == "alert"]
     assert alert.title == "stabmon intervention: set_clip at step 5" and alert.level == "WARN"
