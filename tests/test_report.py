@@ -249,3 +249,22 @@ def test_the_demo_report_draws_its_rollback_at_its_step(sqlite_url: str, tmp_pat
         assert _count(load.screenshot, (int(x), int(y), int(x + w), int(y + h)), _blue) > 300, name
     assert_mark_at(load.values["mark"], rollback.step)
     assert load.values["bands"] == 1
+
+
+def test_replay_of_a_log_file_writes_its_report_with_the_spike_marked(tmp_path: Path, sqlite_url: str) -> None:
+    rng = random.Random(5)
+    rows = ["step,loss,grad_norm"]
+    for s in range(300):
+        spike = s == 200
+        rows.append(f"{s},{(9.0 if spike else 2.0 + 0.01 * rng.random()):.5f},"
+                    f"{(50.0 if spike else 1.0 + 0.05 * rng.random()):.5f}")
+    log = tmp_path / "train.csv"
+    log.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "replay.html"
+    res = runner.invoke(app, ["replay", str(log), "--no-store", "--report", str(out), "--db", sqlite_url])
+    assert res.exit_code == 0, res.output
+    page = out.read_text()
+    payload = json.loads(page.split("id='stabmon-data'>", 1)[1].split("</script>", 1)[0])
+    assert {(m["kind"], m["step"]) for m in payload["marks"]} >= {("anomaly", 200)}
+    loss = next(c for c in payload["charts"] if c["id"] == "loss")["series"][0]
+    assert loss["steps"] == list(range(300)) and loss["values"][200] == 9.0
