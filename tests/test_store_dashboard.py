@@ -43,7 +43,12 @@ def test_dashboard_queries_run_on_the_schema(pg_url: str) -> None:
             run_id=run,
             records=[
                 StepRecord(
-                    s, {"loss": 2.0 - s / 100, "grad_norm": 1.0 + s % 3, "loss_scale": 2.0**16}, time=now + s
+                    s,
+                    {"loss": 2.0 - s / 100, "grad_norm": 1.0 + s % 3, "loss_scale": 2.0**16, "step_time": 0.03,
+                     "tokens_per_sec": 3e4, "act_rms/h.0": 1.5, "act_rms/h.1": 2.5, "grad_norm/h.0": 0.4,
+                     "emb_drift/wte": s / 1000, "emb_update/wte": 1e-4, "emb_update/wpe": 2e-4,
+                     "act_rmsX": 9.0},  # not a module metric: must not show up among the activation norms
+                    time=now + s,
                 )
                 for s in range(50)
             ],
@@ -70,6 +75,15 @@ def test_dashboard_queries_run_on_the_schema(pg_url: str) -> None:
 
     assert len(results["panel Gradient norm (global, before clipping)"]) == 50
     assert results["panel Loss"][0]["loss"] == 2.0
+    acts = results["panel Activation norms (RMS per module)"]
+    assert len(acts) == 100 and {r["metric"] for r in acts} == {"act_rms/h.0", "act_rms/h.1"}
+    assert {r["metric"] for r in results["panel Gradient norm per layer"]} == {"grad_norm/h.0"}
+    drift = results["panel Embedding drift ||W - W0|| / ||W0||"]
+    assert [r["value"] for r in drift][:3] == [0.0, 0.001, 0.002]
+    ratio = results["panel Embedding update ratio ||W_t - W_t-1|| / ||W_t||"]
+    assert {r["metric"] for r in ratio} == {"emb_update/wte", "emb_update/wpe"} and len(ratio) == 100
+    assert [r["step_time"] for r in results["panel Step time"]] == [0.03] * 50
+    assert len(results["panel Tokens per second"]) == 50
     assert {r["__value"] for r in results["variable run"]} == {run}
     [anomaly] = results["annotation Anomalies"]
     assert anomaly["time"].timestamp() == pytest.approx(now + 20, abs=1e-3)

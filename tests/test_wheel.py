@@ -39,6 +39,7 @@ def test_wheel_installs_and_upgrades_a_database_outside_the_repo(tmp_path: Path)
     assert {"stabmon/_migrations/env.py", "stabmon/_migrations/script.py.mako"} <= names
     assert any(n.startswith("stabmon/_migrations/versions/0001_") for n in names)
     assert any(n.startswith("stabmon/_runbooks/") and n.endswith(".yaml") for n in names)
+    assert "stabmon/report/assets/report.js" in names  # the report inlines it; a wheel without it draws nothing
 
     # Only the wheel's own files; the dependencies (sqlalchemy, alembic, ...) come from this environment.
     subprocess.run(

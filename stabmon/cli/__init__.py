@@ -32,6 +32,8 @@ COMMAND_MODULES = [
     "runbook",
     "decisions",
     "trace",
+    "report",
+    "diff",
     "events",
     "demo",
 ]

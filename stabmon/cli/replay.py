@@ -89,6 +89,9 @@ def replay_command(
     store_result: Annotated[bool, typer.Option("--store/--no-store", help="Store the replay as a run.")] = True,
     name: Annotated[str | None, typer.Option("--name", help="Name of the stored replay run.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per event, one per line.")] = False,
+    report: Annotated[
+        Path | None, typer.Option("--report", help="Also write the replay's HTML report (as `stabmon report`).")
+    ] = None,
     db: DbOption = None,
 ) -> None:
     """Replay a recorded run through the same detector and runbook engine classes as live, with interventions
@@ -128,6 +131,9 @@ def replay_command(
         )
     low = [e for e in result.events if type(e).__name__ != "StepRecord"]
     run_id = _store(url, name or f"replay of {label}", low, parent_id, label, runbook, sets) if store_result else None
+    if report is not None:
+        _write_report(report, records, low, run_id or "not stored", name or f"replay of {label}", label, parent_id,
+                      url)
     rows = event_rows(low)
     if json_output:
         for row in rows:
@@ -149,6 +155,27 @@ def replay_command(
             f"rollback at step {rb['step']} to checkpoint step {rb['checkpoint_step']}"
             f" (skipping batches {rb['skipped_batches'] or 'none'})"
         )
+
+
+def _write_report(path: Path, records: list[Any], events: list[Any], run_id: str, name: str, source: str,
+                  parent_id: str | None, url: str) -> None:
+    """The replay's report: its records and simulated events, with the environment of the run it replays."""
+    from stabmon.report import RunInfo, build_report, records_frame, write_report
+
+    environment: dict[str, Any] = {}
+    if parent_id is not None:
+        from stabmon.store import open_store
+        from stabmon.store.repo import run_config
+
+        with open_store(url) as store, store.session() as session:
+            environment = run_config(session=session, run_id=parent_id)[1]
+    info = RunInfo(id=run_id, name=name, kind="replay", status="completed", source=source, parent_run_id=parent_id)
+    data = build_report(records_frame(records), events, run=info, environment=environment)
+    try:
+        write_report(data, path)
+    except OSError as exc:
+        fail(f"--report: cannot write {path}: {exc.strerror or exc}")
+    typer.echo(f"wrote report {path}", err=True)
 
 
 def _pipeline(runbook: str, sets: list[str] | None, mode: str | None, every: int | None = 1) -> tuple[Any, Any]:
