@@ -305,12 +305,19 @@ def test_example_unstable_setting_learns_then_blows_up(tmp_path: Path, sqlite_ur
 
 STOP_RUNBOOK = """\
 name: stop-on-spike
-description: Stop for a human at the first recurring spike.
+description: Stop for a human at the first recurring spike, or a loss that climbed and stays up.
 mode: apply
 rules:
   - name: spike
     description: Recurring loss or gradient-norm spikes.
     when: {kind: spike, metric: "*", severity: warning, persistence: {seen: 3, of: 50}}
+    ladder:
+      - action: checkpoint_and_stop
+        params: {reason: "recurring spikes: stopped for a human"}
+        observe: 1
+  - name: regression
+    description: A loss that climbs steadily is no spike to a baseline that follows it; it is a regression.
+    when: {kind: regression, metric: "*", severity: error}
     ladder:
       - action: checkpoint_and_stop
         params: {reason: "recurring spikes: stopped for a human"}
