@@ -40,6 +40,8 @@ from stabmon.collect.embeddings import EmbeddingDrift
 from stabmon.collect.flushing import decide, publish, share, start_run
 from stabmon.collect.grads import GradNorms
 from stabmon.collect.optim import OptimizerHooks
+from stabmon.collect.ranks import RankGather, RankProbe
+from stabmon.collect.sharding import ShardedSquares, layout_of
 from stabmon.collect.wiring import (
     DEFAULT_STORE,
     MODES,
@@ -110,7 +112,9 @@ class Monitor:
         self.cursor = DataCursor()
         self.buffer = StepBuffer()
         cfg = self.config
-        self._grads = GradNorms(model, cfg.grads.layers)
+        self.layout = layout_of(model)
+        sharded = ShardedSquares(self.layout.counted) if self.layout.sharded else None
+        self._grads = GradNorms(model, cfg.grads.layers, sharded=sharded)
         self._acts = ActivationNorms(model, cfg.activations.modules) if cfg.activations.every else None
         self._emb = EmbeddingDrift(model) if cfg.embeddings.every else None
         self._hooks = OptimizerHooks(
@@ -125,8 +129,12 @@ class Monitor:
         )
         self.errors: Counter[str] = Counter()
         self.rank, self.world_size = world()
+        self._probe: RankProbe | None = None
         if self.world_size > 1:
             self.buffer.reduce = mean_across_ranks
+            replicated = self.layout.kind == "ddp"
+            self.buffer.gather = RankGather(replicated=replicated)
+            self._probe = RankProbe(model, self._grads.params, replicated=replicated)
         self._follower = RankFollower()
         leader = self.rank == 0  # only rank 0 writes to the store and sends alerts
         self.store, self._owns_store = resolve_store(store if leader else None)
@@ -288,6 +296,10 @@ class Monitor:
         hp = self._hooks.last_hparams if self._hooks.stepped else (self._hp_snapshot or self._hooks.hparams())
         for name, value in hp.items():
             self.buffer.add_host(name, value)
+        if self._probe is not None:
+            local_norm = self._grads.last_local_total if self._hooks.stepped else None
+            before_flush = len(self.buffer) + 1 >= self.config.flush_every
+            self._probe.record(self.buffer, started=self._t_last, local_norm=local_norm, before_flush=before_flush)
         now = time.perf_counter()
         elapsed = now - (self._t_last or now)
         self.buffer.add_host(Metric.STEP_TIME, elapsed)
@@ -428,6 +440,8 @@ class Monitor:
         if self._watchdog is not None:
             self._watchdog.stop()
         self._hooks.remove()
+        if self._probe is not None:
+            self._probe.remove()
         if self._acts is not None:
             self._acts.disarm()
         status = status or ("stopped" if self.should_stop else "finished")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from stabmon.detect.base import Detector
 from stabmon.detect.config import apply_overrides
+from stabmon.detect.fleet import Divergence, Straggler
 from stabmon.detect.hang import HangWatchdog
 from stabmon.detect.rules import LossScaleCollapse, MissingMetric, NonFinite
 from stabmon.detect.spike import EWSpike, RobustSpike
@@ -23,6 +24,7 @@ __all__ = [
     "DETECTORS",
     "Detector",
     "DetectorSuite",
+    "Divergence",
     "Drift",
     "EWSpike",
     "FrozenEmbedding",
@@ -32,6 +34,7 @@ __all__ = [
     "NonFinite",
     "RobustSpike",
     "StepTimeRegression",
+    "Straggler",
     "apply_overrides",
     "parse_config",
 ]
