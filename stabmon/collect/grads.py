@@ -35,18 +35,25 @@ from stabmon.collect.sharding import ShardedSquares, clean_name, local
 
 
 def default_blocks(model: nn.Module) -> list[str]:
-    """Names of the children of the first ModuleList in ``model`` (the transformer blocks), or ``[]``."""
+    """Names of the children of the first ModuleList in ``model`` (the transformer blocks), or ``[]``;
+    without wrapper prefixes (:func:`~stabmon.collect.sharding.clean_name`)."""
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0:
-            return [f"{name}.{child}" if name else child for child, _ in module.named_children()]
+            return [clean_name(f"{name}.{child}" if name else child) for child, _ in module.named_children()]
     return []
+
+
+def _names(model: nn.Module) -> list[str]:
+    """Parameter names without wrapper prefixes, e.g. ``blocks.0.weight`` under DDP, FSDP1 and FSDP2 alike
+    (an FSDP1 flat parameter is named after its unit: ``blocks.0._flat_param``)."""
+    return [clean_name(n) for n, _ in model.named_parameters()]
 
 
 def default_layer_of(model: nn.Module) -> dict[str, str]:
     """Map each parameter name to its layer: its block when it lives in one, else its owning module."""
     blocks = default_blocks(model)
     out = {}
-    for pname, _ in model.named_parameters():
+    for pname in _names(model):
         block = next((b for b in blocks if pname.startswith(b + ".")), None)
         out[pname] = block if block is not None else (pname.rsplit(".", 1)[0] if "." in pname else pname)
     return out
@@ -54,7 +61,7 @@ def default_layer_of(model: nn.Module) -> dict[str, str]:
 
 def pattern_layer_of(model: nn.Module, patterns: Sequence[str], *, path: str) -> dict[str, str]:
     """Map parameter names to the prefix matched by the first matching pattern; unknown patterns raise."""
-    names = [n for n, _ in model.named_parameters()]
+    names = _names(model)
     compiled = []
     for pat in patterns:
         try:
@@ -104,7 +111,6 @@ class GradNorms:
             layer_of = {}
         else:
             layer_of = pattern_layer_of(model, layers, path=path)
-        layer_of = {clean_name(n): clean_name(layer) for n, layer in layer_of.items()}
         self.layer_names: list[str] = list(
             dict.fromkeys(layer_of[n] for n, _ in self._named if n in layer_of)
         )
