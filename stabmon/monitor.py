@@ -169,12 +169,7 @@ class Monitor:
         self._tokens: int | None = None
         self._t_last: float | None = None
         self._closed = False
-        self._watchdog = None
-        if cfg.hang_timeout is not None:
-            from stabmon.detect.hang import HangWatchdog
-
-            self._watchdog = HangWatchdog(cfg.hang_timeout, self._on_hang)
-            self._watchdog.start()
+        self._watchdog = self._start_watchdog(store) if cfg.hang_timeout is not None else None
         self._hooks.install()
 
     # -- InterventionTarget ------------------------------------------------------------------------------
@@ -354,10 +349,42 @@ class Monitor:
             share(self, executed_decisions(events) if self.rank == 0 else None)
         return records
 
-    def _on_hang(self, anomaly: Anomaly) -> None:
-        """Watchdog thread: training is stuck, so publish at once instead of waiting for a flush."""
-        log.error("stabmon: %s", anomaly.message)
-        publish(self, [anomaly])
+    def _start_watchdog(self, store: Any) -> Any:
+        """The hang watchdog (a thread): rank 0 publishes at once instead of waiting for a flush; another rank
+        writes its own report into the run; ``config.hang.exit_code`` then ends the process."""
+        from stabmon.collect.hangs import HangReporter
+        from stabmon.detect.hang import HangWatchdog
+
+        cfg = self.config
+        reporter = HangReporter(
+            rank=self.rank,
+            publish=lambda anomalies: publish(self, list[Event](anomalies)),
+            settle=self._settle,
+            open_store=lambda: resolve_store(store),
+            run_id=lambda: self.run_id,
+            run_name=self.run_name,
+            exit_code=cfg.hang.exit_code,
+        )
+        h = cfg.hang
+        label = f"rank {self.rank}: " if self.world_size > 1 else ""
+        dog = HangWatchdog(cfg.hang_timeout or 0.0, reporter, factor=h.factor, floor=h.floor,
+                           learn_after=h.learn_after, window=h.window, stacks=h.stacks, label=label)
+        dog.start()
+        return dog
+
+    def _settle(self) -> None:
+        """Before a hang exit: what was published reaches the database and the alert channels (bounded)."""
+        store, notifier = self.store, self.notifier
+        if store is not None:
+            self._guard("store", lambda: store.flush(timeout=30.0))
+        if notifier is not None:
+            self._guard("alerts", lambda: notifier.close(timeout=10.0))
+
+    def heartbeat(self) -> None:
+        """A sign of life between steps (inside a long evaluation): re-arms the hang watchdog without
+        teaching it that steps are this slow."""
+        if self._watchdog is not None:
+            self._watchdog.beat(self._step - 1, learn=False)
 
     def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run training-path I/O: catch, log, count; never raise into training."""

@@ -60,7 +60,7 @@ def _train(model: nn.Module, batches: list[Any], *, rank: int, size: int) -> lis
     mon.overrides.lr_scale = 0.5
     mon.overrides.skip_factor = 5.0
     per = BATCH // size
-    for step, (x, y) in mon.steps(batches):
+    for _, (x, y) in mon.steps(batches):
         xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
         loss = (model(xs) - ys).pow(2).mean()
         loss.backward()

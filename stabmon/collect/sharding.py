@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,7 +84,7 @@ class Layout:
         return self.kind in ("fsdp1", "fsdp2")
 
 
-def _fsdp1_modules(model: nn.Module) -> list[nn.Module]:
+def _fsdp1_modules(model: nn.Module) -> list[Any]:
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - a torch without distributed support
@@ -91,10 +92,10 @@ def _fsdp1_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
 
 
-def _fsdp1_sharded(modules: Sequence[nn.Module]) -> bool:
+def _fsdp1_sharded(modules: Sequence[Any]) -> bool:
     """FULL_SHARD / SHARD_GRAD_OP shard over the whole world; NO_SHARD replicates; hybrid strategies (shards
     within a node, replicas across nodes) are refused with one line."""
-    names = {getattr(m, "sharding_strategy").name for m in modules}
+    names: set[str] = {m.sharding_strategy.name for m in modules}
     hybrid = sorted(n for n in names if "HYBRID" in n)
     if hybrid:
         raise ValueError(
