@@ -62,3 +62,30 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 12
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(size)]
+
+
+def _bare(fn: Callable[..., Any], rank: int, size: int, port: int, args: tuple[Any, ...]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    fn(rank, size, *args)
+    dist.destroy_process_group()
+
+
+def exit_codes(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 120.0) -> list[int | None]:
+    """Run ``fn(rank, size, *args)`` on ``size`` ranks for its side effects; each process's exit code (None:
+    still running at ``timeout``, then killed)."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    ctx = mp.get_context("fork")
+    port = free_port()
+    procs = [ctx.Process(target=_bare, args=(fn, r, size, port, args), daemon=True) for r in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return codes
