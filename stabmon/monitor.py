@@ -41,7 +41,7 @@ from stabmon.collect.flushing import decide, publish, share, start_run
 from stabmon.collect.grads import GradNorms
 from stabmon.collect.optim import OptimizerHooks
 from stabmon.collect.ranks import RankGather, RankProbe
-from stabmon.collect.sharding import ShardedSquares, layout_of
+from stabmon.collect.sharding import ShardedSquares, embedding_counted, layout_of
 from stabmon.collect.wiring import (
     DEFAULT_STORE,
     MODES,
@@ -116,7 +116,8 @@ class Monitor:
         sharded = ShardedSquares(self.layout.counted) if self.layout.sharded else None
         self._grads = GradNorms(model, cfg.grads.layers, sharded=sharded)
         self._acts = ActivationNorms(model, cfg.activations.modules) if cfg.activations.every else None
-        self._emb = EmbeddingDrift(model) if cfg.embeddings.every else None
+        emb_counted = embedding_counted(model, self.layout)
+        self._emb = EmbeddingDrift(model, counted=emb_counted) if cfg.embeddings.every else None
         self._hooks = OptimizerHooks(
             optimizer,
             self._grads,

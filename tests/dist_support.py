@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -50,9 +52,18 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 12
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in procs:
-            rank, ok, value = out.get(timeout=timeout)
+        while len(results) < size:
+            try:
+                rank, ok, value = out.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    pytest.fail(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"ranks {sorted(set(range(size)) - set(results))} did not finish in {timeout} s")
+                continue
             if not ok:
                 pytest.fail(f"rank {rank} failed:\n{value}")
             results[rank] = pickle.loads(value)

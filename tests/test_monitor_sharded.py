@@ -17,7 +17,7 @@ import torch
 from dist_support import run_ranks
 from torch import nn
 
-from stabmon.collect.config import MonitorConfig
+from stabmon.collect.config import EmbeddingConfig, MonitorConfig
 from stabmon.collect.sharding import clean_name
 from stabmon.monitor import Monitor
 
@@ -34,9 +34,10 @@ class Tiny(nn.Module):
         self.embed = nn.Linear(5, 8)
         self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
         self.head = nn.Linear(8, 3)
+        self.pos = nn.Embedding(5, 8)  # drift and update ratio need the same sum over shards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.embed(x))
+        h = torch.tanh(self.embed(x) + self.pos(torch.zeros(len(x), dtype=torch.long)))
         for block in self.blocks:
             h = h + torch.tanh(block(h))
         return self.head(h)
@@ -56,7 +57,8 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _train(model: nn.Module, batches: list[Any], *, rank: int, size: int) -> list[dict[str, float]]:
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     mon = Monitor(model, opt, store=None, detectors=False,
-                  config=MonitorConfig(clip=0.05, flush_every=3, hang_timeout=None))
+                  config=MonitorConfig(clip=0.05, flush_every=3, hang_timeout=None,
+                                       embeddings=EmbeddingConfig(every=1)))
     mon.overrides.lr_scale = 0.5
     mon.overrides.skip_factor = 5.0
     per = BATCH // size
@@ -87,11 +89,11 @@ def _wrap(kind: str) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=kind == "fsdp1",
-                    device_id=torch.device("cpu"))
+        policy = ModuleWrapPolicy({nn.Linear, nn.Embedding})
+        return FSDP(model, auto_wrap_policy=policy, use_orig_params=kind == "fsdp1", device_id=torch.device("cpu"))
     from torch.distributed.fsdp import fully_shard
 
-    for module in (model.embed, *model.blocks, model.head):
+    for module in (model.embed, *model.blocks, model.head, model.pos):
         fully_shard(module)
     return fully_shard(model)
 
@@ -130,7 +132,9 @@ def _close(a: float, b: float) -> bool:
 def test_norms_clipping_and_guard_match_an_unsharded_run(size: int, reference: Any) -> None:
     ref_metrics, ref_params = reference
     layers = sorted(k for k in ref_metrics[0] if k.startswith("grad_norm/"))
-    assert layers == ["grad_norm/blocks.0", "grad_norm/blocks.1", "grad_norm/embed", "grad_norm/head"]
+    assert layers == ["grad_norm/blocks.0", "grad_norm/blocks.1", "grad_norm/embed", "grad_norm/head",
+                      "grad_norm/pos"]
+    compared = [*layers, "emb_drift/pos", "emb_update/pos"]
     assert [m["skipped"] for m in ref_metrics] == [1.0 if s == SPIKE_STEP else 0.0 for s in range(STEPS)]
     assert all(m["grad_norm"] > 0.05 for m in ref_metrics)  # the clip binds on every step
     results = run_ranks(_every_kind, size, timeout=240)
@@ -143,8 +147,11 @@ def test_norms_clipping_and_guard_match_an_unsharded_run(size: int, reference: A
                 assert _close(got["grad_norm"], want["grad_norm"]), (where, step, got["grad_norm"], want)
                 assert got["skipped"] == want["skipped"] and got["lr"] == want["lr"], (where, step)
                 assert got["nonfinite"] == 0.0
-                for layer in layers:  # FSDP1 flat parameters: one per wrapped Linear, so per layer too
-                    assert _close(got[layer], want[layer]), (where, step, layer, got[layer], want[layer])
+                if kind == "fsdp1-flat":  # an embedding's weight is no parameter there: not watched
+                    assert not any(k.startswith("emb_") for k in got), where
+                for layer in compared:  # FSDP1 flat parameters: one per wrapped module, so per layer too
+                    if kind != "fsdp1-flat" or not layer.startswith("emb_"):
+                        assert _close(got[layer], want[layer]), (where, step, layer, got[layer], want[layer])
             assert params.keys() == ref_params.keys(), where
             for name, value in params.items():
                 assert torch.allclose(value, ref_params[name], rtol=1e-5, atol=1e-6), (where, name)

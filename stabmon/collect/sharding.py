@@ -32,15 +32,20 @@ from torch import nn
 
 from stabmon.collect.distributed import world
 
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+_WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 def clean_name(name: str) -> str:
-    """A parameter name without DDP / FSDP / activation-checkpoint / ``torch.compile`` wrapper prefixes, so
-    per-layer metric names are the same whatever the parallelism."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name[len("module."):] if name.startswith("module.") else name
+    """A parameter or module name without DDP / FSDP / activation-checkpoint / ``torch.compile`` wrapper
+    parts, so per-layer metric names are the same whatever the parallelism.
+
+    >>> clean_name("blocks.0._fsdp_wrapped_module"), clean_name("module.head.weight")
+    ('blocks.0', 'head.weight')
+    """
+    parts = [part for part in name.split(".") if part not in _WRAPPERS]
+    if len(parts) > 1 and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -146,3 +151,11 @@ class ShardedSquares:
         if world()[1] > 1:
             torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM)
         return out
+
+
+def embedding_counted(model: nn.Module, layout: Layout) -> tuple[bool, ...] | None:
+    """:attr:`Layout.counted` of the model's ``nn.Embedding`` weights under a sharded layout, else None."""
+    if not layout.sharded:
+        return None
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+    return layout_of(model, weights).counted
