@@ -2,7 +2,7 @@
 healthy fleet raises nothing.
 
 The slow rank's extra time is injected (a sleep inside its forward, where DDP holds no collective), so the
-test holds on any machine: 20 % of a 40 ms simulated compute step is far above scheduling jitter.
+test holds on any machine: 20 % of an 80 ms simulated compute step is far above scheduling jitter.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from stabmon.collect.ranks import RankGather, summarise
 from stabmon.events import Metric
 from stabmon.monitor import Monitor
 
-RANKS, FLUSH, WORK = 4, 5, 0.04
+RANKS, FLUSH, WORK = 4, 5, 0.08
 
 
 class Work(nn.Module):
@@ -112,3 +112,16 @@ def test_summary_names_the_outlier_and_ignores_ranks_that_did_not_measure() -> N
     assert (out[Metric.STRAGGLER_RANK], out[Metric.STRAGGLER_RATIO]) == (1.0, 1.5 / 1.25)
     assert out[Metric.DIVERGENT_RANK] == 1.0 and out[Metric.DIVERGENCE] == pytest.approx(0.5 / 7.0)
     assert Metric.DIVERGENCE not in summarise(rows, replicated=False)[0]
+
+
+def test_default_suite_flags_a_fleet_wide_step_time_regression() -> None:
+    from stabmon.detect import DetectorSuite
+    from stabmon.events import StepRecord
+
+    suite = DetectorSuite.from_config(None)
+    found = []
+    for step in range(200):  # every rank slows down by 10 % from step 120 on (a slow filesystem, a bad switch)
+        fleet = 1.0 if step < 120 else 1.1
+        found += suite.update(StepRecord(step, {Metric.FLEET_STEP_TIME: fleet, Metric.STEP_TIME: fleet}))
+    hits = [a for a in found if a.metric == Metric.FLEET_STEP_TIME]
+    assert [a.kind for a in hits] == ["step_time"] and 120 <= hits[0].step < 135

@@ -155,3 +155,55 @@ def test_norms_clipping_and_guard_match_an_unsharded_run(size: int, reference: A
             assert params.keys() == ref_params.keys(), where
             for name, value in params.items():
                 assert torch.allclose(value, ref_params[name], rtol=1e-5, atol=1e-6), (where, name)
+
+
+def _host_reads(rank: int, size: int) -> dict[str, tuple[list[str], list[str]]]:
+    """Host reads outside flushes in the same FSDP2 / DDP loop without and with the monitor."""
+    from sync_support import SyncCounter
+
+    out = {}
+    for kind in ("fsdp2", "ddp"):
+        for monitored in (False, True):
+            model = _wrap(kind)
+            opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+            counter = SyncCounter()
+            mon = None
+            if monitored:
+                mon = Monitor(model, opt, store=None, detectors=False,
+                              config=MonitorConfig(clip=0.05, flush_every=3, hang_timeout=None,
+                                                   embeddings=EmbeddingConfig(every=1)))
+                real_flush = mon.flush
+
+                def counted_flush(real: Any = real_flush, c: SyncCounter = counter) -> Any:
+                    c.in_flush += 1
+                    try:
+                        return real()
+                    finally:
+                        c.in_flush -= 1
+
+                mon.flush = counted_flush  # type: ignore[method-assign]
+            with counter:
+                for x, y in _batches():
+                    if mon is not None:
+                        mon.begin_step()
+                    loss = (model(x[:BATCH // size]) - y[:BATCH // size]).pow(2).mean()
+                    loss.backward()
+                    if mon is not None:
+                        mon.observe(loss=loss)
+                    opt.step()
+                    opt.zero_grad()
+                    if mon is not None:
+                        mon.end_step()
+                if mon is not None:
+                    mon.close()
+            out[f"{kind}-{'monitored' if monitored else 'plain'}"] = (counter.outside, counter.inside)
+    return out
+
+
+@pytest.mark.slow
+def test_sharded_monitor_adds_no_host_sync_outside_flushes() -> None:
+    for rank, got in enumerate(run_ranks(_host_reads, 2, timeout=240)):
+        for kind in ("fsdp2", "ddp"):
+            plain, monitored = got[f"{kind}-plain"], got[f"{kind}-monitored"]
+            assert monitored[0] == plain[0], (rank, kind, monitored[0], plain[0])  # the monitor reads nothing
+            assert "tolist" in monitored[1], (rank, kind)  # the host copies happen at flushes
