@@ -353,10 +353,8 @@ class Monitor:
     def _start_watchdog(self, store: Any) -> Any:
         """The hang watchdog (a thread): rank 0 publishes at once instead of waiting for a flush; another rank
         writes its own report into the run; ``config.hang.exit_code`` then ends the process."""
-        from stabmon.collect.hangs import HangReporter
-        from stabmon.detect.hang import HangWatchdog
+        from stabmon.collect.hangs import HangReporter, start_watchdog
 
-        cfg = self.config
         reporter = HangReporter(
             rank=self.rank,
             publish=lambda anomalies: publish(self, list[Event](anomalies)),
@@ -364,14 +362,9 @@ class Monitor:
             open_store=lambda: resolve_store(store),
             run_id=lambda: self.run_id,
             run_name=self.run_name,
-            exit_code=cfg.hang.exit_code,
+            exit_code=self.config.hang.exit_code,
         )
-        h = cfg.hang
-        label = f"rank {self.rank}: " if self.world_size > 1 else ""
-        dog = HangWatchdog(cfg.hang_timeout or 0.0, reporter, factor=h.factor, floor=h.floor,
-                           learn_after=h.learn_after, window=h.window, stacks=h.stacks, label=label)
-        dog.start()
-        return dog
+        return start_watchdog(self.config, reporter, label=f"rank {self.rank}: " if self.world_size > 1 else "")
 
     def _settle(self) -> None:
         """Before a hang exit: what was published reaches the database and the alert channels (bounded)."""

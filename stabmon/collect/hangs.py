@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from stabmon.collect.config import MonitorConfig
+from stabmon.detect.hang import HangWatchdog
 from stabmon.events import Anomaly
 
 log = logging.getLogger(__name__)
@@ -73,3 +75,13 @@ class HangReporter:
                 store.close()
         except Exception:  # noqa: BLE001 - the log line above already holds the stacks
             log.exception("stabmon: rank %d could not store its hang report", self.rank)
+
+
+def start_watchdog(config: MonitorConfig, reporter: HangReporter, *, label: str = "") -> HangWatchdog:
+    """A started :class:`~stabmon.detect.hang.HangWatchdog` configured by ``config.hang_timeout`` and
+    ``config.hang``, reporting through ``reporter``."""
+    h = config.hang
+    dog = HangWatchdog(config.hang_timeout or 0.0, reporter, factor=h.factor, floor=h.floor,
+                       learn_after=h.learn_after, window=h.window, stacks=h.stacks, label=label)
+    dog.start()
+    return dog
