@@ -2,7 +2,7 @@
 healthy fleet raises nothing.
 
 The slow rank's extra time is injected (a sleep inside its forward, where DDP holds no collective), so the
-test holds on any machine: 20 % of an 80 ms simulated compute step is far above scheduling jitter.
+test holds on any machine: 20 % of a 150 ms simulated compute step is far above scheduling jitter.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from stabmon.collect.ranks import RankGather, summarise
 from stabmon.events import Metric
 from stabmon.monitor import Monitor
 
-RANKS, FLUSH, WORK = 4, 5, 0.08
+RANKS, FLUSH, WORK = 4, 5, 0.15
 
 
 class Work(nn.Module):
@@ -79,7 +79,7 @@ def test_a_rank_20_percent_slower_is_named_within_a_few_flushes() -> None:
     assert message.startswith("rank 2 is ") and "slower than the fleet median" in message
     ratio = float(message.split(" is ")[1].split("x")[0])
     assert 1.1 <= ratio <= 1.35
-    assert step < 4 * FLUSH  # named within four flushes (the detector needs 8 slow steps of 16)
+    assert step < 6 * FLUSH  # named within six flushes (the detector needs 8 slow steps of 16)
     assert [a for a in anomalies if a[0] != "straggler"] == []
 
 
