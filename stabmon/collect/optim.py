@@ -20,7 +20,6 @@ would need a host sync; the effect on bias correction after warm-up is negligibl
 >>> import torch
 >>> from stabmon.collect.buffer import StepBuffer
 >>> from stabmon.collect.grads import GradNorms
-from stabmon.collect.sharding import local
 >>> from stabmon.overrides import Overrides
 >>> model = torch.nn.Linear(2, 1)
 >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -6,7 +6,7 @@ live-only hang detector the Monitor starts.
 
 >>> suite = DetectorSuite.from_config({"spike": {"z_threshold": 5}}, overrides=["drift.enabled=false"])
 >>> sorted(d.name for d in suite.detectors)[:3]
-['loss_scale', 'missing', 'missing']
+['divergence', 'loss_scale', 'missing']
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class Straggler(Detector):
     >>> d = Straggler(Metric.STRAGGLER_RATIO, StragglerConfig(window=4, patience=3))
     >>> found = [d.update(s, {Metric.STRAGGLER_RATIO: 1.25, Metric.STRAGGLER_RANK: 3.0}) for s in range(4)]
     >>> [a.message for a in found if a is not None]
-    ['rank 3 is 1.25x slower than the fleet median in 3 of the last 4 steps']
+    ['rank 3 is 1.25x slower than the fleet median in 3 of the last 3 steps']
     """
 
     name = "straggler"
