@@ -44,6 +44,17 @@ class Metric:
     WEIGHT_DECAY = "weight_decay"
     CLIP = "clip"  # max_norm in force (inf when not clipping)
     TOKENS_PER_SEC = "tokens_per_sec"
+    # under torch.distributed: this rank's own values (gathered per rank, see stabmon.collect.ranks)
+    GRAD_NORM_LOCAL = "grad_norm_local"  # norm of this rank's gradient shards (DDP: its reduced gradients)
+    BUSY_TIME = "busy_time"  # host seconds from the step's start to the end of the model's forward
+    PARAM_CHECKSUM = "param_checksum"  # position-weighted parameter sums and norms (DDP replicas: equal)
+    # fleet summaries of the gathered per-rank values
+    FLEET_STEP_TIME = "fleet/step_time"  # median over ranks of the step time
+    STRAGGLER_RATIO = "fleet/straggler_ratio"  # slowest rank's time / median time
+    STRAGGLER_RANK = "fleet/straggler_rank"
+    DIVERGENCE = "fleet/divergence"  # largest relative distance from the median of values replicas share
+    DIVERGENT_RANK = "fleet/divergent_rank"
+    NONFINITE_RANKS = "fleet/nonfinite_ranks"  # ranks with a non-finite loss or local gradient norm
     # per-module prefixes: f"{prefix}/{name}"
     GRAD_NORM_PREFIX = "grad_norm/"
     ACT_RMS_PREFIX = "act_rms/"

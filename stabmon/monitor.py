@@ -40,6 +40,8 @@ from stabmon.collect.embeddings import EmbeddingDrift
 from stabmon.collect.flushing import decide, publish, share, start_run
 from stabmon.collect.grads import GradNorms
 from stabmon.collect.optim import OptimizerHooks
+from stabmon.collect.ranks import RankGather, RankProbe
+from stabmon.collect.sharding import ShardedSquares, embedding_counted, layout_of
 from stabmon.collect.wiring import (
     DEFAULT_STORE,
     MODES,
@@ -110,9 +112,12 @@ class Monitor:
         self.cursor = DataCursor()
         self.buffer = StepBuffer()
         cfg = self.config
-        self._grads = GradNorms(model, cfg.grads.layers)
+        self.layout = layout_of(model)
+        sharded = ShardedSquares(self.layout.counted) if self.layout.sharded else None
+        self._grads = GradNorms(model, cfg.grads.layers, sharded=sharded)
         self._acts = ActivationNorms(model, cfg.activations.modules) if cfg.activations.every else None
-        self._emb = EmbeddingDrift(model) if cfg.embeddings.every else None
+        emb_counted = embedding_counted(model, self.layout)
+        self._emb = EmbeddingDrift(model, counted=emb_counted) if cfg.embeddings.every else None
         self._hooks = OptimizerHooks(
             optimizer,
             self._grads,
@@ -125,8 +130,12 @@ class Monitor:
         )
         self.errors: Counter[str] = Counter()
         self.rank, self.world_size = world()
+        self._probe: RankProbe | None = None
         if self.world_size > 1:
             self.buffer.reduce = mean_across_ranks
+            replicated = self.layout.kind == "ddp"
+            self.buffer.gather = RankGather(replicated=replicated)
+            self._probe = RankProbe(model, self._grads.params, replicated=replicated)
         self._follower = RankFollower()
         leader = self.rank == 0  # only rank 0 writes to the store and sends alerts
         self.store, self._owns_store = resolve_store(store if leader else None)
@@ -162,12 +171,7 @@ class Monitor:
         self._t_last: float | None = None
         self._closed = False
         self._initial_saved = False
-        self._watchdog = None
-        if cfg.hang_timeout is not None:
-            from stabmon.detect.hang import HangWatchdog
-
-            self._watchdog = HangWatchdog(cfg.hang_timeout, self._on_hang)
-            self._watchdog.start()
+        self._watchdog = self._start_watchdog(store) if cfg.hang_timeout is not None else None
         self._hooks.install()
 
     # -- InterventionTarget ------------------------------------------------------------------------------
@@ -293,6 +297,10 @@ class Monitor:
         hp = self._hooks.last_hparams if self._hooks.stepped else (self._hp_snapshot or self._hooks.hparams())
         for name, value in hp.items():
             self.buffer.add_host(name, value)
+        if self._probe is not None:
+            local_norm = self._grads.last_local_total if self._hooks.stepped else None
+            before_flush = len(self.buffer) + 1 >= self.config.flush_every
+            self._probe.record(self.buffer, started=self._t_last, local_norm=local_norm, before_flush=before_flush)
         now = time.perf_counter()
         elapsed = now - (self._t_last or now)
         self.buffer.add_host(Metric.STEP_TIME, elapsed)
@@ -347,10 +355,35 @@ class Monitor:
             share(self, executed_decisions(events) if self.rank == 0 else None)
         return records
 
-    def _on_hang(self, anomaly: Anomaly) -> None:
-        """Watchdog thread: training is stuck, so publish at once instead of waiting for a flush."""
-        log.error("stabmon: %s", anomaly.message)
-        publish(self, [anomaly])
+    def _start_watchdog(self, store: Any) -> Any:
+        """The hang watchdog (a thread): rank 0 publishes at once instead of waiting for a flush; another rank
+        writes its own report into the run; ``config.hang.exit_code`` then ends the process."""
+        from stabmon.collect.hangs import HangReporter, start_watchdog
+
+        reporter = HangReporter(
+            rank=self.rank,
+            publish=lambda anomalies: publish(self, list[Event](anomalies)),
+            settle=self._settle,
+            open_store=lambda: resolve_store(store),
+            run_id=lambda: self.run_id,
+            run_name=self.run_name,
+            exit_code=self.config.hang.exit_code,
+        )
+        return start_watchdog(self.config, reporter, label=f"rank {self.rank}: " if self.world_size > 1 else "")
+
+    def _settle(self) -> None:
+        """Before a hang exit: what was published reaches the database and the alert channels (bounded)."""
+        store, notifier = self.store, self.notifier
+        if store is not None:
+            self._guard("store", lambda: store.flush(timeout=30.0))
+        if notifier is not None:
+            self._guard("alerts", lambda: notifier.close(timeout=10.0))
+
+    def heartbeat(self) -> None:
+        """A sign of life between steps (inside a long evaluation): re-arms the hang watchdog without
+        teaching it that steps are this slow."""
+        if self._watchdog is not None:
+            self._watchdog.beat(self._step - 1, learn=False)
 
     def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run training-path I/O: catch, log, count; never raise into training."""
@@ -433,6 +466,8 @@ class Monitor:
         if self._watchdog is not None:
             self._watchdog.stop()
         self._hooks.remove()
+        if self._probe is not None:
+            self._probe.remove()
         if self._acts is not None:
             self._acts.disarm()
         status = status or ("stopped" if self.should_stop else "finished")

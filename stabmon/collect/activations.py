@@ -26,13 +26,16 @@ import torch
 from torch import nn
 
 from stabmon.collect.grads import default_blocks
+from stabmon.collect.sharding import clean_name
 
 
 def select_modules(
     model: nn.Module, patterns: Sequence[str] | None, *, path: str
 ) -> list[tuple[str, nn.Module]]:
     """Modules to watch: pattern matches (full match on the module name), else the default blocks."""
-    named = dict(model.named_modules())
+    named: dict[str, nn.Module] = {}
+    for n, m in model.named_modules():  # names without DDP/FSDP wrapper prefixes; the outer wrapper wins
+        named.setdefault(clean_name(n), m)
     if patterns is None:
         names = default_blocks(model) or [n for n, _ in model.named_children()]
         return [(n, named[n]) for n in names]

@@ -19,8 +19,9 @@ pinned memory with ``non_blocking=True`` on CUDA, then one event wait) and split
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -47,6 +48,9 @@ class StepBuffer:
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Applied to the stacked device vector before the copy (the cross-rank mean under
         torch.distributed)."""
+        self.gather: Gather | None = None
+        """Under torch.distributed: per-rank values of the flushed steps, gathered before the reduction and
+        summarised into extra metrics of each step (:class:`~stabmon.collect.ranks.RankGather`)."""
 
     @property
     def open(self) -> bool:
@@ -99,19 +103,28 @@ class StepBuffer:
             tensors, self._tensors = _split_tail(self._tensors, keep)
         else:
             self._tensors = []
+        extra = self._gathered(tensors, steps)
         values = self._to_host(tensors) if n_values else []
         records, i = [], 0
-        for p in steps:
+        for p, more in zip(steps, extra, strict=True):
             metrics = dict(p.host)
+            metrics.update(more)
             for name in p.names:
                 metrics[name] = values[i]
                 i += 1
             records.append(StepRecord(step=p.step, metrics=metrics, batch_index=p.batch_index, time=p.time))
         return records
 
+    def _gathered(self, tensors: list[torch.Tensor], steps: list[_Pending]) -> list[dict[str, float]]:
+        if self.gather is None:
+            return [{} for _ in steps]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        flat = _flat(tensors, device) if tensors else torch.zeros(0)
+        return self.gather.gather(flat, [p.names for p in steps], [p.host for p in steps])
+
     def _to_host(self, tensors: list[torch.Tensor]) -> list[float]:
         device = tensors[0].device
-        flat = torch.cat([t.to(device=device, dtype=torch.float32) for t in tensors])
+        flat = _flat(tensors, device)
         if self.reduce is not None:
             flat = self.reduce(flat)
         if device.type != "cuda":
@@ -124,6 +137,16 @@ class StepBuffer:
         done.record()
         done.synchronize()
         return host.tolist()
+
+
+def _flat(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat([t.to(device=device, dtype=torch.float32) for t in tensors])
+
+
+class Gather(Protocol):
+    def gather(
+        self, flat: torch.Tensor, names: Sequence[Sequence[str]], host: Sequence[Mapping[str, float]]
+    ) -> list[dict[str, float]]: ...
 
 
 def _split_tail(tensors: list[torch.Tensor], n_values: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -21,6 +21,9 @@ from typing import Any
 
 from stabmon.checkpoints import STOP_EXIT_CODE
 
+HANG_EXIT_CODE = 87
+"""Suggested ``config.hang.exit_code``: the process ended itself because it was hung (distinct from success,
+crashes, signals and :data:`EXIT_STOP`), so a scheduler can restart the job from its last checkpoint."""
 EXIT_STOP = STOP_EXIT_CODE
 """Exit code a training script should use when the monitor asked it to stop (checkpoint-and-stop, kill
 switch): the project-wide :data:`stabmon.checkpoints.STOP_EXIT_CODE`, distinct from success (0) and crashes
@@ -76,6 +79,37 @@ class EmbeddingConfig:
 
 
 @dataclass
+class HangConfig:
+    """The hang watchdog's deadline and what it does when it fires (``MonitorConfig.hang_timeout`` turns it
+    on and caps the deadline)."""
+
+    factor: float = 10.0
+    """Learned deadline: ``factor`` x the slowest of the last ``window`` step times."""
+    floor: float = 300.0
+    """Seconds: the learned deadline never goes below this (a slow evaluation between steps is not a hang)."""
+    learn_after: int = 20
+    """Steps timed before the learned deadline replaces ``hang_timeout``."""
+    window: int = 200
+    """Recent step times the deadline is learned from."""
+    stacks: bool = True
+    """Put every thread's stack (faulthandler) in the hang anomaly: stored, logged and sent with the alert."""
+    exit_code: int | None = None
+    """After reporting a hang, end the process with this exit code (suggested: :data:`HANG_EXIT_CODE`) so the
+    scheduler restarts the job from its last checkpoint. None: report only, never exit."""
+
+    def validate(self, path: str) -> None:
+        if not self.factor >= 1.0:
+            raise ValueError(f"{path}.factor must be >= 1, got {self.factor}")
+        if not self.floor > 0:
+            raise ValueError(f"{path}.floor must be > 0, got {self.floor}")
+        if self.learn_after < 1 or self.window < 1:
+            raise ValueError(f"{path}.learn_after and {path}.window must be >= 1, got {self.learn_after}, "
+                             f"{self.window}")
+        if self.exit_code is not None and not 1 <= self.exit_code <= 255:
+            raise ValueError(f"{path}.exit_code must be in [1, 255] or None, got {self.exit_code}")
+
+
+@dataclass
 class MonitorConfig:
     """Everything the live :class:`~stabmon.monitor.Monitor` needs besides the objects it watches."""
 
@@ -101,8 +135,9 @@ class MonitorConfig:
     grace_steps: int | None = None
     """Detector grace period after a resume (None: the detectors' own default)."""
     hang_timeout: float | None = 1800.0
-    """Seconds without a completed step before a ``hang`` anomaly is raised from a watchdog thread (None:
-    off)."""
+    """Seconds without a completed step before a ``hang`` anomaly is raised from a watchdog thread, until a
+    deadline is learned from step times (``hang``); it also caps that deadline. None: no watchdog."""
+    hang: HangConfig = field(default_factory=HangConfig)
     history: int = 10_000
     """How many recent StepRecords :attr:`Monitor.records` keeps in memory (0 keeps none)."""
 
@@ -127,6 +162,7 @@ class MonitorConfig:
         self.grads.validate("config.grads")
         self.activations.validate("config.activations")
         self.embeddings.validate("config.embeddings")
+        self.hang.validate("config.hang")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -138,6 +174,7 @@ class MonitorConfig:
             ("grads", GradConfig),
             ("activations", ActivationConfig),
             ("embeddings", EmbeddingConfig),
+            ("hang", HangConfig),
         ):
             if isinstance(data.get(key), dict):
                 data[key] = sub(**data[key])

@@ -5,6 +5,12 @@ norms. From that one vector it derives the global norm, the per-layer norms (a s
 and the count of non-finite gradient tensors; :meth:`GradNorms.clip_` then scales the gradients by the clamped
 coefficient with ``torch._foreach_mul_``. Nothing is read back to the host.
 
+Under FSDP1/FSDP2 (a :class:`~stabmon.collect.sharding.ShardedSquares` is given) each rank's local shards'
+squared norms are summed over ranks with one ``all_reduce`` before anything is derived, so every rank gets the
+global, per-layer and non-finite values of the unsharded model, and clips its shards by the global norm.
+Parameter names are taken without wrapper prefixes (:func:`~stabmon.collect.sharding.clean_name`), so layer
+names do not depend on the parallelism.
+
 >>> import torch
 >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
 >>> norms = GradNorms(model)
@@ -25,20 +31,29 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from stabmon.collect.sharding import ShardedSquares, clean_name, local
+
 
 def default_blocks(model: nn.Module) -> list[str]:
-    """Names of the children of the first ModuleList in ``model`` (the transformer blocks), or ``[]``."""
+    """Names of the children of the first ModuleList in ``model`` (the transformer blocks), or ``[]``;
+    without wrapper prefixes (:func:`~stabmon.collect.sharding.clean_name`)."""
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0:
-            return [f"{name}.{child}" if name else child for child, _ in module.named_children()]
+            return [clean_name(f"{name}.{child}" if name else child) for child, _ in module.named_children()]
     return []
+
+
+def _names(model: nn.Module) -> list[str]:
+    """Parameter names without wrapper prefixes, e.g. ``blocks.0.weight`` under DDP, FSDP1 and FSDP2 alike
+    (an FSDP1 flat parameter is named after its unit: ``blocks.0._flat_param``)."""
+    return [clean_name(n) for n, _ in model.named_parameters()]
 
 
 def default_layer_of(model: nn.Module) -> dict[str, str]:
     """Map each parameter name to its layer: its block when it lives in one, else its owning module."""
     blocks = default_blocks(model)
     out = {}
-    for pname, _ in model.named_parameters():
+    for pname in _names(model):
         block = next((b for b in blocks if pname.startswith(b + ".")), None)
         out[pname] = block if block is not None else (pname.rsplit(".", 1)[0] if "." in pname else pname)
     return out
@@ -46,7 +61,7 @@ def default_layer_of(model: nn.Module) -> dict[str, str]:
 
 def pattern_layer_of(model: nn.Module, patterns: Sequence[str], *, path: str) -> dict[str, str]:
     """Map parameter names to the prefix matched by the first matching pattern; unknown patterns raise."""
-    names = [n for n, _ in model.named_parameters()]
+    names = _names(model)
     compiled = []
     for pat in patterns:
         try:
@@ -72,15 +87,23 @@ class GradResult:
     nonfinite: torch.Tensor
     grads: list[torch.Tensor]
     single_device: bool = True
+    local_total: torch.Tensor | None = None
+    """Norm of this rank's own shards before the sum over ranks (sharded layouts only)."""
 
 
 class GradNorms:
     """Per-tensor gradient norms, fused, with global and per-layer reductions; see the module docstring."""
 
     def __init__(
-        self, model: nn.Module, layers: Sequence[str] | None = None, *, path: str = "config.grads.layers"
+        self,
+        model: nn.Module,
+        layers: Sequence[str] | None = None,
+        *,
+        path: str = "config.grads.layers",
+        sharded: ShardedSquares | None = None,
     ):
-        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._squares = sharded
+        self._named = [(clean_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in self._named]
         if layers is None:
             layer_of = default_layer_of(model)
@@ -94,6 +117,10 @@ class GradNorms:
         index = {name: i for i, name in enumerate(self.layer_names)}
         self._layer_idx = [index.get(layer_of.get(n, ""), -1) for n, _ in self._named]
         self._cache: dict[tuple[bool, ...], _Plan] = {}
+        self._where: dict[tuple[bool, ...], torch.Tensor] = {}
+        self._full: _Plan | None = None
+        self.last_local_total: torch.Tensor | None = None
+        """This rank's own gradient norm of the last :meth:`compute` (its shards' under sharding)."""
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -102,23 +129,28 @@ class GradNorms:
     def _plan(self, present: tuple[bool, ...], grads: list[torch.Tensor]) -> _Plan:
         """Per grad-presence mask (cached): layer scatter indices, and whether one fused call covers all."""
         if present not in self._cache:
-            pos, ids = [], []
-            j = 0
-            for has, idx in zip(present, self._layer_idx, strict=True):
-                if has:
-                    if idx >= 0:
-                        pos.append(j)
-                        ids.append(idx)
-                    j += 1
-            device = grads[0].device
-            index = (torch.tensor(pos, device=device), torch.tensor(ids, device=device)) if pos else None
-            single = len({g.device for g in grads}) == 1
-            fp32 = all(g.dtype == torch.float32 for g in grads)
-            self._cache[present] = _Plan(device=device, index=index, single_device=single, fp32=fp32)
+            self._cache[present] = self._plan_for(present, grads)
         return self._cache[present]
+
+    def _plan_for(self, present: tuple[bool, ...], grads: list[torch.Tensor]) -> _Plan:
+        pos, ids = [], []
+        j = 0
+        for has, idx in zip(present, self._layer_idx, strict=True):
+            if has:
+                if idx >= 0:
+                    pos.append(j)
+                    ids.append(idx)
+                j += 1
+        device = grads[0].device
+        index = (torch.tensor(pos, device=device), torch.tensor(ids, device=device)) if pos else None
+        single = len({g.device for g in grads}) == 1
+        fp32 = all(g.dtype == torch.float32 for g in grads)
+        return _Plan(device=device, index=index, single_device=single, fp32=fp32)
 
     def compute(self) -> GradResult | None:
         """Norms of the current gradients, or None when no parameter has one."""
+        if self._squares is not None:
+            return self._compute_sharded(self._squares)
         every = [p.grad for p in self._params]
         present = tuple(g is not None for g in every)
         grads = [g for g in every if g is not None]
@@ -128,16 +160,48 @@ class GradNorms:
         per_tensor = _foreach_norms(grads, plan)
         sq = per_tensor.square()
         total = sq.sum().sqrt()
-        layers = None
-        if self.layer_names:
-            layers = torch.zeros(len(self.layer_names), device=plan.device, dtype=sq.dtype)
-            if plan.index is not None:
-                layers.index_add_(0, plan.index[1], sq.index_select(0, plan.index[0]))
-            layers = layers.sqrt()
+        self.last_local_total = total
+        layers = self._layers(sq, plan)
         nonfinite = (~torch.isfinite(per_tensor)).sum()
         return GradResult(
             total=total, layers=layers, nonfinite=nonfinite, grads=grads, single_device=plan.single_device
         )
+
+    def _compute_sharded(self, squares: ShardedSquares) -> GradResult:
+        """Every rank, every step (a collective): local shards' squared norms summed over ranks, one value per
+        parameter (0 where this rank holds no gradient), then the same reductions as one process."""
+        every = [None if p.grad is None else local(p.grad) for p in self._params]
+        grads = [g for g in every if g is not None]
+        device = grads[0].device if grads else local(self._params[0]).device
+        mine = torch.zeros(len(every), device=device, dtype=torch.float32)
+        if grads:
+            present = tuple(g is not None for g in every)
+            plan = self._plan(present, grads)
+            where = self._present_index(present, device)
+            mine.index_copy_(0, where, _foreach_norms(grads, plan).square())
+        local_total = mine.sum().sqrt()
+        self.last_local_total = local_total
+        sq = squares(mine)
+        if self._full is None:
+            self._full = self._plan_for(tuple(True for _ in every), [sq])
+        layers = self._layers(sq, self._full)
+        nonfinite = (~torch.isfinite(sq)).sum()
+        single = len({g.device for g in grads}) <= 1
+        return GradResult(total=sq.sum().sqrt(), layers=layers, nonfinite=nonfinite, grads=grads,
+                          single_device=single, local_total=local_total)
+
+    def _present_index(self, present: tuple[bool, ...], device: torch.device) -> torch.Tensor:
+        if present not in self._where:
+            self._where[present] = torch.tensor([i for i, has in enumerate(present) if has], device=device)
+        return self._where[present]
+
+    def _layers(self, sq: torch.Tensor, plan: _Plan) -> torch.Tensor | None:
+        if not self.layer_names:
+            return None
+        layers = torch.zeros(len(self.layer_names), device=sq.device, dtype=sq.dtype)
+        if plan.index is not None:
+            layers.index_add_(0, plan.index[1], sq.index_select(0, plan.index[0]))
+        return layers.sqrt()
 
     @staticmethod
     def clip_(result: GradResult, max_norm: float, skip: torch.Tensor | None = None) -> None:

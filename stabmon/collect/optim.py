@@ -45,6 +45,7 @@ import torch
 from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.embeddings import EmbeddingDrift
 from stabmon.collect.grads import GradNorms
+from stabmon.collect.sharding import local
 from stabmon.events import Metric
 from stabmon.overrides import Overrides
 
@@ -201,10 +202,11 @@ class OptimizerHooks:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                saved.append((p, p.detach().clone()))
+                mine = local(p.detach())  # a DTensor's shard: restored in place on every rank alike
+                saved.append((mine, mine.clone()))
                 for v in self.optimizer.state.get(p, {}).values():
-                    if isinstance(v, torch.Tensor) and v.device == device:
-                        saved.append((v, v.clone()))
+                    if isinstance(v, torch.Tensor) and local(v).device == device:
+                        saved.append((local(v), local(v).clone()))
         self._saved_tensors = saved
 
     def learn_host(self, grad_norm: float | None, skipped: bool) -> None:

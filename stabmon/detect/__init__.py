@@ -6,13 +6,14 @@ live-only hang detector the Monitor starts.
 
 >>> suite = DetectorSuite.from_config({"spike": {"z_threshold": 5}}, overrides=["drift.enabled=false"])
 >>> sorted(d.name for d in suite.detectors)[:3]
-['loss_scale', 'missing', 'missing']
+['divergence', 'loss_scale', 'missing']
 """
 
 from __future__ import annotations
 
 from stabmon.detect.base import Detector
 from stabmon.detect.config import apply_overrides
+from stabmon.detect.fleet import Divergence, Straggler
 from stabmon.detect.hang import HangWatchdog
 from stabmon.detect.rules import LossScaleCollapse, MissingMetric, NonFinite
 from stabmon.detect.spike import EWSpike, RobustSpike
@@ -23,6 +24,7 @@ __all__ = [
     "DETECTORS",
     "Detector",
     "DetectorSuite",
+    "Divergence",
     "Drift",
     "EWSpike",
     "FrozenEmbedding",
@@ -32,6 +34,7 @@ __all__ = [
     "NonFinite",
     "RobustSpike",
     "StepTimeRegression",
+    "Straggler",
     "apply_overrides",
     "parse_config",
 ]

@@ -1,16 +1,25 @@
-"""Live-only hang detection: no step has arrived for ``timeout`` seconds.
+"""Live-only hang detection: no step has arrived within a deadline learned from the run's own step times.
 
 A hang cannot be seen in the metrics of the steps that did arrive, so it is not a :class:`~.base.Detector`;
 the Monitor starts a :class:`HangWatchdog` thread, calls :meth:`HangWatchdog.beat` once per step and receives
 an ``Anomaly(kind="hang")`` through its callback. BLOOM-176B sat in a hung evaluation for hours with nothing
 in the log but the scheduler's heartbeat.
+
+The deadline is ``timeout`` until ``learn_after`` steps have been timed; from then on it is ``factor`` times the
+slowest of the last ``window`` steps, at least ``floor`` and at most ``timeout``. A run of 2-second steps is
+thus declared hung after ``max(floor, 10 x 2 s)``, not after the half hour a fixed timeout needs to be safe
+for every run. The anomaly's message carries every thread's stack (:func:`dump_stacks`, from
+:mod:`faulthandler`), so the store and the alert say *where* the process is stuck.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from stabmon.events import Anomaly, Severity
@@ -18,30 +27,49 @@ from stabmon.events import Anomaly, Severity
 log = logging.getLogger(__name__)
 
 
+def dump_stacks() -> str:
+    """Every thread's Python stack, as :func:`faulthandler.dump_traceback` writes it (it needs a real file).
+
+    >>> "dump_stacks" in dump_stacks()
+    True
+    """
+    with tempfile.TemporaryFile(mode="w+") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.flush()
+        f.seek(0)
+        return f.read()
+
+
 class HangWatchdog:
-    """Calls ``callback(Anomaly(kind="hang"))`` once when no :meth:`beat` came for ``timeout`` seconds.
+    """Calls ``callback(Anomaly(kind="hang"))`` once when no :meth:`beat` came within :meth:`deadline`.
 
     Re-armed by the next beat. The callback runs on the watchdog thread; exceptions in it are logged and
-    counted (``errors``), never raised. ``clock`` is injectable for tests.
+    counted (``errors``), never raised. ``clock`` is injectable for tests; ``stacks=False`` leaves the
+    thread dump out of the message.
 
     >>> seen = []
     >>> dog = HangWatchdog(timeout=0.01, callback=seen.append, poll=0.005)
     >>> dog.start(); dog.beat(7)
     >>> _ = dog.fired.wait(5.0); dog.stop()
-    >>> seen[0].kind, seen[0].step, seen[0].severity.value
-    ('hang', 7, 'error')
+    >>> seen[0].kind, seen[0].step, seen[0].severity.value, "Thread" in seen[0].message
+    ('hang', 7, 'error', True)
     """
 
     def __init__(self, timeout: float, callback: Callable[[Anomaly], None], *, poll: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, factor: float = 10.0, floor: float = 300.0,
+                 learn_after: int = 20, window: int = 200, stacks: bool = True, label: str = "") -> None:
         if not timeout > 0:
             raise ValueError(f"detectors.hang.timeout must be > 0, got {timeout!r}")
         self.timeout = float(timeout)
         self.callback = callback
-        self.poll = float(poll if poll is not None else min(self.timeout / 4, 5.0))
+        self.factor, self.floor, self.learn_after = float(factor), float(floor), int(learn_after)
+        self.poll = float(poll if poll is not None else min(min(self.timeout, self.floor) / 4, 5.0))
         self.clock = clock
+        self.stacks = stacks
+        self.label = label
         self.errors = 0
         self.fired = threading.Event()
+        self._durations: deque[float] = deque(maxlen=max(int(window), 1))
         self._last = clock()
         self._step = -1
         self._armed = True
@@ -49,24 +77,49 @@ class HangWatchdog:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def beat(self, step: int) -> None:
-        """A step arrived."""
+    def beat(self, step: int, *, learn: bool = True) -> None:
+        """A step arrived (``learn=False``: a sign of life that is not a step, e.g. inside a long
+        evaluation; its interval does not enter the learned deadline)."""
         with self._lock:
-            self._last = self.clock()
-            self._step = step
+            now = self.clock()
+            if learn and self._step >= 0:
+                self._durations.append(now - self._last)
+            self._last = now
+            self._step = step if learn else self._step
             self._armed = True
 
+    def deadline(self) -> float:
+        """Seconds without a beat that count as a hang (see the module docstring).
+
+        >>> dog = HangWatchdog(timeout=600, callback=print, factor=5, floor=2, learn_after=3)
+        >>> for t in range(4): dog._durations.append(0.5)
+        >>> dog.deadline()
+        2.5
+        """
+        if len(self._durations) < self.learn_after:
+            return self.timeout
+        return min(self.timeout, max(self.floor, self.factor * max(self._durations)))
+
+    def _how(self, deadline: float) -> str:
+        if len(self._durations) < self.learn_after:
+            return f"deadline {deadline:.3g} s, not learned yet"
+        return (f"deadline {deadline:.3g} s = max(floor {self.floor:.3g} s, {self.factor:g} x slowest of "
+                f"{len(self._durations)} recent steps {max(self._durations):.3g} s), at most {self.timeout:.3g} s")
+
     def check(self) -> Anomaly | None:
-        """One poll: the hang anomaly if the timeout passed since the last beat (once per hang)."""
+        """One poll: the hang anomaly if the deadline passed since the last beat (once per hang)."""
         with self._lock:
             waited = self.clock() - self._last
-            if not self._armed or waited < self.timeout:
+            deadline = self.deadline()
+            if not self._armed or waited < deadline:
                 return None
             self._armed = False
             step = self._step
+        message = f"{self.label}no step for {waited:.3g} s after step {step} ({self._how(deadline)})"
+        if self.stacks:
+            message += "\n\nstacks of every thread:\n" + dump_stacks()
         return Anomaly(kind="hang", metric="step", step=step, score=waited, severity=Severity.ERROR,
-                       detector="hang", evidence=((step, waited),), threshold=self.timeout,
-                       message=f"no step for {waited:.0f} s after step {step}")
+                       detector="hang", evidence=((step, waited),), threshold=deadline, message=message)
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll):

@@ -8,6 +8,7 @@ from typing import Any
 
 from stabmon.detect.base import Detector, X
 from stabmon.detect.config import apply_overrides, build
+from stabmon.detect.fleet import FLEET_DETECTORS
 from stabmon.detect.progress import PROGRESS_DETECTORS
 from stabmon.detect.rules import RULE_DETECTORS
 from stabmon.detect.spike import SPIKE_DETECTORS
@@ -15,7 +16,7 @@ from stabmon.detect.trends import TREND_DETECTORS
 from stabmon.events import Anomaly, StepRecord
 
 DETECTORS: dict[str, type[Detector]] = {
-    c.name: c for c in (*SPIKE_DETECTORS, *RULE_DETECTORS, *TREND_DETECTORS, *PROGRESS_DETECTORS)
+    c.name: c for c in (*SPIKE_DETECTORS, *RULE_DETECTORS, *TREND_DETECTORS, *PROGRESS_DETECTORS, *FLEET_DETECTORS)
 }
 ROOT = "detectors"
 _Update = Callable[[int, X], "Anomaly | None"]  # a detector's bound update method

@@ -225,7 +225,9 @@ class StepTimeConfig:
     """
 
     enabled: bool = param(True, doc="run this detector")
-    metrics: tuple[str, ...] = param((Metric.STEP_TIME,), non_empty, "step-time metric")
+    metrics: tuple[str, ...] = param(
+        (Metric.STEP_TIME, Metric.FLEET_STEP_TIME), non_empty, "step-time metrics (this rank's, the fleet median)"
+    )
     max_regression: float = param(0.05, positive, "relative slow-down of the recent median that is reported")
     short_window: int = param(20, at_least_two, "recent steps whose median is compared")
     long_window: int = param(500, at_least_two, "baseline steps (median)")

@@ -1,0 +1,87 @@
+"""What the monitor does when its hang watchdog fires: record it where someone will see it, then optionally
+end the process so the scheduler restarts the job.
+
+Rank 0 publishes the hang anomaly (every thread's stack in its message) to the store and the alert channels
+like any other event. Another rank has no store of its own during training (only rank 0 writes), so a hung
+rank k opens the monitor's store at that moment, writes its own anomaly into the same run, and closes it
+again: the stuck rank is often not rank 0, and its stacks are the ones that say why. With ``exit_code`` set,
+the reporter waits (bounded) until the anomaly is written and the alerts are sent, then calls ``os._exit``:
+a hung process cannot be asked to return from its training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from stabmon.collect.config import MonitorConfig
+from stabmon.detect.hang import HangWatchdog
+from stabmon.events import Anomaly
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HangReporter:
+    """The watchdog's callback; see the module docstring.
+
+    >>> seen, exits = [], []
+    >>> report = HangReporter(rank=0, publish=seen.extend, settle=lambda: None, exit_code=87, exit=exits.append)
+    >>> from stabmon.events import Anomaly, Severity
+    >>> report(Anomaly(kind="hang", metric="step", step=3, score=9.0, severity=Severity.ERROR, detector="hang"))
+    >>> [a.step for a in seen], exits
+    ([3], [87])
+    """
+
+    rank: int
+    publish: Callable[[list[Anomaly]], None]
+    """Rank 0: to the store and the notifier."""
+    settle: Callable[[], None]
+    """Wait (bounded) until what was published is written and sent; called before exiting."""
+    open_store: Callable[[], tuple[Any, bool]] = field(default=lambda: (None, False))
+    """Other ranks: ``(store, owned)`` opened now, or ``(None, False)``."""
+    run_id: Callable[[], str] = field(default=lambda: "")
+    run_name: str = ""
+    exit_code: int | None = None
+    exit: Callable[[int], Any] = os._exit
+
+    def __call__(self, anomaly: Anomaly) -> None:
+        log.error("stabmon: rank %d: %s", self.rank, anomaly.message)
+        if self.rank == 0:
+            self.publish([anomaly])
+        else:
+            self._write_from_this_rank(anomaly)
+        if self.exit_code is None:
+            return
+        self.settle()
+        log.error("stabmon: rank %d is hung; exiting with code %d so the job can be restarted", self.rank,
+                  self.exit_code)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        self.exit(self.exit_code)
+
+    def _write_from_this_rank(self, anomaly: Anomaly) -> None:
+        try:
+            store, owned = self.open_store()
+            if store is None:
+                return
+            run_id = store.start_run(name=self.run_name, resume_run_id=self.run_id(), environment={})
+            store.write_events(run_id=run_id, events=[anomaly])
+            store.flush(timeout=30.0)
+            if owned:
+                store.close()
+        except Exception:  # noqa: BLE001 - the log line above already holds the stacks
+            log.exception("stabmon: rank %d could not store its hang report", self.rank)
+
+
+def start_watchdog(config: MonitorConfig, reporter: HangReporter, *, label: str = "") -> HangWatchdog:
+    """A started :class:`~stabmon.detect.hang.HangWatchdog` configured by ``config.hang_timeout`` and
+    ``config.hang``, reporting through ``reporter``."""
+    h = config.hang
+    dog = HangWatchdog(config.hang_timeout or 0.0, reporter, factor=h.factor, floor=h.floor,
+                       learn_after=h.learn_after, window=h.window, stacks=h.stacks, label=label)
+    dog.start()
+    return dog

@@ -1,0 +1,116 @@
+"""Hangs on real gloo ranks: one rank stuck in a collective that the other never joins, the other stuck in
+Python code. Both are caught within the deadline learned from their step times, each rank's stacks land in
+the run's store and rank 0's in an alert to a real HTTP receiver, and both processes exit with the
+configured code so a scheduler would restart the job."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_support import exit_codes
+from test_alerts_support import Receiver, wait_until
+from torch import nn
+
+from stabmon.collect.config import HANG_EXIT_CODE, HangConfig, MonitorConfig
+from stabmon.events import Anomaly
+from stabmon.monitor import Monitor
+from stabmon.store import open_store, repo
+
+HANG_AT, STEP = 12, 0.02
+FLOORS = (1.5, 3.0)  # rank 1 gives up later: a peer that exits first would break rank 0's collective
+
+
+def stuck_in_python() -> None:
+    while True:  # a rank spinning in its own code (a dead-locked data loader, an endless eval loop)
+        time.sleep(0.01)
+
+
+def _train(rank: int, size: int, url: str, alert_url: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    hang = HangConfig(factor=5.0, floor=FLOORS[rank], learn_after=5, exit_code=HANG_EXIT_CODE)
+    config = MonitorConfig(flush_every=4, hang_timeout=60.0, hang=hang)
+    alerts = [alert_url] if rank == 0 and alert_url else None
+    mon = Monitor(model, opt, store=url, alerts=alerts, run_name="hang-test", config=config)
+    for step, x in mon.steps([torch.randn(8, 4) for _ in range(40)]):
+        time.sleep(STEP)
+        if step == HANG_AT:
+            if rank == 0:
+                dist.all_reduce(torch.ones(1))  # rank 1 never joins
+            stuck_in_python()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        mon.observe(loss=loss)
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+
+
+def _hangs(url: str) -> list[Anomaly]:
+    store = open_store(url)
+    try:
+        with store.session() as s:
+            (run,) = repo.list_runs(session=s)
+            return [e for e in repo.load_events(session=s, run_id=run.id) if isinstance(e, Anomaly)]
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_hung_ranks_are_caught_dumped_alerted_and_exit(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'stabmon.db'}"
+    receiver = Receiver()
+    try:
+        codes = exit_codes(_train, 2, url, f"json://{receiver.netloc}/hook", timeout=90)
+        assert codes == [HANG_EXIT_CODE, HANG_EXIT_CODE]
+        assert wait_until(lambda: receiver.delivered(), 5.0)
+        bodies = [str(b) for b in receiver.json_bodies()]
+    finally:
+        receiver.close()
+    hangs = sorted((a for a in _hangs(url) if a.kind == "hang"), key=lambda a: a.message)
+    assert [a.message.split(":")[0] for a in hangs] == ["rank 0", "rank 1"]
+    in_collective, in_python = hangs
+    for a, floor in zip(hangs, FLOORS, strict=True):
+        assert a.step == HANG_AT - 1  # the last step that completed
+        assert a.threshold == floor  # learned: 5 x ~0.03 s steps is below the floor, far below 60 s
+        assert a.threshold <= a.score < a.threshold + 1.0  # caught within a poll of the deadline
+        assert "stacks of every thread" in a.message and "stabmon-hang-watchdog" not in a.message[:20]
+    assert "all_reduce" in in_collective.message and "_train" in in_collective.message
+    assert "stuck_in_python" in in_python.message
+    assert any("all_reduce" in b and "hang" in b for b in bodies)  # rank 0's stacks went out with the alert
+
+
+def test_hang_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"config.hang.floor must be > 0, got 0"):
+        MonitorConfig(hang=HangConfig(floor=0))
+    with pytest.raises(ValueError, match=r"config.hang.exit_code must be in \[1, 255\] or None, got 0"):
+        MonitorConfig(hang=HangConfig(exit_code=0))
+    assert MonitorConfig.from_dict({"hang": {"factor": 3.0}}).hang.factor == 3.0
+
+
+def test_learned_deadline_follows_step_times_within_floor_and_cap() -> None:
+    from stabmon.detect.hang import HangWatchdog
+
+    now = [0.0]
+    dog = HangWatchdog(timeout=100.0, callback=lambda a: None, clock=lambda: now[0], factor=4.0, floor=2.0,
+                       learn_after=3, stacks=False)
+    assert dog.deadline() == 100.0  # not learned yet: the configured timeout
+    for step in range(4):
+        now[0] += 1.5
+        dog.beat(step)
+    assert dog.deadline() == 6.0  # 4 x the slowest step
+    dog.beat(4, learn=False)  # a heartbeat from inside a long evaluation teaches nothing
+    now[0] += 5.9
+    assert dog.check() is None
+    now[0] += 0.2
+    found = dog.check()
+    assert found is not None and found.step == 3 and found.threshold == 6.0
+    for step in range(5, 300):
+        now[0] += 100.0
+        dog.beat(step)
+    assert dog.deadline() == 100.0  # never above the cap
