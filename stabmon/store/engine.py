@@ -77,11 +77,35 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
-def make_engine(url: str | URL, *, pooled: bool = True) -> Engine:
+_UNAVAILABLE = {"OperationalError", "InterfaceError", "TimeoutError", "ConnectionError"}
+_NOT_AN_OUTAGE = ("authentication", "password", "does not exist", "no such", "unable to open", "permission")
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """True when ``exc`` means "the database cannot be reached right now" rather than "this data is bad"."""
+    if isinstance(exc, (OSError, sa.exc.TimeoutError)):
+        return True
+    if isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    return any(cls.__name__ in _UNAVAILABLE for cls in type(exc).__mro__)
+
+
+def is_down(exc: StoreError) -> bool:
+    """True when :func:`make_engine` failed because the server is down or unreachable (worth waiting for),
+    not because of the URL, the credentials or a missing database (worth telling the user at once)."""
+    cause = exc.__cause__
+    if cause is None or not is_unavailable(cause):
+        return False
+    text = str(cause).lower()
+    return not any(word in text for word in _NOT_AN_OUTAGE)
+
+
+def make_engine(url: str | URL, *, pooled: bool = True, probe: bool = True) -> Engine:
     """An engine for ``url``; raises ``ValueError`` ("store: cannot open ...") when it cannot connect.
 
     ``pooled=False`` opens a fresh connection per use (the background writer uses it for SQLite so that a file
-    that went away is noticed instead of written through a stale handle).
+    that went away is noticed instead of written through a stale handle). ``probe=False`` skips the test
+    connection (a store starting while its database is down).
     """
     try:
         u = make_url(url)
@@ -98,8 +122,9 @@ def make_engine(url: str | URL, *, pooled: bool = True) -> Engine:
         engine = sa.create_engine(u, **kwargs)
         if u.get_backend_name() == "sqlite":
             sa.event.listen(engine, "connect", _sqlite_pragmas)
-        with engine.connect() as conn:
-            conn.execute(sa.text("select 1"))
+        if probe:
+            with engine.connect() as conn:
+                conn.execute(sa.text("select 1"))
     except Exception as exc:  # noqa: BLE001 - any failure to open is the user's URL problem
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise StoreError(f"store: cannot open {safe_url(url)!r}: {reason}") from exc
