@@ -30,8 +30,8 @@ from sqlalchemy.orm import Session
 from stabmon.events import Anomaly, Decision, InterventionRecord, Outcome, StepRecord, new_id
 from stabmon.sinks import LowVolumeEvent
 from stabmon.store import repo
-from stabmon.store.codec import encode
 from stabmon.store.answers import AnswerBox
+from stabmon.store.codec import encode
 from stabmon.store.engine import (
     StoreError,
     current_revision,
@@ -292,10 +292,15 @@ class Store:
         at most) and this hands over what it has read. ``wait`` > 0 (tests, tools; never the monitor) asks
         for a read now and waits up to ``wait`` seconds for it. See :attr:`answers_live`."""
         if wait > 0:
-            reads = self.answers.due_now(run_id)
-            self._writer._wake.set()
-            self.answers.wait(reads, wait)
+            self.refresh_answers(run_id=run_id, timeout=wait)
         return self.answers.take(run_id)
+
+    def refresh_answers(self, *, run_id: str, timeout: float) -> bool:
+        """Have the writer read ``run_id``'s answers now and wait up to ``timeout`` seconds for it (for tests
+        and tools that answer and then step; the monitor never waits). True when the read happened."""
+        reads = self.answers.due_now(run_id)
+        self._writer._wake.set()
+        return self.answers.wait(reads, timeout)
 
     @property
     def answers_live(self) -> bool:

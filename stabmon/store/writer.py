@@ -219,6 +219,8 @@ class Writer(threading.Thread):
         self._mark_done(batch.hi)
 
     def _spool(self, batch: Batch, *, hold: bool = True) -> None:
+        if self._parked and threading.current_thread() is self:
+            return  # close() gave up on this thread's write and already spooled the batch
         if not self._held:
             try:
                 self.spool.append(batch)
