@@ -184,7 +184,7 @@ def train(mon: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, n: int, 
     runs after every step; its own time is left out of the step durations."""
     out = Trained()
     last, spent = time.perf_counter(), 0.0
-    for step, x in mon.steps(data(n)):
+    for step, x in mon.steps(data(mon.step + n)):  # the data cursor resumes at mon.step: n new steps
         now = time.perf_counter()
         if step:
             out.durations.append(now - last - spent)
