@@ -18,7 +18,9 @@ from stabmon.store import StoreConfig, open_store
 
 
 def recs(start: int, stop: int) -> list[StepRecord]:
-    return [StepRecord(s, {"loss": 1.0 / (s + 1), "grad_norm": math.sqrt(s)}, batch_index=s) for s in range(start, stop)]
+    return [
+        StepRecord(s, {"loss": 1.0 / (s + 1), "grad_norm": math.sqrt(s)}, batch_index=s) for s in range(start, stop)
+    ]
 
 
 def main(url: str, spool_dir: str, mode: str) -> None:
@@ -47,10 +49,22 @@ def main(url: str, spool_dir: str, mode: str) -> None:
     later.write_steps(run_id=run2, records=recs(0, 20))
     later_flushed = later.flush(10 if mode == "free" else 0.5)
     later.close()
-    print(json.dumps({"run": run, "run2": run2, "flushed": flushed, "later_flushed": later_flushed,
-                      "later_quarantined": getattr(later.stats, "quarantined_lines", 0), "trained": 490 if mode == "free" else 400,
-                      "dropped_rows": stats.dropped_rows, "kept_rows": getattr(stats, "kept_rows", 0),
-                      "quarantined": getattr(stats, "quarantined_lines", 0), "failures": stats.failures}))
+    print(
+        json.dumps(
+            {
+                "run": run,
+                "run2": run2,
+                "flushed": flushed,
+                "later_flushed": later_flushed,
+                "later_quarantined": getattr(later.stats, "quarantined_lines", 0),
+                "trained": 490 if mode == "free" else 400,
+                "dropped_rows": stats.dropped_rows,
+                "kept_rows": getattr(stats, "kept_rows", 0),
+                "quarantined": getattr(stats, "quarantined_lines", 0),
+                "failures": stats.failures,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -178,8 +178,15 @@ class Trained:
     durations: list[float] = field(default_factory=list)
 
 
-def train(mon: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, n: int, *, spike_at: tuple[int, ...] = (),
-          each: Any = None) -> Trained:
+def train(
+    mon: Any,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    n: int,
+    *,
+    spike_at: tuple[int, ...] = (),
+    each: Any = None,
+) -> Trained:
     """``n`` steps; the loss is multiplied by 1e6 at the steps in ``spike_at`` (an injected spike). ``each(step)``
     runs after every step; its own time is left out of the step durations."""
     out = Trained()
@@ -212,8 +219,9 @@ class SpikeDetectors:
         v = record.get("loss")
         if v is None or not v > 1e3:
             return []
-        return [Anomaly(kind="spike", metric="loss", step=record.step, score=v, severity=Severity.ERROR,
-                        detector="fault")]
+        return [
+            Anomaly(kind="spike", metric="loss", step=record.step, score=v, severity=Severity.ERROR, detector="fault")
+        ]
 
     def enter_grace(self, steps: int | None = None) -> None:
         return None

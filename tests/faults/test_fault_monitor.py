@@ -22,19 +22,33 @@ from stabmon.store.repo import answer_decision, load_steps
 STALL_BOUND = 0.5  # seconds: far below every injected wait below, far above a step of this loop
 
 
-def monitor(url_or_store: object, *, mode: str = "apply", timeout: int = 200, flush_every: int = 2,
-            **kw: object) -> tuple[Monitor, Tiny, torch.optim.Optimizer]:
+def monitor(
+    url_or_store: object, *, mode: str = "apply", timeout: int = 200, flush_every: int = 2, **kw: object
+) -> tuple[Monitor, Tiny, torch.optim.Optimizer]:
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = Monitor(model, opt, store=url_or_store, detectors=SpikeDetectors(), runbook=spike_runbook(mode, timeout),
-                  mode=mode, config=MonitorConfig(flush_every=flush_every, hang_timeout=None), **kw)
+    mon = Monitor(
+        model,
+        opt,
+        store=url_or_store,
+        detectors=SpikeDetectors(),
+        runbook=spike_runbook(mode, timeout),
+        mode=mode,
+        config=MonitorConfig(flush_every=flush_every, hang_timeout=None),
+        **kw,
+    )
     return mon, model, opt
 
 
 def test_one_bad_observed_value_costs_only_itself(sqlite_url: str) -> None:
     mon, model, opt = monitor(sqlite_url, flush_every=20)
-    bad = {7: torch.empty((), device="meta"), 8: torch.tensor(3e300, dtype=torch.float64),
-           9: np.float32(2.5), 10: np.array(4.0), 11: torch.tensor(1 + 2j)}
+    bad = {
+        7: torch.empty((), device="meta"),
+        8: torch.tensor(3e300, dtype=torch.float64),
+        9: np.float32(2.5),
+        10: np.array(4.0),
+        11: torch.tensor(1 + 2j),
+    }
     for step, x in mon.steps([torch.randn(8, 4, generator=torch.Generator().manual_seed(i)) for i in range(20)]):
         loss = model(x).pow(2).mean()
         loss.backward()
@@ -83,7 +97,8 @@ def test_runs_continued_from_one_saved_state_keep_their_own_decisions(sqlite_url
         decided = {e.id for e in fork.events if isinstance(e, Decision)}
         assert count(sqlite_url, "select count(*) from decisions where run_id = :r", r=fork.run_id) == len(decided)
         assert count(sqlite_url, "select count(*) from interventions where run_id = :r", r=fork.run_id) == len(
-            [e for e in fork.events if type(e).__name__ == "InterventionRecord"])
+            [e for e in fork.events if type(e).__name__ == "InterventionRecord"]
+        )
 
 
 def test_a_colliding_event_id_is_refused_not_dropped(sqlite_url: str, tmp_path: Path) -> None:

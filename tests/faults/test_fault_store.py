@@ -26,7 +26,9 @@ REPO = HERE.parent.parent
 
 
 def recs(start: int, stop: int) -> list[StepRecord]:
-    return [StepRecord(s, {"loss": 1.0 / (s + 1), "grad_norm": math.sqrt(s)}, batch_index=s) for s in range(start, stop)]
+    return [
+        StepRecord(s, {"loss": 1.0 / (s + 1), "grad_norm": math.sqrt(s)}, batch_index=s) for s in range(start, stop)
+    ]
 
 
 @pytest.fixture(params=["sqlite_url", pytest.param("pg_url", marks=pytest.mark.postgres)])
@@ -41,7 +43,11 @@ def _disk_full(tmp_path: Path, mode: str) -> dict:
     db = tmp_path / "run.db"
     out = subprocess.run(
         [sys.executable, str(HERE / "disk_full.py"), f"sqlite:///{db}", str(tmp_path / "spool"), mode],
-        capture_output=True, text=True, timeout=120, env=env, check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=True,
     )
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "url": f"sqlite:///{db}"}
 
@@ -172,8 +178,13 @@ def test_terminated_backends_lose_nothing(pg_url: str, pg_admin_url: str, tmp_pa
         for chunk in range(10):
             store.write_steps(run_id=run, records=recs(30 * chunk, 30 * chunk + 30))
             with admin.connect() as c:
-                c.execute(sa.text("select pg_terminate_backend(pid) from pg_stat_activity "
-                                  "where datname = :d and pid <> pg_backend_pid()"), {"d": name})
+                c.execute(
+                    sa.text(
+                        "select pg_terminate_backend(pid) from pg_stat_activity "
+                        "where datname = :d and pid <> pg_backend_pid()"
+                    ),
+                    {"d": name},
+                )
             time.sleep(0.03)
         assert store.flush(30)
     admin.dispose()
