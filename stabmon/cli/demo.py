@@ -45,12 +45,12 @@ def _check_store(url: str) -> None:
 
 
 def _where(url: str) -> str:
-    from stabmon.store.engine import parse_url
+    from stabmon.store.engine import parse_url, safe_url
 
     u = parse_url(url)
     if u.get_backend_name() == "sqlite" and u.database:
         return str(Path(u.database).resolve())
-    return u.render_as_string(hide_password=True)
+    return safe_url(url)
 
 
 def _series(records: Any, name: str) -> list[tuple[int, float]]:
@@ -94,7 +94,10 @@ def summary(monitor: Any, url: str, result: Any) -> list[str]:
     for e in monitor.events:
         if type(e).__name__ in ("Decision", "InterventionRecord", "Outcome"):
             lines.append("  " + _describe(e))
-    lines.append(f"next: stabmon runs --db {url}   stabmon metrics {monitor.run_id} --db {url}")
+    from stabmon.store.engine import safe_url
+
+    shown = safe_url(url)  # never print a password
+    lines.append(f"next: stabmon runs --db {shown}   stabmon metrics {monitor.run_id} --db {shown}")
     return lines
 
 

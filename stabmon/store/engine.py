@@ -31,11 +31,11 @@ class SchemaNotReadyError(StoreError):
 
 
 def safe_url(url: str | URL) -> str:
-    """The URL with any password hidden, for messages and logs."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - unparseable URL: show it as given
-        return str(url)
+    """The URL with any password hidden (in the user part or the query), for messages and logs."""
+    from stabmon.redaction import hide_secrets
+
+    text = url.render_as_string(hide_password=False) if isinstance(url, URL) else str(url)
+    return hide_secrets(text)
 
 
 def parse_url(url: str | URL) -> URL:
@@ -50,7 +50,7 @@ def parse_url(url: str | URL) -> URL:
         return make_url(url)
     except Exception:  # noqa: BLE001 - sqlalchemy raises ArgumentError (and others for odd types)
         raise StoreError(
-            f"store: cannot parse {str(url)!r} as a database URL "
+            f"store: cannot parse {safe_url(url)!r} as a database URL "
             "(e.g. sqlite:///stabmon.db or postgresql+psycopg://user@host:5432/db)"
         ) from None
 
@@ -127,6 +127,7 @@ def make_engine(url: str | URL, *, pooled: bool = True, probe: bool = True) -> E
                 conn.execute(sa.text("select 1"))
     except Exception as exc:  # noqa: BLE001 - any failure to open is the user's URL problem
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = safe_url(reason)
         raise StoreError(f"store: cannot open {safe_url(url)!r}: {reason}") from exc
     return engine
 
