@@ -107,8 +107,9 @@ class StepBuffer:
         for p in steps:
             metrics = dict(p.host)
             for name in p.names:
-                if values[i] is not None:  # a value that could not be read costs that value only
-                    metrics[name] = values[i]
+                value = values[i]
+                if value is not None:  # a value that could not be read costs that value only
+                    metrics[name] = value
                 i += 1
             records.append(StepRecord(step=p.step, metrics=metrics, batch_index=p.batch_index, time=p.time))
         return records
