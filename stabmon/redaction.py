@@ -29,10 +29,11 @@ _SECRET_KEY = re.compile(r"pass|pwd|secret|token|key|auth|credential|sig", re.IG
 def hide_url(url: str) -> str:
     """``url`` with its secrets hidden (see the module docstring)."""
     scheme = url.split("://", 1)[0].split("+", 1)[0].lower()
-    return _hide_db_url(url) if scheme in DB_SCHEMES else redact(url)
+    return hide_db_url(url) if scheme in DB_SCHEMES else redact(url)
 
 
-def _hide_db_url(url: str) -> str:
+def hide_db_url(url: str) -> str:
+    """A database URL (any scheme) without its password, in the user part or the query."""
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -46,6 +47,13 @@ def _hide_db_url(url: str) -> str:
         for k, sep, v in (piece.partition("=") for piece in parts.query.split("&") if piece)
     )
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def hide_db_secrets(text: str) -> str:
+    """Like :func:`hide_secrets` for text about a database: every URL in it is read as a database URL."""
+    if not text:
+        return text
+    return scrub(_URL.sub(lambda m: hide_db_url(m.group(0)), text))
 
 
 def hide_secrets(text: str) -> str:

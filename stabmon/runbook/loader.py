@@ -3,7 +3,8 @@
 The YAML is composed once to learn the line of every key and list item, then validated by the pydantic
 :class:`~stabmon.runbook.schema.Runbook` model; each validation error's location is mapped back to the line it
 came from. Hostile YAML (huge, deeply nested, alias bombs, bad UTF-8, duplicate keys) is refused first with
-FILE:LINE errors (:mod:`stabmon.runbook.yamlsafe`). An ``include:`` file (an override file, e.g. written by ``stabmon tune``) is merged over the
+FILE:LINE errors (:mod:`stabmon.runbook.yamlsafe`). An ``include:`` file (an override file, e.g. written by
+``stabmon tune``) is merged over the
 runbook: mappings merge key by key, anything else is replaced; errors in included values point into the
 included file.
 """

@@ -32,10 +32,10 @@ class SchemaNotReadyError(StoreError):
 
 def safe_url(url: str | URL) -> str:
     """The URL with any password hidden (in the user part or the query), for messages and logs."""
-    from stabmon.redaction import hide_secrets
+    from stabmon.redaction import hide_db_secrets
 
     text = url.render_as_string(hide_password=False) if isinstance(url, URL) else str(url)
-    return hide_secrets(text)
+    return hide_db_secrets(text)
 
 
 def parse_url(url: str | URL) -> URL:

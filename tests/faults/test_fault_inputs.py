@@ -50,3 +50,49 @@ def test_hostile_runbooks_are_one_line_file_line_errors(tmp_path: Path, text: st
     assert took < 10 and grew_kib < 200_000, (took, grew_kib)  # bounded: nothing was expanded
     result = CliRunner().invoke(app, ["runbook", "validate", str(path)])
     assert result.exit_code == 1 and "Traceback" not in result.output and needle in result.output
+
+
+def _import(tmp_path: Path, name: str, text: str, *args: str) -> tuple[int, str, str]:
+    path = tmp_path / name
+    path.write_text(text)
+    url = f"sqlite:///{tmp_path / 'imp.db'}"
+    result = CliRunner().invoke(app, ["import", str(path), "--run", "r", "--db", url, *args])
+    return result.exit_code, result.output, url
+
+
+def test_a_repeated_megatron_line_does_not_flood_the_run_config(tmp_path: Path) -> None:
+    import json
+
+    from fault_support import count
+
+    line = " iteration {}/ 100 | lm loss: 2.0 | grad norm: 1.0 |\n"
+    text = "".join(line.format(s) for _ in range(3000) for s in (1, 2))  # 2,999 "restarts"
+    code, out, url = _import(tmp_path, "megatron.log", text, "--json")
+    assert code == 0, out
+    summary = json.loads(out)
+    assert len(summary["restarts"]) == 100 and summary["restarts_total"] == 2999  # bounded in the output ...
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        config = json.loads(conn.execute(sa.text("select config from runs")).scalar())
+    engine.dispose()
+    assert len(config["restarts"]) == 100 and config["restarts_total"] == 2999  # ... and in the config
+    assert count(url, "select count(*) from steps") == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("step,loss\nx,y\n", "no step records found"), (f"step,{'m' * 300}\n1,2.0\n", "more than the store's 255")],
+    ids=["nothing-readable", "metric-name-too-long"],
+)
+def test_an_import_that_cannot_be_stored_leaves_no_run_behind(tmp_path: Path, text: str, needle: str) -> None:
+    code, out, url = _import(tmp_path, "log.csv", text)
+    assert code == 1 and needle in out and out.strip().count("\n") == 0, out
+    assert not (tmp_path / "imp.db").exists() or _runs(url) == 0
+
+
+def _runs(url: str) -> int:
+    from fault_support import count
+
+    return count(url, "select count(*) from runs")
