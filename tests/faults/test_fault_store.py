@@ -216,3 +216,23 @@ def test_names_longer_than_the_store_holds(url: str, tmp_path: Path) -> None:
         assert store.stats.bad_names == 20 and store.stats.rejected_batches == 0
     assert stored_steps(url, run) == list(range(20))  # every step kept, with its loss
     assert count(url, "select count(*) from step_metrics") == 20
+
+
+def test_db_recover_writes_what_a_crashed_run_left_in_the_spool(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from stabmon.cli import app
+
+    db, spool_dir = tmp_path / "run.db", tmp_path / "spool"
+    url = f"sqlite:///{db}"
+    with open_store(url, config=StoreConfig(spool_dir=str(spool_dir), **FAST)) as store:
+        run = store.start_run(name="crashed", environment={})
+        assert store.flush(20)
+    spooled = Batch(hi=0)
+    spooled.steps = [(run, s, s, None, None, {"loss": 1.0}) for s in range(25)]
+    spool_dir.mkdir(exist_ok=True)
+    (spool_dir / "spool-deadprocess1.jsonl").write_bytes(frame(spooled) + frame(spooled)[:20])  # torn by the crash
+    result = CliRunner().invoke(app, ["db", "recover", "--db", url, "--spool-dir", str(spool_dir)])
+    assert result.exit_code == 0, result.output
+    assert "1 spooled batch(es) written, 1 damaged line(s) quarantined" in result.output
+    assert stored_steps(url, run) == list(range(25))
