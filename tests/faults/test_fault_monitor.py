@@ -122,16 +122,29 @@ def test_propose_mode_never_waits_on_a_locked_database(tmp_path: Path) -> None:
     mon, model, opt = monitor(url, mode="propose")
     locker = sa.create_engine(url)
     conn = locker.connect()
-    conn.exec_driver_sql("BEGIN EXCLUSIVE")  # another process holds the lock for 2 s
-    release = threading.Timer(2.0, conn.rollback)
-    release.start()
-    trained = train(mon, model, opt, 40, spike_at=(5,))
-    release.join()
+    timers: list[threading.Timer] = []
+
+    def answer_then_lock(step: int) -> None:
+        if step != 8:
+            return
+        (proposal,) = [e for e in mon.events if isinstance(e, Decision)]
+        assert mon.store.flush(20)  # type: ignore[union-attr]
+        with open_store(url) as human, human.session() as s:
+            answer_decision(session=s, run_id=mon.run_id, decision_id=proposal.id, approved=True, by="ann")
+        conn.exec_driver_sql("BEGIN EXCLUSIVE")  # then another process holds the lock for 2 s
+        timers.append(threading.Timer(2.0, conn.rollback))
+        timers[0].start()
+
+    trained = train(mon, model, opt, 40, spike_at=(5,), each=answer_then_lock)
+    timers[0].join()
     conn.close()
     locker.dispose()
+    assert mon.store.refresh_answers(run_id=mon.run_id, timeout=20)  # type: ignore[union-attr]
+    train(mon, model, opt, 4)
     mon.close()
     assert trained.longest < STALL_BOUND, f"a training step took {trained.longest:.2f}s"
-    assert stored_steps(url, mon.run_id) == list(range(40))
+    assert stored_steps(url, mon.run_id) == list(range(44))
+    assert mon.overrides.max_norm == 0.5  # the answer arrived once the lock was gone
 
 
 @pytest.mark.postgres

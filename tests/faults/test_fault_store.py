@@ -19,7 +19,12 @@ from fault_support import FAST, count, proxy_for, stored_steps, wait_for
 from stabmon.events import StepRecord
 from stabmon.store import StoreConfig, open_store, upgrade
 from stabmon.store.batch import Batch
-from stabmon.store.spool import Spool, frame
+
+
+def frame(batch: Batch) -> bytes:
+    from stabmon.store.spool import frame as framed
+
+    return framed(batch)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -103,6 +108,8 @@ def test_a_flipped_byte_fails_the_checksum(tmp_path: Path) -> None:
     good = frame(Batch(hi=1))
     bad = good.replace(b'"hi":1', b'"hi":7')
     (tmp_path / "spool-x.jsonl").write_bytes(good + bad + good)
+    from stabmon.store.spool import Spool
+
     sp = Spool(tmp_path, tmp_path / "spool-x.jsonl")
     assert [b.hi for b in sp.read()] == [1, 1] and sp.quarantined == 1
 
