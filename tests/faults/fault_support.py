@@ -241,3 +241,10 @@ def spike_runbook(mode: str = "apply", timeout: int = 200) -> Any:
 
 def finite(values: list[float]) -> bool:
     return all(math.isfinite(v) for v in values)
+
+
+def report(fault: str, **figures: Any) -> None:
+    """One ``FAULT`` line with what a test measured (``pytest -s tests/faults | grep FAULT`` collects them for
+    docs/RELIABILITY.md)."""
+    shown = ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items())
+    print(f"FAULT {fault}: {shown}")

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import sqlalchemy as sa
 import torch
-from fault_support import SpikeDetectors, Tiny, spike_runbook, train
+from fault_support import SpikeDetectors, Tiny, report, spike_runbook, train
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -68,6 +68,7 @@ def test_no_secret_anywhere(pg_url: str, tmp_path: Path, monkeypatch: pytest.Mon
     files = [p.read_bytes().decode("utf-8", "replace") for p in spool.rglob("*") if p.is_file()]
     logs = [r.getMessage() for r in caplog.records]
     assert any("STABMON_ALERTS" in row for row in dump)  # the environment was recorded, redacted
+    report("secrets", rows_searched=len(dump), files=len(files), log_lines=len(logs), outputs=len(outputs))
     for where, texts in (("database", dump), ("spool", files), ("logs", logs), ("output", outputs)):
         for secret in SECRETS:
             leaked = [t for t in texts if secret in t]
@@ -89,6 +90,8 @@ def test_a_hung_alert_endpoint_never_holds_up_training(sqlite_url: str, tmp_path
     notifier.close(timeout=0.5)
     receiver.close()
     stats = notifier.stats
+    report("hung alert endpoint", steps=trained.steps, stored=300, longest_step_s=trained.longest,
+           alerts=len(mon.anomalies), dropped=stats.get("dropped", 0))
     assert len(mon.anomalies) == 59 and trained.longest < 0.5, f"a training step took {trained.longest:.2f}s"
     assert stats.get("dropped", 0) >= 59 - 5 - 1  # the queue stayed capped and the overflow was counted
     with open_store(sqlite_url) as store, store.session() as s:

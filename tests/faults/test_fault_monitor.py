@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 import torch
-from fault_support import FAST, SpikeDetectors, Tiny, count, proxy_for, spike_runbook, stored_steps, train
+from fault_support import FAST, SpikeDetectors, Tiny, count, proxy_for, report, spike_runbook, stored_steps, train
 
 from stabmon.collect.config import MonitorConfig
 from stabmon.events import Decision, DecisionStatus
@@ -142,6 +142,8 @@ def test_propose_mode_never_waits_on_a_locked_database(tmp_path: Path) -> None:
     assert mon.store.refresh_answers(run_id=mon.run_id, timeout=20)  # type: ignore[union-attr]
     train(mon, model, opt, 4)
     mon.close()
+    report("sqlite lock, propose mode", steps=mon.step, stored=len(stored_steps(url, mon.run_id)),
+           longest_step_s=trained.longest)
     assert trained.longest < STALL_BOUND, f"a training step took {trained.longest:.2f}s"
     assert stored_steps(url, mon.run_id) == list(range(44))
     assert mon.overrides.max_norm == 0.5  # the answer arrived once the lock was gone
@@ -161,6 +163,8 @@ def test_propose_mode_never_waits_on_a_cut_network(pg_url: str, tmp_path: Path) 
         trained = train(mon, model, opt, 40, spike_at=(10,))
         mon.close()
         store.close()
+    report("silent network cut, propose mode", steps=mon.step, kept_in_spool=store.stats.kept_rows,
+           longest_step_s=trained.longest)
     assert trained.longest < STALL_BOUND, f"a training step took {trained.longest:.2f}s"
     with open_store(pg_url, config=StoreConfig(spool_dir=str(tmp_path), **FAST)) as recover:
         assert recover.flush(30)
@@ -208,6 +212,8 @@ def test_training_starts_while_the_database_is_down(pg_url: str, tmp_path: Path)
         mon.close()
         assert store.flush(30)
         store.close()
+    report("database down at start", steps=trained.steps, stored=len(stored_steps(pg_url, mon.run_id)),
+           longest_step_s=trained.longest)
     assert trained.steps == 30 and trained.longest < STALL_BOUND
     assert stored_steps(pg_url, mon.run_id) == list(range(30))
     decided = [e for e in mon.events if isinstance(e, Decision)]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from fault_support import FAST, count, proxy_for, stored_steps, wait_for
+from fault_support import FAST, count, proxy_for, report, stored_steps, wait_for
 
 from stabmon.events import StepRecord
 from stabmon.store import StoreConfig, open_store, upgrade
@@ -60,6 +60,8 @@ def _disk_full(tmp_path: Path, mode: str) -> dict:
 def test_disk_fills_then_frees_nothing_lost(tmp_path: Path) -> None:
     got = _disk_full(tmp_path, "free")
     assert got["flushed"] and got["later_flushed"] and got["failures"] >= 1
+    report("disk full, then freed", steps=got["trained"], stored=len(stored_steps(got["url"], got["run"])),
+           dropped=got["dropped_rows"])
     assert stored_steps(got["url"], got["run"]) == list(range(got["trained"]))  # 490 of 490, in order
     assert stored_steps(got["url"], got["run2"]) == list(range(20))  # the next run is not wedged either
     assert count(got["url"], "select count(*) from runs where id = :r and status = 'finished'", r=got["run"]) == 1
@@ -70,6 +72,7 @@ def test_disk_never_frees_every_loss_is_counted(tmp_path: Path) -> None:
     got = _disk_full(tmp_path, "never")
     written = 1 + 3 * got["trained"] + 1  # run row, steps with two metrics each, the final status
     stored = count(got["url"], "select count(*) from runs") + 3 * len(stored_steps(got["url"], got["run"]))
+    report("disk never frees", rows=written, stored=stored, kept=got["kept_rows"], dropped=got["dropped_rows"])
     assert got["dropped_rows"] > 0
     assert stored + got["kept_rows"] + got["dropped_rows"] == written  # nothing unaccounted for
 
@@ -151,6 +154,7 @@ def test_close_with_the_writer_stuck_on_a_dead_connection_keeps_every_row(pg_url
         t0 = time.monotonic()
         store.close()
         took = time.monotonic() - t0
+        report("writer stuck at close", close_s=took, kept=store.stats.kept_rows, dropped=store.stats.dropped_rows)
         assert took < cfg.close_timeout + 3.0, f"close() took {took:.1f}s"
         assert store.stats.kept_rows >= 500 * 3 + 1 and store.stats.dropped_rows == 0
         with open_store(pg_url, config=StoreConfig(spool_dir=str(spool_dir), **FAST)) as recover:
