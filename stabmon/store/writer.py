@@ -251,8 +251,7 @@ class Writer(threading.Thread):
             if self.spool.pending:
                 self._replay(self.spool, own=True)
             while self._held:
-                self._commit(self._held[0])
-                self._mark_done(self._held.pop(0).hi)
+                self._write_held(self._held[0])
         except Exception as exc:  # noqa: BLE001
             self.stats.failures += 1
             self._retry_at = time.monotonic() + self._backoff
@@ -265,6 +264,18 @@ class Writer(threading.Thread):
             return
         self._backoff = self.cfg.retry_initial
         log.warning("stabmon store: database reachable again; spooled batches written")
+
+    def _write_held(self, batch: Batch) -> None:
+        """Write the oldest batch kept in memory; one the database refuses for its content is set aside."""
+        try:
+            self._commit(batch)
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if is_unavailable(exc):
+                raise
+            self._held.pop(0)
+            self._salvage(batch, exc)
+            return
+        self._mark_done(self._held.pop(0).hi)
 
     def _replay(self, spool: Spool, *, own: bool) -> None:
         before = spool.quarantined
