@@ -3,7 +3,6 @@ from the store, and a tiny monitored training loop that measures the training th
 
 from __future__ import annotations
 
-import math
 import select
 import socket
 import threading
@@ -237,10 +236,6 @@ def spike_runbook(mode: str = "apply", timeout: int = 200) -> Any:
     from stabmon.runbook import loads_runbook
 
     return loads_runbook(SPIKE_RUNBOOK.format(mode=mode, timeout=timeout))
-
-
-def finite(values: list[float]) -> bool:
-    return all(math.isfinite(v) for v in values)
 
 
 def report(fault: str, **figures: Any) -> None:
