@@ -17,7 +17,6 @@ lines and CLI output.
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit, urlunsplit
 
 from stabmon.alerts.redact import MASK, redact, scrub
 
@@ -33,20 +32,20 @@ def hide_url(url: str) -> str:
 
 
 def hide_db_url(url: str) -> str:
-    """A database URL (any scheme) without its password, in the user part or the query."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url.split("://", 1)[0] + "://" + MASK
-    netloc = parts.netloc
+    """A database URL (any scheme) without its password, in the user part or the query; otherwise unchanged."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    rest, qsep, query = rest.partition("?")
+    netloc, slash, path = rest.partition("/")
     if "@" in netloc:
         user, host = netloc.rsplit("@", 1)
         netloc = f"{user.split(':', 1)[0]}:{MASK}@{host}" if ":" in user else netloc
     query = "&".join(
-        f"{k}={MASK}" if sep and _SECRET_KEY.search(k) else f"{k}{sep}{v}"
-        for k, sep, v in (piece.partition("=") for piece in parts.query.split("&") if piece)
+        f"{k}={MASK}" if eq and _SECRET_KEY.search(k) else f"{k}{eq}{v}"
+        for k, eq, v in (piece.partition("=") for piece in query.split("&"))
     )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return f"{scheme}://{netloc}{slash}{path}{qsep}{query}"
 
 
 def hide_db_secrets(text: str) -> str:

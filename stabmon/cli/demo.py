@@ -36,10 +36,10 @@ def load_example(name: str = "tiny_gpt") -> ModuleType:
 
 def _check_store(url: str) -> None:
     """Open (and, for a new SQLite file, create) the store before training, so a bad --db is one line."""
-    from stabmon.store import open_store
+    from stabmon.store import StoreConfig, open_store
 
     try:
-        open_store(url).close()
+        open_store(url, config=StoreConfig(fail_fast=True)).close()  # a demo does not wait for a server
     except ValueError as exc:  # StoreError included: already one line naming the store and the URL
         fail((str(exc).splitlines() or [type(exc).__name__])[0])
 

@@ -12,6 +12,7 @@ True
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +136,7 @@ def make_engine(url: str | URL, *, pooled: bool = True, probe: bool = True) -> E
 def alembic_config(url: str | URL | None = None, connection: sa.Connection | None = None) -> Any:
     from alembic.config import Config
 
-    cfg = Config()
+    cfg = Config(stdout=sys.stdout)  # the stream of now: alembic's default is the one of its import time
     cfg.set_main_option("script_location", str(migrations_dir()))
     cfg.attributes["url"] = url
     cfg.attributes["connection"] = connection

@@ -4,7 +4,7 @@
 >>> check_name("metric name", "x" * 300)
 Traceback (most recent call last):
 ...
-ValueError: metric name is 300 characters long, more than the store's 255: 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...'
+ValueError: metric name is 300 characters long, more than the store's 255: 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'...
 """
 
 from __future__ import annotations
