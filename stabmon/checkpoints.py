@@ -55,6 +55,10 @@ class CheckpointInfo:
     path: str
     nbytes: int
     own: bool = True
+    timeline: int = 0
+    """Which line of training saved it: a rollback starts a new timeline (see :meth:`CheckpointManager.rolled_back`)."""
+    abandoned: bool = False
+    """Saved after a checkpoint that a rollback went back to: its training was undone, never resume from it."""
 
 
 class CheckpointManager:
@@ -96,12 +100,13 @@ class CheckpointManager:
         self.sink, self.run_id, self.weights_only = sink, run_id, weights_only
         self.store_errors = 0
         self._entries: list[CheckpointInfo] = self._read_registry()
+        self.timeline = max((e.timeline for e in self._entries), default=0)
 
     # -- registry --
     @property
     def checkpoints(self) -> list[CheckpointInfo]:
-        """Registered checkpoints, oldest step first."""
-        return sorted(self._entries, key=lambda e: e.step)
+        """Registered checkpoints, oldest step first (the newer timeline first at equal steps)."""
+        return sorted(self._entries, key=lambda e: (e.step, e.timeline))
 
     def _read_registry(self) -> list[CheckpointInfo]:
         path = self.directory / REGISTRY_NAME
@@ -135,7 +140,7 @@ class CheckpointManager:
         return info
 
     def _prune(self) -> None:
-        own = [e for e in self.checkpoints if e.own]
+        own = sorted((e for e in self._entries if e.own), key=lambda e: (not e.abandoned, e.step, e.timeline))
         for old in own[: max(0, len(own) - self.keep)]:
             self._entries.remove(old)
             try:
@@ -148,9 +153,20 @@ class CheckpointManager:
         """Write ``state`` atomically with ``torch.save`` and register it."""
         import torch
 
-        path = self.directory / f"{self.prefix}-{step:09d}.pt"
+        tag = f"-t{self.timeline}" if self.timeline else ""
+        path = self.directory / f"{self.prefix}-{step:09d}{tag}.pt"
         nbytes = _atomic_write(path, lambda f: torch.save(dict(state), f))
-        return self._add(CheckpointInfo(step=step, path=str(path), nbytes=nbytes, own=True))
+        return self._add(CheckpointInfo(step=step, path=str(path), nbytes=nbytes, own=True, timeline=self.timeline))
+
+    def rolled_back(self, target: CheckpointInfo) -> None:
+        """Record a rollback to ``target``: every checkpoint saved after it is abandoned (its training was
+        undone) and later saves belong to a new timeline, so a resume continues the rolled-back line."""
+        self.timeline += 1
+        self._entries = [
+            CheckpointInfo(**{**asdict(e), "abandoned": True}) if e.step > target.step and not e.abandoned else e
+            for e in self._entries
+        ]
+        self._write_registry()
 
     def maybe_save(self, state_fn: Callable[[], Mapping[str, Any]], *, step: int) -> CheckpointInfo | None:
         """Save ``state_fn()`` when ``step`` is a positive multiple of ``every``."""
@@ -164,11 +180,16 @@ class CheckpointManager:
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"cannot register checkpoint {p}: no such file")
-        return self._add(CheckpointInfo(step=step, path=str(p), nbytes=p.stat().st_size, own=False))
+        return self._add(
+            CheckpointInfo(step=step, path=str(p), nbytes=p.stat().st_size, own=False, timeline=self.timeline)
+        )
 
     # -- validation and choice --
-    def validate(self, info: CheckpointInfo) -> tuple[dict[str, Any] | None, str | None]:
-        """``(state, None)`` when ``info`` passes every check, else ``(None, reason)``."""
+    def validate(
+        self, info: CheckpointInfo, check: Callable[[dict[str, Any]], str | None] | None = None
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """``(state, None)`` when ``info`` passes every check, else ``(None, reason)``. ``check(state)`` is a
+        last check of the caller's (does the state fit the model?) returning a reason to refuse, or None."""
         p = Path(info.path)
         if not p.is_file():
             return None, "file does not exist"
@@ -185,19 +206,25 @@ class CheckpointManager:
         bad = next(_nonfinite(state, ""), None)
         if bad is not None:
             return None, f"non-finite values in {bad or 'the state'}"
+        problem = check(state) if check is not None else None
+        if problem is not None:
+            return None, problem
         return state, None
 
-    def last_known_good(self, before_step: int | None = None) -> tuple[CheckpointInfo, dict[str, Any]]:
-        """The newest checkpoint saved at or before ``before_step`` that validates, with its loaded state.
+    def last_known_good(
+        self, before_step: int | None = None, *, check: Callable[[dict[str, Any]], str | None] | None = None
+    ) -> tuple[CheckpointInfo, dict[str, Any]]:
+        """The newest checkpoint saved at or before ``before_step`` that validates (and passes ``check``),
+        with its loaded state. Abandoned checkpoints (saved on a timeline a rollback undid) are never chosen.
 
         Invalid candidates are logged and recorded in the store as invalid; raises
         :class:`NoValidCheckpointError` when none is left.
         """
         reasons: dict[str, str] = {}
         for info in reversed(self.checkpoints):
-            if before_step is not None and info.step > before_step:
+            if (before_step is not None and info.step > before_step) or info.abandoned:
                 continue
-            state, reason = self.validate(info)
+            state, reason = self.validate(info, check)
             if state is not None:
                 return info, state
             reasons[info.path] = str(reason)

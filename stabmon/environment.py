@@ -50,9 +50,14 @@ _SECRET_VALUE = re.compile(r"(://[^/\s:]+:[^@\s]+@|^[A-Za-z0-9_\-+/=]{32,}$|xox[
 
 
 def redact_env(name: str, value: str) -> str:
-    """``value``, or ``"<redacted>"`` when the name or the value looks like a credential."""
+    """``value``, or ``"<redacted>"`` when the name or the value looks like a credential; URLs in it (alert
+    channels, database URLs) keep only what :func:`stabmon.redaction.hide_secrets` leaves."""
     if _SECRET_NAME.search(name) or _SECRET_VALUE.search(value):
         return "<redacted>"
+    if "://" in value:
+        from stabmon.redaction import hide_secrets
+
+        return hide_secrets(value)
     return value
 
 

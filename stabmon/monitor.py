@@ -39,6 +39,7 @@ from stabmon.collect.distributed import RankFollower, broadcast, executed_decisi
 from stabmon.collect.embeddings import EmbeddingDrift
 from stabmon.collect.flushing import decide, publish, share, start_run
 from stabmon.collect.grads import GradNorms
+from stabmon.collect.observe import value_problem
 from stabmon.collect.optim import OptimizerHooks
 from stabmon.collect.ranks import RankGather, RankProbe
 from stabmon.collect.sharding import ShardedSquares, embedding_counted, layout_of
@@ -52,6 +53,7 @@ from stabmon.collect.wiring import (
 )
 from stabmon.events import Anomaly, Event, Metric, StepRecord
 from stabmon.overrides import Overrides
+from stabmon.store.limits import check_name, name_problem
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,8 @@ class Monitor:
             raise ValueError(f"config: expected a MonitorConfig, got {type(self.config).__name__}")
         self.config.validate()
         check_model_and_optimizer(model, optimizer)
+        if run_name is not None:
+            check_name("run_name", run_name)
         if mode not in MODES:
             raise ValueError(f"mode: must be one of {', '.join(map(str, MODES))}, got {mode!r}")
         self.model, self.optimizer, self.scaler, self.scheduler, self.mode = (
@@ -270,16 +274,8 @@ class Monitor:
         if tokens is not None:
             self._tokens = int(tokens)
         for name, value in (("loss", loss), *metrics.items()):
-            if value is None:
-                continue
-            if isinstance(value, torch.Tensor):
-                if value.numel() != 1:
-                    raise ValueError(f"observe: {name} must hold exactly one value, got shape {tuple(value.shape)}")
-                self.buffer.add([name], value.detach())
-            elif isinstance(value, (int, float)):
-                self.buffer.add_host(name, value)
-            else:
-                raise ValueError(f"observe: {name} must be a tensor or a number, got {type(value).__name__}")
+            if value is not None:
+                self._observe_one(name, value)
         self._collect_activations()
         scaler = self.scaler
         if scaler is not None and scaler.is_enabled():
@@ -287,6 +283,20 @@ class Monitor:
             self._hp_snapshot = self._hooks.hparams()
             if getattr(scaler, "_scale", None) is not None:
                 self._scale_snapshot = scaler._scale.detach().clone()
+
+    def _observe_one(self, name: str, value: Any) -> None:
+        """Queue one observed value. A value that cannot be a metric (meta tensor, complex, a name the store
+        cannot hold) is dropped alone, logged once per name and counted in ``errors``; never raised."""
+        problem = name_problem("observe: metric name", name) or value_problem(name, value)
+        if problem is None and isinstance(value, torch.Tensor):
+            self.buffer.add([name], value.detach())
+        elif problem is None:
+            self.buffer.add_host(name, float(value.item() if hasattr(value, "item") else value))
+        else:
+            self.errors["observe"] += 1
+            if self.errors[f"observe:{name[:64]}"] == 0:
+                log.error("stabmon: %s (dropped at step %d; counted in monitor.errors)", problem, self._step)
+            self.errors[f"observe:{name[:64]}"] += 1
 
     def end_step(self) -> None:
         """Close the step's record; flush when ``config.flush_every`` steps are waiting."""
@@ -446,6 +456,9 @@ class Monitor:
             self._emb.load_state_dict(state["embeddings"])
         if pipeline and state.get("pipeline") is not None:
             self.pipeline.load_state_dict(state["pipeline"])
+            reseed = getattr(self.pipeline.engine, "reseed", None)
+            if reseed is not None:  # another run may continue from this same state: never share an id
+                reseed()
             self._guard("pipeline", lambda: self.pipeline.detectors.enter_grace(self.config.grace_steps))
         if pipeline and state.get("executor") is not None and hasattr(self.executor, "load_state_dict"):
             self.executor.load_state_dict(state["executor"])
@@ -474,8 +487,7 @@ class Monitor:
         store, notifier = self.store, self.notifier
         if store is not None:
             self._guard("store", lambda: store.end_run(run_id=self.run_id, status=status))
-            if self._owns_store:
-                self._guard("store", lambda: store.flush(timeout=30.0))
+            if self._owns_store:  # close() drains within the store's close_timeout and spools the rest
                 self._guard("store", store.close)
         if notifier is not None and self._owns_notifier:
             self._guard("alerts", lambda: notifier.close(timeout=10.0))

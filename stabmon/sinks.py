@@ -40,8 +40,10 @@ class Sink(Protocol):
     def write_skipped_batches(self, *, run_id: str, step: int, batch_indices: Sequence[int]) -> None: ...
 
     def poll_answers(self, *, run_id: str) -> list[tuple[str, bool]]:
-        """Human answers (decision id, approved) to proposals not yet picked up. May touch the database:
-        the monitor calls it at flush time only."""
+        """Human answers (decision id, approved) to proposals not yet picked up. Called on the training
+        thread at each flush: must not wait on I/O (the SQL store hands over what its writer thread read).
+        A sink may also offer ``answers_live`` (bool): False while answers cannot be read, and the monitor
+        then holds its proposals' approval clocks."""
 
     def end_run(self, *, run_id: str, status: str) -> None: ...
 

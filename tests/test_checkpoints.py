@@ -112,7 +112,8 @@ def test_registry_is_persisted_beside_the_files(tmp_path: Path) -> None:
     m = manager(tmp_path)
     info = m.save(state(10), step=10)
     on_disk = json.loads((tmp_path / "ckpt" / REGISTRY_NAME).read_text())
-    assert on_disk == {"checkpoints": [{"step": 10, "path": info.path, "nbytes": info.nbytes, "own": True}]}
+    assert on_disk == {"checkpoints": [{"step": 10, "path": info.path, "nbytes": info.nbytes, "own": True,
+                                        "timeline": 0, "abandoned": False}]}
     assert info.nbytes == os.path.getsize(info.path)
     assert manager(tmp_path).checkpoints == [info]  # a new process sees the same registry
     assert m.state_dict() == on_disk

@@ -52,6 +52,7 @@ def test_propose_answer_apply_through_the_store(url: str) -> None:
         if proposed and not answered and mon.store.flush(timeout=10):  # type: ignore[union-attr]
             with reader.session() as s:  # a human answering from another process
                 answer_decision(session=s, run_id=mon.run_id, decision_id=proposed[0].id, approved=True, by="test")
+            assert mon.store.refresh_answers(run_id=mon.run_id, timeout=10)  # type: ignore[union-attr]
             answered, answered_at = True, mon.step
     mon.close()
     assert answered and mon.overrides.max_norm == 0.25

@@ -183,8 +183,8 @@ def test_answers_reach_the_run_once(store: Store) -> None:
             repo.answer_decision(session=s, run_id=run, decision_id=d.id, approved=False, by="bob")
         with pytest.raises(AnswerError, match="has no decision 'nope'"):
             repo.answer_decision(session=s, run_id=run, decision_id="nope", approved=True, by="bob")
-    assert store.poll_answers(run_id=run) == [(d.id, True)]
-    assert store.poll_answers(run_id=run) == []
+    assert store.poll_answers(run_id=run, wait=10.0) == [(d.id, True)]  # read by the writer thread
+    assert store.poll_answers(run_id=run, wait=10.0) == []
 
 
 def test_answers_are_not_polled_while_the_database_is_away(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,9 +198,11 @@ def test_answers_are_not_polled_while_the_database_is_away(tmp_path, monkeypatch
         with store.session() as s:
             repo.answer_decision(session=s, run_id=run, decision_id=d.id, approved=False, by="a")
         monkeypatch.setattr(store._writer, "backlog", lambda: True)  # as during an outage
-        assert store.poll_answers(run_id=run) == []
+        assert store.poll_answers(run_id=run, wait=0.3) == []
+        assert not store.answers_live
         monkeypatch.undo()
-        assert store.poll_answers(run_id=run) == [(d.id, False)]
+        assert store.poll_answers(run_id=run, wait=10.0) == [(d.id, False)]
+        assert store.answers_live
         assert store.poll_answers(run_id=run) == []  # throttled by poll_interval, and nothing new anyway
 
 
@@ -360,7 +362,7 @@ def test_config_errors_name_the_field(kwargs: dict, message: str) -> None:
 )
 def test_unopenable_url_is_a_one_line_value_error(bad: str) -> None:
     with pytest.raises(ValueError, match=r"^store: cannot open '.*': ") as info:
-        open_store(bad)
+        open_store(bad, config=StoreConfig(fail_fast=True))  # without it, a server that is down is waited for
     assert "\n" not in str(info.value)
 
 

@@ -35,21 +35,21 @@ def load_example(name: str = "tiny_gpt") -> ModuleType:
 
 def _check_store(url: str) -> None:
     """Open (and, for a new SQLite file, create) the store before training, so a bad --db is one line."""
-    from stabmon.store import open_store
+    from stabmon.store import StoreConfig, open_store
 
     try:
-        open_store(url).close()
+        open_store(url, config=StoreConfig(fail_fast=True)).close()  # a demo does not wait for a server
     except ValueError as exc:  # StoreError included: already one line naming the store and the URL
         fail((str(exc).splitlines() or [type(exc).__name__])[0])
 
 
 def _where(url: str) -> str:
-    from stabmon.store.engine import parse_url
+    from stabmon.store.engine import parse_url, safe_url
 
     u = parse_url(url)
     if u.get_backend_name() == "sqlite" and u.database:
         return str(Path(u.database).resolve())
-    return u.render_as_string(hide_password=True)
+    return safe_url(url)
 
 
 def _series(records: Any, name: str) -> list[tuple[int, float]]:
@@ -95,7 +95,10 @@ def summary(monitor: Any, url: str, result: Any) -> list[str]:
     for e in monitor.events:
         if type(e).__name__ in ("Decision", "InterventionRecord", "Outcome"):
             lines.append("  " + _describe(e))
-    lines.append(f"next: stabmon runs --db {url}   stabmon metrics {monitor.run_id} --db {url}")
+    from stabmon.store.engine import safe_url
+
+    shown = safe_url(url)  # never print a password
+    lines.append(f"next: stabmon runs --db {shown}   stabmon metrics {monitor.run_id} --db {shown}")
     return lines
 
 

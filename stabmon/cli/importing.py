@@ -12,6 +12,23 @@ from stabmon.replay.importers.base import ImportResult
 from stabmon.replay.progress import progress_bar, wanted
 
 BATCH = 5000
+MAX_RESTARTS_KEPT = 100
+"""Restart steps kept in the run's config (``restarts_total`` counts them all)."""
+IMPORT_FLUSH_TIMEOUT = 600.0
+
+
+def check_storable(run: str, result: ImportResult, files: list[Path]) -> None:
+    """Refuse, before any run is created, an import that would store nothing or names the store cannot hold."""
+    from stabmon.store.limits import name_problem
+
+    problem = name_problem("--run", run)
+    if problem is None and not result.records:
+        problem = f"no step records found in {', '.join(map(str, files))} ({result.malformed} malformed line(s))"
+    if problem is None:
+        names = {n for r in result.records for n in r.metrics}
+        problem = next((p for n in sorted(names) if (p := name_problem(f"metric name {n[:40]!r}...", n))), None)
+    if problem is not None:
+        fail(problem)
 
 
 def read_inputs(
@@ -44,11 +61,12 @@ def import_command(
 ) -> None:
     """Import recorded training logs (Megatron, fairseq, llm.c, DeepSpeed, W&B, TensorBoard,
     CSV/JSONL/Parquet) as a run of kind "import". Malformed lines are counted and reported, never fatal."""
-    from stabmon.store import open_store
+    from stabmon.store import StoreConfig, open_store
 
     result = read_inputs(files, fmt, maps, step_column)
+    check_storable(run, result, files)
     try:
-        store = open_store(db_url(db))
+        store = open_store(db_url(db), config=StoreConfig(fail_fast=True))  # an import does not wait for a server
     except ValueError as exc:
         fail(str(exc))
     with store, progress_bar("import", total=len(result.records), enabled=wanted(json_output)) as advance:
@@ -56,14 +74,22 @@ def import_command(
             name=run,
             kind="import",
             source=", ".join(str(f) for f in files),
-            config={"format": result.format, "restarts": result.restarts, "malformed": result.malformed},
+            config={
+                "format": result.format,
+                "restarts": result.restarts[:MAX_RESTARTS_KEPT],
+                "restarts_total": len(result.restarts),
+                "malformed": result.malformed,
+            },
         )
         for i in range(0, len(result.records), BATCH):
             chunk = result.records[i : i + BATCH]
             store.write_steps(run_id=run_id, records=chunk)
             advance(len(chunk))
         store.end_run(run_id=run_id, status="completed")
-        store.flush()
+        if not store.flush(IMPORT_FLUSH_TIMEOUT) or store.stats.rejected_batches:
+            store.end_run(run_id=run_id, status="failed")
+            fail(f"import of run {run!r} [{run_id}] is incomplete: the database did not take every row "
+                 f"({store.stats.rejected_batches} batch(es) refused; see the store's log)")
     summary = {
         "run_id": run_id,
         "run": run,
@@ -71,7 +97,8 @@ def import_command(
         "records": len(result.records),
         "malformed": result.malformed,
         "problems": result.problems,
-        "restarts": result.restarts,
+        "restarts": result.restarts[:MAX_RESTARTS_KEPT],
+        "restarts_total": len(result.restarts),
         "first_step": result.records[0].step if result.records else None,
         "last_step": result.records[-1].step if result.records else None,
     }
@@ -83,7 +110,9 @@ def import_command(
         f"; steps {summary['first_step']}..{summary['last_step']}"
     )
     if result.restarts:
-        typer.echo(f"restarts (a later segment superseded an earlier one): {result.restarts}")
+        more = len(result.restarts) - MAX_RESTARTS_KEPT
+        shown = f"{result.restarts[:MAX_RESTARTS_KEPT]}" + (f" and {more} more" if more > 0 else "")
+        typer.echo(f"restarts (a later segment superseded an earlier one): {shown}")
     if result.malformed:
         typer.echo(f"{result.malformed} malformed line(s); first ones:")
         for p in result.problems:

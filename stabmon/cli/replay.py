@@ -27,7 +27,7 @@ def _looks_like_path(ref: str) -> bool:
 
 def _from_store(ref: str, url: str) -> tuple[list[Any], str, str, dict[str, Any]]:
     """(records, run id, run name, run config) of a stored run; ``ref`` is not an existing file."""
-    from stabmon.store import RunNotFoundError, open_store
+    from stabmon.store import RunNotFoundError, StoreConfig, open_store
     from stabmon.store.codec import decode
     from stabmon.store.engine import sqlite_path
     from stabmon.store.repo import load_steps, resolve_run
@@ -41,7 +41,7 @@ def _from_store(ref: str, url: str) -> tuple[list[Any], str, str, dict[str, Any]
         if db_file is not None and not db_file.exists():  # no runs to match: do not create a database
             fail(f"no such file: {ref}")
     try:
-        with open_store(url) as store, store.session() as session:
+        with open_store(url, config=StoreConfig(fail_fast=True)) as store, store.session() as session:
             run = resolve_run(session=session, ref=ref)
             config = decode(run.config) if run.config else {}
             return load_steps(session=session, run_id=run.id), run.id, run.name, dict(config or {})
@@ -200,10 +200,10 @@ def _store(
     runbook: str,
     sets: list[str] | None,
 ) -> str | None:
-    from stabmon.store import open_store
+    from stabmon.store import StoreConfig, open_store
 
     try:
-        with open_store(url) as store:
+        with open_store(url, config=StoreConfig(fail_fast=True)) as store:
             run_id = store.start_run(
                 name=name,
                 kind="replay",

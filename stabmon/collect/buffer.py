@@ -19,6 +19,7 @@ pinned memory with ``non_blocking=True`` on CUDA, then one event wait) and split
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -26,6 +27,8 @@ from typing import Protocol
 import torch
 
 from stabmon.events import StepRecord
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,13 +107,15 @@ class StepBuffer:
         else:
             self._tensors = []
         extra = self._gathered(tensors, steps)
-        values = self._to_host(tensors) if n_values else []
+        values = self._to_host_or_each(tensors) if n_values else []
         records, i = [], 0
         for p, more in zip(steps, extra, strict=True):
             metrics = dict(p.host)
             metrics.update(more)
             for name in p.names:
-                metrics[name] = values[i]
+                value = values[i]
+                if value is not None:  # a value that could not be read costs that value only
+                    metrics[name] = value
                 i += 1
             records.append(StepRecord(step=p.step, metrics=metrics, batch_index=p.batch_index, time=p.time))
         return records
@@ -122,15 +127,34 @@ class StepBuffer:
         flat = _flat(tensors, device) if tensors else torch.zeros(0)
         return self.gather.gather(flat, [p.names for p in steps], [p.host for p in steps])
 
+    def _to_host_or_each(self, tensors: list[torch.Tensor]) -> list[float | None]:
+        """All values in one copy; if that fails (one unreadable tensor), tensor by tensor, with None for the
+        values that cannot be read."""
+        try:
+            return list(self._to_host(tensors))
+        except Exception:  # noqa: BLE001 - one bad tensor must not cost the whole flush
+            if self.reduce is not None:
+                raise  # under torch.distributed every rank must take part in the same collective
+            log.exception("stabmon: one copy of this flush's metrics failed; reading them one by one")
+        out: list[float | None] = []
+        for t in tensors:
+            try:
+                out.extend(t.detach().to("cpu", torch.float64).reshape(-1).tolist())
+            except Exception:  # noqa: BLE001
+                out.extend([None] * t.numel())
+        return out
+
     def _to_host(self, tensors: list[torch.Tensor]) -> list[float]:
         device = tensors[0].device
-        flat = _flat(tensors, device)
+        # float64 when any value is float64, so a finite value beyond float32's range does not become inf
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        flat = torch.cat([t.to(device=device, dtype=dtype) for t in tensors])
         if self.reduce is not None:
             flat = self.reduce(flat)
         if device.type != "cuda":
             return flat.tolist()
-        if self._pinned is None or self._pinned.numel() < flat.numel():
-            self._pinned = torch.empty(max(flat.numel(), 1024), dtype=torch.float32, pin_memory=True)
+        if self._pinned is None or self._pinned.numel() < flat.numel() or self._pinned.dtype != dtype:
+            self._pinned = torch.empty(max(flat.numel(), 1024), dtype=dtype, pin_memory=True)
         host = self._pinned[: flat.numel()]
         host.copy_(flat, non_blocking=True)
         done = torch.cuda.Event()

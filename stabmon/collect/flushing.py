@@ -18,12 +18,13 @@ from stabmon.events import Anomaly, Event, StepRecord
 def decide(monitor: Any, records: list[StepRecord]) -> list[Event]:
     """Rank 0: detectors, engine and executor on the new records; events to the store and notifier."""
     events: list[Event] = []
+    engine = monitor.pipeline.engine
+    propose = engine is not None and getattr(engine, "mode", monitor.mode) == "propose"
+    if propose and not getattr(monitor.store, "answers_live", True) and hasattr(engine, "hold"):
+        engine.hold(len(records))  # answers cannot be read: no proposal may expire meanwhile
     for r in records:
         events.extend(monitor._guard("pipeline", lambda r=r: monitor.pipeline.process(r)) or [])
-    if (
-        monitor.pipeline.engine is not None
-        and getattr(monitor.pipeline.engine, "mode", monitor.mode) == "propose"
-    ):
+    if propose:
         events.extend(answers(monitor))
     publish(monitor, events)
     if monitor.kill_switch is not None and not monitor.should_stop and monitor.kill_switch.triggered():

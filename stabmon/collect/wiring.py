@@ -60,12 +60,9 @@ def resolve_store(store: Any) -> tuple[Sink | None, bool]:
 
 
 def _safe(url: str) -> str:
-    try:
-        from sqlalchemy.engine import make_url
+    from stabmon.store.engine import safe_url
 
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001
-        return repr(url)
+    return repr(safe_url(url))
 
 
 def resolve_notifier(notifier: Any, alerts: Any, store: Any = None) -> tuple[NotifierLike | None, bool]:

@@ -12,6 +12,8 @@ Every decision, outcome and intervention of one episode shares an ``incident_id`
 windows, cooldown, budget window, approval timeout) count processed records, so a rollback that rewinds the
 step counter does not confuse them. Identifiers are derived from ``id_seed`` and a counter: with the same seed
 and inputs, the engine produces identical events, which is what makes replay reproduce a live run.
+:meth:`Engine.reseed` (called by the monitor when it resumes from a saved state) draws a fresh salt, so two
+runs continued from one saved state, or a run resumed twice, never hand out the same id.
 """
 
 from __future__ import annotations
@@ -110,6 +112,13 @@ class Engine:
         approved_decision = dataclasses.replace(decision, status=DecisionStatus.APPROVED, step=step)
         self._start(approved_decision)
         return [approved_decision]
+
+    def hold(self, ticks: int) -> None:
+        """Propose mode: the next ``ticks`` records do not count against a waiting proposal's approval
+        timeout (its answers cannot be read right now, so an expiry could outrun an approval)."""
+        inc = self._incident
+        if inc is not None and inc["phase"] == "proposed":
+            inc["decision_tick"] += ticks
 
     def applied(self, decision: Decision, record: InterventionRecord) -> None:
         if decision.action == "checkpoint_and_stop" and "error" not in record.after:
@@ -365,6 +374,11 @@ class Engine:
             self._cooldown_until = self._tick + self.runbook.cooldown
         self._incident = None
         self._history = {}
+
+    def reseed(self) -> None:
+        """Start a new line of identifiers (the counter carries on): for a run continued from a saved state,
+        which another continuation of the same state may share."""
+        self._salt = f"{self._salt}/{new_id()}"
 
     def _next_id(self) -> str:
         self._counter += 1

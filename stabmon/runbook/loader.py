@@ -2,7 +2,9 @@
 
 The YAML is composed once to learn the line of every key and list item, then validated by the pydantic
 :class:`~stabmon.runbook.schema.Runbook` model; each validation error's location is mapped back to the line it
-came from. An ``include:`` file (an override file, e.g. written by ``stabmon tune``) is merged over the
+came from. Hostile YAML (huge, deeply nested, alias bombs, bad UTF-8, duplicate keys) is refused first with
+FILE:LINE errors (:mod:`stabmon.runbook.yamlsafe`). An ``include:`` file (an override file, e.g. written by
+``stabmon tune``) is merged over the
 runbook: mappings merge key by key, anything else is replaced; errors in included values point into the
 included file.
 """
@@ -20,6 +22,7 @@ from pydantic import ValidationError
 
 from stabmon.interventions import INTERVENTIONS
 from stabmon.resources import runbooks_dir
+from stabmon.runbook import yamlsafe
 from stabmon.runbook.schema import Runbook
 
 Loc = tuple[str | int, ...]
@@ -105,13 +108,22 @@ def _include_path(path: Path, include: str, lines: dict[Loc, tuple[str, int]]) -
 
 def _compose(path: Path) -> tuple[Any, dict[Loc, tuple[str, int]]]:
     try:
-        text = path.read_text()
+        with open(path, "rb") as fh:
+            raw = fh.read(yamlsafe.MAX_BYTES + 1)
     except OSError as exc:
         raise RunbookError([RunbookIssue(str(path), 0, "(file)", str(exc))]) from None
-    return _compose_text(text, str(path))
+    return _compose_bytes(raw, str(path))
 
 
 def _compose_text(text: str, filename: str) -> tuple[Any, dict[Loc, tuple[str, int]]]:
+    return _compose_bytes(text.encode("utf-8", "surrogateescape"), filename)
+
+
+def _compose_bytes(raw: bytes, filename: str) -> tuple[Any, dict[Loc, tuple[str, int]]]:
+    found = yamlsafe.problems(raw, filename)
+    if found:
+        raise RunbookError([RunbookIssue(*p) for p in found])
+    text = raw.decode("utf-8")
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)

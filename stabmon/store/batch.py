@@ -61,6 +61,12 @@ class Batch:
         n += sum(len(v) for v in self.events.values())
         return n + len(self.runs) + len(self.checkpoints) + len(self.skipped) + len(self.run_updates)
 
+    def top_seq(self, run_id: str) -> int:
+        """The highest sequence number this batch holds for ``run_id`` (-1 when none)."""
+        seqs = [s[1] for s in self.steps if s[0] == run_id]
+        seqs += [r["seq"] for rows in self.events.values() for r in rows if r.get("run_id") == run_id]
+        return max(seqs, default=-1)
+
     def split(self) -> list[Batch]:
         """One batch per step record / event / other group, in write order (to isolate a row the database
         refuses)."""
@@ -162,6 +168,7 @@ def write_batch(conn: sa.Connection, batch: Batch, names: NameCache) -> None:
     for table, rows in batch.events.items():
         upsert = ("status", "params", "reason") if table == "decisions" else ()
         rows = list({r["id"]: r for r in rows}.values()) if upsert else rows  # one row per id per statement
+        _refuse_collisions(conn, tables[table], rows)
         conn.execute(_insert_ignore(conn, tables[table], upsert), rows)
     if batch.checkpoints:
         conn.execute(_insert_ignore(conn, tables["checkpoints"]), [_timed(r) for r in batch.checkpoints])
@@ -171,6 +178,27 @@ def write_batch(conn: sa.Connection, batch: Batch, names: NameCache) -> None:
     runs = tables["runs"]
     for run_id, values in batch.run_updates:
         conn.execute(sa.update(runs).where(runs.c.id == run_id).values(**_timed(values)))
+
+
+class IdCollisionError(ValueError):
+    """An event id already names a different event in the store (refused, so never dropped silently)."""
+
+
+# what must match between a stored event and one written again under its id (a replay, a later status)
+_SAME = {"decisions": ("run_id", "anomaly_id", "rule", "rung", "action")}
+
+
+def _refuse_collisions(conn: sa.Connection, table: Any, rows: list[dict[str, Any]]) -> None:
+    keys = _SAME.get(table.name, ("run_id", "seq"))
+    by_id = {r["id"]: r for r in rows}
+    cols = [table.c.id, *(table.c[k] for k in keys)]
+    for stored in conn.execute(sa.select(*cols).where(table.c.id.in_(list(by_id)))):
+        mine = by_id[stored[0]]
+        if any(mine.get(k) != v for k, v in zip(keys, stored[1:], strict=True)):
+            raise IdCollisionError(
+                f"{table.name} id {stored[0]!r} already names another event "
+                f"({dict(zip(keys, stored[1:], strict=True))}, not {({k: mine.get(k) for k in keys})})"
+            )
 
 
 def _write_steps(conn: sa.Connection, steps: list[StepTuple], names: NameCache) -> None:

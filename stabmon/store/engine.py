@@ -12,6 +12,7 @@ True
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,11 @@ class SchemaNotReadyError(StoreError):
 
 
 def safe_url(url: str | URL) -> str:
-    """The URL with any password hidden, for messages and logs."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - unparseable URL: show it as given
-        return str(url)
+    """The URL with any password hidden (in the user part or the query), for messages and logs."""
+    from stabmon.redaction import hide_db_secrets
+
+    text = url.render_as_string(hide_password=False) if isinstance(url, URL) else str(url)
+    return hide_db_secrets(text)
 
 
 def parse_url(url: str | URL) -> URL:
@@ -50,7 +51,7 @@ def parse_url(url: str | URL) -> URL:
         return make_url(url)
     except Exception:  # noqa: BLE001 - sqlalchemy raises ArgumentError (and others for odd types)
         raise StoreError(
-            f"store: cannot parse {str(url)!r} as a database URL "
+            f"store: cannot parse {safe_url(url)!r} as a database URL "
             "(e.g. sqlite:///stabmon.db or postgresql+psycopg://user@host:5432/db)"
         ) from None
 
@@ -77,11 +78,35 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
-def make_engine(url: str | URL, *, pooled: bool = True) -> Engine:
+_UNAVAILABLE = {"OperationalError", "InterfaceError", "TimeoutError", "ConnectionError"}
+_NOT_AN_OUTAGE = ("authentication", "password", "does not exist", "no such", "unable to open", "permission")
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """True when ``exc`` means "the database cannot be reached right now" rather than "this data is bad"."""
+    if isinstance(exc, (OSError, sa.exc.TimeoutError)):
+        return True
+    if isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    return any(cls.__name__ in _UNAVAILABLE for cls in type(exc).__mro__)
+
+
+def is_down(exc: StoreError) -> bool:
+    """True when :func:`make_engine` failed because the server is down or unreachable (worth waiting for),
+    not because of the URL, the credentials or a missing database (worth telling the user at once)."""
+    cause = exc.__cause__
+    if cause is None or not is_unavailable(cause):
+        return False
+    text = str(cause).lower()
+    return not any(word in text for word in _NOT_AN_OUTAGE)
+
+
+def make_engine(url: str | URL, *, pooled: bool = True, probe: bool = True) -> Engine:
     """An engine for ``url``; raises ``ValueError`` ("store: cannot open ...") when it cannot connect.
 
     ``pooled=False`` opens a fresh connection per use (the background writer uses it for SQLite so that a file
-    that went away is noticed instead of written through a stale handle).
+    that went away is noticed instead of written through a stale handle). ``probe=False`` skips the test
+    connection (a store starting while its database is down).
     """
     try:
         u = make_url(url)
@@ -98,10 +123,12 @@ def make_engine(url: str | URL, *, pooled: bool = True) -> Engine:
         engine = sa.create_engine(u, **kwargs)
         if u.get_backend_name() == "sqlite":
             sa.event.listen(engine, "connect", _sqlite_pragmas)
-        with engine.connect() as conn:
-            conn.execute(sa.text("select 1"))
+        if probe:
+            with engine.connect() as conn:
+                conn.execute(sa.text("select 1"))
     except Exception as exc:  # noqa: BLE001 - any failure to open is the user's URL problem
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = safe_url(reason)
         raise StoreError(f"store: cannot open {safe_url(url)!r}: {reason}") from exc
     return engine
 
@@ -109,7 +136,7 @@ def make_engine(url: str | URL, *, pooled: bool = True) -> Engine:
 def alembic_config(url: str | URL | None = None, connection: sa.Connection | None = None) -> Any:
     from alembic.config import Config
 
-    cfg = Config()
+    cfg = Config(stdout=sys.stdout)  # the stream of now: alembic's default is the one of its import time
     cfg.set_main_option("script_location", str(migrations_dir()))
     cfg.attributes["url"] = url
     cfg.attributes["connection"] = connection

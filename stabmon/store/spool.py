@@ -1,9 +1,13 @@
-"""A local JSONL file of batches that could not be written while the database was unavailable.
+"""A local file of batches that could not be written while the database was unavailable.
 
 One file per :class:`~stabmon.store.Store` (``spool-<id>.jsonl`` in the spool directory), held under an
 exclusive ``flock`` while its store lives, so a later store can adopt files left behind by a process that died
 (see :func:`orphans`) without ever taking a live one. Batches are appended in queue order and replayed in that
 order; replay is idempotent, so a crash in the middle of a replay loses nothing and duplicates nothing.
+
+Each line is framed as ``S1 <crc32> <json>``: a line torn by a full disk or a crash, or garbled later, fails
+its checksum and is moved to ``quarantine-<id>.jsonl`` beside the spool (counted and logged), so it can never
+stop the lines after it from being replayed. An append that fails part-way is cut back off the file.
 
 >>> import tempfile
 >>> from stabmon.store.batch import Batch
@@ -17,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
+import zlib
 from pathlib import Path
 
 from stabmon.store.batch import Batch
@@ -28,6 +34,8 @@ except ImportError:  # pragma: no cover - non-POSIX: no cross-process adoption
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
+
+_MAGIC = b"S1 "
 
 
 def _try_lock(fd: int) -> bool:
@@ -40,60 +48,131 @@ def _try_lock(fd: int) -> bool:
         return False
 
 
+def _write(fd: int, data: bytes) -> int:
+    """One ``os.write`` (a seam: the fault suite replaces it to fill the disk part-way through a line)."""
+    return os.write(fd, data)
+
+
+def frame(batch: Batch) -> bytes:
+    """One spool line: magic, CRC-32 of the JSON, the JSON, newline."""
+    payload = batch.to_json().encode("utf-8")
+    return b"%s%08x %s\n" % (_MAGIC, zlib.crc32(payload), payload)
+
+
+def unframe(line: bytes) -> Batch:
+    """The batch in one spool line; ``ValueError`` when the line is torn or garbled."""
+    if not line.endswith(b"\n"):
+        raise ValueError("incomplete line (no newline)")
+    body = line[:-1]
+    if body.startswith(b"{"):  # unframed line written by an older version
+        return Batch.from_json(body.decode("utf-8"))
+    if not body.startswith(_MAGIC) or len(body) < len(_MAGIC) + 9:
+        raise ValueError("not a spool record")
+    crc, payload = body[len(_MAGIC) : len(_MAGIC) + 8], body[len(_MAGIC) + 9 :]
+    if int(crc, 16) != zlib.crc32(payload):
+        raise ValueError("checksum mismatch")
+    return Batch.from_json(payload.decode("utf-8"))
+
+
 class Spool:
-    """Append-only batch file owned by one store. ``pending`` counts the batches in it."""
+    """Append-only batch file owned by one store. ``pending`` counts the batches in it; ``quarantined`` counts
+    the lines :meth:`read` had to set aside."""
 
     def __init__(self, directory: str | os.PathLike[str], path: Path | None = None) -> None:
         self.dir = Path(directory)
         self.path = path or self.dir / f"spool-{uuid.uuid4().hex[:12]}.jsonl"
         self.pending = 0
-        self._fh: object | None = None
+        self.quarantined = 0
+        self._fd: int | None = None
+        self._torn = False  # a failed append left bytes that could not be cut off
+        self._lock = threading.Lock()
 
-    def _open(self) -> None:
-        if self._fh is None:
+    @property
+    def quarantine_path(self) -> Path:
+        return self.dir / f"quarantine-{self.path.stem.removeprefix('spool-')}.jsonl"
+
+    def _open(self) -> int:
+        if self._fd is None:
             self.dir.mkdir(parents=True, exist_ok=True)
-            fh = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the lock
-            if not _try_lock(fh.fileno()):
-                fh.close()
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+            if not _try_lock(fd):
+                os.close(fd)
                 raise OSError(f"spool file {self.path} is locked by another process")
-            self._fh = fh
+            self._fd = fd
+        return self._fd
 
     def append(self, batch: Batch) -> None:
-        """Add one batch (one line) and flush it to the OS."""
-        self._open()
-        fh = self._fh
-        assert fh is not None
-        fh.write(batch.to_json() + "\n")  # type: ignore[attr-defined]
-        fh.flush()  # type: ignore[attr-defined]
-        self.pending += 1
+        """Add one batch (one line) and hand it to the OS; on failure the file is left as it was."""
+        data = frame(batch)
+        with self._lock:
+            fd = self._open()
+            start = os.lseek(fd, 0, os.SEEK_END)
+            if self._torn:
+                data = b"\n" + data  # end the fragment a failed append left, so it stays one bad line
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[_write(fd, bytes(view)) :]
+            except BaseException:
+                self._cut(fd, start)
+                raise
+            self._torn = False
+            self.pending += 1
 
-    def read(self) -> list[Batch]:
-        """Every complete batch in the file, oldest first (a torn last line from a crash is skipped)."""
+    def _cut(self, fd: int, size: int) -> None:
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            self._torn = True
+            log.exception("stabmon spool %s: cannot cut off a failed append", self.path)
+
+    def read(self, *, quarantine: bool = True) -> list[Batch]:
+        """Every intact batch in the file, oldest first. Torn or garbled lines go to the quarantine file
+        (with ``quarantine=False`` they are only skipped: a look that changes nothing)."""
         if not self.path.exists():
             return []
-        out = []
-        with open(self.path, encoding="utf-8") as fh:
+        out, bad = [], []
+        with open(self.path, "rb") as fh:
             for n, line in enumerate(fh, 1):
-                if not line.endswith("\n"):
-                    log.warning("spool %s: ignoring incomplete line %d", self.path, n)
+                if line == b"\n":
                     continue
-                out.append(Batch.from_json(line))
+                try:
+                    out.append(unframe(line))
+                except (ValueError, TypeError, KeyError) as exc:
+                    if not quarantine:
+                        continue
+                    bad.append(line)
+                    log.error("stabmon spool %s: line %d is damaged (%s); moved to %s", self.path, n, exc,
+                              self.quarantine_path)
+        if bad:
+            self._quarantine(bad)
         return out
+
+    def _quarantine(self, lines: list[bytes]) -> None:
+        self.quarantined += len(lines)
+        try:
+            with open(self.quarantine_path, "ab") as fh:
+                fh.writelines(line if line.endswith(b"\n") else line + b"\n" for line in lines)
+        except OSError:
+            log.exception("stabmon spool: cannot keep %d damaged lines in %s", len(lines), self.quarantine_path)
 
     def clear(self) -> None:
         """Empty the file after its batches were written."""
-        if self._fh is not None:
-            self._fh.truncate(0)  # type: ignore[attr-defined]
-        elif self.path.exists():
-            self.path.write_text("")
-        self.pending = 0
+        with self._lock:
+            if self._fd is not None:
+                os.ftruncate(self._fd, 0)
+            elif self.path.exists():
+                self.path.write_bytes(b"")
+            self.pending = 0
+            self._torn = False
 
     def close(self, *, remove_if_empty: bool = True) -> None:
-        if self._fh is not None:
-            self._fh.close()  # type: ignore[attr-defined]
-            self._fh = None
-        if remove_if_empty and self.pending == 0 and self.path.exists() and self.path.stat().st_size == 0:
-            self.path.unlink()
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            if remove_if_empty and self.pending == 0 and self.path.exists() and self.path.stat().st_size == 0:
+                self.path.unlink()
 
 
 def orphans(directory: str | os.PathLike[str]) -> list[Spool]:
@@ -108,7 +187,7 @@ def orphans(directory: str | os.PathLike[str]) -> list[Spool]:
             sp._open()
         except OSError:
             continue  # a live store owns it
-        with open(path, encoding="utf-8") as fh:
-            sp.pending = sum(1 for _ in fh)
+        with open(path, "rb") as fh:
+            sp.pending = sum(1 for line in fh if line.strip())
         found.append(sp)
     return found

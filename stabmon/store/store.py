@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -29,10 +30,12 @@ from sqlalchemy.orm import Session
 from stabmon.events import Anomaly, Decision, InterventionRecord, Outcome, StepRecord, new_id
 from stabmon.sinks import LowVolumeEvent
 from stabmon.store import repo
+from stabmon.store.answers import AnswerBox
 from stabmon.store.codec import encode
 from stabmon.store.engine import (
     StoreError,
     current_revision,
+    is_down,
     is_memory,
     make_engine,
     require_schema,
@@ -40,6 +43,7 @@ from stabmon.store.engine import (
     sqlite_path,
     upgrade,
 )
+from stabmon.store.limits import check_name, name_problem
 from stabmon.store.spool import Spool, orphans
 from stabmon.store.writer import StoreStats, Writer
 
@@ -72,6 +76,9 @@ class StoreConfig:
     max_held_rows: int = 5_000_000
     """Rows kept in memory when neither the database nor the spool file can take them; beyond it rows are
     dropped and counted."""
+    fail_fast: bool = False
+    """Raise at start-up when the database cannot be reached, instead of starting with the spool and
+    connecting when the database comes."""
 
     def __post_init__(self) -> None:
         if not self.poll_interval >= 0:
@@ -114,23 +121,45 @@ class Store:
         try:
             u = make_url(url)
         except Exception as exc:  # noqa: BLE001
-            raise StoreError(f"store: cannot open {url!r}: {exc}") from exc
+            raise StoreError(f"store: cannot open {safe_url(url)!r}: {exc}") from None
         path = sqlite_path(u)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-        self.engine = make_engine(u)
-        memory = is_memory(u)
-        if (path is not None or memory) and current_revision(self.engine) is None:
-            upgrade(self.engine)
-        require_schema(self.engine)
-        writer_engine = self.engine if memory else make_engine(_writer_url(u), pooled=path is None)
         spool_dir = Path(self.config.spool_dir or ((path.parent if path else Path.cwd()) / "stabmon-spool"))
-        self._writer = Writer(writer_engine, Spool(spool_dir), config=self.config, adopted=orphans(spool_dir))
+        ready = self._connect(u, path is not None)
+        memory = is_memory(u)
+        writer_engine = self.engine if memory else make_engine(_writer_url(u), pooled=path is None, probe=ready)
+        stale = 10 * self.config.flush_interval + self.config.poll_interval + 1.0
+        self.answers = AnswerBox(poll_interval=self.config.poll_interval, stale_after=stale)
+        self._writer = Writer(
+            writer_engine,
+            Spool(spool_dir),
+            config=self.config,
+            adopted=orphans(spool_dir),
+            ready=ready,
+            answers=self.answers,
+        )
         self._seq: dict[str, int] = {}
         self._seq_lock = threading.Lock()
-        self._next_poll: dict[str, float] = {}
         self._closed = False
         self._writer.start()
+
+    def _connect(self, u: sa.URL, is_file: bool) -> bool:
+        """Open the engine and check the schema; False when the database is down and we start spooling."""
+        try:
+            self.engine = make_engine(u)
+            if (is_file or is_memory(u)) and current_revision(self.engine) is None:
+                upgrade(self.engine)
+            require_schema(self.engine)
+            return True
+        except StoreError as exc:
+            if self.config.fail_fast or not is_down(exc):
+                raise
+            log.warning(
+                "stabmon store: %s; training starts anyway, spooling until the database answers", exc
+            )
+        self.engine = make_engine(u, probe=False)
+        return False
 
     @property
     def stats(self) -> StoreStats:
@@ -167,6 +196,7 @@ class Store:
         """
         if kind not in repo.RUN_KINDS:
             raise ValueError(f"store.start_run.kind must be one of {sorted(repo.RUN_KINDS)}, got {kind!r}")
+        check_name("store.start_run.name", name)
         if environment is None and kind == "live":
             from stabmon.environment import fingerprint
 
@@ -191,12 +221,19 @@ class Store:
         return rid
 
     def _resume_seq(self, run_id: str) -> int:
+        """The next sequence number of a resumed run: past every row in the database AND in the spools
+        (rows a crashed or cut-off run left there are written later and must not collide)."""
+        spooled = self._writer.spooled_seq(run_id)
+        if not self._writer.ready:
+            log.warning("stabmon store: resuming run %s while the database is away; numbering by the clock",
+                        run_id)
+            return max(spooled, time.time_ns() // 1000)
         try:
             with self.session() as s:
-                return repo.next_seq(session=s, run_id=run_id)
+                return max(spooled, repo.next_seq(session=s, run_id=run_id))
         except Exception:  # noqa: BLE001 - the database may be away at resume; stay ordered anyway
             log.exception("stabmon store: cannot read run %s's last sequence number; using the clock", run_id)
-            return time.time_ns() // 1000
+            return max(spooled, time.time_ns() // 1000)
 
     def _next(self, run_id: str, n: int) -> int:
         with self._seq_lock:
@@ -205,11 +242,23 @@ class Store:
         return seq0
 
     def write_steps(self, *, run_id: str, records: Sequence[StepRecord]) -> None:
-        """Queue StepRecords (their metrics mappings must not be mutated afterwards)."""
+        """Queue StepRecords (their metrics mappings must not be mutated afterwards). A metric whose name the
+        store cannot hold (:data:`~stabmon.store.limits.MAX_NAME`) is left out of its record, logged and
+        counted in ``stats.bad_names``; the rest of the record is kept."""
+        records = self._storable(records)
         if self._closed:
             self._after_close(sum(1 + len(r.metrics) for r in records))
         elif records:
             self._writer.submit("steps", run_id, self._next(run_id, len(records)), records)
+
+    def _storable(self, records: Sequence[StepRecord]) -> Sequence[StepRecord]:
+        bad = {n for r in records for n in r.metrics if name_problem("metric name", n)}
+        if not bad:
+            return records
+        self.stats.bad_names += sum(n in bad for r in records for n in r.metrics)
+        for n in bad:
+            log.error("stabmon store: %s; that metric is not stored", name_problem("metric name", n))
+        return [dataclasses.replace(r, metrics={k: v for k, v in r.metrics.items() if k not in bad}) for r in records]
 
     def write_events(self, *, run_id: str, events: Sequence[LowVolumeEvent]) -> None:
         good = [e for e in events if isinstance(e, _EVENTS)]
@@ -236,22 +285,27 @@ class Store:
         if batch_indices:
             self._writer.submit("skipped", run_id, int(step), list(batch_indices))
 
-    def poll_answers(self, *, run_id: str) -> list[tuple[str, bool]]:
+    def poll_answers(self, *, run_id: str, wait: float = 0.0) -> list[tuple[str, bool]]:
         """Answers given with ``stabmon approve/reject`` that this run has not picked up yet.
 
-        Reads the database at most every ``config.poll_interval`` seconds per run, and not at all while the
-        database is unavailable (so the training thread never waits on a connection attempt)."""
-        now = time.monotonic()
-        if now < self._next_poll.get(run_id, 0.0) or self._writer.backlog():
-            return []
-        self._next_poll[run_id] = now + self.config.poll_interval
-        try:
-            with self.session() as s:
-                return repo.take_answers(session=s, run_id=run_id)
-        except Exception:  # noqa: BLE001 - never raise into training
-            self.stats.poll_failures += 1
-            log.exception("stabmon store: cannot poll answers for run %s", run_id)
-            return []
+        Never touches the database: the writer thread reads answers (every ``config.poll_interval`` seconds
+        at most) and this hands over what it has read. ``wait`` > 0 (tests, tools; never the monitor) asks
+        for a read now and waits up to ``wait`` seconds for it. See :attr:`answers_live`."""
+        if wait > 0:
+            self.refresh_answers(run_id=run_id, timeout=wait)
+        return self.answers.take(run_id)
+
+    def refresh_answers(self, *, run_id: str, timeout: float) -> bool:
+        """Have the writer read ``run_id``'s answers now and wait up to ``timeout`` seconds for it (for tests
+        and tools that answer and then step; the monitor never waits). True when the read happened."""
+        reads = self.answers.due_now(run_id)
+        self._writer._wake.set()
+        return self.answers.wait(reads, timeout)
+
+    @property
+    def answers_live(self) -> bool:
+        """False while answers cannot be read (database away, writer stuck): proposals should not expire."""
+        return self.answers.live and not self._writer.backlog()
 
     def end_run(self, *, run_id: str, status: str) -> None:
         self._writer.submit("update", run_id, {"status": status, "ended_at": time.time()})
@@ -264,18 +318,24 @@ class Store:
         return self._writer.wait(timeout)
 
     def close(self) -> None:
-        """Drain the queue (up to ``config.close_timeout``), stop the writer, release the engines."""
+        """Drain the queue (up to ``config.close_timeout``), stop the writer, release the engines.
+
+        Whatever the database has not taken by then stays in the spool file (counted in ``stats.kept_rows``),
+        for the next store on this spool directory or ``stabmon db recover``; rows not even the spool can take
+        are counted in ``stats.dropped_rows``. Both are logged."""
         if self._closed:
             return
         self._closed = True
         if not self._writer.stop(self.config.close_timeout):
+            kept, dropped = self._writer.park()
             log.error(
-                "stabmon store: closed with writes not in the database; they are kept in %s and written "
-                "by the next store opened on this spool directory",
+                "stabmon store: closed with %d rows not in the database: %d kept in %s (written by the next "
+                "store on that directory, or `stabmon db recover`), %d lost",
+                kept + dropped,
+                kept,
                 self._writer.spool.path,
+                dropped,
             )
-            if not self._writer.is_alive():
-                self._writer.drain_to_spool()
         self._writer.spool.close()
         self._writer.engine.dispose()
         self.engine.dispose()

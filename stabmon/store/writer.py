@@ -7,6 +7,11 @@ in order; the writer retries with exponential backoff, replays the spool when th
 only then writes new batches directly. A batch the database refuses for its content (not for being
 unreachable) is set aside in a ``rejected-*.jsonl`` file and counted, so one bad value cannot wedge the
 writer.
+
+A store opened while its database is down starts with ``ready`` False: everything goes to the spool until the
+schema check passes. At close, whatever the database has not taken (queued, held in memory, or in a write
+that hangs) is put in the spool by :meth:`Writer.park`, to be replayed by the next store on that spool
+directory or by ``stabmon db recover``; what not even the spool can take is counted in ``dropped_rows``.
 """
 
 from __future__ import annotations
@@ -22,23 +27,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from stabmon.store.answers import AnswerBox
 from stabmon.store.batch import Batch, NameCache, write_batch
 from stabmon.store.codec import EVENT_TABLES, event_row
+from stabmon.store.engine import is_unavailable, require_schema
 from stabmon.store.spool import Spool
 
 log = logging.getLogger("stabmon.store")
-
-_UNAVAILABLE = {"OperationalError", "InterfaceError", "TimeoutError", "ConnectionError"}
-
-
-def is_unavailable(exc: BaseException) -> bool:
-    """True when ``exc`` means "the database cannot be reached right now" rather than "this data is bad"."""
-    if isinstance(exc, (OSError, sa.exc.TimeoutError)):
-        return True
-    if isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
-        return True
-    return any(cls.__name__ in _UNAVAILABLE for cls in type(exc).__mro__)
-
 
 @dataclass
 class StoreStats:
@@ -53,6 +48,11 @@ class StoreStats:
     rejected_batches: int = 0
     dropped_rows: int = 0
     poll_failures: int = 0
+    quarantined_lines: int = 0
+    bad_names: int = 0
+    """Metric values left out because their name is longer than the store holds."""
+    kept_rows: int = 0
+    """Rows left in the spool by ``close()`` for the next store (or ``stabmon db recover``) to write."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -61,7 +61,16 @@ class StoreStats:
 class Writer(threading.Thread):
     """One daemon thread per store. See the module docstring."""
 
-    def __init__(self, engine: sa.Engine, spool: Spool, *, config: Any, adopted: list[Spool]) -> None:
+    def __init__(
+        self,
+        engine: sa.Engine,
+        spool: Spool,
+        *,
+        config: Any,
+        adopted: list[Spool],
+        ready: bool = True,
+        answers: AnswerBox | None = None,
+    ) -> None:
         super().__init__(name="stabmon-store-writer", daemon=True)
         self.engine, self.spool, self.cfg = engine, spool, config
         self.stats = StoreStats()
@@ -77,6 +86,10 @@ class Writer(threading.Thread):
         self._held: list[Batch] = []  # batches the spool file could not take either
         self._retry_at = 0.0
         self._backoff = config.retry_initial
+        self.ready = ready  # False until the database answered the schema check once
+        self.answers = answers
+        self._inflight: Batch | None = None
+        self._parked = False
 
     # -- training thread -------------------------------------------------------------------------------------
     def submit(self, *item: Any) -> None:
@@ -100,20 +113,41 @@ class Writer(threading.Thread):
         return True
 
     def stop(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` for the queue to reach the database, then stop the thread (a thread stuck in
+        a write is left behind: it is a daemon, and :meth:`park` keeps its batch)."""
         ok = self.wait(timeout)
         self._stopping = True
         self._wake.set()
-        self.join(timeout=5.0)
-        return ok
+        self.join(timeout=1.0)
+        return ok and not self.backlog()
 
-    def drain_to_spool(self) -> None:
-        """Put everything still queued into the spool without touching the database (used by close())."""
-        while self.queue:
-            self._spool(self._take())
+    def spooled_seq(self, run_id: str) -> int:
+        """One past the highest sequence number of ``run_id`` still waiting in a spool or in memory."""
+        waiting = [b for sp in [*list(self._adopted), self.spool] for b in sp.read(quarantine=False)]
+        waiting += list(self._held)
+        return max((b.top_seq(run_id) for b in waiting), default=-1) + 1
+
+    def park(self) -> tuple[int, int]:
+        """After :meth:`stop`: put everything not in the database into the spool, from the calling thread.
+
+        Returns ``(kept_rows, dropped_rows)``: rows now in the spool file (including those spooled earlier)
+        and rows that not even the spool could take."""
+        self._parked = True
+        dropped0 = self.stats.dropped_rows
+        inflight = self._inflight
+        rest = ([inflight] if inflight is not None and all(b is not inflight for b in self._held) else [])
+        rest += self._held
+        self._held = []
+        rest += [self._take() for _ in iter(lambda: bool(self.queue), False)]
+        for batch in rest:
+            self._spool(batch, hold=False)
+        kept = sum(b.rows() for b in self.spool.read()) if self.spool.pending else 0
+        self.stats.kept_rows = kept
+        return kept, self.stats.dropped_rows - dropped0
 
     # -- writer thread ---------------------------------------------------------------------------------------
     def run(self) -> None:
-        while not self._stopping:
+        while not self._stopping and not self._parked:
             self._wake.wait(self.cfg.flush_interval)
             self._wake.clear()
             try:
@@ -125,15 +159,17 @@ class Writer(threading.Thread):
         """One round: retry the backlog if due, then write (or spool) what is queued."""
         if self.backlog() and time.monotonic() >= self._retry_at:
             self._replay_backlog()
-        while self.queue:
+        while self.queue and not self._parked:
             batch = self._take()
             if self.backlog():
                 self._spool(batch)
             else:
                 self._write_or_spool(batch)
+        if self.answers is not None and not self.backlog() and not self._parked:
+            self.answers.poll(self.engine, self.stats)
 
     def backlog(self) -> bool:
-        return bool(self._adopted or self.spool.pending or self._held)
+        return bool(not self.ready or self._adopted or self.spool.pending or self._held)
 
     def _take(self) -> Batch:
         batch = Batch(hi=0)
@@ -148,7 +184,8 @@ class Writer(threading.Thread):
                 log.exception("stabmon store: dropping a malformed %r item", item[1])
         return batch
 
-    def _commit(self, batch: Batch) -> None:
+    def _commit(self, batch: Batch, *, track: bool = True) -> None:
+        self._inflight = batch if track else None
         try:
             with self.engine.begin() as conn:
                 self._names.conn = conn
@@ -158,6 +195,9 @@ class Writer(threading.Thread):
             raise
         finally:
             self._names.conn = None
+            self._inflight = None
+        if self._parked:  # close() gave up on this write and spooled the batch; the spool copy is harmless
+            return
         self.stats.rows_written += batch.rows()
         self.stats.batches_written += 1
 
@@ -178,7 +218,9 @@ class Writer(threading.Thread):
             return
         self._mark_done(batch.hi)
 
-    def _spool(self, batch: Batch) -> None:
+    def _spool(self, batch: Batch, *, hold: bool = True) -> None:
+        if self._parked and threading.current_thread() is self:
+            return  # close() gave up on this thread's write and already spooled the batch
         if not self._held:
             try:
                 self.spool.append(batch)
@@ -190,7 +232,7 @@ class Writer(threading.Thread):
                     "stabmon store: cannot write the spool file %s; holding in memory", self.spool.path
                 )
         held_rows = sum(b.rows() for b in self._held)
-        if held_rows + batch.rows() > self.cfg.max_held_rows:
+        if not hold or held_rows + batch.rows() > self.cfg.max_held_rows:
             self.stats.dropped_rows += batch.rows()
             log.error("stabmon store: dropping %d rows (database and spool both unavailable)", batch.rows())
             self._mark_done(batch.hi)
@@ -199,31 +241,52 @@ class Writer(threading.Thread):
 
     def _replay_backlog(self) -> None:
         try:
+            if not self.ready:
+                require_schema(self.engine)
+                self.ready = True
+                log.warning("stabmon store: database reachable; writing what was spooled since start-up")
             while self._adopted:
                 self._replay(self._adopted[0], own=False)
                 self._adopted.pop(0).close()
             if self.spool.pending:
                 self._replay(self.spool, own=True)
             while self._held:
-                self._commit(self._held[0])
-                self._mark_done(self._held.pop(0).hi)
+                self._write_held(self._held[0])
         except Exception as exc:  # noqa: BLE001
             self.stats.failures += 1
             self._retry_at = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, self.cfg.retry_max)
-            log.debug("stabmon store: still unavailable (%s); next retry in %.1fs", exc, self._backoff)
+            if is_unavailable(exc):
+                log.debug("stabmon store: still unavailable (%s); next retry in %.1fs", exc, self._backoff)
+            else:
+                log.error("stabmon store: cannot write the spooled batches (%s); next retry in %.1fs",
+                          exc, self._backoff)
             return
         self._backoff = self.cfg.retry_initial
         log.warning("stabmon store: database reachable again; spooled batches written")
 
+    def _write_held(self, batch: Batch) -> None:
+        """Write the oldest batch kept in memory; one the database refuses for its content is set aside."""
+        try:
+            self._commit(batch)
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if is_unavailable(exc):
+                raise
+            self._held.pop(0)
+            self._salvage(batch, exc)
+            return
+        self._mark_done(self._held.pop(0).hi)
+
     def _replay(self, spool: Spool, *, own: bool) -> None:
+        before = spool.quarantined
         batches = spool.read()
+        self.stats.quarantined_lines += spool.quarantined - before
         if not own:
             for batch in batches:
                 batch.hi = 0  # another process's queue tickets mean nothing to this store's flush()
         for batch in batches:
             try:
-                self._commit(batch)
+                self._commit(batch, track=False)
             except Exception as exc:  # noqa: BLE001
                 if is_unavailable(exc):
                     raise
