@@ -47,7 +47,7 @@ def test_simulated_target_rollback_and_stop() -> None:
 
 
 def test_simulated_target_validates_interval() -> None:
-    with pytest.raises(ValueError, match=r"^replay.checkpoint_interval must be >= 1, got 0$"):
+    with pytest.raises(ValueError, match=r"^replay.checkpoint_interval must be >= 1 or None, got 0$"):
         SimulatedTarget(checkpoint_interval=0)
 
 

@@ -78,7 +78,7 @@ class Rollback(Intervention):
         if p.checkpoint_dir is not None:
             kwargs["checkpoint_dir"] = p.checkpoint_dir
         result = dict(self.target.rollback(**kwargs))
-        before = {"step": before_step, "onset_step": onset, "lookback": p.lookback}
+        before: dict[str, Any] = {"step": before_step, "onset_step": onset, "lookback": p.lookback}
         if p.lr_factor is not None:  # restart with a lower LR: the one recipe change this rung makes
             overrides = self.target.overrides
             before["lr_scale"] = overrides.lr_scale
