@@ -220,8 +220,7 @@ def sweep_case(seed: int, lrs: list[float], warmups: list[int]) -> list[dict[str
     return out
 
 
-def sweep(seeds: list[int], jobs: int) -> list[dict[str, Any]]:
-    lrs, warmups = [3e-2, 1e-1, sc.LR_TOO_HIGH], [sc.BASE["warmup"], sc.BASE["steps"]]
+def sweep(seeds: list[int], jobs: int, lrs: list[float], warmups: list[int]) -> list[dict[str, Any]]:
     with ProcessPoolExecutor(jobs) as pool:
         results = [r for rs in pool.map(sweep_case, seeds, [lrs] * len(seeds), [warmups] * len(seeds)) for r in rs]
     print(f"{'warmup':>6} {'peak lr':>8} {'x stable':>8} {'failed':>8}  val loss per seed")
@@ -242,12 +241,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default=",".join(sc.SCENARIOS), help="comma-separated scenario names")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms")
     p.add_argument("--sweep", action="store_true", help="run the learning-rate sweep instead")
+    p.add_argument("--lrs", default="0.03,0.1,0.3,1.0", help="--sweep: peak learning rates")
+    p.add_argument("--warmups", default=f"{sc.BASE['warmup']},{sc.BASE['steps']}", help="--sweep: warm-up steps")
+    p.add_argument("--table", type=Path, default=None, help="print the tables of a --json file and exit")
     args = p.parse_args(argv)
+    if args.table is not None:
+        rows = [Row(**r) for r in json.loads(args.table.read_text())]
+        report(rows, [a for a in ARMS if any(r.arm == a for r in rows)])
+        return 0
     if args.seeds < 1 or args.jobs < 1:
         p.error("--seeds and --jobs must be >= 1")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     if args.sweep:
-        results = sweep(seeds, args.jobs)
+        lrs = [float(v) for v in args.lrs.split(",") if v]
+        warmups = [int(v) for v in args.warmups.split(",") if v]
+        results = sweep(seeds, args.jobs, lrs, warmups)
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
         return 0
@@ -259,21 +267,28 @@ def main(argv: list[str] | None = None) -> int:
     for arm in arms:
         if arm not in ARMS:
             p.error(f"--arms: unknown arm {arm!r} (known: {', '.join(ARMS)})")
-    cases = [(n, s) for n in names for s in seeds]
+    cases = [(n, s) for s in seeds for n in names]  # seed by seed: a stopped run still has whole seeds
+    rows: list[Row] = []
     with ProcessPoolExecutor(args.jobs) as pool:
         futures = [pool.submit(run_case, n, s, arms) for n, s in cases]
         for done, future in enumerate(as_completed(futures), 1):
-            future.result()
+            rows.extend(future.result())
             print(f"[{done}/{len(cases)} cases done]", file=sys.stderr, flush=True)
-        rows = [r for future in futures for r in future.result()]
-    print(f"recovery: {len(names)} scenarios x seeds {seeds[0]}-{seeds[-1]} x {len(arms)} arms; rescued = final "
-          f"held-out loss within {RESCUE_TOLERANCE:.0%} of the same seed's healthy run\n")
+            if args.json:  # written as cases complete, so a long run can be read before it ends
+                args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    report(rows, arms)
+    return 0
+
+
+def report(rows: list[Row], arms: list[str]) -> None:
+    order = {(n, a): i for i, (n, a) in enumerate((n, a) for n in sc.SCENARIOS for a in arms)}
+    rows = sorted(rows, key=lambda r: (order.get((r.scenario, r.arm), 0), r.seed))
+    seeds = sorted({r.seed for r in rows})
+    print(f"recovery: {len({r.scenario for r in rows})} scenarios x seeds {', '.join(map(str, seeds))} x {len(arms)} "
+          f"arms; rescued = final held-out loss within {RESCUE_TOLERANCE:.0%} of the same seed's healthy run\n")
     print("\n".join(table(rows, arms)))
     print("rescue rate over the runs that failed unmonitored (rescuable scenarios):")
     print("\n".join(summary(rows, arms)))
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    return 0
 
 
 if __name__ == "__main__":

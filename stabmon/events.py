@@ -203,6 +203,7 @@ class Verdict(str, Enum):
     REVERTED = "reverted"  # not resolved and the change was undone
     STOPPED = "stopped"  # the ladder ended in a stop
     EXHAUSTED = "exhausted"  # not resolved and no rung left
+    SUPERSEDED = "superseded"  # an alert-only incident closed early: an anomaly a rule acts on arrived
 
 
 @dataclass(frozen=True, slots=True)

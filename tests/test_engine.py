@@ -461,3 +461,24 @@ def test_repeat_cannot_be_combined_with_revert() -> None:
     bad = REPEAT.replace("repeat: 3", "repeat: 3\n        on_failure: revert")
     with pytest.raises((RunbookError, ValueError), match="cannot be repeated"):
         loads_runbook(bad)
+
+
+SUPERSEDE = """
+name: supersede
+cooldown: 0
+rules:
+  - name: act
+    when: {kind: no_progress, severity: error}
+    ladder: [{action: scale_lr, params: {factor: 0.5}, observe: 3}]
+  - name: tell
+    when: {kind: "*", severity: warning}
+    ladder: [{action: alert_only, observe: 5}]
+"""
+
+
+def test_an_anomaly_a_rule_acts_on_is_not_swallowed_by_an_alert_being_observed() -> None:
+    d = Driver(Engine(loads_runbook(SUPERSEDE), id_seed="x"))
+    d.run(1, anomalous=[1], make=lambda s: spike(s, severity=Severity.WARNING))  # an alert opens an incident
+    out = d.run(1, anomalous=[2], make=lambda s: spike(s, kind="no_progress"))  # reported once, while it waits
+    assert [o.verdict for o in outcomes(out)] == [Verdict.SUPERSEDED]
+    assert [x.action for x in decisions(out)] == ["scale_lr"]

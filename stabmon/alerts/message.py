@@ -45,6 +45,7 @@ _OUTCOME_SEVERITY = {
     Verdict.ESCALATED: Severity.WARNING,
     Verdict.REVERTED: Severity.WARNING,
     Verdict.EXHAUSTED: Severity.ERROR,
+    Verdict.SUPERSEDED: Severity.INFO,
     Verdict.STOPPED: Severity.CRITICAL,
 }
 

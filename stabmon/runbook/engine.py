@@ -203,12 +203,34 @@ class Engine:
                 return []
             inc["await_step"] = None
         rule = self.runbook.rule(inc["rule"])
+        if inc["decision"]["action"] == "alert_only" and self._acting(anomalies, rule):
+            return self._supersede(record, anomalies)
         matched = sum(1 for a in anomalies if rule.when.matches(a))
         signal = record.get(inc["metric"])
         inc["window"].append([record.step, _num(record.get(Metric.LOSS)), _num(signal), matched])
         if inc.get("error") is None and len(inc["window"]) < self._rung(inc).observe:
             return []
         return self._judge(record.step)
+
+    def _acting(self, anomalies: Sequence[Anomaly], current: Rule) -> bool:
+        """Does an anomaly call for a rule that changes training, while only an alert is being observed?"""
+        for a in anomalies:
+            rule = self._rule_for(a)
+            if rule is not None and rule.name != current.name and rule.ladder[0].action != "alert_only":
+                return True
+        return False
+
+    def _supersede(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
+        """Close an alert-only incident early (an alert changed nothing, so nothing is left to judge) and let
+        the anomaly a rule acts on open its own incident now, instead of being counted against the alert."""
+        inc = self._incident
+        assert inc is not None
+        done = Outcome(intervention_id=inc.get("intervention_id"), decision_id=inc["decision"]["id"],
+                       step=record.step, verdict=Verdict.SUPERSEDED, evidence={"observed_steps": len(inc["window"])},
+                       incident_id=inc["id"], id=self._next_id())
+        inc["alerted"], inc["changed"] = True, False  # no cooldown after an alert
+        self._close()
+        return [done, *self._maybe_open(record, anomalies)]
 
     def _timeout(self, step: int) -> list[Decision | Outcome]:
         inc = self._incident
