@@ -216,7 +216,7 @@ class Engine:
         """Does an anomaly call for a rule that changes training, while only an alert is being observed?"""
         for a in anomalies:
             rule = self._rule_for(a)
-            if rule is not None and rule.name != current.name and rule.ladder[0].action != "alert_only":
+            if rule is not None and rule.name != current.name and getattr(rule.ladder[0], "action", "") != "alert_only":
                 return True
         return False
 
