@@ -314,8 +314,13 @@ class Monitor:
         scaler = self.scaler
         if scaler is None or not scaler.is_enabled():
             return
-        # scaler.step() skips optimizer.step() (and so our pre-hook) when it found inf/NaN gradients
-        self.buffer.add_host(Metric.OVERFLOW, 0.0 if self._hooks.stepped else 1.0)
+        # scaler.step() skips a non-fused optimizer.step() (and so our pre-hook) when it found inf/NaN
+        # gradients; a fused optimizer steps anyway and its kernel skips on the scaler's found_inf
+        found_inf = self._hooks.found_inf if self._hooks.stepped else None
+        if found_inf is not None:
+            self.buffer.add([Metric.OVERFLOW], found_inf)
+        else:
+            self.buffer.add_host(Metric.OVERFLOW, 0.0 if self._hooks.stepped else 1.0)
         scale = self._scale_snapshot
         if scale is None and getattr(scaler, "_scale", None) is not None:
             scale = scaler._scale.detach().clone()
