@@ -39,6 +39,7 @@ from stabmon.collect.distributed import RankFollower, broadcast, executed_decisi
 from stabmon.collect.embeddings import EmbeddingDrift
 from stabmon.collect.flushing import decide, publish, share, start_run
 from stabmon.collect.grads import GradNorms
+from stabmon.collect.memory import DeviceMemory
 from stabmon.collect.optim import OptimizerHooks
 from stabmon.collect.wiring import (
     DEFAULT_STORE,
@@ -112,7 +113,11 @@ class Monitor:
         cfg = self.config
         self._grads = GradNorms(model, cfg.grads.layers)
         self._acts = ActivationNorms(model, cfg.activations.modules) if cfg.activations.every else None
-        self._emb = EmbeddingDrift(model) if cfg.embeddings.every else None
+        self._emb = (
+            EmbeddingDrift(model, rows=cfg.embeddings.rows, reference=cfg.embeddings.reference)
+            if cfg.embeddings.every
+            else None
+        )
         self._hooks = OptimizerHooks(
             optimizer,
             self._grads,
@@ -178,6 +183,15 @@ class Monitor:
     def hparams(self) -> dict[str, float]:
         """lr, beta2, weight_decay and clip in force for the next step (overrides included)."""
         return self._hooks.hparams()
+
+    def device_memory(self) -> DeviceMemory:
+        """Bytes the monitor holds on the device right now, per signal (activation norms hold a few scalars
+        of the sampled step only, already counted in ``pending`` once collected)."""
+        return DeviceMemory(
+            embeddings=self._emb.device_bytes() if self._emb else 0,
+            skip_guard=self._hooks.guard.nbytes(),
+            pending=self.buffer.nbytes(),
+        )
 
     def rollback(
         self, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None

@@ -23,8 +23,7 @@ preallocated snapshot.
 
 >>> import torch
 >>> from stabmon.collect.buffer import StepBuffer
->>> from stabmon.collect.grads import GradNorms, GradResult
-from stabmon.collect.guard import SkipGuard
+>>> from stabmon.collect.grads import GradNorms
 >>> from stabmon.overrides import Overrides
 >>> model = torch.nn.Linear(2, 1)
 >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
