@@ -99,12 +99,13 @@ class EmbeddingDrift:
     def before_update(self) -> None:
         with torch.no_grad():
             for t in self._tracked:
-                if t.on_host:  # exists only until after_update
+                prev = t.prev
+                if t.on_host or prev is None:  # with a host reference it exists only until after_update
                     t.prev = t.rows() if t.index is not None else t.rows().clone()
                 elif t.index is None:
-                    t.prev.copy_(t.module.weight.detach())
+                    prev.copy_(t.module.weight.detach())
                 else:
-                    torch.index_select(t.module.weight.detach(), 0, t.index, out=t.prev)
+                    torch.index_select(t.module.weight.detach(), 0, t.index, out=prev)
         self._ready = True
 
     def after_update(self) -> tuple[list[str], torch.Tensor | None]:
