@@ -41,6 +41,8 @@ def run_arm(arm: str, optimizer: str, *, width: int, layers: int, steps: int, bl
     from stabmon.monitor import Monitor, MonitorConfig  # every arm imports it: equal import footprint
 
     torch.set_num_threads(threads)
+    probe = nn.Linear(1, 1)  # every arm loads what a Monitor loads (same import footprint in its RSS)
+    Monitor(probe, torch.optim.SGD(probe.parameters(), lr=0.1), store=None, detectors=False).close()
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.GELU())])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optimizer: True})
