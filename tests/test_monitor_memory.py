@@ -103,3 +103,16 @@ def test_embedding_config_errors_name_the_field(kwargs: dict, message: str) -> N
     with pytest.raises(ValueError) as err:
         MonitorConfig(embeddings=EmbeddingConfig(**kwargs))
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_activation_rms_of_low_precision_cpu_tensors_goes_by_chunks(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stabmon.collect import activations
+
+    monkeypatch.setattr(activations, "CHUNK", 1000)
+    y = (torch.randn(7, 1001, generator=torch.Generator().manual_seed(3)) * 300).to(dtype)
+    expected = float(torch.linalg.vector_norm(y.double()) / (y.numel() ** 0.5))
+    got = activations.rms(y)
+    assert got.dtype == torch.float32 and float(got) == pytest.approx(expected, rel=1e-5)
