@@ -367,7 +367,9 @@ def _mib(n: int | None) -> str:
 
 
 def _ratio(r: dict[str, Any]) -> str:
-    return f"{r['ratio']:.3f}" if r["syncs_monitored"] is not None else f"{r['ratio']:.3f} (CPU time {r['cpu_ratio']:.3f})"
+    if r["syncs_monitored"] is not None:
+        return f"{r['ratio']:.3f}"
+    return f"{r['ratio']:.3f} (CPU time {r['cpu_ratio']:.3f})"
 
 
 def table(results: list[dict[str, Any]], header: str) -> str:
