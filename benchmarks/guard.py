@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ARMS = ("u", "m", "g")
 OPTIMIZERS = ("fused", "foreach")
@@ -48,10 +50,14 @@ def run_arm(arm: str, optimizer: str, *, width: int, layers: int, steps: int, bl
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optimizer: True})
     x = torch.randn(16, width, generator=torch.Generator().manual_seed(1))
     mon = None
+    timer = _Timer()
     if arm != "u":
         mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(clip=1.0, hang_timeout=None))
         if arm == "g":
             mon.overrides.skip_factor = 5.0
+            guard = mon._hooks.guard
+            for name in ("decide", "before_update", "after_update"):
+                setattr(guard, name, timer.wrap(getattr(guard, name)))
 
     def one_step() -> None:
         if mon is not None:
@@ -70,12 +76,14 @@ def run_arm(arm: str, optimizer: str, *, width: int, layers: int, steps: int, bl
     for _ in range(block):
         one_step()
     wall, cpu = [], []
+    timer.ns, thread0 = 0, time.thread_time_ns()
     for _ in range(max(1, steps // block)):
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(block):
             one_step()
         wall.append((time.perf_counter() - t0) / block)
         cpu.append((time.process_time() - c0) / block)
+    guard_share = timer.ns / max(1, time.thread_time_ns() - thread0)
     skipped = 0.0
     if mon is not None:
         mon.close()
@@ -92,7 +100,26 @@ def run_arm(arm: str, optimizer: str, *, width: int, layers: int, steps: int, bl
         "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
         "params": sum(p.numel() for p in model.parameters()),
         "skipped": skipped,
+        "guard_cpu_share": guard_share,
+        "guard_us_per_step": timer.ns / 1e3 / (max(1, steps // block) * block),
     }
+
+
+class _Timer:
+    """This thread's CPU time spent inside wrapped calls."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def wrap(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.thread_time_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ns += time.thread_time_ns() - t0
+
+        return timed
 
 
 def spawn(arm: str, optimizer: str, args: argparse.Namespace) -> dict:
@@ -123,8 +150,16 @@ def report(results: list[dict], rounds: int) -> None:
             rss = statistics.median(r["peak_rss_bytes"] for r in runs)
             own = ""
             if arm == "g":
-                rss_m = statistics.median(r["peak_rss_bytes"] for r in mine if r["arm"] == "m")
-                own = f" (guard alone {(rss - rss_m) / state * 100:+.1f}%)"
+                plain = [r for r in mine if r["arm"] == "m"]
+                rss_m = statistics.median(r["peak_rss_bytes"] for r in plain)
+                alone = [r["cpu_ms"] / m["cpu_ms"] for r, m in zip(runs, plain, strict=True)]
+                inside = statistics.median(r.get("guard_cpu_share", math.nan) for r in runs)
+                us = statistics.median(r.get("guard_us_per_step", math.nan) for r in runs)
+                own = (
+                    f" (guard alone: CPU step ratio {statistics.median(alone):.3f} vs monitored defaults; its own "
+                    f"CPU time {us:.0f} us/step = {inside * 100:.2f}% of the step; peak RSS "
+                    f"{(rss - rss_m) / state * 100:+.1f}%)"
+                )
             print(
                 f"{optimizer:<8} {LABEL[arm]:<24} step ratio: wall {statistics.median(wall):.3f}, "
                 f"CPU {statistics.median(cpu):.3f} ({statistics.median(r['wall_ms'] for r in runs):.1f} vs "
@@ -145,7 +180,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
     p.add_argument("--optimizer", choices=OPTIMIZERS, help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="also write every process's figures here")
+    p.add_argument("--report", type=Path, help="print the summary of an earlier --json file and exit")
     args = p.parse_args(argv)
+    if args.report is not None:
+        results = json.loads(args.report.read_text())
+        report(results, len(results) // (len(ARMS) * len(OPTIMIZERS)))
+        return
     if args.arm is not None:
         one = run_arm(
             args.arm, args.optimizer, width=args.width, layers=args.layers, steps=args.steps,
