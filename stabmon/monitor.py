@@ -39,6 +39,7 @@ from stabmon.collect.distributed import RankFollower, broadcast, executed_decisi
 from stabmon.collect.embeddings import EmbeddingDrift
 from stabmon.collect.flushing import decide, publish, share, start_run
 from stabmon.collect.grads import GradNorms
+from stabmon.collect.memory import DeviceMemory
 from stabmon.collect.observe import value_problem
 from stabmon.collect.optim import OptimizerHooks
 from stabmon.collect.ranks import RankGather, RankProbe
@@ -121,7 +122,11 @@ class Monitor:
         self._grads = GradNorms(model, cfg.grads.layers, sharded=sharded)
         self._acts = ActivationNorms(model, cfg.activations.modules) if cfg.activations.every else None
         emb_counted = embedding_counted(model, self.layout)
-        self._emb = EmbeddingDrift(model, counted=emb_counted) if cfg.embeddings.every else None
+        self._emb = (
+            EmbeddingDrift(model, rows=cfg.embeddings.rows, reference=cfg.embeddings.reference, counted=emb_counted)
+            if cfg.embeddings.every
+            else None
+        )
         self._hooks = OptimizerHooks(
             optimizer,
             self._grads,
@@ -187,6 +192,15 @@ class Monitor:
     def hparams(self) -> dict[str, float]:
         """lr, beta2, weight_decay and clip in force for the next step (overrides included)."""
         return self._hooks.hparams()
+
+    def device_memory(self) -> DeviceMemory:
+        """Bytes the monitor holds on the device right now, per signal (activation norms hold a few scalars
+        of the sampled step only, already counted in ``pending`` once collected)."""
+        return DeviceMemory(
+            embeddings=self._emb.device_bytes() if self._emb else 0,
+            skip_guard=self._hooks.guard.nbytes(),
+            pending=self.buffer.nbytes(),
+        )
 
     def rollback(
         self, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None
@@ -337,8 +351,13 @@ class Monitor:
         scaler = self.scaler
         if scaler is None or not scaler.is_enabled():
             return
-        # scaler.step() skips optimizer.step() (and so our pre-hook) when it found inf/NaN gradients
-        self.buffer.add_host(Metric.OVERFLOW, 0.0 if self._hooks.stepped else 1.0)
+        # scaler.step() skips a non-fused optimizer.step() (and so our pre-hook) when it found inf/NaN
+        # gradients; a fused optimizer steps anyway and its kernel skips on the scaler's found_inf
+        found_inf = self._hooks.found_inf if self._hooks.stepped else None
+        if found_inf is not None:
+            self.buffer.add([Metric.OVERFLOW], found_inf)
+        else:
+            self.buffer.add_host(Metric.OVERFLOW, 0.0 if self._hooks.stepped else 1.0)
         scale = self._scale_snapshot
         if scale is None and getattr(scaler, "_scale", None) is not None:
             scale = scaler._scale.detach().clone()

@@ -26,13 +26,19 @@ def _run(
     overrides: Overrides | None = None,
     steps: int = 50,
     device: str = "cpu",
+    fused_adamw: bool = False,
+    scaler: bool = False,
 ) -> Monitor:
     torch.manual_seed(0)
     model = Tiny(vocab=17, d=16).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if fused_adamw:
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    amp = torch.amp.GradScaler(device, init_scale=256.0) if scaler else None
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s))
     data = [torch.randint(0, 17, (4, 8), generator=torch.Generator().manual_seed(i)).to(device) for i in range(steps)]
-    mon = Monitor(model, opt, scheduler=sched, store=None, detectors=False, config=config)
+    mon = Monitor(model, opt, scaler=amp, scheduler=sched, store=None, detectors=False, config=config)
     if overrides is not None:
         mon.overrides.load_state_dict(overrides.state_dict())
     real_flush = mon.flush
@@ -49,9 +55,13 @@ def _run(
         for _, idx in mon.steps(data):
             logits = model(idx)
             loss = nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
-            loss.backward()
+            (amp.scale(loss) if amp is not None else loss).backward()
             mon.observe(loss=loss)
-            opt.step()
+            if amp is not None:
+                amp.step(opt)
+                amp.update()
+            else:
+                opt.step()
             sched.step()
             opt.zero_grad()
         mon.close()
@@ -74,6 +84,22 @@ def test_no_host_sync_outside_flushes(every: int) -> None:
     assert len(mon.records) == 50
     rec = mon.records[0]
     assert "act_rms/blocks.0" in rec.metrics and "emb_drift/wte" in rec.metrics and "skipped" in rec.metrics
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("scaler", [False, True], ids=["plain", "grad-scaler"])
+def test_no_host_sync_with_the_zero_copy_guard_and_a_host_embedding_reference(scaler: bool, device: str) -> None:
+    cfg = MonitorConfig(
+        clip=1.0,
+        flush_every=20,
+        activations=ActivationConfig(every=1),
+        embeddings=EmbeddingConfig(every=1, rows=5, reference="cpu"),
+    )
+    counter = SyncCounter()
+    mon = _run(cfg, counter, overrides=Overrides(skip_factor=3.0), fused_adamw=True, scaler=scaler, device=device)
+    assert counter.outside == []
+    assert counter.inside == ["tolist"] * 3
+    assert mon._hooks.guard.zero_copy and "emb_update/wte" in mon.records[-1].metrics
 
 
 @pytest.mark.gpu

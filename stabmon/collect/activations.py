@@ -67,6 +67,26 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
+CHUNK = 1 << 22
+"""Elements per fp32 chunk when a low-precision CPU tensor's norm is taken piecewise."""
+
+
+def rms(y: torch.Tensor) -> torch.Tensor:
+    """``||y|| / sqrt(numel(y))`` accumulated in fp32 without an fp32 copy of ``y``: CUDA reduces bf16/fp16 in
+    fp32 on the fly; on CPU, where the norm would first convert the whole tensor, it goes by chunks of
+    :data:`CHUNK` elements (at most 16 MiB transient).
+
+    >>> rms(torch.full((3, 4), 2.0, dtype=torch.bfloat16)).item()
+    2.0
+    """
+    if y.dtype == torch.float32 or y.is_cuda or y.numel() <= CHUNK:
+        norm = torch.linalg.vector_norm(y, dtype=torch.float32)
+    else:
+        parts = [torch.linalg.vector_norm(c, dtype=torch.float32) for c in y.reshape(-1).split(CHUNK)]
+        norm = torch.linalg.vector_norm(torch.stack(parts))
+    return norm / math.sqrt(y.numel())
+
+
 class ActivationNorms:
     """RMS of each selected module's output on armed (sampled) steps; see the module docstring."""
 
@@ -104,9 +124,7 @@ class ActivationNorms:
             if y is None or i in self._values or y.numel() == 0:
                 return
             with torch.no_grad():
-                self._values[i] = torch.linalg.vector_norm(y.detach(), dtype=torch.float32) / math.sqrt(
-                    y.numel()
-                )
+                self._values[i] = rms(y.detach())
 
         return hook
 

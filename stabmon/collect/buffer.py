@@ -72,6 +72,10 @@ class StepBuffer:
         self._current.names.extend(names)
         self._tensors.append(values.detach().reshape(-1))
 
+    def nbytes(self) -> int:
+        """Bytes of the device tensors queued until the next flush."""
+        return sum(t.numel() * t.element_size() for t in self._tensors)
+
     @property
     def pending_values(self) -> int:
         """How many device values the open step has queued."""

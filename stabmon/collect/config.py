@@ -72,10 +72,21 @@ class EmbeddingConfig:
 
     every: int = 10
     """Sample every ``every`` steps (0 turns embedding signals off). The update ratio is always one step's."""
+    rows: int | None = 1024
+    """Track at most this many rows of each embedding (evenly spaced, fixed for the run); None tracks every
+    row. The monitor keeps two copies of the tracked rows (``W0`` and a scratch buffer): 1024 rows of a
+    4096-wide fp32 embedding are 32 MiB, the whole of a 128k x 4096 vocabulary would be 4 GiB."""
+    reference: str = "device"
+    """Where ``W0`` lives: ``"device"`` (beside the weights) or ``"cpu"`` (host memory, pinned on CUDA, copied to
+    the device on sampled steps; the scratch buffer then exists only during a sampled step)."""
 
     def validate(self, path: str) -> None:
         if self.every < 0:
             raise ValueError(f"{path}.every must be >= 0, got {self.every}")
+        if self.rows is not None and (isinstance(self.rows, bool) or self.rows < 1):
+            raise ValueError(f"{path}.rows must be >= 1 or None, got {self.rows!r}")
+        if self.reference not in ("device", "cpu"):
+            raise ValueError(f"{path}.reference must be 'device' or 'cpu', got {self.reference!r}")
 
 
 @dataclass

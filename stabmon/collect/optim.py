@@ -1,21 +1,25 @@
 """Optimizer step pre/post hooks: unscale, norms, clipping, overrides and the skip_step guard.
 
-The pre-hook runs inside ``optimizer.step()`` (and therefore only when a GradScaler found no inf/NaN):
+The pre-hook runs inside ``optimizer.step()``:
 
-1. with a GradScaler whose gradients are still scaled, ``scaler.unscale_(optimizer)`` (``scaler.step``
-   normally did that already);
+1. with a GradScaler: a non-fused optimizer gets here only when the scaler found no inf/NaN, with gradients
+   already unscaled by ``scaler.step``. A fused one (``fused=True``) gets here on every step with the gradients
+   still scaled and the scaler's ``grad_scale`` / ``found_inf`` handed to its kernel; the hook then measures
+   the scaled gradients, divides the norms by the scale, and folds the clip coefficient into ``grad_scale``
+   (the kernel unscales and clips in the pass it makes anyway): no extra pass over the gradients. Only when
+   ``optimizer.step()`` is called directly on still-scaled gradients does the hook ``scaler.unscale_`` them;
 2. one fused foreach norm over all gradients (:class:`~stabmon.collect.grads.GradNorms`) gives the global,
    per-layer and non-finite counts, queued as device tensors;
-3. the skip_step guard (``overrides.skip_factor``): ``skip = norm > k x running mean`` on the device;
+3. the skip_step guard (``overrides.skip_factor``, :class:`~stabmon.collect.guard.SkipGuard`): ``skip = norm >
+   k x running mean`` (or non-finite) on the device;
 4. clipping with the clamped coefficient, reusing that norm;
 5. overrides: effective ``lr = scheduler lr x lr_scale``, ``beta2`` and ``weight_decay`` written into the
    param groups.
 
 The post-hook restores the scheduler-visible values (so a scheduler keeps its own trajectory and can never
-undo an override) and, when the guard fired, restores parameters and optimizer moments saved by the pre-hook
-with ``torch.where`` on the device: the update is discarded, not just shrunk. Caveat: a step counter held on
-another device than the gradients (Adam's CPU ``step`` with CUDA parameters) still advances, since undoing it
-would need a host sync; the effect on bias correction after warm-up is negligible.
+undo an override) and lets the guard finish: with fused Adam/AdamW the flagged update never happened (the flag
+was the kernel's ``found_inf``); with any other optimizer the guard restores parameters and state from its
+preallocated snapshot.
 
 >>> import torch
 >>> from stabmon.collect.buffer import StepBuffer
@@ -37,6 +41,7 @@ would need a host sync; the effect on bias correction after warm-up is negligibl
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -44,8 +49,8 @@ import torch
 
 from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.embeddings import EmbeddingDrift
-from stabmon.collect.grads import GradNorms
-from stabmon.collect.sharding import local
+from stabmon.collect.grads import GradNorms, GradResult
+from stabmon.collect.guard import SkipGuard
 from stabmon.events import Metric
 from stabmon.overrides import Overrides
 
@@ -72,14 +77,12 @@ class OptimizerHooks:
         self.clip = clip
         self.scaler = scaler
         self.embeddings = embeddings
-        self.ema_decay = ema_decay
+        self.guard = SkipGuard(optimizer, ema_decay=ema_decay)
         self.stepped = False
         self.sample_embeddings = False
-        self.ema_host: float | None = None
-        self._ema: torch.Tensor | None = None
+        self.found_inf: torch.Tensor | None = None
+        """The GradScaler's overflow flag handed to a fused optimizer this step (device tensor), else None."""
         self._saved_groups: list[dict[str, Any]] = []
-        self._saved_tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._skip: torch.Tensor | None = None
         self._handles: list[Any] = []
         self.last_hparams: dict[str, float] = {}
 
@@ -121,19 +124,22 @@ class OptimizerHooks:
     # -- hooks -------------------------------------------------------------------------------------------
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.stepped = True
-        self._unscale_if_needed()
+        grad_scale = self._scaled_handoff()
         self.last_hparams = self.hparams()
         result = self.grads.compute()
         skip = None
         if result is not None:
+            if grad_scale is not None:
+                result = _unscaled(result, grad_scale)
             names = [Metric.GRAD_NORM, Metric.NONFINITE]
             self.buffer.add(names, torch.stack([result.total, result.nonfinite.to(result.total.dtype)]))
             if result.layers is not None:
                 self.buffer.add([Metric.GRAD_NORM_PREFIX + n for n in self.grads.layer_names], result.layers)
-            skip = self._skip_guard(result.total)
-            max_norm = self.max_norm()
-            if max_norm is not None:
-                GradNorms.clip_(result, max_norm, skip)
+            skip = self.guard.decide(result.total, self._overrides().skip_factor)
+            if skip is not None:
+                self.buffer.add([Metric.SKIPPED], skip.to(result.total.dtype))
+            self._clip(result, grad_scale)
+        self.guard.before_update(skip)
         self._apply_overrides()
         if self.sample_embeddings and self.embeddings:
             self.embeddings.before_update()
@@ -142,24 +148,38 @@ class OptimizerHooks:
         for group, saved in zip(self.optimizer.param_groups, self._saved_groups, strict=False):
             group.update(saved)
         self._saved_groups = []
-        if self._skip is not None:
-            with torch.no_grad():
-                for t, old in self._saved_tensors:
-                    t.copy_(torch.where(self._skip.to(t.device), old, t))
-            self._saved_tensors = []
-            self._skip = None
+        self.guard.after_update()
         if self.sample_embeddings and self.embeddings:
             names, values = self.embeddings.after_update()
             if values is not None:
                 self.buffer.add(names, values)
 
-    def _unscale_if_needed(self) -> None:
+    def _clip(self, result: GradResult, grad_scale: torch.Tensor | None) -> None:
+        max_norm = self.max_norm()
+        if max_norm is None:
+            return
+        if grad_scale is None:
+            GradNorms.clip_(result, max_norm)
+            return
+        # the fused kernel divides the gradients by grad_scale: dividing by scale / coef also clips them
+        coef = (max_norm / (result.total + 1e-6)).clamp(max=1.0)
+        self.optimizer.grad_scale = grad_scale / coef.to(grad_scale.device)  # type: ignore[attr-defined]
+
+    def _scaled_handoff(self) -> torch.Tensor | None:
+        """The scale a fused optimizer's kernel will divide by (gradients still scaled), else None; unscales
+        still-scaled gradients of a direct ``optimizer.step()`` call."""
+        self.found_inf = None
         scaler = self.scaler
         if scaler is None or not scaler.is_enabled():
-            return
+            return None
+        grad_scale = getattr(self.optimizer, "grad_scale", None)
+        if grad_scale is not None:
+            self.found_inf = getattr(self.optimizer, "found_inf", None)
+            return grad_scale
         state = getattr(scaler, "_per_optimizer_states", {}).get(id(self.optimizer))
         if state is not None and getattr(state.get("stage"), "name", "") == "READY":
             scaler.unscale_(self.optimizer)
+        return None
 
     def _apply_overrides(self) -> None:
         o = self._overrides()
@@ -177,54 +197,19 @@ class OptimizerHooks:
                 group["weight_decay"] = o.weight_decay
             self._saved_groups.append(saved)
 
-    # -- skip_step guard ---------------------------------------------------------------------------------
-    def _skip_guard(self, total: torch.Tensor) -> torch.Tensor | None:
-        factor = self._overrides().skip_factor
-        if factor is None:
-            self._ema = None
-            return None
-        if self._ema is None:
-            seed = self.ema_host if self.ema_host is not None else float("nan")
-            self._ema = torch.tensor(seed, device=total.device, dtype=total.dtype)
-        ema = self._ema
-        finite = torch.isfinite(total)
-        skip = torch.isfinite(ema) & ((total > factor * ema) | ~finite)
-        learned = torch.where(torch.isfinite(ema), self.ema_decay * ema + (1 - self.ema_decay) * total, total)
-        self._ema = torch.where(skip | ~finite, ema, learned)
-        self.buffer.add([Metric.SKIPPED], skip.to(total.dtype))
-        self._save_for_discard(skip.device)
-        self._skip = skip
-        return skip
-
-    def _save_for_discard(self, device: torch.device) -> None:
-        saved = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                mine = local(p.detach())  # a DTensor's shard: restored in place on every rank alike
-                saved.append((mine, mine.clone()))
-                for v in self.optimizer.state.get(p, {}).values():
-                    if isinstance(v, torch.Tensor) and local(v).device == device:
-                        saved.append((local(v), local(v).clone()))
-        self._saved_tensors = saved
-
     def learn_host(self, grad_norm: float | None, skipped: bool) -> None:
-        """Keep a host running mean of the grad norm (updated at flushes) to seed the guard when it turns
-        on."""
-        if (
-            grad_norm is None
-            or skipped
-            or grad_norm != grad_norm
-            or grad_norm in (float("inf"), float("-inf"))
-        ):
-            return
-        d = self.ema_decay
-        self.ema_host = grad_norm if self.ema_host is None else d * self.ema_host + (1 - d) * grad_norm
+        """Keep the guard's host running mean of the grad norm (updated at flushes)."""
+        self.guard.learn_host(grad_norm, skipped)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ema_host": self.ema_host}
+        return self.guard.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ema_host = state.get("ema_host")
-        self._ema = None
+        self.guard.load_state_dict(state)
+
+
+def _unscaled(result: GradResult, grad_scale: torch.Tensor) -> GradResult:
+    """Norms of still-scaled gradients divided by the scale (the gradients themselves are left as they are)."""
+    scale = grad_scale.to(result.total.device, result.total.dtype)
+    layers = result.layers / scale if result.layers is not None else None
+    return dataclasses.replace(result, total=result.total / scale, layers=layers)

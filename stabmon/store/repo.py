@@ -19,9 +19,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import polars as pl
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
@@ -42,6 +41,9 @@ from stabmon.store.models import (
     Step,
     StepMetric,
 )
+
+if TYPE_CHECKING:
+    import polars as pl
 
 RUN_KINDS = frozenset({"live", "replay", "import"})
 _EVENT_MODELS = {
@@ -224,6 +226,8 @@ def metric_names(*, session: Session, run_id: str) -> list[str]:
 
 def get_metrics(*, session: Session, run_id: str, names: Sequence[str] | None = None) -> pl.DataFrame:
     """Long table ``seq, step, name, value`` (NaN restored), in record order then metric-name order."""
+    import polars as pl  # a query needs it; the live monitor's import path must not (see docs/monitor.md)
+
     q = (
         sa.select(StepMetric.seq, StepMetric.step, MetricName.name, StepMetric.value)
         .join(MetricName, MetricName.id == StepMetric.metric_id)
