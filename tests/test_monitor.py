@@ -508,10 +508,13 @@ class ClipEngine:
     def __init__(self, status: Any) -> None:
         self.status = status
         self.applied_records: list[Any] = []
+        self.anomaly_id: str | None = None
 
     def process(self, record: StepRecord, anomalies: Any) -> list[Any]:
         from stabmon.events import Decision
 
+        if anomalies:
+            self.anomaly_id = anomalies[0].id
         return [
             Decision(
                 step=record.step,
@@ -542,6 +545,7 @@ class ClipEngine:
                 rule="spike",
                 rung=0,
                 reason="approved",
+                anomaly_id=self.anomaly_id,  # the same decision, answered: one id names one event
                 id=decision_id,
             )
         ]

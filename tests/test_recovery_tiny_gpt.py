@@ -1,7 +1,7 @@
 """End to end through the store: the lr-too-high scenario under the default runbook, read back with
 ``stabmon trace``. The run is wrecked from its first steps (a peak learning rate 100x too high: every seed fails,
-see docs/recovery.md); the default runbook restarts it from the initial checkpoint with half the learning rate,
-judges each restart before the next, and keeps halving until the run learns."""
+see docs/recovery.md); the default runbook restarts it from the initial checkpoint with the learning rate capped at
+half the one in force, judges each restart before the next, and keeps halving the cap until the run learns."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def scenarios() -> ModuleType:
     return module
 
 
-def test_default_runbook_restarts_a_wrecked_run_with_a_halving_lr_one_attempt_at_a_time(
+def test_default_runbook_restarts_a_wrecked_run_with_a_halving_lr_cap_one_attempt_at_a_time(
     sqlite_url: str, tmp_path: Path
 ) -> None:
     from stabmon.cli import app
@@ -56,11 +56,11 @@ def test_default_runbook_restarts_a_wrecked_run_with_a_halving_lr_one_attempt_at
     changes = [s for inc in incidents for s in inc["steps"]
                if s["intervention"] is not None and s["decision"]["action"] != "alert_only"]
     assert changes, summary
-    for step in changes:  # each a restart from the initial state with the LR halved once more
-        assert step["decision"]["action"] == "rollback" and step["decision"]["params"]["lr_factor"] == 0.5
+    for step in changes:  # each a restart from the initial state with the LR capped at half the one in force
+        assert step["decision"]["action"] == "rollback" and step["decision"]["params"]["lr_cap"] == 0.5
         assert step["intervention"]["after"]["checkpoint_step"] == 0
-    scales = [s["intervention"]["after"]["lr_scale"] for s in changes]
-    assert scales == [0.5 ** (i + 1) for i in range(len(scales))], scales
+    caps = [s["intervention"]["after"]["lr_cap"] for s in changes]
+    assert caps[0] <= 0.5 * config.lr and all(b <= 0.5 * a * 1.0001 for a, b in zip(caps, caps[1:], strict=False))
     # one change at a time: each attempt was judged before the next was decided, and the last one resolved it
     for earlier, later in zip(changes, changes[1:], strict=False):
         assert earlier["outcome"] is not None and earlier["outcome"]["verdict"] == "escalated"

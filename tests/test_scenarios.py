@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from functools import cache
@@ -19,7 +20,10 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SEEDS = (21, 22, 23)
+# another seed set and thread count for a re-run: STABMON_TEST_SEED=50 STABMON_TEST_THREADS=2 pytest ...
+FIRST = int(os.environ.get("STABMON_TEST_SEED", "21"))
+SEEDS = (FIRST, FIRST + 1, FIRST + 2)
+THREADS = int(os.environ.get("STABMON_TEST_THREADS", "1"))
 
 
 def _load(path: Path, name: str) -> ModuleType:
@@ -37,10 +41,14 @@ def recovery() -> ModuleType:
     return _load(REPO / "benchmarks" / "recovery.py", "recovery_benchmark")
 
 
+def config(name: str, seed: int, *, healthy: bool = False) -> Any:
+    s = recovery().sc.scenario(name)
+    return (s.healthy_config if healthy else s.config)(seed, threads=THREADS)
+
+
 @cache
 def healthy_loss(scenario: str, seed: int) -> float:
-    rc = recovery()
-    return float(rc.tiny_gpt.train(rc.sc.scenario(scenario).healthy_config(seed)).val_loss)
+    return float(recovery().tiny_gpt.train(config(scenario, seed, healthy=True)).val_loss)
 
 
 def test_every_scenario_names_its_origin_and_builds_a_valid_config() -> None:
@@ -69,24 +77,21 @@ def test_fault_config_errors_name_the_field() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["weight-corruption", "fp16-overflow", "bad-shard"])
 def test_fault_scenarios_fail_unmonitored_by_construction(name: str) -> None:
-    rc = recovery()
-    result = rc.tiny_gpt.train(rc.sc.scenario(name).config(seed=31))
-    healthy = healthy_loss(name, 31)
+    result = recovery().tiny_gpt.train(config(name, FIRST + 10))
+    healthy = healthy_loss(name, FIRST + 10)
     assert not result.val_loss <= 1.1 * healthy, (result.val_loss, healthy)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["lr-too-high", "activation-drift"])
 def test_learning_rate_scenarios_fail_unmonitored_on_every_seed(name: str) -> None:
-    rc = recovery()
-    losses = {seed: rc.tiny_gpt.train(rc.sc.scenario(name).config(seed)).val_loss for seed in SEEDS}
+    losses = {seed: recovery().tiny_gpt.train(config(name, seed)).val_loss for seed in SEEDS}
     failed = [seed for seed, loss in losses.items() if not loss <= 1.1 * healthy_loss(name, seed)]
     assert failed == list(SEEDS), losses
 
 
 def _monitored(name: str, seed: int, runbook: str, tmp_path: Path) -> Any:
-    rc = recovery()
-    return rc.monitored(rc.sc.scenario(name).config(seed), runbook, str(tmp_path / f"{name}-{seed}-{runbook}"))
+    return recovery().monitored(config(name, seed), runbook, str(tmp_path / f"{name}-{seed}-{runbook}"))
 
 
 @pytest.mark.slow
@@ -116,7 +121,7 @@ def test_runbooks_leave_healthy_runs_alone(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_frozen_positional_embedding_is_reported_and_alerted_without_a_change(tmp_path: Path) -> None:
-    mon = _monitored("frozen-pos-emb", 32, "default", tmp_path).monitor
+    mon = _monitored("frozen-pos-emb", FIRST + 11, "default", tmp_path).monitor
     frozen = [a for a in mon.anomalies if a.kind == "frozen_embedding"]
     assert frozen and {a.metric for a in frozen} == {"emb_update/wpe"}  # the token embedding still learns
     assert frozen[0].step <= 150  # OPT's went unnoticed; the target is 500 steps

@@ -109,7 +109,7 @@ class OptimizerHooks:
         out: dict[str, float] = {}
         lr = group.get("lr")
         if isinstance(lr, (int, float)):
-            out["lr"] = float(lr) * o.lr_scale
+            out["lr"] = float(o.scaled_lr(float(lr)))
         betas = group.get("betas")
         if betas is not None:
             out["beta2"] = float(o.beta2 if o.beta2 is not None else betas[1])
@@ -186,9 +186,9 @@ class OptimizerHooks:
         self._saved_groups = []
         for group in self.optimizer.param_groups:
             saved: dict[str, Any] = {}
-            if o.lr_scale != 1.0 and "lr" in group:
+            if (o.lr_scale != 1.0 or o.lr_cap is not None) and "lr" in group:
                 saved["lr"] = group["lr"]
-                group["lr"] = group["lr"] * o.lr_scale
+                group["lr"] = o.scaled_lr(group["lr"])
             if o.beta2 is not None and "betas" in group:
                 saved["betas"] = group["betas"]
                 group["betas"] = (group["betas"][0], o.beta2)

@@ -31,12 +31,18 @@ class RollbackParams(Params):
     ``lr_factor``: restart with the learning-rate scale in force multiplied by this (``0.5`` = "roll back and
     halve the LR"; with the rung's ``repeat`` it keeps halving while the instability recurs). None: the LR in
     force is kept.
+    ``lr_cap``: restart with the learning rate capped at this fraction of the one in force at the incident's
+    onset (``onset_lr``, set by the engine; else the one in force now): ``0.5`` = never again above half the LR at
+    which the trouble began, whatever the schedule does next. A cap already in force is cut by the same fraction,
+    so with ``repeat`` it keeps halving while the instability recurs. None: no new cap.
     ``checkpoint_dir``: where the checkpoints are, when not the monitor's own directory; must exist.
     ``onset_step``: set by the engine."""
 
     lookback: int = Field(default=100, ge=0)
     skip_batches: int = Field(default=0, ge=0)
     lr_factor: float | None = Field(default=None, gt=0, le=1)
+    lr_cap: float | None = Field(default=None, gt=0, le=1)
+    onset_lr: float | None = Field(default=None, gt=0)
     checkpoint_dir: str | None = None
     onset_step: int | None = None
 
@@ -77,11 +83,26 @@ class Rollback(Intervention):
         kwargs: dict[str, Any] = {"onset_step": onset, "lookback": p.lookback, "skip_batches": p.skip_batches}
         if p.checkpoint_dir is not None:
             kwargs["checkpoint_dir"] = p.checkpoint_dir
+        lr_now = (p.onset_lr or _lr_in_force(self.target)) if p.lr_cap is not None else None
         result = dict(self.target.rollback(**kwargs))
         before: dict[str, Any] = {"step": before_step, "onset_step": onset, "lookback": p.lookback}
+        if p.lr_cap is not None and lr_now is not None:  # never again above a fraction of the LR that broke it
+            overrides = self.target.overrides
+            before["lr_cap"] = overrides.lr_cap
+            cap = lr_now * p.lr_cap
+            overrides.lr_cap = cap if overrides.lr_cap is None else min(cap, overrides.lr_cap * p.lr_cap)
+            result["lr_cap"] = overrides.lr_cap
         if p.lr_factor is not None:  # restart with a lower LR: the one recipe change this rung makes
             overrides = self.target.overrides
             before["lr_scale"] = overrides.lr_scale
             overrides.lr_scale = overrides.lr_scale * p.lr_factor
             result["lr_scale"] = overrides.lr_scale
         return before, result
+
+
+def _lr_in_force(target: Any) -> float | None:
+    try:
+        lr = target.hparams().get("lr")
+    except Exception:  # noqa: BLE001 - a target that cannot report its LR gets no cap
+        return None
+    return float(lr) if lr is not None else None

@@ -75,7 +75,7 @@ class SimulatedTarget:
         out = dict(self._recorded)
         o = self.overrides
         if "lr" in out:
-            out["lr"] = out["lr"] * o.lr_scale
+            out["lr"] = o.scaled_lr(out["lr"])
         for key, value in (("beta2", o.beta2), ("weight_decay", o.weight_decay), ("clip", o.max_norm)):
             if value is not None:
                 out[key] = value

@@ -76,6 +76,7 @@ class Engine:
         self._tick = 0
         # recent (step, loss) pairs: a bounded deque, so remembering one per record costs no list shifting
         self._losses: deque[tuple[int, float]] = deque(maxlen=runbook.baseline_steps + _HISTORY_MARGIN)
+        self._lrs: deque[tuple[int, float]] = deque(maxlen=runbook.baseline_steps + _HISTORY_MARGIN)
         self._history: dict[str, list[list[int]]] = {}  # rule -> [[tick, step, onset_step], ...]
         self._cooldown_until = 0
         self._budget: list[int] = []
@@ -93,6 +94,9 @@ class Engine:
         loss = record.metrics.get(Metric.LOSS)  # remember the recent losses (inline: this runs on every record)
         if loss is not None and math.isfinite(loss):
             self._losses.append((record.step, loss))
+        lr = record.metrics.get(Metric.LR)
+        if lr is not None:
+            self._lrs.append((record.step, lr))
         if self.stopped:
             return []
         if self._incident is not None:
@@ -328,6 +332,9 @@ class Engine:
         params = rung.params.model_dump(exclude_none=True)
         if rung.action == "rollback":
             params["onset_step"] = inc["onset_step"]
+            onset_lr = next((v for st, v in reversed(self._lrs) if st <= inc["onset_step"]), None)
+            if onset_lr is not None and "lr_cap" in params:
+                params["onset_lr"] = onset_lr  # the cap is a fraction of the LR at which the trouble began
         reason = f"{inc['trigger']}; rung {inc['rung'] + 1}/{len(rule.ladder)} of rule {rule.name}"
         if rung.repeat > 1:
             reason += f" (attempt {inc.get('attempt', 1)} of {rung.repeat})"
@@ -417,7 +424,7 @@ class Engine:
 
         return {
             "version": 1, "runbook": self.runbook.name, "salt": self._salt, "counter": self._counter,
-            "tick": self._tick, "losses": [list(x) for x in self._losses],
+            "tick": self._tick, "losses": [list(x) for x in self._losses], "lrs": [list(x) for x in self._lrs],
             "history": copy.deepcopy(self._history), "cooldown_until": self._cooldown_until,
             "budget": list(self._budget), "incident": copy.deepcopy(self._incident), "stopped": self.stopped,
         }
@@ -429,6 +436,7 @@ class Engine:
             raise ValueError(f"engine.state.runbook is {state.get('runbook')!r}, not {self.runbook.name!r}")
         self._salt, self._counter, self._tick = state["salt"], state["counter"], state["tick"]
         self._losses = deque(((int(s), float(v)) for s, v in state["losses"]), maxlen=self._losses.maxlen)
+        self._lrs = deque(((int(s), float(v)) for s, v in state.get("lrs", [])), maxlen=self._lrs.maxlen)
         self._history = copy.deepcopy(state["history"])
         self._cooldown_until, self._budget = state["cooldown_until"], list(state["budget"])
         self._incident, self.stopped = copy.deepcopy(state["incident"]), bool(state["stopped"])
