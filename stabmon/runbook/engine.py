@@ -199,6 +199,9 @@ class Engine:
             if self._tick - inc["decision_tick"] >= self.runbook.approval.timeout:
                 return self._timeout(record.step)
             return []
+        rule = self.runbook.rule(inc["rule"])
+        if inc["decision"]["action"] == "alert_only" and self._acting(anomalies, rule):
+            return self._supersede(record, anomalies)  # whenever it comes: an alert has nothing to wait for
         eff = inc.get("effective_step")
         if eff is not None and record.step < eff and inc.get("error") is None:
             return []
@@ -206,9 +209,6 @@ class Engine:
             if record.step != inc["await_step"]:
                 return []
             inc["await_step"] = None
-        rule = self.runbook.rule(inc["rule"])
-        if inc["decision"]["action"] == "alert_only" and self._acting(anomalies, rule):
-            return self._supersede(record, anomalies)
         matched = sum(1 for a in anomalies if rule.when.matches(a))
         signal = record.get(inc["metric"])
         inc["window"].append([record.step, _num(record.get(Metric.LOSS)), _num(signal), matched])
