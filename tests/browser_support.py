@@ -131,7 +131,8 @@ async def _drive(ws_url: str, url: str, expressions: dict[str, str], width: int)
 def open_page(path: Path, expressions: dict[str, str] | None = None, *, width: int = 1280) -> PageLoad:
     """Load ``path`` in a fresh headless Chromium; evaluate ``expressions`` after load; take a full screenshot."""
     binary = chromium_binary()
-    with tempfile.TemporaryDirectory(prefix="stabmon-chromium-") as profile:
+    # chromium's helper processes may still be writing to the profile as it is removed: leave what they hold
+    with tempfile.TemporaryDirectory(prefix="stabmon-chromium-", ignore_cleanup_errors=True) as profile:
         proc, port = _start(binary, profile)
         try:
             return asyncio.run(_drive(_page_ws(port), path.resolve().as_uri(), expressions or {}, width))
