@@ -240,3 +240,28 @@ def test_contract(name: str) -> None:
     clone.load_state_dict(pickle.loads(pickle.dumps(sd)))
     assert clone.state_dict() == sd
     assert clone.applied and (clone.revertible == cls.revertible)
+
+
+def test_rollback_lr_cap_is_a_fraction_of_the_onset_lr_and_halves_on_each_repeat() -> None:
+    from stabmon.interventions.rollback import Rollback
+    from stabmon.overrides import Overrides
+
+    class Target:
+        overrides = Overrides()
+        step = 200
+
+        def hparams(self) -> dict[str, float]:
+            return {"lr": 0.3}
+
+        def rollback(self, **_: object) -> dict[str, object]:
+            return {"checkpoint_step": 100, "restored_step": 100}
+
+    t = Target()
+    first = Rollback(t, {"onset_step": 150, "onset_lr": 0.2, "lr_cap": 0.5}, decision_id="d1").apply()
+    assert first.after["lr_cap"] == pytest.approx(0.1) and t.overrides.scaled_lr(0.3) == pytest.approx(0.1)
+    again = Rollback(t, {"onset_step": 150, "onset_lr": 0.2, "lr_cap": 0.5}, decision_id="d2").apply()
+    assert again.before["lr_cap"] == pytest.approx(0.1) and again.after["lr_cap"] == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="lr_cap"):
+        Rollback(t, {"lr_cap": 1.5}, decision_id="d3")
+    with pytest.raises(ValueError, match=r"^overrides.lr_cap must be > 0, got 0.0$"):
+        Overrides(lr_cap=0.0)
