@@ -109,9 +109,8 @@ class _Counting:
         self.inner, self.clips, self.acted, self.skips, self.first = inner, inner.clips, 0, 0, None
 
     def on_step(self, step: int, loss: Any, model: Any) -> str:
-        clip_to = getattr(getattr(self.inner, "rule", None), "clip_to", "n/a")
         action = self.inner.on_step(step, loss, model)
-        adaptive_clip = clip_to != "n/a" and getattr(self.inner.rule, "clip_to", None) is not None
+        adaptive_clip = getattr(getattr(self.inner, "rule", None), "clip_to", None) is not None  # ZClip clipped
         if action != "step" or adaptive_clip:
             self.acted += 1
             self.first = step if self.first is None else self.first
