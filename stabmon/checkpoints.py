@@ -1,9 +1,8 @@
 """Checkpoints that are distrusted until checked: atomic saves, a registry, validation, last-known-good.
 
 :class:`CheckpointManager` saves state dicts atomically (temporary file in the same directory, ``fsync``,
-rename,
-``fsync`` of the directory), keeps the newest ``keep`` of its own files, and records every checkpoint (its
-own and the user's, via :meth:`CheckpointManager.register`) with step, path and byte count in
+rename, ``fsync`` of the directory), keeps the newest ``keep`` of its own files, and records every checkpoint
+(its own and the user's, via :meth:`CheckpointManager.register`) with step, path and byte count in
 ``registry.json`` beside the files, and in the store when a sink is given. Before a checkpoint is used it
 is validated, in order: the file exists -> its size is the recorded byte count -> it loads
 (``torch.load(weights_only=True)`` unless told otherwise) -> every floating-point tensor in it is finite.
@@ -11,8 +10,7 @@ is validated, in order: the file exists -> its size is the recorded byte count -
 ones and returns the first that passes.
 
 :class:`KillSwitch` watches for a file whose appearance asks the run to checkpoint and stop; the process
-then exits
-with :data:`STOP_EXIT_CODE`.
+then exits with :data:`STOP_EXIT_CODE`.
 
 torch is imported only when a checkpoint is saved or loaded.
 """

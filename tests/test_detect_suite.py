@@ -154,7 +154,7 @@ def test_hang_watchdog_fires_once_per_hang_and_rearms() -> None:
     dog.beat(6)
     clock.now += 61
     assert dog.check() is not None
-    with pytest.raises(ValueError, match="detectors.hang.timeout must be > 0"):
+    with pytest.raises(ValueError, match="hang timeout must be > 0"):
         HangWatchdog(timeout=0, callback=lambda a: None)
 
 

@@ -59,7 +59,7 @@ class HangWatchdog:
                  clock: Callable[[], float] = time.monotonic, factor: float = 10.0, floor: float = 300.0,
                  learn_after: int = 20, window: int = 200, stacks: bool = True, label: str = "") -> None:
         if not timeout > 0:
-            raise ValueError(f"detectors.hang.timeout must be > 0, got {timeout!r}")
+            raise ValueError(f"hang timeout must be > 0, got {timeout!r}")
         self.timeout = float(timeout)
         self.callback = callback
         self.factor, self.floor, self.learn_after = float(factor), float(floor), int(learn_after)

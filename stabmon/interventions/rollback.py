@@ -2,12 +2,10 @@
 
 The target (the live monitor, or the replay simulator) does the work through
 :class:`stabmon.checkpoints.CheckpointManager`: it looks for a checkpoint saved at least ``lookback`` steps
-before
-``onset_step``, validates it (exists, byte count, loads, finite tensors) and falls back to older ones,
+before ``onset_step``, validates it (exists, byte count, loads, finite tensors) and falls back to older ones,
 restores model, optimizer, scaler, scheduler, monitor state and step counter, and skips the next
 ``skip_batches`` batches through the monitor's data position, recording every skipped index. PaLM's recipe:
-``lookback: 100`` and
-``skip_batches`` between 200 and 500. A rollback cannot be reverted.
+``lookback: 100`` and ``skip_batches`` between 200 and 500. A rollback cannot be reverted.
 
 ``onset_step`` is filled in by the engine (the first step of the incident's evidence); a runbook does not
 set it.
