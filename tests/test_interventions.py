@@ -20,6 +20,7 @@ from stabmon.interventions import (
     get_intervention,
     register,
 )
+from stabmon.interventions.base import NoChange
 from stabmon.overrides import Overrides
 from stabmon.pipeline import ExecutorLike, InterventionTarget
 
@@ -265,3 +266,53 @@ def test_rollback_lr_cap_is_a_fraction_of_the_onset_lr_and_halves_on_each_repeat
         Rollback(t, {"lr_cap": 1.5}, decision_id="d3")
     with pytest.raises(ValueError, match=r"^overrides.lr_cap must be > 0, got 0.0$"):
         Overrides(lr_cap=0.0)
+
+
+@pytest.mark.parametrize(("action", "params", "why"), [
+    ("set_clip", {"max_norm": 3.0}, "set_clip only lowers clip: 2.5 now, the rung gives 3"),  # would loosen
+    ("set_clip", {"max_norm": 2.5}, "set_clip only lowers clip: 2.5 now, the rung gives 2.5"),  # no change
+    ("set_beta2", {"beta2": 0.98}, "set_beta2 only lowers beta2: 0.98 now, the rung gives 0.98"),
+    ("set_weight_decay", {"weight_decay": 0.01}, "only raises weight_decay: 0.05 now, the rung gives 0.01"),
+    ("scale_lr", {"factor": 1.5}, "scale_lr only lowers lr: 1 now, the rung gives 1.5"),
+])
+def test_a_change_the_harmful_way_or_none_at_all_is_skipped_and_recorded(action, params, why) -> None:
+    t = FakeTarget()
+    with pytest.raises(NoChange, match=why):
+        get_intervention(action)(t, params, decision_id="d").apply()
+    assert t.overrides == Overrides()  # nothing touched
+    ex = LiveExecutor(t)
+    rec = ex.execute(decision(action, params))
+    assert rec is not None and why in rec.after["skipped"] and "error" not in rec.after and ex.errors == 0
+
+
+def test_scale_lr_during_a_warm_up_at_lr_zero_still_applies_to_later_steps() -> None:
+    t = FakeTarget()
+    t.base["lr"] = 0.0
+    get_intervention("scale_lr")(t, {"factor": 0.5}, decision_id="d").apply()
+    assert t.overrides.lr_scale == 0.5
+
+
+def test_weight_decay_scales_each_param_group_from_its_own_value_and_groups_at_zero_stay_at_zero() -> None:
+    import torch
+
+    from stabmon.monitor import Monitor
+
+    decay, no_decay, other = (torch.nn.Parameter(torch.ones(3)) for _ in range(3))
+    optimizer = torch.optim.AdamW([
+        {"params": [decay], "weight_decay": 0.1},
+        {"params": [no_decay], "weight_decay": 0.0},
+        {"params": [other], "weight_decay": 0.05},
+    ], lr=1e-3)
+    seen: list[list[float]] = []
+    monitor = Monitor(torch.nn.ParameterList([decay, no_decay, other]), optimizer, store=None)
+    optimizer.register_step_pre_hook(lambda opt, *_: seen.append([g["weight_decay"] for g in opt.param_groups]))
+    assert monitor.hparams()["weight_decay"] == pytest.approx(0.1)
+    monitor.overrides.weight_decay = 0.2  # what set_weight_decay does
+    assert monitor.hparams()["weight_decay"] == pytest.approx(0.2)
+    for _, _ in monitor.steps(range(1)):
+        (decay.sum() + no_decay.sum() + other.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.close()
+    assert seen == [[pytest.approx(0.2), 0.0, pytest.approx(0.1)]]
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0, 0.05]  # the optimizer's own, after

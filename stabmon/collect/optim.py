@@ -13,8 +13,9 @@ The pre-hook runs inside ``optimizer.step()``:
 3. the skip_step guard (``overrides.skip_factor``, :class:`~stabmon.collect.guard.SkipGuard`): ``skip = norm >
    k x running mean`` (or non-finite) on the device;
 4. clipping with the clamped coefficient, reusing that norm;
-5. overrides: effective ``lr = scheduler lr x lr_scale``, ``beta2`` and ``weight_decay`` written into the
-   param groups.
+5. overrides: effective ``lr = scheduler lr x lr_scale`` (at most ``lr_cap``) and ``beta2`` written into the
+   param groups; ``weight_decay`` sets the decaying groups' value, scaling each from its own (groups at 0 stay
+   at 0).
 
 The post-hook restores the scheduler-visible values (so a scheduler keeps its own trajectory and can never
 undo an override) and lets the guard finish: with fused Adam/AdamW the flagged update never happened (the flag
@@ -113,10 +114,9 @@ class OptimizerHooks:
         betas = group.get("betas")
         if betas is not None:
             out["beta2"] = float(o.beta2 if o.beta2 is not None else betas[1])
-        if "weight_decay" in group:
-            out["weight_decay"] = float(
-                o.weight_decay if o.weight_decay is not None else group["weight_decay"]
-            )
+        decaying = _decaying_group(self.optimizer.param_groups)
+        if decaying is not None:
+            out["weight_decay"] = float(o.weight_decay if o.weight_decay is not None else decaying["weight_decay"])
         mn = self.max_norm()
         out["clip"] = float(mn) if mn is not None else float("inf")
         return out
@@ -184,6 +184,8 @@ class OptimizerHooks:
     def _apply_overrides(self) -> None:
         o = self._overrides()
         self._saved_groups = []
+        decaying = _decaying_group(self.optimizer.param_groups) if o.weight_decay is not None else None
+        base = decaying["weight_decay"] if decaying is not None else 0.0
         for group in self.optimizer.param_groups:
             saved: dict[str, Any] = {}
             if (o.lr_scale != 1.0 or o.lr_cap is not None) and "lr" in group:
@@ -192,9 +194,11 @@ class OptimizerHooks:
             if o.beta2 is not None and "betas" in group:
                 saved["betas"] = group["betas"]
                 group["betas"] = (group["betas"][0], o.beta2)
-            if o.weight_decay is not None and "weight_decay" in group:
+            if o.weight_decay is not None and "weight_decay" in group and (group["weight_decay"] or not base):
+                # relative to each group's own value; groups without decay (norms, biases) keep 0 unless no
+                # group decays at all
                 saved["weight_decay"] = group["weight_decay"]
-                group["weight_decay"] = o.weight_decay
+                group["weight_decay"] = group["weight_decay"] * o.weight_decay / base if base else o.weight_decay
             self._saved_groups.append(saved)
 
     def learn_host(self, grad_norm: float | None, skipped: bool) -> None:
@@ -206,6 +210,13 @@ class OptimizerHooks:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.guard.load_state_dict(state)
+
+
+def _decaying_group(groups: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The param group whose weight decay is the run's (the first with a non-zero one; else the first that has
+    one): the value ``weight_decay`` reports and overrides replace. The others scale with it."""
+    having = [g for g in groups if "weight_decay" in g]
+    return next((g for g in having if g["weight_decay"]), having[0] if having else None)
 
 
 def _unscaled(result: GradResult, grad_scale: torch.Tensor) -> GradResult:

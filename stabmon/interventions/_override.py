@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from stabmon.interventions.base import Intervention
+from stabmon.interventions.base import Intervention, NoChange
 
 
 class OverrideIntervention(Intervention):
@@ -18,6 +18,9 @@ class OverrideIntervention(Intervention):
 
     field: ClassVar[str] = ""
     hparam: ClassVar[str] = ""
+    direction: ClassVar[int] = 0
+    """-1: the change may only lower the value in force (LR, clip, beta2); +1: only raise it (weight decay);
+    0: any change. A change the other way, or none at all, raises :class:`NoChange` and touches nothing."""
     revertible = True
 
     def _new_value(self, current: Any) -> Any:
@@ -34,6 +37,7 @@ class OverrideIntervention(Intervention):
         old = getattr(overrides, self.field)
         new = self._new_value(old)
         in_force = self._in_force()
+        self._check_direction(*self._compared(in_force, old, new))
         setattr(overrides, self.field, new)
         try:
             overrides.validate()
@@ -48,6 +52,17 @@ class OverrideIntervention(Intervention):
             before[self.field] = in_force
         return before, after
 
+    def _compared(self, in_force: Any, old: Any, new: Any) -> tuple[Any, Any]:
+        """(value now, value the change would give) that ``direction`` is checked on."""
+        return in_force, self._expected(in_force, old, new)
+
+    def _check_direction(self, now: Any, then: Any) -> None:
+        if not self.direction or not isinstance(now, (int, float)) or not isinstance(then, (int, float)):
+            return  # a value the target cannot report is not second-guessed
+        if (then - now) * self.direction <= 0:
+            way = "lowers" if self.direction < 0 else "raises"
+            raise NoChange(f"{self.name} only {way} {self.hparam}: {_fmt(now)} now, the rung gives {_fmt(then)}")
+
     def _expected(self, in_force: Any, old: Any, new: Any) -> Any:
         """The hyper-parameter value in force once the override applies (at the next optimizer step)."""
         return new
@@ -57,3 +72,7 @@ class OverrideIntervention(Intervention):
         current = getattr(overrides, self.field)
         setattr(overrides, self.field, self._undo["value"])
         return {self.field: current}, {self.field: self._undo["value"]}
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.6g}"

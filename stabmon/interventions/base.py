@@ -29,6 +29,11 @@ class InterventionError(RuntimeError):
     """An intervention could not be applied or reverted (wrong state, or the target refused)."""
 
 
+class NoChange(InterventionError):
+    """The intervention would change nothing, or would move a value the harmful way (loosen clipping, raise the
+    LR, raise beta2, lower weight decay): it is skipped, recorded as skipped, and the runbook moves on."""
+
+
 class Params(BaseModel):
     """Base of every intervention's parameter model: unknown fields and silent type coercion are refused."""
 

@@ -3,9 +3,10 @@
 :class:`LiveExecutor` is the :class:`~stabmon.pipeline.ExecutorLike` the monitor uses (the replay simulator
 can use it too, with ``simulated=True`` and a simulated target). It looks the action up in the registry,
 builds the intervention, applies it and returns its audit record; a ``revert`` decision undoes the
-intervention named in
-``params["intervention_id"]``. A failure is caught, logged and counted, never raised into training: the
-returned record then carries ``after["error"]`` and the engine judges the rung as failed.
+intervention named in ``params["intervention_id"]``. A failure is caught, logged and counted, never raised
+into training: the returned record then carries ``after["error"]`` and the engine judges the rung as failed. A
+change that would do nothing or move a value the harmful way (:class:`~stabmon.interventions.base.NoChange`)
+is not applied: the record carries ``after["skipped"]`` with the reason.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from stabmon.events import Decision, InterventionRecord
-from stabmon.interventions.base import Intervention
+from stabmon.interventions.base import Intervention, NoChange
 from stabmon.pipeline import InterventionTarget
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,12 @@ class LiveExecutor:
             if decision.action == "revert":
                 return self._revert(decision)
             return self._apply(decision)
+        except NoChange as exc:  # nothing to do, or only harm to do: skipped, not failed
+            log.info("stabmon: %s for decision %s skipped: %s", decision.action, decision.id, exc)
+            return InterventionRecord(
+                decision_id=decision.id, step=_step(self.target), action=decision.action, before={},
+                after={"skipped": str(exc)}, simulated=self.simulated,
+            )
         except Exception as exc:  # noqa: BLE001 - never raise into training
             self.errors += 1
             log.exception("stabmon: %s for decision %s failed", decision.action, decision.id)

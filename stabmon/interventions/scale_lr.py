@@ -44,12 +44,16 @@ class ScaleLr(OverrideIntervention):
     name = "scale_lr"
     Params = ScaleLrParams
     field = "lr_scale"
+    direction = -1
     hparam = "lr"
 
     def _new_value(self, current: Any) -> Any:
         p = self.params
         assert isinstance(p, ScaleLrParams)
         return current * p.factor if p.factor is not None else p.scale
+
+    def _compared(self, in_force: Any, old: Any, new: Any) -> tuple[Any, Any]:
+        return old, new  # the scales: a schedule at LR 0 (warm-up) still takes the cut for its later steps
 
     def _expected(self, in_force: Any, old: Any, new: Any) -> Any:
         if in_force is None:

@@ -31,6 +31,7 @@ class SetBeta2(OverrideIntervention):
     name = "set_beta2"
     Params = SetBeta2Params
     field = "beta2"
+    direction = -1
     hparam = "beta2"
 
     def _new_value(self, current: Any) -> Any:

@@ -31,6 +31,7 @@ class SetClip(OverrideIntervention):
     name = "set_clip"
     Params = SetClipParams
     field = "max_norm"
+    direction = -1
     hparam = "clip"
 
     def _new_value(self, current: Any) -> Any:

@@ -31,6 +31,7 @@ class SetWeightDecay(OverrideIntervention):
     name = "set_weight_decay"
     Params = SetWeightDecayParams
     field = "weight_decay"
+    direction = 1
     hparam = "weight_decay"
 
     def _new_value(self, current: Any) -> Any:
