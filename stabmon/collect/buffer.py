@@ -12,9 +12,10 @@ pinned memory with ``non_blocking=True`` on CUDA, then one event wait) and split
 >>> buf.add(["loss"], torch.tensor(2.5))
 >>> buf.add(["grad_norm/a", "grad_norm/b"], torch.tensor([0.5, 1.0]))
 >>> buf.add_host("lr", 0.1)
+>>> buf.add(["loss"], torch.tensor(1.5))  # a second micro-batch of the same step: the step keeps the mean
 >>> buf.end(time=None)
 >>> [r.metrics for r in buf.drain()]
-[{'lr': 0.1, 'loss': 2.5, 'grad_norm/a': 0.5, 'grad_norm/b': 1.0}]
+[{'lr': 0.1, 'loss': 2.0, 'grad_norm/a': 0.5, 'grad_norm/b': 1.0}]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class _Pending:
     step: int
     batch_index: int | None
     host: dict[str, float] = field(default_factory=dict)
+    host_counts: dict[str, int] = field(default_factory=dict)
     names: list[str] = field(default_factory=list)
     time: float | None = None
 
@@ -88,8 +90,14 @@ class StepBuffer:
         self._current = None
 
     def add_host(self, name: str, value: float) -> None:
-        if self._current is not None:
-            self._current.host[name] = float(value)
+        """Queue a host value for the open step; a name given again in the same step keeps the mean (gradient
+        accumulation: one loss per micro-batch)."""
+        if self._current is None:
+            return
+        host, counts = self._current.host, self._current.host_counts
+        n = counts.get(name, 0)
+        host[name] = float(value) if n == 0 else host[name] + (float(value) - host[name]) / (n + 1)
+        counts[name] = n + 1
 
     def end(self, *, time: float | None) -> None:
         if self._current is None:
@@ -116,11 +124,8 @@ class StepBuffer:
         for p, more in zip(steps, extra, strict=True):
             metrics = dict(p.host)
             metrics.update(more)
-            for name in p.names:
-                value = values[i]
-                if value is not None:  # a value that could not be read costs that value only
-                    metrics[name] = value
-                i += 1
+            metrics.update(_means(p.names, values[i : i + len(p.names)]))
+            i += len(p.names)
             records.append(StepRecord(step=p.step, metrics=metrics, batch_index=p.batch_index, time=p.time))
         return records
 
@@ -165,6 +170,18 @@ class StepBuffer:
         done.record()
         done.synchronize()
         return host.tolist()
+
+
+def _means(names: Sequence[str], values: Sequence[float | None]) -> dict[str, float]:
+    """Each name's value; a name queued more than once in a step (one loss per micro-batch) gets the mean. A
+    value that could not be read (None) costs that value only."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for name, value in zip(names, values, strict=True):
+        if value is not None:
+            sums[name] = sums.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+    return {name: total if counts[name] == 1 else total / counts[name] for name, total in sums.items()}
 
 
 def _flat(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
