@@ -12,10 +12,23 @@ runbook_app = typer.Typer(help="Validate, list and show runbooks.", no_args_is_h
 
 
 @runbook_app.command("validate")
-def validate(file: Annotated[str, typer.Argument(help="Runbook YAML file (or a bundled name).")]) -> None:
+def validate(
+    file: Annotated[str, typer.Argument(help="Runbook YAML file (or a bundled name).")],
+    hparams: Annotated[
+        str | None,
+        typer.Option(
+            "--hparams",
+            help="The optimizer's values in force, e.g. clip=1.0,beta2=0.95,weight_decay=0.1: warn about rungs "
+            "that would change nothing or move a value the harmful way (leave a key out if the optimizer "
+            "has no such setting).",
+        ),
+    ] = None,
+) -> None:
     """Validate a runbook; print every problem as FILE:LINE: field.path: message."""
     from stabmon.runbook import RunbookError, load_runbook
+    from stabmon.runbook.fit import fit_warnings
 
+    given = _parse_hparams(hparams) if hparams is not None else None
     try:
         rb = load_runbook(file)
     except RunbookError as exc:
@@ -24,6 +37,21 @@ def validate(file: Annotated[str, typer.Argument(help="Runbook YAML file (or a b
         raise typer.Exit(code=1) from None
     rungs = sum(len(r.ladder) for r in rb.rules)
     typer.echo(f"ok: {rb.name} ({rb.mode} mode, {len(rb.rules)} rules, {rungs} rungs)")
+    for line in fit_warnings(rb, given) if given is not None else []:
+        typer.echo(f"warning: {line}", err=True)
+
+
+def _parse_hparams(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not key.strip():
+            fail(f"--hparams: expected name=number, got {item!r}")
+    return out
 
 
 @runbook_app.command("list")

@@ -1,0 +1,58 @@
+"""Does a runbook fit the optimizer in force? Warnings for rungs that would change nothing or cannot act.
+
+A rung that would move a value the harmful way, or not at all, is skipped when it comes (see
+:class:`~stabmon.interventions.base.NoChange`); this module says so before the run starts, so the person who
+chose the runbook can pick another. Each rule's ladder is walked in order with the values in force, so
+OPT-175B's clipping ladder ``1.5 -> 1.0`` on a run that already clips at 1.0 reports both rungs.
+
+>>> from stabmon.runbook import load_runbook
+>>> for line in fit_warnings(load_runbook("opt175b"), {"clip": 1.0, "beta2": 0.95, "weight_decay": 0.1}):
+...     print(line)
+rule instability rung 1: set_clip to 1.5 would not lower clip (1 in force): it will be skipped
+rule instability rung 2: set_clip to 1 would not lower clip (1 in force): it will be skipped
+rule instability rung 3: set_beta2 to 0.95 would not lower beta2 (0.95 in force): it will be skipped
+rule instability rung 4: set_weight_decay to 0.1 would not raise weight_decay (0.1 in force): it will be skipped
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from stabmon.runbook.schema import Runbook
+
+_SET = {  # action -> (parameter, hyper-parameter, direction: -1 lowers, +1 raises)
+    "set_clip": ("max_norm", "clip", -1),
+    "set_beta2": ("beta2", "beta2", -1),
+    "set_weight_decay": ("weight_decay", "weight_decay", 1),
+}
+
+
+def fit_warnings(
+    runbook: Runbook, hparams: Mapping[str, float], *, checkpoints: bool | None = None
+) -> list[str]:
+    """One line per rung that cannot act on a run with these ``hparams`` (as
+    :meth:`~stabmon.monitor.Monitor.hparams` reports them: a missing key means the optimizer has no such
+    setting). ``checkpoints=False`` also reports rollbacks, which need checkpoints to restore."""
+    out: list[str] = []
+    for rule in runbook.rules:
+        in_force = dict(hparams)
+        for i, rung in enumerate(rule.ladder, start=1):
+            where = f"rule {rule.name} rung {i}: {rung.action}"
+            if rung.action == "rollback" and checkpoints is False:
+                out.append(f"{where} needs checkpoints (checkpoint_dir or checkpoint_every): it will fail")
+            if rung.action == "scale_lr" and rung.params.factor is not None and rung.params.factor >= 1:
+                out.append(f"{where} factor {rung.params.factor:g} would not lower the LR: it will be skipped")
+            if rung.action not in _SET:
+                continue
+            param, hparam, direction = _SET[rung.action]
+            target = float(getattr(rung.params, param))
+            if hparam not in in_force:
+                out.append(f"{where}: the optimizer has no {hparam}: it will change nothing")
+                continue
+            now = float(in_force[hparam])
+            if (target - now) * direction <= 0:
+                way = "lower" if direction < 0 else "raise"
+                out.append(f"{where} to {target:g} would not {way} {hparam} ({now:g} in force): it will be skipped")
+            else:
+                in_force[hparam] = target
+    return out
