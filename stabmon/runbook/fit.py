@@ -17,6 +17,7 @@ rule instability rung 4: set_weight_decay to 0.1 would not raise weight_decay (0
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from stabmon.runbook.schema import Runbook
 
@@ -36,7 +37,8 @@ def fit_warnings(
     out: list[str] = []
     for rule in runbook.rules:
         in_force = dict(hparams)
-        for i, rung in enumerate(rule.ladder, start=1):
+        ladder: list[Any] = list(rule.ladder)  # one pydantic model per action
+        for i, rung in enumerate(ladder, start=1):
             where = f"rule {rule.name} rung {i}: {rung.action}"
             if rung.action == "rollback" and checkpoints is False:
                 out.append(f"{where} needs checkpoints (checkpoint_dir or checkpoint_every): it will fail")
