@@ -78,3 +78,12 @@ def store_session(db: str | None) -> Iterator[Any]:
     finally:
         engine.dispose()
 
+
+
+def console() -> Any:
+    """A rich console for tables: the terminal's width on a terminal (or ``$COLUMNS``); piped into a file or
+    another program, wide enough that no row wraps."""
+    from rich.console import Console
+
+    piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
+    return Console(width=1000 if piped else None)

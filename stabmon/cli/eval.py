@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stabmon.cli._common import fail, print_json
+from stabmon.cli._common import console, fail, print_json
 from stabmon.cli.replay import SetOption
 from stabmon.replay.progress import progress_bar, wanted
 
@@ -74,10 +74,9 @@ def _check_runbook(runbook: str) -> None:
 
 
 def _print(report: Any) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    out = console()
     methods = list(report.summary)
     for category, title in (
         ("numeric", "numeric incidents"),
@@ -99,13 +98,13 @@ def _print(report: Any) -> None:
                 )
                 cells.append("error" if r["error"] else (f"lead {r['lead_steps']}" if r["detected"] else "-"))
             table.add_row(key[0][-48:], f"{key[1]}-{key[2]}", key[3][:28], *cells)
-        console.print(table)
+        out.print(table)
     fa = Table("run", "steps", *methods, title="false alarms (alert episodes outside incident windows)")
     for run in dict.fromkeys(r["file"] for r in report.files):
         by_method = {r["method"]: r for r in report.files if r["file"] == run}
         first = next(iter(by_method.values()))
         fa.add_row(run[-48:], str(first["steps"]), *(str(by_method[m]["false_alarms"]) for m in methods))
-    console.print(fa)
+    out.print(fa)
     summary = Table(
         "method",
         "recall",
@@ -129,13 +128,13 @@ def _print(report: Any) -> None:
             per10k = round(1e4 * s["false_alarms_at_error"] / steps, 3) if steps else None
             summary.add_row(f"{m} (error+)", str(s["recall_at_error"]), "-", "-",
                             str(s["false_alarms_at_error"]), str(per10k))
-    console.print(summary)
+    out.print(summary)
     stab = [r for r in report.files if r["method"] == "stabmon" and r.get("intervention_decisions")]
     for r in stab:
-        console.print(f"stabmon would have intervened {r['intervention_decisions']} time(s) on {r['file']}")
+        out.print(f"stabmon would have intervened {r['intervention_decisions']} time(s) on {r['file']}")
     errors = {r["file"]: r["error"] for r in report.files if r["error"]}
     for run, err in errors.items():
-        console.print(f"[yellow]not evaluated[/yellow] {run}: {err}")
+        out.print(f"[yellow]not evaluated[/yellow] {run}: {err}")
 
 
 def register(app: typer.Typer) -> None:

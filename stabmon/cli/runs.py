@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stabmon.cli._common import DbOption, fail, print_json, store_session
+from stabmon.cli._common import DbOption, console, fail, print_json, store_session
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
 
@@ -20,7 +20,6 @@ def _fmt(v: float | None) -> str:
 
 def runs(db: DbOption = None, as_json: JsonOption = False) -> None:
     """List recorded runs, newest first."""
-    from rich.console import Console
     from rich.table import Table
 
     from stabmon.store import repo
@@ -39,7 +38,7 @@ def runs(db: DbOption = None, as_json: JsonOption = False) -> None:
     for r in found:
         started = r.started_at.strftime("%Y-%m-%d %H:%M")
         table.add_row(r.id, r.name, r.kind, r.status, str(r.steps), str(r.anomalies), started)
-    Console().print(table)
+    console().print(table)
 
 
 def summarize(df: Any) -> list[dict[str, Any]]:
@@ -73,7 +72,6 @@ def metrics(
 ) -> None:
     """Summarise a run's metrics: values recorded (n), non-finite count, last step and value, and min / max /
     mean of the finite values. --json prints every row instead."""
-    from rich.console import Console
     from rich.table import Table
 
     from stabmon.store import repo
@@ -97,7 +95,7 @@ def metrics(
     for m in summarize(df):
         values = [_fmt(m[k]) for k in ("last", "min", "max", "mean")]
         table.add_row(m["name"], str(m["points"]), str(m["nonfinite"]), str(m["last_step"]), *values)
-    Console().print(table)
+    console().print(table)
 
 
 def register(app: typer.Typer) -> None:
