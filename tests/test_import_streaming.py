@@ -120,3 +120,16 @@ def test_every_real_run_reads_the_same_with_tiny_blocks_and_a_spilling_table(
         assert _records(p) == default[p], p.name
         spilled += len(default[p][1]) > 3
     assert spilled >= 10 and sum(len(v[1]) for v in default.values()) > 100_000
+
+
+def test_events_are_kept_up_to_a_bound_and_counted(tmp_path: Path) -> None:
+    from stabmon.replay.importers import megatron
+    from stabmon.replay.importers.base import ImportResult
+
+    over = "[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 4096.0, reducing to 2048.0\n"
+    it = " iteration {}/ 5000 | lm loss: 2.0 | loss scale: 2048.0 | grad norm: 1.0 |\n"
+    p = tmp_path / "log.txt"
+    p.write_text("".join(over + it.format(s) for s in range(1, 1501)))
+    r = megatron.read(p)
+    assert len(r.events) == ImportResult.MAX_EVENTS and r.events_total == 1500
+    assert len(r) == 1500 and all(x.metrics["overflow"] == 1.0 for x in r.records)
