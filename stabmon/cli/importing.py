@@ -116,7 +116,8 @@ def _store_run(run: str, result: ImportResult, files: list[Path], db: str | None
                 complete, queued = store.flush(IMPORT_FLUSH_TIMEOUT), 0
                 if not complete:
                     break
-        store.end_run(run_id=run_id, status="completed" if complete else "failed")
+        if complete:
+            store.end_run(run_id=run_id, status="completed")
         if not complete or not store.flush(IMPORT_FLUSH_TIMEOUT) or store.stats.rejected_batches:
             store.end_run(run_id=run_id, status="failed")
             fail(f"import of run {run!r} [{run_id}] is incomplete: the database did not take every row "
