@@ -86,7 +86,7 @@ def main() -> None:
                          "busy machine slowing one of them down does not skew the ratio")
     args = ap.parse_args()
 
-    from stabmon.replay.importers.detect import import_file
+    from stabmon.replay.importers.sniff import import_file
     from stabmon.replay.replay import build_pipeline, replay
 
     records = import_file(args.log).records if args.log else synthetic(args.steps, args.seed)

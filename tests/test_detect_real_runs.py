@@ -85,7 +85,7 @@ def test_loss_scale_collapse_in_tr8b_overflow_storm_with_a_mid_run_baseline(real
 
 @pytest.mark.slow
 def test_polypythias_collapse_after_resume_and_stable_control(real_runs: Path) -> None:
-    from stabmon.replay.importers.detect import import_files
+    from stabmon.replay.importers.sniff import import_files
 
     base = real_runs / "polypythias-wandb-lm-loss"
     outlier = import_files(sorted(base.glob("410m-seed3_*.tsv")))

@@ -11,12 +11,12 @@ import pytest
 
 from stabmon.events import Metric
 from stabmon.replay.importers import fairseq, generic, tensorboard, wandb
-from stabmon.replay.importers.detect import (
+from stabmon.replay.importers.sniff import (
     UnknownFormatError,
-    detect_format,
     formats,
     import_file,
     import_files,
+    sniff_format,
 )
 from stabmon.replay.stitch import group_segments, run_key, stitch
 
@@ -179,7 +179,7 @@ def test_tensorboard_event_file(tmp_path: Path) -> None:
             writer.add_event(event_pb2.Event(step=step, wall_time=1000.0 + step, summary=summary))
     writer.close()
     files = list(tmp_path.glob("events.out.tfevents.*"))
-    assert detect_format(files[0]).FORMAT == "tensorboard"
+    assert sniff_format(files[0]).FORMAT == "tensorboard"
     r = import_file(files[0])
     assert [(x.step, x.get("loss"), x.get("grad_norm")) for x in r.records] == [
         (0, 3.0, 1.0),
@@ -205,8 +205,8 @@ def test_tensorboard_missing_package_is_reported(tmp_path: Path, monkeypatch: py
 
 # -- detection -------------------------------------------------------------------------------------
 def test_detection_on_real_files(real_runs: Path) -> None:
-    assert detect_format(real_runs / FAIRSEQ).FORMAT == "fairseq"
-    assert detect_format(real_runs / PYTHIA / "160m-seed4_pxnucujw.tsv").FORMAT == "wandb"
+    assert sniff_format(real_runs / FAIRSEQ).FORMAT == "fairseq"
+    assert sniff_format(real_runs / PYTHIA / "160m-seed4_pxnucujw.tsv").FORMAT == "wandb"
     assert {"fairseq", "wandb", "tensorboard", "generic"} <= set(formats())
     assert formats()[-1] == "generic"  # the catch-all is tried last
 
@@ -215,6 +215,6 @@ def test_unknown_format(tmp_path: Path) -> None:
     p = tmp_path / "x.txt"
     p.write_text("hello there\nnothing to see\n")
     with pytest.raises(UnknownFormatError, match="format not recognised"):
-        detect_format(p)
+        sniff_format(p)
     with pytest.raises(UnknownFormatError, match="unknown format 'nope'"):
         import_file(p, format="nope")

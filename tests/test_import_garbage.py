@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stabmon.replay.importers.base import ImportResult
-from stabmon.replay.importers.detect import detect_format, importers
+from stabmon.replay.importers.sniff import importers, sniff_format
 
 MODULES = importers()
 IDS = [m.FORMAT for m in MODULES]
@@ -78,7 +78,7 @@ def test_detection_never_raises_on_bytes(data: bytes) -> None:
     p = d / "blob.bin"
     p.write_bytes(data)
     try:
-        mod = detect_format(p)
+        mod = sniff_format(p)
     except ValueError:
         return
     assert isinstance(mod.read(p), ImportResult)

@@ -26,12 +26,12 @@ def test_every_fragment_reads_without_problems(real_runs: Path) -> None:
 
 
 def test_auto_detection_picks_these_importers(real_runs: Path) -> None:
-    from stabmon.replay.importers.detect import detect_format
+    from stabmon.replay.importers.sniff import sniff_format
 
     expect = {CHRON: "megatron", "deepspeed-chat-opt": "deepspeed", "llmc-gpt2-124m-SiddanthEmani": "llmc"}
     for folder, fmt in expect.items():
         for f in sorted((real_runs / folder).glob("*.log")):
-            assert detect_format(f).FORMAT == fmt, f.name
+            assert sniff_format(f).FORMAT == fmt, f.name
 
 
 def test_bloom_fragment_fields_and_rank_prefix(real_runs: Path) -> None:

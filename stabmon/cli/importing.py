@@ -12,6 +12,9 @@ from stabmon.replay.importers.base import ImportResult
 from stabmon.replay.progress import progress_bar, wanted
 
 BATCH = 5000
+FLUSH_EVERY = 50_000
+"""Records queued to the store before the import waits for the database to take them (bounds the memory the
+queue holds, whatever the file's length)."""
 MAX_RESTARTS_KEPT = 100
 """Restart steps kept in the run's config (``restarts_total`` counts them all)."""
 IMPORT_FLUSH_TIMEOUT = 600.0
@@ -22,11 +25,11 @@ def check_storable(run: str, result: ImportResult, files: list[Path]) -> None:
     from stabmon.store.limits import name_problem
 
     problem = name_problem("--run", run)
-    if problem is None and not result.records:
+    if problem is None and not len(result):
         problem = f"no step records found in {', '.join(map(str, files))} ({result.malformed} malformed line(s))"
     if problem is None:
-        names = {n for r in result.records for n in r.metrics}
-        problem = next((p for n in sorted(names) if (p := name_problem(f"metric name {n[:40]!r}...", n))), None)
+        names = result.metric_names(keep=lambda n: name_problem("metric name", n) is not None)
+        problem = next((name_problem(f"metric name {n[:40]!r}...", n) for n in names), None)
     if problem is not None:
         fail(problem)
 
@@ -35,8 +38,8 @@ def read_inputs(
     files: list[Path], fmt: str | None, maps: list[str] | None, step_column: str | None
 ) -> ImportResult:
     """Import FILE... (segments of one run, stitched) with the CLI's options; user errors exit 1."""
-    from stabmon.replay.importers.detect import UnknownFormatError, import_files
     from stabmon.replay.importers.generic import parse_mapping
+    from stabmon.replay.importers.sniff import UnknownFormatError, import_files
 
     for f in files:
         if not f.exists():
@@ -61,15 +64,37 @@ def import_command(
 ) -> None:
     """Import recorded training logs (Megatron, fairseq, llm.c, DeepSpeed, W&B, TensorBoard,
     CSV/JSONL/Parquet) as a run of kind "import". Malformed lines are counted and reported, never fatal."""
+    with read_inputs(files, fmt, maps, step_column) as result:
+        check_storable(run, result, files)
+        run_id = _store_run(run, result, files, db, progress=wanted(json_output))
+        summary = {
+            "run_id": run_id,
+            "run": run,
+            "format": result.format,
+            "records": len(result),
+            "malformed": result.malformed,
+            "problems": result.problems,
+            "restarts": result.restarts[:MAX_RESTARTS_KEPT],
+            "restarts_total": len(result.restarts),
+            "first_step": result.first_step,
+            "last_step": result.last_step,
+        }
+    if json_output:
+        print_json(summary)
+        return
+    _echo_summary(summary, result)
+
+
+def _store_run(run: str, result: ImportResult, files: list[Path], db: str | None, *, progress: bool) -> str:
+    """Write the records to a new run, a batch at a time, waiting for the database every ``FLUSH_EVERY``
+    records; an import the database did not take in full is marked failed and exits 1."""
     from stabmon.store import StoreConfig, open_store
 
-    result = read_inputs(files, fmt, maps, step_column)
-    check_storable(run, result, files)
     try:
         store = open_store(db_url(db), config=StoreConfig(fail_fast=True))  # an import does not wait for a server
     except ValueError as exc:
         fail(str(exc))
-    with store, progress_bar("import", total=len(result.records), enabled=wanted(json_output)) as advance:
+    with store, progress_bar("import", total=len(result), enabled=progress) as advance:
         run_id = store.start_run(
             name=run,
             kind="import",
@@ -81,32 +106,28 @@ def import_command(
                 "malformed": result.malformed,
             },
         )
-        for i in range(0, len(result.records), BATCH):
-            chunk = result.records[i : i + BATCH]
+        queued = 0
+        complete = True
+        for chunk in result.batches(BATCH):
             store.write_steps(run_id=run_id, records=chunk)
             advance(len(chunk))
-        store.end_run(run_id=run_id, status="completed")
-        if not store.flush(IMPORT_FLUSH_TIMEOUT) or store.stats.rejected_batches:
+            queued += len(chunk)
+            if queued >= FLUSH_EVERY:
+                complete, queued = store.flush(IMPORT_FLUSH_TIMEOUT), 0
+                if not complete:
+                    break
+        if complete:
+            store.end_run(run_id=run_id, status="completed")
+        if not complete or not store.flush(IMPORT_FLUSH_TIMEOUT) or store.stats.rejected_batches:
             store.end_run(run_id=run_id, status="failed")
             fail(f"import of run {run!r} [{run_id}] is incomplete: the database did not take every row "
                  f"({store.stats.rejected_batches} batch(es) refused; see the store's log)")
-    summary = {
-        "run_id": run_id,
-        "run": run,
-        "format": result.format,
-        "records": len(result.records),
-        "malformed": result.malformed,
-        "problems": result.problems,
-        "restarts": result.restarts[:MAX_RESTARTS_KEPT],
-        "restarts_total": len(result.restarts),
-        "first_step": result.records[0].step if result.records else None,
-        "last_step": result.records[-1].step if result.records else None,
-    }
-    if json_output:
-        print_json(summary)
-        return
+    return run_id
+
+
+def _echo_summary(summary: dict[str, Any], result: ImportResult) -> None:
     typer.echo(
-        f"imported {summary['records']} steps ({result.format}) as run {run!r} [{run_id}]"
+        f"imported {summary['records']} steps ({result.format}) as run {summary['run']!r} [{summary['run_id']}]"
         f"; steps {summary['first_step']}..{summary['last_step']}"
     )
     if result.restarts:

@@ -42,7 +42,7 @@ from typing import Any
 from stabmon.events import Anomaly, Decision, Severity, StepRecord
 from stabmon.pipeline import Pipeline
 from stabmon.replay.baselines import peer_rules
-from stabmon.replay.importers.detect import import_files
+from stabmon.replay.importers.sniff import import_files
 from stabmon.replay.labels import Label, read_labels, run_files
 from stabmon.replay.replay import build_pipeline, replay
 

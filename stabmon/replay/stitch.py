@@ -60,23 +60,22 @@ def stitch(segments: Sequence[ImportResult], names: Sequence[str] | None = None)
     for seg, name in labelled:
         out.malformed += seg.malformed
         out.problems.extend(seg.problems[: max(0, out.MAX_PROBLEMS - len(out.problems))])
-        out.events.extend(seg.events)
+        out.events.extend(seg.events[: max(0, out.MAX_EVENTS - len(out.events))])
+        out.events_total += seg.events_total
         out.restarts.extend(seg.restarts)
         if not seg.records:
             continue
         first = seg.records[0].step
         if out.records and first <= out.records[-1].step:
             out.restarts.append(first)
-            out.events.append(
-                (
-                    first,
-                    f"{name}: resumed at step {first}, superseding steps "
-                    f"{first}..{out.records[-1].step} of the previous segment",
-                )
+            out.event(
+                first,
+                f"{name}: resumed at step {first}, superseding steps "
+                f"{first}..{out.records[-1].step} of the previous segment",
             )
             out.records = [r for r in out.records if r.step < first]
         elif out.records:
-            out.events.append((first, f"{name}: resumed at step {first}"))
+            out.event(first, f"{name}: resumed at step {first}")
         out.records.extend(seg.records)
     out.restarts = sorted(set(out.restarts))
     return out

@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from stabmon.replay.eval import RunAlerts, _spawn, alerts_for, default_factory, score
-from stabmon.replay.importers.detect import import_files
+from stabmon.replay.importers.sniff import import_files
 from stabmon.replay.labels import Label, read_labels, run_files
 
 DEFAULT_SPACE: dict[str, list[Any]] = {

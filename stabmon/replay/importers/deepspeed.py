@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from stabmon.events import Metric, StepRecord
+from stabmon.events import Metric
 from stabmon.replay.importers.base import ImportResult
+from stabmon.replay.importers.table import StepTable
 
 FORMAT = "deepspeed"
 PRIORITY = 20
@@ -85,21 +87,20 @@ def _place(overflows: list[tuple[float | None, float]], prev: int, cur: int,
 
 
 def read(path: Path, **options: Any) -> ImportResult:
-    """Read a DeepSpeed log; ``options`` are accepted for a uniform signature and ignored."""
+    """Read a DeepSpeed log, one line at a time; ``options`` are accepted for a uniform signature and ignored."""
     with open(path, encoding="utf-8", errors="replace") as fh:
-        lines = fh.readlines()
-    if any(_PPO.search(line) for line in lines):
-        return _read_ppo(Path(path).name, lines)
-    return _read_engine(Path(path).name, lines)
+        ppo = any(_PPO.search(line) for line in fh)
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        return (_read_ppo if ppo else _read_engine)(Path(path).name, fh)
 
 
 def _num(text: str) -> float:
     return float(text.strip())
 
 
-def _read_engine(name: str, lines: list[str]) -> ImportResult:
-    result = ImportResult(format=FORMAT, records=[])
-    by_step: dict[int, dict[str, float]] = {}
+def _read_engine(name: str, lines: Iterable[str]) -> ImportResult:
+    steps = StepTable()
+    result = ImportResult(FORMAT, steps=steps)
     pending: list[tuple[float | None, float]] = []
     prev, t_prev, n_overflow = 0, None, 0
     for line_no, line in enumerate(lines, 1):
@@ -108,44 +109,44 @@ def _read_engine(name: str, lines: list[str]) -> ImportResult:
             if (m := _OVERFLOW.search(line)) is not None:
                 pending.append((_time(line), _num(m.group(1))))
                 n_overflow += 1
-                result.events.append((prev, line.strip()))
+                result.event(prev, line.strip())
             elif (m := _STEP.search(line)) is not None:
                 cur, t_cur = int(m.group(1)), _time(line)
                 if cur <= prev:
                     result.restarts.append(cur)
-                    by_step = {s: v for s, v in by_step.items() if s < cur}
+                    steps.drop_from(cur)
                     prev, t_prev = cur - 1, None
-                placed = _place(pending, prev, cur, t_prev, t_cur)
-                for s in range(prev + 1, cur + 1):
-                    metrics = by_step.setdefault(s, {Metric.OVERFLOW: 0.0})
-                    if s in placed:
-                        metrics.update({Metric.OVERFLOW: 1.0, Metric.LOSS_SCALE: placed[s]})
-                rec = by_step[cur]
+                _fill_block(steps, _place(pending, prev, cur, t_prev, t_cur), prev, cur)
                 if m.group(3):
-                    rec[Metric.LR] = _num(m.group(3))
+                    steps.merge(cur, {Metric.LR: _num(m.group(3))})
                 if t_prev is not None and t_cur is not None and t_cur > t_prev:
-                    rec[Metric.STEP_TIME] = (t_cur - t_prev) / (cur - prev)
+                    steps.merge(cur, {Metric.STEP_TIME: (t_cur - t_prev) / (cur - prev)})
                 if int(m.group(2)) != n_overflow:
-                    note = f"skipped={m.group(2)} but {n_overflow} OVERFLOW lines so far"
-                    result.events.append((cur, note))
+                    result.event(cur, f"skipped={m.group(2)} but {n_overflow} OVERFLOW lines so far")
                 pending, prev, t_prev = [], cur, t_cur
             elif (m := _TIMER.search(line)) is not None:
-                by_step.setdefault(int(m.group(1)), {})["samples_per_sec"] = _num(m.group(2))
+                steps.merge(int(m.group(1)), {"samples_per_sec": _num(m.group(2))})
             elif (m := _PPL.match(line)) is not None:
                 ppl = _num(m.group(1))
-                by_step.setdefault(prev, {})[Metric.VAL_LOSS] = math.log(ppl) if ppl > 0 else math.nan
+                steps.merge(prev, {Metric.VAL_LOSS: math.log(ppl) if ppl > 0 else math.nan})
         except ValueError as exc:
             result.problem(where, f"unreadable number ({exc})")
-    if pending:  # overflows after the last step line: the steps that followed it
-        for i, (_, scale) in enumerate(pending, 1):
-            by_step[prev + i] = {Metric.OVERFLOW: 1.0, Metric.LOSS_SCALE: scale}
-    result.records = [StepRecord(step=s, metrics=v) for s, v in sorted(by_step.items()) if v]
+    for i, (_, scale) in enumerate(pending, 1):  # overflows after the last step line: the steps that followed it
+        steps.put(prev + i, {Metric.OVERFLOW: 1.0, Metric.LOSS_SCALE: scale})
     return result
 
 
-def _read_ppo(name: str, lines: list[str]) -> ImportResult:
-    result = ImportResult(format=FORMAT, records=[])
-    by_step: dict[int, dict[str, float]] = {}
+def _fill_block(steps: StepTable, placed: dict[int, float], prev: int, cur: int) -> None:
+    """Every step of a ``step=`` block gets ``overflow`` 0, or 1 and the loss scale where an overflow was placed."""
+    for s in range(prev + 1, cur + 1):
+        steps.put_new(s, {Metric.OVERFLOW: 0.0})
+        if s in placed:
+            steps.merge(s, {Metric.OVERFLOW: 1.0, Metric.LOSS_SCALE: placed[s]})
+
+
+def _read_ppo(name: str, lines: Iterable[str]) -> ImportResult:
+    steps = StepTable()
+    result = ImportResult(FORMAT, steps=steps)
     scales: list[float] = []
     current: int | None = None
     for line_no, line in enumerate(lines, 1):
@@ -153,7 +154,7 @@ def _read_ppo(name: str, lines: list[str]) -> ImportResult:
         try:
             if (m := _OVERFLOW.search(line)) is not None:
                 scales.append(_num(m.group(1)))
-                result.events.append((current, line.strip()))
+                result.event(current, line.strip())
             elif (m := _PPO.search(line)) is not None:
                 step = int(m.group(1))
                 metrics: dict[str, float] = {Metric.OVERFLOW: 1.0 if scales else 0.0}
@@ -165,14 +166,13 @@ def _read_ppo(name: str, lines: list[str]) -> ImportResult:
                         metrics[_PPO_FIELDS[key.strip()]] = _num(value)
                 if current is not None and step <= current:
                     result.restarts.append(step)
-                    by_step = {s: v for s, v in by_step.items() if s < step}
-                by_step[step] = metrics
+                    steps.drop_from(step)
+                steps.put(step, metrics)
                 current, scales = step, []
             elif current is not None and (m := _REWARD.search(line)) is not None:
-                by_step[current]["reward"] = _num(m.group(1))
+                steps.merge(current, {"reward": _num(m.group(1))})
             elif current is not None and (m := _E2E.search(line)) is not None:
-                by_step[current][Metric.STEP_TIME] = _num(m.group(1))
+                steps.merge(current, {Metric.STEP_TIME: _num(m.group(1))})
         except ValueError as exc:
             result.problem(where, f"unreadable number ({exc})")
-    result.records = [StepRecord(step=s, metrics=v) for s, v in sorted(by_step.items())]
     return result

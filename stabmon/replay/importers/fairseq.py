@@ -26,8 +26,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from stabmon.events import Metric, StepRecord
+from stabmon.events import Metric
 from stabmon.replay.importers.base import ImportResult
+from stabmon.replay.importers.table import StepTable
 
 FORMAT = "fairseq"
 
@@ -65,16 +66,16 @@ def _parse_update(obj: dict[str, Any]) -> tuple[int, dict[str, float]]:
 
 def read(path: Path, **options: Any) -> ImportResult:
     """Read a fairseq/metaseq log; ``options`` are accepted for a uniform call signature and ignored."""
-    result = ImportResult(format=FORMAT, records=[])
+    steps = StepTable()
+    result = ImportResult(FORMAT, steps=steps)
     pending_overflow: float | None = None
-    by_step: dict[int, StepRecord] = {}
     last_step: int | None = None
     with open(path, encoding="utf-8", errors="replace") as fh:
         for line_no, line in enumerate(fh, 1):
             where = f"{Path(path).name}:{line_no}"
             over = _OVERFLOW.search(line)
             if over:
-                result.events.append((last_step, line.strip()))
+                result.event(last_step, line.strip())
                 try:
                     pending_overflow = float(over.group(1))
                 except ValueError:
@@ -95,14 +96,9 @@ def read(path: Path, **options: Any) -> ImportResult:
                 pending_overflow = None
             if last_step is not None and step <= last_step:  # a resume from an older checkpoint
                 result.restarts.append(step)
-                for stale in [s for s in by_step if s >= step]:
-                    del by_step[stale]
-            by_step[step] = StepRecord(step=step, metrics=metrics)
+                steps.drop_from(step)
+            steps.put(step, metrics)
             last_step = step
     if pending_overflow is not None and math.isfinite(pending_overflow):
-        step = (last_step or 0) + 1
-        by_step[step] = StepRecord(
-            step=step, metrics={Metric.OVERFLOW: 1.0, Metric.LOSS_SCALE: pending_overflow}
-        )
-    result.records = [by_step[s] for s in sorted(by_step)]
+        steps.put((last_step or 0) + 1, {Metric.OVERFLOW: 1.0, Metric.LOSS_SCALE: pending_overflow})
     return result

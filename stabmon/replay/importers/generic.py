@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import polars as pl
-
-from stabmon.events import Metric, StepRecord
+from stabmon.events import Metric
 from stabmon.replay.importers.base import ImportResult
+from stabmon.replay.importers.table import StepTable
+from stabmon.replay.importers.tabular import Table, open_table
 
 FORMAT = "generic"
-PRIORITY = 90  # tried last by auto-detection: it accepts almost any table
+PRIORITY = 90  # tried last by sniffing: it accepts almost any table
 
 STEP_COLUMNS = (
     "step",
@@ -116,46 +116,6 @@ def parse_mapping(items: list[str] | tuple[str, ...] | None) -> dict[str, str]:
     return out
 
 
-def _read_frame(path: Path) -> pl.DataFrame:
-    head = Path(path).open("rb").read(4)
-    if head == b"PAR1":
-        return pl.read_parquet(path)
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        first = fh.readline().lstrip("\ufeff").strip()
-    if first.startswith("{"):
-        return _read_jsonl(path)
-    sep = "\t" if first.count("\t") >= first.count(",") and "\t" in first else ","
-    with warnings.catch_warnings():  # ragged rows are handled (truncated), not worth a warning per chunk
-        warnings.simplefilter("ignore")
-        return pl.read_csv(
-            path,
-            separator=sep,
-            infer_schema=False,
-            truncate_ragged_lines=True,
-            encoding="utf8-lossy",
-            ignore_errors=True,
-            quote_char='"',
-        )
-
-
-def _read_jsonl(path: Path) -> pl.DataFrame:
-    rows: list[dict[str, str | None]] = []
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                obj = None
-            if not isinstance(obj, dict):
-                rows.append({"__malformed__": line[:80]})
-                continue
-            rows.append({str(k): None if v is None else str(v) for k, v in obj.items()})
-    return pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame()
-
-
 def _to_float(text: Any) -> float:
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         return float(text)
@@ -165,8 +125,33 @@ def _to_float(text: Any) -> float:
     return float(s)
 
 
+@dataclass
+class _Plan:
+    """Which column holds the step and the time, and which metric each other column feeds."""
+
+    step: str | None
+    time: str | None
+    columns: dict[str, str]
+    strict: set[str]  # mapped or well-known columns: an unreadable cell there is a malformed row
+
+
+def _plan(names: list[str], mapping: Mapping[str, str], step_column: str | None, keep_unmapped: bool) -> _Plan:
+    step_col = step_column or next((c for c in STEP_COLUMNS if c in names), None)
+    time_col = next((c for c in TIME_COLUMNS if c in names and c not in mapping), None)
+    plan = _Plan(step_col, time_col, {}, set())
+    for col in names:
+        if col in (step_col, time_col) or col in IGNORED:
+            continue
+        if col in mapping or col in KNOWN_COLUMNS:
+            plan.columns[col] = mapping.get(col) or KNOWN_COLUMNS[col]
+            plan.strict.add(col)
+        elif keep_unmapped:
+            plan.columns[col] = col
+    return plan
+
+
 def table_to_result(
-    df: pl.DataFrame,
+    table: Table,
     *,
     fmt: str,
     name: str,
@@ -174,63 +159,51 @@ def table_to_result(
     step_column: str | None = None,
     keep_unmapped: bool = True,
 ) -> ImportResult:
-    """Convert an all-text (or numeric) frame to StepRecords; shared by the W&B importer."""
-    result = ImportResult(format=fmt, records=[])
-    if "__malformed__" in df.columns:
-        bad = df.get_column("__malformed__").drop_nulls()
-        for text in bad.to_list():
-            result.problem(f"{name}:?", f"not a JSON object: {text!r}"[:120])
-        df = df.filter(pl.col("__malformed__").is_null()).drop("__malformed__")
-    mapping = dict(mapping or {})
-    step_col = step_column or next((c for c in STEP_COLUMNS if c in df.columns), None)
-    if step_column and step_column not in df.columns:
+    """Convert a table of text (or numeric) cells to StepRecords, one row at a time; shared by the W&B
+    importer."""
+    steps = StepTable()
+    result = ImportResult(fmt, steps=steps)
+    for text in table.malformed:
+        result.problem(f"{name}:?", f"not a JSON object: {text!r}"[:120])
+    if step_column and step_column not in table.columns:
         result.problem(
-            name, f"step column {step_column!r} not found (columns: {', '.join(df.columns)[:200]})"
+            name, f"step column {step_column!r} not found (columns: {', '.join(table.columns)[:200]})"
         )
         return result
-    time_col = next((c for c in TIME_COLUMNS if c in df.columns and c not in mapping), None)
-    columns: dict[str, str] = {}
-    strict: set[str] = set()  # mapped or well-known columns: an unreadable cell there is a malformed row
-    for col in df.columns:
-        if col in (step_col, time_col) or col in IGNORED:
-            continue
-        if col in mapping or col in KNOWN_COLUMNS:
-            columns[col] = mapping.get(col) or KNOWN_COLUMNS[col]
-            strict.add(col)
-        elif keep_unmapped:
-            columns[col] = col
-    by_step: dict[int, StepRecord] = {}
-    for row_no, row in enumerate(df.iter_rows(named=True), 2):
-        where = f"{name}:{row_no}"
-        try:
-            step = row_no - 2 if step_col is None else int(_to_float(row[step_col]))
-        except (TypeError, ValueError, OverflowError):
-            result.problem(where, f"unreadable step {row.get(step_col or '')!r}"[:120])
-            continue
-        metrics: dict[str, float] = {}
-        for col, metric in columns.items():
-            value = row[col]
-            if value is None or (isinstance(value, str) and not value.strip()):
-                continue
-            try:
-                metrics[metric] = _to_float(value)
-            except (TypeError, ValueError):
-                if col in strict:
-                    result.problem(where, f"{col}: not a number {value!r}"[:120])
-        when = None
-        if time_col is not None and row[time_col] not in (None, ""):
-            try:
-                when = _to_float(row[time_col])
-                when = when if math.isfinite(when) else None
-            except (TypeError, ValueError):
-                when = None
-        if step in by_step:
-            merged = dict(by_step[step].metrics)
-            merged.update(metrics)
-            metrics = merged
-        by_step[step] = StepRecord(step=step, metrics=metrics, time=when)
-    result.records = [by_step[s] for s in sorted(by_step)]
+    plan = _plan(table.columns, dict(mapping or {}), step_column, keep_unmapped)
+    for row_no, row in enumerate(table.rows, 2):
+        _add_row(row, f"{name}:{row_no}", row_no - 2, plan, steps, result)
     return result
+
+
+def _add_row(row: dict[str, Any], where: str, index: int, plan: _Plan, steps: StepTable,
+             result: ImportResult) -> None:
+    try:
+        step = index if plan.step is None else int(_to_float(row[plan.step]))
+    except (TypeError, ValueError, OverflowError):
+        result.problem(where, f"unreadable step {row.get(plan.step or '')!r}"[:120])
+        return
+    metrics: dict[str, float] = {}
+    for col, metric in plan.columns.items():
+        value = row[col]
+        if value is None or (isinstance(value, str) and not value.strip()):
+            continue
+        try:
+            metrics[metric] = _to_float(value)
+        except (TypeError, ValueError):
+            if col in plan.strict:
+                result.problem(where, f"{col}: not a number {value!r}"[:120])
+    steps.merge(step, metrics, _time(row[plan.time]) if plan.time is not None else None)
+
+
+def _time(value: Any) -> float | None:
+    if value in (None, ""):
+        return None
+    try:
+        when = _to_float(value)
+    except (TypeError, ValueError):
+        return None
+    return when if math.isfinite(when) else None
 
 
 def read(
@@ -241,14 +214,19 @@ def read(
     keep_unmapped: bool = True,
     **_: Any,
 ) -> ImportResult:
-    """Read a CSV/TSV/JSONL/Parquet file; see the module docstring for the options."""
+    """Read a CSV/TSV/JSONL/Parquet file in bounded batches; see the module docstring for the options."""
     name = Path(path).name
     try:
-        df = _read_frame(Path(path))
+        table = open_table(Path(path))
+        return table_to_result(
+            table, fmt=FORMAT, name=name, mapping=mapping, step_column=step_column, keep_unmapped=keep_unmapped
+        )
     except Exception as exc:  # noqa: BLE001 - polars raises many types on garbage; the file is reported, not fatal
-        result = ImportResult(format=FORMAT, records=[])
-        result.problem(name, f"unreadable table ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
-        return result
-    return table_to_result(
-        df, fmt=FORMAT, name=name, mapping=mapping, step_column=step_column, keep_unmapped=keep_unmapped
-    )
+        return unreadable(FORMAT, name, exc)
+
+
+def unreadable(fmt: str, name: str, exc: Exception) -> ImportResult:
+    """The result for a table polars could not read: no records, one problem naming the error."""
+    result = ImportResult(fmt)
+    result.problem(name, f"unreadable table ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+    return result

@@ -21,8 +21,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from stabmon.events import Metric, StepRecord
+from stabmon.events import Metric
 from stabmon.replay.importers.base import ImportResult
+from stabmon.replay.importers.table import StepTable
 
 FORMAT = "llmc"
 PRIORITY = 10
@@ -44,9 +45,9 @@ def sniff(head: str) -> bool:
 
 def read(path: Path, **options: Any) -> ImportResult:
     """Read an llm.c main.log; ``options`` are accepted for a uniform signature and ignored."""
-    result = ImportResult(format=FORMAT, records=[])
+    steps = StepTable()
+    result = ImportResult(FORMAT, steps=steps)
     name = Path(path).name
-    by_step: dict[int, dict[str, float]] = {}
     last_train: int | None = None
     with open(path, encoding="utf-8", errors="replace") as fh:
         for line_no, line in enumerate(fh, 1):
@@ -70,9 +71,7 @@ def read(path: Path, **options: Any) -> ImportResult:
             if Metric.LOSS in metrics:
                 if last_train is not None and step <= last_train:
                     result.restarts.append(step)
-                    for stale in [s for s in by_step if s >= step]:
-                        del by_step[stale]
+                    steps.drop_from(step)
                 last_train = step
-            by_step.setdefault(step, {}).update(metrics)
-    result.records = [StepRecord(step=s, metrics=by_step[s]) for s in sorted(by_step)]
+            steps.merge(step, metrics)
     return result

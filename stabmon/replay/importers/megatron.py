@@ -32,11 +32,13 @@ What real logs do, and how it is read:
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from stabmon.events import Metric, StepRecord
+from stabmon.events import Metric
 from stabmon.replay.importers.base import ImportResult
+from stabmon.replay.importers.table import StepTable
 
 FORMAT = "megatron"
 PRIORITY = 10  # before deepspeed: Megatron-DeepSpeed logs also carry DeepSpeed OVERFLOW lines
@@ -93,25 +95,24 @@ def parse_fields(text: str) -> tuple[dict[str, float], list[str]]:
     return metrics, bad
 
 
-def _logical_lines(lines: list[str]) -> list[tuple[int, str]]:
-    """Join hard-wrapped iteration records back into one line each (with the first physical line number)."""
-    out: list[tuple[int, str]] = []
-    i = 0
-    while i < len(lines):
-        line = lines[i].rstrip("\n")
-        start = i
-        i += 1
+def _logical_lines(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
+    """Join hard-wrapped iteration records back into one line each (with the first physical line number);
+    reads ``lines`` one at a time with one line of look-ahead."""
+    it = enumerate(lines, 1)
+    ahead = next(it, None)
+    while ahead is not None:
+        line_no, line = ahead[0], ahead[1].rstrip("\n")
+        ahead = next(it, None)
         if _ITER.search(line):
             wraps = 0
-            while not line.rstrip().endswith("|") and i < len(lines) and wraps < _MAX_WRAP:
-                nxt = lines[i].rstrip("\n")
+            while not line.rstrip().endswith("|") and ahead is not None and wraps < _MAX_WRAP:
+                nxt = ahead[1].rstrip("\n")
                 if _ITER.search(nxt) or _OVERFLOW.search(nxt) or not nxt.strip():
                     break
                 line += nxt
-                i += 1
+                ahead = next(it, None)
                 wraps += 1
-        out.append((start + 1, line))
-    return out
+        yield line_no, line
 
 
 def _stale(metrics: dict[str, float], prev: dict[str, float] | None, overflow: bool) -> bool:
@@ -124,12 +125,16 @@ def _stale(metrics: dict[str, float], prev: dict[str, float] | None, overflow: b
 
 
 def read(path: Path, **options: Any) -> ImportResult:
-    """Read a Megatron(-DeepSpeed) log; ``options`` are accepted for a uniform signature and ignored."""
-    result = ImportResult(format=FORMAT, records=[])
-    name = Path(path).name
+    """Read a Megatron(-DeepSpeed) log, one line at a time; ``options`` are accepted for a uniform signature
+    and ignored."""
+    steps = StepTable()
+    result = ImportResult(FORMAT, steps=steps)
     with open(path, encoding="utf-8", errors="replace") as fh:
-        lines = fh.readlines()
-    by_step: dict[int, dict[str, float]] = {}
+        _read_lines(Path(path).name, fh, steps, result)
+    return result
+
+
+def _read_lines(name: str, lines: Iterable[str], steps: StepTable, result: ImportResult) -> None:
     prev: dict[str, float] | None = None
     last_step: int | None = None
     pending_overflow = False
@@ -137,19 +142,20 @@ def read(path: Path, **options: Any) -> ImportResult:
         where = f"{name}:{line_no}"
         if _OVERFLOW.search(line):
             pending_overflow = True
-            result.events.append((last_step, line.strip()))
+            result.event(last_step, line.strip())
             continue
         valid = _VALID.search(line)
         if valid:
             try:
-                by_step.setdefault(int(valid.group(1)), {})[Metric.VAL_LOSS] = float(valid.group(2))
+                val_loss = float(valid.group(2))
+                steps.merge(int(valid.group(1)), {Metric.VAL_LOSS: val_loss})
             except ValueError:
                 result.problem(where, "unreadable validation loss")
             continue
         m = _ITER.search(line)
         if m is None:
             if _EVENT.search(line):
-                result.events.append((last_step, line.strip()))
+                result.event(last_step, line.strip())
             continue
         step = int(m.group(1))
         metrics, bad = parse_fields(line[m.end():])
@@ -169,10 +175,7 @@ def read(path: Path, **options: Any) -> ImportResult:
         pending_overflow = False
         if last_step is not None and step <= last_step:
             result.restarts.append(step)
-            for stale in [s for s in by_step if s >= step]:
-                del by_step[stale]
-        by_step.setdefault(step, {}).update(metrics)
+            steps.drop_from(step)
+        steps.merge(step, metrics)
         prev = {**(prev or {}), **metrics}
         last_step = step
-    result.records = [StepRecord(step=s, metrics=by_step[s]) for s in sorted(by_step)]
-    return result

@@ -43,9 +43,7 @@ def read(
     """Read one exported W&B history file (one segment)."""
     name = Path(path).name
     try:
-        df = generic._read_frame(Path(path))
+        table = generic.open_table(Path(path))
+        return generic.table_to_result(table, fmt=FORMAT, name=name, mapping=mapping, step_column=step_column)
     except Exception as exc:  # noqa: BLE001 - reported, never raised
-        result = ImportResult(format=FORMAT, records=[])
-        result.problem(name, f"unreadable table ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
-        return result
-    return generic.table_to_result(df, fmt=FORMAT, name=name, mapping=mapping, step_column=step_column)
+        return generic.unreadable(FORMAT, name, exc)

@@ -1,14 +1,14 @@
-"""Format auto-detection over every importer module in this package.
+"""Format sniffing over every importer module in this package.
 
 An importer module exposes ``FORMAT``, ``sniff(head) -> bool`` and ``read(path, **options) -> ImportResult``
 and may set ``PRIORITY`` (lower is tried first; default 50). :func:`importers` discovers them all, so a new
-module needs no registration. :func:`detect_format` sniffs the first 64 KB of a file; :func:`import_file`
-reads one file with the detected (or given) format and :func:`import_files` stitches several into one run.
+module needs no registration. :func:`sniff_format` sniffs the first 64 KB of a file; :func:`import_file`
+reads one file with the sniffed (or given) format and :func:`import_files` stitches several into one run.
 
 >>> import tempfile, pathlib
 >>> p = pathlib.Path(tempfile.mkdtemp()) / "history.tsv"
 >>> _ = p.write_text("train/lm_loss\\tstep\\n3.40\\t1\\n")
->>> detect_format(p).FORMAT, import_file(p).records[0].get("loss")
+>>> sniff_format(p).FORMAT, import_file(p).records[0].get("loss")
 ('wandb', 3.4)
 >>> formats()[-1]
 'generic'
@@ -30,7 +30,7 @@ from stabmon.replay.importers.base import ImportResult
 log = logging.getLogger(__name__)
 
 HEAD_BYTES = 64 * 1024
-_SKIP = {"base", "detect"}
+_SKIP = {"base", "sniff", "table", "tabular"}
 
 
 class UnknownFormatError(ValueError):
@@ -38,7 +38,7 @@ class UnknownFormatError(ValueError):
 
 
 def importers() -> list[ModuleType]:
-    """Every importer module, in detection order (PRIORITY, then name)."""
+    """Every importer module, in sniffing order (PRIORITY, then name)."""
     mods = []
     for info in pkgutil.iter_modules(_pkg.__path__):
         if info.name in _SKIP or info.name.startswith("_"):
@@ -67,7 +67,7 @@ def _head(path: Path) -> str:
         return fh.read(HEAD_BYTES).decode("utf-8", errors="replace")
 
 
-def detect_format(path: str | Path) -> ModuleType:
+def sniff_format(path: str | Path) -> ModuleType:
     """The importer module whose ``sniff`` accepts the file's head; raises UnknownFormatError."""
     head = _head(Path(path))
     for mod in importers():
@@ -87,8 +87,8 @@ def importer(fmt: str) -> ModuleType:
 
 
 def import_file(path: str | Path, *, format: str | None = None, **options: Any) -> ImportResult:
-    """Read one file with the given or detected format."""
-    mod = importer(format) if format else detect_format(path)
+    """Read one file with the given or sniffed format."""
+    mod = importer(format) if format else sniff_format(path)
     return mod.read(Path(path), **options)
 
 
