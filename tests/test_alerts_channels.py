@@ -125,7 +125,7 @@ def test_pagerduty_stop_updates_the_same_incident(
 def db_url(request: pytest.FixtureRequest) -> str:
     if request.param == "sqlite":
         return request.getfixturevalue("sqlite_url")
-    from stabmon.store.engine import upgrade
+    from stabmon.store.database import upgrade
 
     url = request.getfixturevalue("pg_url")
     upgrade(url)

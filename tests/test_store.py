@@ -462,7 +462,7 @@ def test_in_memory_sqlite_for_tests() -> None:
 def test_sqlite_file_is_in_wal_mode(sqlite_url: str) -> None:
     import sqlite3
 
-    from stabmon.store.engine import sqlite_path
+    from stabmon.store.database import sqlite_path
 
     with open_store(sqlite_url) as store:
         store.start_run(name="r", environment={})

@@ -13,7 +13,7 @@ from sqlalchemy.engine import make_url
 from stabmon.events import StepRecord
 from stabmon.store import StoreConfig, open_store, repo, upgrade
 from stabmon.store.batch import Batch, NameCache, write_batch
-from stabmon.store.engine import make_engine
+from stabmon.store.database import make_engine
 from stabmon.store.spool import Spool
 
 FAST = {"flush_interval": 0.02, "retry_initial": 0.05, "retry_max": 0.2}

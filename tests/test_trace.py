@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from stabmon.cli import app
 from stabmon.events import Anomaly, Decision, DecisionStatus, Severity, StepRecord, Verdict
-from stabmon.interventions import LiveExecutor
+from stabmon.interventions import Executor
 from stabmon.overrides import Overrides
 from stabmon.pipeline import Pipeline
 from stabmon.runbook import Engine, loads_runbook
@@ -69,7 +69,7 @@ class Target:
 def run_incident(store: Any, mode: str) -> tuple[str, Pipeline, Target, list[Any]]:
     target = Target()
     pipe = Pipeline(ScriptedDetectors(), Engine(loads_runbook(RUNBOOK.format(mode=mode)), id_seed="t"),
-                    LiveExecutor(target))
+                    Executor(target))
     run_id = store.start_run(name=f"trace-{mode}")
     events: list[Any] = []
     grads = [1.0] * 6 + [9.0, 8.0, 7.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
@@ -177,7 +177,7 @@ rules:
 """)
     target = Target()  # no rollback(): the rollback fails and is recorded
     detectors = ScriptedDetectors()
-    pipe = Pipeline(detectors, Engine(rb, id_seed="g"), LiveExecutor(target))
+    pipe = Pipeline(detectors, Engine(rb, id_seed="g"), Executor(target))
     actions = []
     for step, g in enumerate([9.0, 9.0, 9.0, 9.0], start=1):
         target.step = step

@@ -71,7 +71,7 @@ class SqlRecorder:
     def __init__(self, target: Any) -> None:
         import sqlalchemy as sa
 
-        from stabmon.store.engine import make_engine
+        from stabmon.store.database import make_engine
 
         if isinstance(target, str):
             self.engine = make_engine(target)

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any, NoReturn
 
 import typer
-
-DEFAULT_DB_URL = "sqlite:///stabmon.db"
 
 DbOption = Annotated[
     str | None,
@@ -24,7 +21,10 @@ RunArg = Annotated[str, typer.Argument(help="Run id, unique id prefix, name, or 
 
 
 def db_url(value: str | None) -> str:
-    return value or os.environ.get("STABMON_DB_URL") or DEFAULT_DB_URL
+    """``--db``, else the default store URL (:func:`stabmon.store.database.resolve_url`)."""
+    from stabmon.store.database import resolve_url
+
+    return resolve_url(value)
 
 
 def fail(message: str) -> NoReturn:
@@ -56,7 +56,7 @@ def store_session(db: str | None) -> Iterator[Any]:
     from sqlalchemy.orm import Session
 
     from stabmon.store import StoreError, make_engine
-    from stabmon.store.engine import require_schema, safe_url, sqlite_path
+    from stabmon.store.database import require_schema, safe_url, sqlite_path
 
     url = db_url(db)
     try:

@@ -44,7 +44,7 @@ from stabmon.pipeline import Pipeline
 from stabmon.replay.baselines import peer_rules
 from stabmon.replay.importers.detect import import_files
 from stabmon.replay.labels import Label, read_labels, run_files
-from stabmon.replay.replay import build_pipeline, replay
+from stabmon.replay.replay import replay, simulated_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def default_factory(
     *, runbook: Any = "default", overrides: Sequence[str] = (), detector_config: dict[str, Any] | None = None
 ) -> Pipeline:
     """stabmon's live pipeline (detectors + runbook engine, simulated executor)."""
-    return build_pipeline(runbook=runbook, overrides=overrides, detector_config=detector_config)[0]
+    return simulated_pipeline(runbook=runbook, overrides=overrides, detector_config=detector_config)[0]
 
 
 def alerts_for(

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 
 from stabmon.events import Decision, DecisionStatus, StepRecord, new_id
 from stabmon.store.codec import decode, encode, event_from_row
-from stabmon.store.engine import StoreError
+from stabmon.store.database import StoreError
 from stabmon.store.models import (
     AlertRow,
     AnomalyRow,

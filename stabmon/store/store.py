@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -32,13 +31,14 @@ from stabmon.sinks import LowVolumeEvent
 from stabmon.store import repo
 from stabmon.store.answers import AnswerBox
 from stabmon.store.codec import encode
-from stabmon.store.engine import (
+from stabmon.store.database import (
     StoreError,
     current_revision,
     is_down,
     is_memory,
     make_engine,
     require_schema,
+    resolve_url,
     safe_url,
     sqlite_path,
     upgrade,
@@ -49,7 +49,6 @@ from stabmon.store.writer import StoreStats, Writer
 
 log = logging.getLogger("stabmon.store")
 
-DEFAULT_URL = "sqlite:///stabmon.db"
 _EVENTS = (Anomaly, Decision, InterventionRecord, Outcome)
 
 
@@ -108,8 +107,7 @@ def open_store(url: str | None = None, *, config: StoreConfig | None = None) -> 
     database must already be at the newest schema (``stabmon db upgrade --db URL``). Raises ``ValueError``
     with one line when the URL cannot be opened.
     """
-    url = url or os.environ.get("STABMON_DB_URL") or DEFAULT_URL
-    return Store(url, config=config)
+    return Store(resolve_url(url), config=config)
 
 
 class Store:

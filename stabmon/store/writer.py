@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from stabmon.store.answers import AnswerBox
 from stabmon.store.batch import Batch, NameCache, write_batch
 from stabmon.store.codec import EVENT_TABLES, event_row
-from stabmon.store.engine import is_unavailable, require_schema
+from stabmon.store.database import is_unavailable, require_schema
 from stabmon.store.spool import Spool
 
 log = logging.getLogger("stabmon.store")
