@@ -504,12 +504,12 @@ class Monitor:
             self._acts.disarm()
         status = status or ("stopped" if self.should_stop else "finished")
         store, notifier = self.store, self.notifier
+        if notifier is not None and self._owns_notifier:  # first: its last attempts are rows for the store
+            self._guard("alerts", lambda: notifier.close(timeout=10.0))
         if store is not None:
             self._guard("store", lambda: store.end_run(run_id=self.run_id, status=status))
             if self._owns_store:  # close() drains within the store's close_timeout and spools the rest
                 self._guard("store", store.close)
-        if notifier is not None and self._owns_notifier:
-            self._guard("alerts", lambda: notifier.close(timeout=10.0))
 
     def __enter__(self) -> Monitor:
         return self

@@ -278,20 +278,12 @@ def test_resolve_run_by_id_prefix_name_and_latest(store: Store) -> None:
             repo.resolve_run(session=s, ref="zzz")
 
 
-def test_alerts_are_recorded_and_updated(store: Store) -> None:
-    with store.session() as s:
-        aid = repo.add_alert(
-            session=s,
-            channel="slack://***",
-            severity="error",
-            title="grad spike",
-            run_id="r1",
-            dedup_key="stabmon-r1-inc",
-            incident_id="inc",
-        )
-    with store.session() as s:
-        repo.update_alert(session=s, alert_id=aid, status="failed", error="HTTP 500")
-        repo.update_alert(session=s, alert_id=aid, status="sent")
+def test_alerts_are_recorded_and_updated_through_the_writer(store: Store) -> None:
+    store.add_alert(alert_id="al1", run_id="r1", channel="slack://***", severity="error", status="queued",
+                    dedup_key="stabmon-r1-inc", incident_id="inc", event_id=None, title="grad spike")
+    store.update_alert(alert_id="al1", status="failed", attempts=1, error="HTTP 500")
+    store.update_alert(alert_id="al1", status="sent", attempts=2, error=None)
+    assert store.flush(10)
     with store.session() as s:
         [row] = repo.list_alerts(session=s, run_id="r1")
     assert (row["status"], row["attempts"], row["error"], row["dedup_key"]) == (

@@ -330,52 +330,6 @@ def take_answers(*, session: Session, run_id: str) -> list[tuple[str, bool]]:
 
 
 # -- alerts, checkpoints, skipped batches --------------------------------------------------------------------
-def add_alert(
-    *,
-    session: Session,
-    channel: str,
-    severity: str,
-    title: str = "",
-    run_id: str | None = None,
-    status: str = "queued",
-    dedup_key: str | None = None,
-    incident_id: str | None = None,
-    event_id: str | None = None,
-    alert_id: str | None = None,
-) -> str:
-    """Record an alert (``channel`` must already be redacted). Returns its id."""
-    now = _now()
-    row = AlertRow(
-        id=alert_id or new_id(),
-        run_id=run_id,
-        created_at=now,
-        updated_at=now,
-        channel=channel,
-        severity=severity,
-        status=status,
-        attempts=0,
-        dedup_key=dedup_key,
-        incident_id=incident_id,
-        event_id=event_id,
-        title=title,
-    )
-    session.add(row)
-    session.flush()
-    return row.id
-
-
-def update_alert(
-    *, session: Session, alert_id: str, status: str, error: str | None = None, attempts: int | None = None
-) -> None:
-    """Set an alert's status (and error); ``attempts`` defaults to one more than before."""
-    row = session.get(AlertRow, alert_id)
-    if row is None:
-        raise StoreError(f"no alert with id {alert_id!r}")
-    row.status, row.error, row.updated_at = status, error, _now()
-    row.attempts = attempts if attempts is not None else row.attempts + 1
-    session.flush()
-
-
 def list_alerts(*, session: Session, run_id: str | None = None) -> list[dict[str, Any]]:
     q = sa.select(*AlertRow.__table__.columns)
     if run_id is not None:

@@ -308,6 +308,40 @@ class Store:
     def end_run(self, *, run_id: str, status: str) -> None:
         self._writer.submit("update", run_id, {"status": status, "ended_at": time.time()})
 
+    # -- AlertRecorder: the notifier's delivery threads record their attempts through the writer ----------------
+    def add_alert(
+        self,
+        *,
+        alert_id: str,
+        run_id: str | None,
+        channel: str,
+        severity: str,
+        status: str,
+        dedup_key: str | None,
+        incident_id: str | None,
+        event_id: str | None,
+        title: str,
+    ) -> None:
+        """Queue the row of one alert to one channel (``channel`` already redacted)."""
+        now = time.time()
+        row = {
+            "id": alert_id, "run_id": run_id, "created_at": now, "updated_at": now, "channel": channel,
+            "severity": severity, "status": status, "attempts": 0, "error": None, "dedup_key": dedup_key,
+            "incident_id": incident_id, "event_id": event_id, "title": title,
+        }
+        self._submit_alert("alert", row)
+
+    def update_alert(self, *, alert_id: str, status: str, attempts: int, error: str | None) -> None:
+        """Queue an alert's new status after a delivery attempt."""
+        values = {"status": status, "attempts": attempts, "error": error, "updated_at": time.time()}
+        self._submit_alert("alert_update", alert_id, values)
+
+    def _submit_alert(self, *item: Any) -> None:
+        if self._closed:
+            self._after_close(1)
+        else:
+            self._writer.submit(*item)
+
     def _after_close(self, rows: int) -> None:
         self.stats.dropped_rows += rows
         log.error("stabmon store: %d rows written after close() were dropped", rows)
