@@ -403,10 +403,10 @@ class Monitor:
     def _settle(self) -> None:
         """Before a hang exit: what was published reaches the database and the alert channels (bounded)."""
         store, notifier = self.store, self.notifier
+        if notifier is not None:  # first: its last attempts are rows for the store
+            self._guard("alerts", lambda: notifier.close(timeout=10.0))
         if store is not None:
             self._guard("store", lambda: store.flush(timeout=30.0))
-        if notifier is not None:
-            self._guard("alerts", lambda: notifier.close(timeout=10.0))
 
     def heartbeat(self) -> None:
         """A sign of life between steps (inside a long evaluation): re-arms the hang watchdog without

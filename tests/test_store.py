@@ -183,8 +183,10 @@ def test_answers_reach_the_run_once(store: Store) -> None:
             repo.answer_decision(session=s, run_id=run, decision_id=d.id, approved=False, by="bob")
         with pytest.raises(AnswerError, match="has no decision 'nope'"):
             repo.answer_decision(session=s, run_id=run, decision_id="nope", approved=True, by="bob")
-    assert store.poll_answers(run_id=run, wait=10.0) == [(d.id, True)]  # read by the writer thread
-    assert store.poll_answers(run_id=run, wait=10.0) == []
+    assert store.refresh_answers(run_id=run, timeout=10.0)  # read by the writer thread
+    assert store.poll_answers(run_id=run) == [(d.id, True)]
+    assert store.refresh_answers(run_id=run, timeout=10.0)
+    assert store.poll_answers(run_id=run) == []
 
 
 def test_answers_are_not_polled_while_the_database_is_away(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,10 +200,12 @@ def test_answers_are_not_polled_while_the_database_is_away(tmp_path, monkeypatch
         with store.session() as s:
             repo.answer_decision(session=s, run_id=run, decision_id=d.id, approved=False, by="a")
         monkeypatch.setattr(store._writer, "backlog", lambda: True)  # as during an outage
-        assert store.poll_answers(run_id=run, wait=0.3) == []
+        store.refresh_answers(run_id=run, timeout=0.3)
+        assert store.poll_answers(run_id=run) == []
         assert not store.answers_live
         monkeypatch.undo()
-        assert store.poll_answers(run_id=run, wait=10.0) == [(d.id, False)]
+        assert store.refresh_answers(run_id=run, timeout=10.0)
+        assert store.poll_answers(run_id=run) == [(d.id, False)]
         assert store.answers_live
         assert store.poll_answers(run_id=run) == []  # throttled by poll_interval, and nothing new anyway
 
@@ -377,9 +381,9 @@ def test_reading_an_unknown_run_is_an_error(store: Store) -> None:
         repo.load_steps(session=s, run_id="nope")
 
 
-def test_unknown_run_kind() -> None:
-    with pytest.raises(ValueError, match="run.kind must be one of"):
-        repo.add_run(session=None, name="x", kind="bogus")  # type: ignore[arg-type]
+def test_unknown_run_kind(store: Store) -> None:
+    with pytest.raises(ValueError, match="store.start_run.kind must be one of"):
+        store.start_run(name="x", kind="bogus")
 
 
 @pytest.fixture(scope="module")

@@ -78,3 +78,11 @@ def store_session(db: str | None) -> Iterator[Any]:
     finally:
         engine.dispose()
 
+
+def run_events(db: str | None, ref: str) -> tuple[str, str, list[Any]]:
+    """(id, name, events in causal order) of the run ``ref`` names; an unknown run is a one-line exit."""
+    from stabmon.store import repo
+
+    with store_session(db) as s:
+        run = repo.resolve_run(session=s, ref=ref)
+        return run.id, run.name, repo.load_events(session=s, run_id=run.id)

@@ -283,14 +283,12 @@ class Store:
         if batch_indices:
             self._writer.submit("skipped", run_id, int(step), list(batch_indices))
 
-    def poll_answers(self, *, run_id: str, wait: float = 0.0) -> list[tuple[str, bool]]:
+    def poll_answers(self, *, run_id: str) -> list[tuple[str, bool]]:
         """Answers given with ``stabmon approve/reject`` that this run has not picked up yet.
 
         Never touches the database: the writer thread reads answers (every ``config.poll_interval`` seconds
-        at most) and this hands over what it has read. ``wait`` > 0 (tests, tools; never the monitor) asks
-        for a read now and waits up to ``wait`` seconds for it. See :attr:`answers_live`."""
-        if wait > 0:
-            self.refresh_answers(run_id=run_id, timeout=wait)
+        at most) and this hands over what it has read; :meth:`refresh_answers` asks for a read now. See
+        :attr:`answers_live`."""
         return self.answers.take(run_id)
 
     def refresh_answers(self, *, run_id: str, timeout: float) -> bool:
