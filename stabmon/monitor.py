@@ -16,7 +16,7 @@ A plain PyTorch loop needs four lines::
 
 Everything measured stays on the device until a flush (every ``config.flush_every`` steps and at close): one
 stacked copy to the host, then StepRecords go through the :class:`~stabmon.pipeline.Pipeline`, to the store
-and the notifier. Decisions are applied at flushes through :class:`~stabmon.interventions.LiveExecutor`, whose
+and the notifier. Decisions are applied at flushes through :class:`~stabmon.interventions.Executor`, whose
 target is the monitor itself (:class:`~stabmon.pipeline.InterventionTarget`).
 """
 

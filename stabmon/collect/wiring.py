@@ -85,11 +85,10 @@ def build_pipeline(
 
 
 def environment() -> dict[str, Any] | None:
-    """The run's environment fingerprint, or None to let the store take it."""
-    try:
-        from stabmon.environment import fingerprint
-    except ImportError:
-        return None
+    """The run's environment fingerprint, or None (logged) when taking it failed (a live run's store then tries
+    once more)."""
+    from stabmon.environment import fingerprint
+
     try:
         return dict(fingerprint())
     except Exception:  # noqa: BLE001 - a fingerprint is never worth failing a run for
