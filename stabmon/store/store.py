@@ -307,26 +307,12 @@ class Store:
         self._writer.submit("update", run_id, {"status": status, "ended_at": time.time()})
 
     # -- AlertRecorder: the notifier's delivery threads record their attempts through the writer ----------------
-    def add_alert(
-        self,
-        *,
-        alert_id: str,
-        run_id: str | None,
-        channel: str,
-        severity: str,
-        status: str,
-        dedup_key: str | None,
-        incident_id: str | None,
-        event_id: str | None,
-        title: str,
-    ) -> None:
-        """Queue the row of one alert to one channel (``channel`` already redacted)."""
+    def add_alert(self, *, alert_id: str, **fields: Any) -> None:
+        """Queue the row of one alert to one channel: ``run_id``, ``channel`` (already redacted), ``severity``,
+        ``status``, ``dedup_key``, ``incident_id``, ``event_id``, ``title`` (see
+        :class:`~stabmon.alerts.record.AlertRecorder`)."""
         now = time.time()
-        row = {
-            "id": alert_id, "run_id": run_id, "created_at": now, "updated_at": now, "channel": channel,
-            "severity": severity, "status": status, "attempts": 0, "error": None, "dedup_key": dedup_key,
-            "incident_id": incident_id, "event_id": event_id, "title": title,
-        }
+        row = {"id": alert_id, "created_at": now, "updated_at": now, "attempts": 0, "error": None, **fields}
         self._submit_alert("alert", row)
 
     def update_alert(self, *, alert_id: str, status: str, attempts: int, error: str | None) -> None:
