@@ -64,6 +64,8 @@ def unframe(line: bytes) -> Batch:
     if not line.endswith(b"\n"):
         raise ValueError("incomplete line (no newline)")
     body = line[:-1]
+    if body.startswith(b"{"):  # unframed line written by an older version
+        return Batch.from_json(body.decode("utf-8"))
     if not body.startswith(_MAGIC) or len(body) < len(_MAGIC) + 9:
         raise ValueError("not a spool record")
     crc, payload = body[len(_MAGIC) : len(_MAGIC) + 8], body[len(_MAGIC) + 9 :]
