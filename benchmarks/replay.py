@@ -87,13 +87,13 @@ def main() -> None:
     args = ap.parse_args()
 
     from stabmon.replay.importers.sniff import import_file
-    from stabmon.replay.replay import build_pipeline, replay
+    from stabmon.replay.replay import replay, simulated_pipeline
 
     records = import_file(args.log).records if args.log else synthetic(args.steps, args.seed)
     samples = sum(len(r.metrics) for r in records)
     t_replay = t_river = math.inf
     for _ in range(max(1, args.repeat)):
-        pipeline, target = build_pipeline(runbook=args.runbook)  # fresh objects: every repeat does the same work
+        pipeline, target = simulated_pipeline(runbook=args.runbook)  # fresh objects: every repeat does the same work
         t0 = time.perf_counter()
         result = replay(records, pipeline=pipeline, target=target)
         t_replay = min(t_replay, time.perf_counter() - t0)

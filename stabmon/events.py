@@ -5,8 +5,11 @@ Data flows one way, one event type per arrow::
     collectors -> StepRecord -> detectors -> Anomaly -> engine -> Decision
     executor -> InterventionRecord;  engine (after observing) -> Outcome
 
-Every event is a frozen dataclass with plain-Python fields (str, int, float, tuples, dicts of those), so it can be
-pickled, compared, serialised to JSON with :func:`to_dict` and written to SQL without further conversion.
+Every event is a frozen dataclass with plain-Python fields (str, int, float, enums, tuples, mappings of those), so
+it can be pickled and compared. :func:`to_dict` is the one conversion to JSON-ready dicts (enums as values,
+tuples as lists); the store maps events to table rows with :func:`stabmon.store.codec.event_row`, which also
+encodes NaN and infinities for JSON columns.
+
 Metric names are flat strings; the well-known ones are listed in :class:`Metric`. Per-module metrics append
 ``/<module name>`` to a base name, e.g. ``grad_norm/transformer.h.0``.
 

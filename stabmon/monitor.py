@@ -16,7 +16,7 @@ A plain PyTorch loop needs four lines::
 
 Everything measured stays on the device until a flush (every ``config.flush_every`` steps and at close): one
 stacked copy to the host, then StepRecords go through the :class:`~stabmon.pipeline.Pipeline`, to the store
-and the notifier. Decisions are applied at flushes through :class:`~stabmon.interventions.LiveExecutor`, whose
+and the notifier. Decisions are applied at flushes through :class:`~stabmon.interventions.Executor`, whose
 target is the monitor itself (:class:`~stabmon.pipeline.InterventionTarget`).
 """
 
@@ -403,10 +403,10 @@ class Monitor:
     def _settle(self) -> None:
         """Before a hang exit: what was published reaches the database and the alert channels (bounded)."""
         store, notifier = self.store, self.notifier
+        if notifier is not None:  # first: its last attempts are rows for the store
+            self._guard("alerts", lambda: notifier.close(timeout=10.0))
         if store is not None:
             self._guard("store", lambda: store.flush(timeout=30.0))
-        if notifier is not None:
-            self._guard("alerts", lambda: notifier.close(timeout=10.0))
 
     def heartbeat(self) -> None:
         """A sign of life between steps (inside a long evaluation): re-arms the hang watchdog without
@@ -504,12 +504,12 @@ class Monitor:
             self._acts.disarm()
         status = status or ("stopped" if self.should_stop else "finished")
         store, notifier = self.store, self.notifier
+        if notifier is not None and self._owns_notifier:  # first: its last attempts are rows for the store
+            self._guard("alerts", lambda: notifier.close(timeout=10.0))
         if store is not None:
             self._guard("store", lambda: store.end_run(run_id=self.run_id, status=status))
             if self._owns_store:  # close() drains within the store's close_timeout and spools the rest
                 self._guard("store", store.close)
-        if notifier is not None and self._owns_notifier:
-            self._guard("alerts", lambda: notifier.close(timeout=10.0))
 
     def __enter__(self) -> Monitor:
         return self

@@ -1,10 +1,13 @@
 """The one pipeline that live monitoring and replay share.
 
 ``StepRecord -> detectors -> Anomaly -> engine -> Decision -> executor -> InterventionRecord``; the engine later
-emits ``Outcome``. The live :class:`~stabmon.monitor.Monitor` and :func:`stabmon.replay.replay` both build a
-:class:`Pipeline` and call :meth:`Pipeline.process` once per StepRecord, so replaying a live run's recorded metrics
-reproduces its anomalies and decisions exactly. The executor is the only part that differs: the live one changes
-the optimizer, the replay one simulates.
+emits ``Outcome``. The live :class:`~stabmon.monitor.Monitor` and :func:`stabmon.replay.replay` both get their
+:class:`Pipeline` from :func:`stabmon.factory.build_pipeline` and call :meth:`Pipeline.process` once per
+StepRecord, so replaying a live run's recorded metrics reproduces its anomalies and decisions exactly. The
+detector, engine and executor classes are the same; what differs is the executor's target (the monitor, whose
+overrides act on the optimizer, or a :class:`~stabmon.replay.simulate.SimulatedTarget` that records what would
+have changed, with ``simulated=True`` on every InterventionRecord) and when records arrive (live at each flush;
+replay in blocks of the recorded ``flush_every``).
 
 The protocols below are the plug points; concrete classes live in ``stabmon.detect``, ``stabmon.runbook`` and
 ``stabmon.interventions``.

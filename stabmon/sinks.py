@@ -2,8 +2,10 @@
 
 Dependencies are passed in (``store=``, ``notifier=``), never global. Implementations: :class:`stabmon.store.Store`
 (SQL through a background writer) and :class:`stabmon.alerts.Notifier` (apprise on a background thread). Every
-method here is called from the training thread and must return at once; failures are caught, logged, counted and
-spooled by the implementation, never raised into training.
+method here is called from the training thread. The ones called while training (``write_*``, ``poll_answers``,
+``handle``) must return at once without waiting on I/O; ``start_run``, ``flush`` and ``close`` come at the edges
+of a run and may wait, bounded (the SQL store's ``start_run`` reads the last sequence number of a resumed run).
+Failures are caught, logged, counted and spooled by the implementation, never raised into training.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from stabmon.events import Decision, DecisionStatus
 from stabmon.interventions import (
     INTERVENTIONS,
     STOP_EXIT_CODE,
+    Executor,
     Intervention,
     InterventionError,
-    LiveExecutor,
     get_intervention,
     register,
 )
@@ -58,7 +58,7 @@ def decision(action: str, params: dict[str, Any] | None = None, **kw: Any) -> De
 
 def test_the_target_double_matches_the_protocol() -> None:
     assert isinstance(FakeTarget(), InterventionTarget)
-    assert isinstance(LiveExecutor(FakeTarget()), ExecutorLike)
+    assert isinstance(Executor(FakeTarget()), ExecutorLike)
 
 
 @pytest.mark.parametrize(("action", "params", "field", "value", "hparam", "after"), [
@@ -147,7 +147,7 @@ def test_checkpoint_and_stop_records_the_documented_exit_code() -> None:
 
 def test_executor_applies_and_reverts_by_intervention_id() -> None:
     t = FakeTarget()
-    ex = LiveExecutor(t)
+    ex = Executor(t)
     rec = ex.execute(decision("set_beta2", {"beta2": 0.95}))
     assert t.overrides.beta2 == 0.95
     undo = ex.execute(decision("revert", {"intervention_id": rec.id}))
@@ -161,7 +161,7 @@ def test_executor_failures_are_recorded_not_raised(caplog: pytest.LogCaptureFixt
         raise FileNotFoundError("no valid checkpoint")
 
     t.rollback = boom  # type: ignore[method-assign]
-    ex = LiveExecutor(t)
+    ex = Executor(t)
     rec = ex.execute(decision("rollback", {"onset_step": 50}))
     assert rec.after == {"error": "FileNotFoundError: no valid checkpoint"}
     missing = ex.execute(decision("revert", {"intervention_id": "nope"}))
@@ -172,12 +172,12 @@ def test_executor_failures_are_recorded_not_raised(caplog: pytest.LogCaptureFixt
 
 def test_executor_state_survives_a_resume_so_reverts_still_work() -> None:
     t = FakeTarget()
-    ex = LiveExecutor(t)
+    ex = Executor(t)
     rec = ex.execute(decision("set_clip", {"max_norm": 1.0}))
     state = ex.state_dict()
     t2 = FakeTarget()
     t2.overrides.load_state_dict(t.overrides.state_dict())  # the monitor restores overrides itself
-    ex2 = LiveExecutor(t2)
+    ex2 = Executor(t2)
     ex2.load_state_dict(pickle.loads(pickle.dumps(state)))
     assert ex2.state_dict() == state
     undo = ex2.execute(decision("revert", {"intervention_id": rec.id}))
@@ -280,7 +280,7 @@ def test_a_change_the_harmful_way_or_none_at_all_is_skipped_and_recorded(action,
     with pytest.raises(NoChange, match=why):
         get_intervention(action)(t, params, decision_id="d").apply()
     assert t.overrides == Overrides()  # nothing touched
-    ex = LiveExecutor(t)
+    ex = Executor(t)
     rec = ex.execute(decision(action, params))
     assert rec is not None and why in rec.after["skipped"] and "error" not in rec.after and ex.errors == 0
 

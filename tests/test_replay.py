@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from stabmon.events import Anomaly, Decision, DecisionStatus, InterventionRecord, Severity, StepRecord
 from stabmon.pipeline import Pipeline
-from stabmon.replay.replay import build_pipeline, canonical, event_rows, replay
+from stabmon.replay.replay import canonical, event_rows, replay, simulated_pipeline
 from stabmon.replay.simulate import SimulatedTarget
 
 FAIRSEQ = "fairseq-fsdp-13b-readme/gpt3-13b_1xV100_cpu-offload.log"
@@ -52,11 +52,11 @@ def test_simulated_target_validates_interval() -> None:
 
 
 def test_live_executor_acts_on_simulated_target() -> None:
-    from stabmon.interventions import LiveExecutor
+    from stabmon.interventions import Executor
 
     t = SimulatedTarget()
     t.begin_block([StepRecord(step=6, metrics={"lr": 1e-3})])
-    ex = LiveExecutor(t, simulated=True)
+    ex = Executor(t, simulated=True)
     d = Decision(
         step=7,
         action="scale_lr",
@@ -96,7 +96,7 @@ def test_replay_overrides_change_detectors() -> None:
 
 
 def test_approve_applies_proposals_to_the_simulated_target() -> None:
-    pipeline, target = build_pipeline(runbook="propose-only")
+    pipeline, target = simulated_pipeline(runbook="propose-only")
     res = replay(spiky_records(), pipeline=pipeline, target=target, approve=True)
     statuses = {d.status for d in res.decisions}
     assert DecisionStatus.PROPOSED in statuses

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from stabmon.events import Anomaly, Decision  # noqa: E402
-from stabmon.replay.replay import build_pipeline, canonical, replay  # noqa: E402
+from stabmon.replay.replay import canonical, replay, simulated_pipeline  # noqa: E402
 from stabmon.replay.simulate import SimulatedTarget  # noqa: E402
 
 
@@ -60,7 +60,8 @@ def test_replay_of_stored_live_run_is_identical(sqlite_url: str, mode: str) -> N
     live = [e for e in live_events if isinstance(e, (Anomaly, Decision))]
     assert [e for e in live if isinstance(e, Anomaly)], "the blow-up should have been detected live"
     # the live run saved no checkpoints, so its rollbacks failed: the simulated target knows the same
-    pipeline, target = build_pipeline(runbook="default", mode=mode, target=SimulatedTarget(checkpoint_interval=None))
+    target = SimulatedTarget(checkpoint_interval=None)
+    pipeline, target = simulated_pipeline(runbook="default", mode=mode, target=target)
     result = replay(records, pipeline=pipeline, target=target, flush_every=10)  # the live MonitorConfig's
     replayed = [e for e in result.events if isinstance(e, (Anomaly, Decision))]
     assert canonical(replayed) == canonical(live)

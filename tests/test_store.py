@@ -183,8 +183,10 @@ def test_answers_reach_the_run_once(store: Store) -> None:
             repo.answer_decision(session=s, run_id=run, decision_id=d.id, approved=False, by="bob")
         with pytest.raises(AnswerError, match="has no decision 'nope'"):
             repo.answer_decision(session=s, run_id=run, decision_id="nope", approved=True, by="bob")
-    assert store.poll_answers(run_id=run, wait=10.0) == [(d.id, True)]  # read by the writer thread
-    assert store.poll_answers(run_id=run, wait=10.0) == []
+    assert store.refresh_answers(run_id=run, timeout=10.0)  # read by the writer thread
+    assert store.poll_answers(run_id=run) == [(d.id, True)]
+    assert store.refresh_answers(run_id=run, timeout=10.0)
+    assert store.poll_answers(run_id=run) == []
 
 
 def test_answers_are_not_polled_while_the_database_is_away(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,10 +200,12 @@ def test_answers_are_not_polled_while_the_database_is_away(tmp_path, monkeypatch
         with store.session() as s:
             repo.answer_decision(session=s, run_id=run, decision_id=d.id, approved=False, by="a")
         monkeypatch.setattr(store._writer, "backlog", lambda: True)  # as during an outage
-        assert store.poll_answers(run_id=run, wait=0.3) == []
+        store.refresh_answers(run_id=run, timeout=0.3)
+        assert store.poll_answers(run_id=run) == []
         assert not store.answers_live
         monkeypatch.undo()
-        assert store.poll_answers(run_id=run, wait=10.0) == [(d.id, False)]
+        assert store.refresh_answers(run_id=run, timeout=10.0)
+        assert store.poll_answers(run_id=run) == [(d.id, False)]
         assert store.answers_live
         assert store.poll_answers(run_id=run) == []  # throttled by poll_interval, and nothing new anyway
 
@@ -278,20 +282,12 @@ def test_resolve_run_by_id_prefix_name_and_latest(store: Store) -> None:
             repo.resolve_run(session=s, ref="zzz")
 
 
-def test_alerts_are_recorded_and_updated(store: Store) -> None:
-    with store.session() as s:
-        aid = repo.add_alert(
-            session=s,
-            channel="slack://***",
-            severity="error",
-            title="grad spike",
-            run_id="r1",
-            dedup_key="stabmon-r1-inc",
-            incident_id="inc",
-        )
-    with store.session() as s:
-        repo.update_alert(session=s, alert_id=aid, status="failed", error="HTTP 500")
-        repo.update_alert(session=s, alert_id=aid, status="sent")
+def test_alerts_are_recorded_and_updated_through_the_writer(store: Store) -> None:
+    store.add_alert(alert_id="al1", run_id="r1", channel="slack://***", severity="error", status="queued",
+                    dedup_key="stabmon-r1-inc", incident_id="inc", event_id=None, title="grad spike")
+    store.update_alert(alert_id="al1", status="failed", attempts=1, error="HTTP 500")
+    store.update_alert(alert_id="al1", status="sent", attempts=2, error=None)
+    assert store.flush(10)
     with store.session() as s:
         [row] = repo.list_alerts(session=s, run_id="r1")
     assert (row["status"], row["attempts"], row["error"], row["dedup_key"]) == (
@@ -385,9 +381,9 @@ def test_reading_an_unknown_run_is_an_error(store: Store) -> None:
         repo.load_steps(session=s, run_id="nope")
 
 
-def test_unknown_run_kind() -> None:
-    with pytest.raises(ValueError, match="run.kind must be one of"):
-        repo.add_run(session=None, name="x", kind="bogus")  # type: ignore[arg-type]
+def test_unknown_run_kind(store: Store) -> None:
+    with pytest.raises(ValueError, match="store.start_run.kind must be one of"):
+        store.start_run(name="x", kind="bogus")
 
 
 @pytest.fixture(scope="module")
@@ -462,7 +458,7 @@ def test_in_memory_sqlite_for_tests() -> None:
 def test_sqlite_file_is_in_wal_mode(sqlite_url: str) -> None:
     import sqlite3
 
-    from stabmon.store.engine import sqlite_path
+    from stabmon.store.database import sqlite_path
 
     with open_store(sqlite_url) as store:
         store.start_run(name="r", environment={})

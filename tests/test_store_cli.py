@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from stabmon.cli import app
 from stabmon.events import StepRecord
 from stabmon.store import StoreConfig, open_store
-from stabmon.store.engine import head_revision, schema_revision
+from stabmon.store.database import head_revision, schema_revision
 
 runner = CliRunner()
 

@@ -13,7 +13,7 @@ from sqlalchemy.engine import make_url
 from stabmon.events import StepRecord
 from stabmon.store import StoreConfig, open_store, repo, upgrade
 from stabmon.store.batch import Batch, NameCache, write_batch
-from stabmon.store.engine import make_engine
+from stabmon.store.database import make_engine
 from stabmon.store.spool import Spool
 
 FAST = {"flush_interval": 0.02, "retry_initial": 0.05, "retry_max": 0.2}
@@ -178,6 +178,10 @@ def test_writing_a_batch_twice_leaves_one_copy(backend: str, request: pytest.Fix
         (r, q, q, None, None, {"loss": float(q), "x": math.nan}) for r, q in [("r1", 0), ("r1", 1)]
     )
     batch.skipped.append(("r1", 1, 5))
+    batch.alerts.append({"id": "al1", "run_id": "r1", "created_at": 1.7e9, "updated_at": 1.7e9, "channel": "x://***",
+                         "severity": "error", "status": "queued", "attempts": 0, "error": None, "dedup_key": None,
+                         "incident_id": None, "event_id": None, "title": "t"})
+    batch.alert_updates.append(("al1", {"status": "sent", "attempts": 1, "error": None, "updated_at": 1.7e9 + 1}))
     again = Batch.from_json(batch.to_json())  # what a replayed spool line looks like
     engine = make_engine(url)
     names = NameCache()
@@ -188,10 +192,12 @@ def test_writing_a_batch_twice_leaves_one_copy(backend: str, request: pytest.Fix
     with engine.connect() as conn:
         counts = [
             conn.execute(sa.text(f"select count(*) from {t}")).scalar()
-            for t in ("runs", "steps", "step_metrics", "skipped_batches")
+            for t in ("runs", "steps", "step_metrics", "skipped_batches", "alerts")
         ]
+        alert = conn.execute(sa.text("select status, attempts from alerts")).one()
     engine.dispose()
-    assert counts == [1, 2, 4, 1]
+    assert counts == [1, 2, 4, 1, 1]
+    assert tuple(alert) == ("sent", 1)
 
 
 def test_a_batch_the_database_refuses_is_set_aside_not_retried_forever(tmp_path: Path) -> None:

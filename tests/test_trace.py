@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from stabmon.cli import app
 from stabmon.events import Anomaly, Decision, DecisionStatus, Severity, StepRecord, Verdict
-from stabmon.interventions import LiveExecutor
+from stabmon.interventions import Executor
 from stabmon.overrides import Overrides
 from stabmon.pipeline import Pipeline
 from stabmon.runbook import Engine, loads_runbook
@@ -69,7 +69,7 @@ class Target:
 def run_incident(store: Any, mode: str) -> tuple[str, Pipeline, Target, list[Any]]:
     target = Target()
     pipe = Pipeline(ScriptedDetectors(), Engine(loads_runbook(RUNBOOK.format(mode=mode)), id_seed="t"),
-                    LiveExecutor(target))
+                    Executor(target))
     run_id = store.start_run(name=f"trace-{mode}")
     events: list[Any] = []
     grads = [1.0] * 6 + [9.0, 8.0, 7.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
@@ -140,7 +140,8 @@ def test_approve_through_the_cli_reaches_the_engine(store: Any, sqlite_url: str)
     again = CliRunner().invoke(app, ["reject", run_id, proposals[0].id, "--db", sqlite_url])
     assert again.exit_code == 1 and "already approved by ann" in again.output
     # the monitor's flush: poll the store, feed the pipeline
-    answers = store.poll_answers(run_id=run_id, wait=10.0)
+    assert store.refresh_answers(run_id=run_id, timeout=10.0)
+    answers = store.poll_answers(run_id=run_id)
     assert answers == [(proposals[0].id, True)]
     produced = [ev for a in answers for ev in pipe.answer(*a, step=16)]
     assert [type(e).__name__ for e in produced] == ["Decision", "InterventionRecord"]
@@ -153,7 +154,8 @@ def test_reject_through_the_cli(store: Any, sqlite_url: str) -> None:
     (prop,) = [e for e in events if isinstance(e, Decision)]
     result = CliRunner().invoke(app, ["reject", run_id, prop.id, "--db", sqlite_url, "--json"])
     assert result.exit_code == 0 and json.loads(result.output)["status"] == "rejected"
-    (rejected,) = pipe.answer(*store.poll_answers(run_id=run_id, wait=10.0)[0], step=16)
+    assert store.refresh_answers(run_id=run_id, timeout=10.0)
+    (rejected,) = pipe.answer(*store.poll_answers(run_id=run_id)[0], step=16)
     assert rejected.status == DecisionStatus.REJECTED and target.overrides.max_norm is None
     bad = CliRunner().invoke(app, ["approve", run_id, "zzzz", "--db", sqlite_url])
     assert bad.exit_code == 1 and "no decisions matching 'zzzz'" in bad.output
@@ -177,7 +179,7 @@ rules:
 """)
     target = Target()  # no rollback(): the rollback fails and is recorded
     detectors = ScriptedDetectors()
-    pipe = Pipeline(detectors, Engine(rb, id_seed="g"), LiveExecutor(target))
+    pipe = Pipeline(detectors, Engine(rb, id_seed="g"), Executor(target))
     actions = []
     for step, g in enumerate([9.0, 9.0, 9.0, 9.0], start=1):
         target.step = step

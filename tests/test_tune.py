@@ -133,16 +133,16 @@ def test_cli_tune(labelled: Path, tmp_path: Path) -> None:
 
 
 def test_replay_applies_the_included_tune_result(labelled: Path, tmp_path: Path) -> None:
-    from stabmon.replay.replay import build_pipeline
+    from stabmon.replay.replay import simulated_pipeline
     from stabmon.resources import runbooks_dir
 
     out = tmp_path / "tuned.yaml"
     out.write_text(tune(labelled, space={"spike.z_threshold": [3.5]}, folds=1).overrides_yaml())
     rb = tmp_path / "mine.yaml"
     rb.write_text((runbooks_dir() / "default.yaml").read_text() + f"\ninclude: {out}\n")
-    pipeline, _ = build_pipeline(runbook=str(rb))
+    pipeline, _ = simulated_pipeline(runbook=str(rb))
     assert pipeline.detectors.configs["spike"].z_threshold == 3.5
-    pipeline, _ = build_pipeline(runbook=str(rb), overrides=["spike.z_threshold=7"])
+    pipeline, _ = simulated_pipeline(runbook=str(rb), overrides=["spike.z_threshold=7"])
     assert pipeline.detectors.configs["spike"].z_threshold == 7.0
 
 

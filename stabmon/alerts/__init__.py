@@ -11,7 +11,7 @@ from stabmon.alerts.check import TestResult, send_test
 from stabmon.alerts.config import ALERT_KINDS, AlertsConfig, ChannelConfig, load_config, resolve_config
 from stabmon.alerts.message import Alert, Composer
 from stabmon.alerts.notifier import Notifier, is_nonzero_rank, make_notifier
-from stabmon.alerts.record import AlertRecorder, MemoryRecorder, SqlRecorder
+from stabmon.alerts.record import AlertRecorder, MemoryRecorder
 from stabmon.alerts.redact import redact, scrub
 
 __all__ = [
@@ -23,7 +23,6 @@ __all__ = [
     "Composer",
     "MemoryRecorder",
     "Notifier",
-    "SqlRecorder",
     "TestResult",
     "is_nonzero_rank",
     "load_config",

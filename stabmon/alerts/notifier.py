@@ -184,8 +184,8 @@ def make_notifier(
 
     A Notifier, a config, a config-file path (``.yaml``, ``.yml``, ``.toml``), URL(s), or None (then
     ``$STABMON_ALERTS_CONFIG`` / ``$STABMON_ALERTS``). Returns None when no channel is configured anywhere.
-    Delivery attempts are recorded through ``recorder``, else into ``store`` (a store URL, or a store object
-    with an ``engine``) with :class:`~stabmon.alerts.record.SqlRecorder`.
+    Delivery attempts are recorded through ``recorder``, else through ``store`` (an open
+    :class:`stabmon.store.Store`, or any other :class:`~stabmon.alerts.record.AlertRecorder`).
     """
     if isinstance(alerts, Notifier):
         return alerts
@@ -203,10 +203,8 @@ def make_notifier(
 
 
 def _store_recorder(store: Any) -> AlertRecorder | None:
-    from stabmon.alerts.record import SqlRecorder
-
-    try:
-        return SqlRecorder(store)
-    except Exception:  # noqa: BLE001 - alerts still go out; only their rows are missing
-        log.exception("alert attempts will not be recorded: no usable store (%s)", type(store).__name__)
-        return None
+    if isinstance(store, AlertRecorder):
+        return store
+    # alerts still go out; only their rows are missing
+    log.error("alert attempts will not be recorded: %s cannot record alerts", type(store).__name__)
+    return None

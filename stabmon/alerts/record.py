@@ -1,6 +1,8 @@
 """Where delivery attempts are written down: one row per (alert, channel), updated after every attempt.
 
-The notifier's delivery threads call an :class:`AlertRecorder`; they never run on the training thread.
+The notifier's delivery threads call an :class:`AlertRecorder`; they never run on the training thread. The SQL
+recorder is the :class:`stabmon.store.Store` itself: its rows go through the store's background writer and
+spool like every other row.
 Statuses: ``queued`` → (``retrying`` →)* ``sent`` | ``failed`` (attempts exhausted) | ``abandoned`` (still
 queued when the notifier was closed, or dropped because the channel's queue was full). ``channel`` is always
 the redacted URL and ``error`` is scrubbed of secrets before it reaches a recorder.
@@ -58,46 +60,3 @@ class MemoryRecorder:
                 status=status, attempts=attempts, error=error
             )
             self.history.append((alert_id, status, attempts, error))
-
-
-class SqlRecorder:
-    """Writes the store's ``alerts`` table through its repository functions (``stabmon.store.repo``).
-
-    Takes a store URL, a SQLAlchemy engine, or a store object with an ``engine`` attribute (the schema must
-    exist: ``stabmon db upgrade``, or a SQLite file the store opened). Used by delivery threads only, so its
-    short transactions never touch the training thread.
-    """
-
-    def __init__(self, target: Any) -> None:
-        import sqlalchemy as sa
-
-        from stabmon.store.engine import make_engine
-
-        if isinstance(target, str):
-            self.engine = make_engine(target)
-        elif isinstance(target, sa.Engine):
-            self.engine = target
-        elif isinstance(getattr(target, "engine", None), sa.Engine):
-            self.engine = target.engine
-        else:
-            raise ValueError(
-                f"alerts.recorder: expected a store URL, engine or store, got {type(target).__name__}"
-            )
-
-    def add_alert(self, **fields: Any) -> None:
-        from sqlalchemy.orm import Session
-
-        from stabmon.store import repo
-
-        with Session(self.engine) as session, session.begin():
-            repo.add_alert(session=session, **fields)
-
-    def update_alert(self, *, alert_id: str, status: str, attempts: int, error: str | None) -> None:
-        from sqlalchemy.orm import Session
-
-        from stabmon.store import repo
-
-        with Session(self.engine) as session, session.begin():
-            repo.update_alert(
-                session=session, alert_id=alert_id, status=status, attempts=attempts, error=error
-            )

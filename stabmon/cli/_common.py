@@ -12,8 +12,6 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-DEFAULT_DB_URL = "sqlite:///stabmon.db"
-
 DbOption = Annotated[
     str | None,
     typer.Option("--db", help="Store URL (default: $STABMON_DB_URL, else sqlite:///stabmon.db)."),
@@ -24,7 +22,10 @@ RunArg = Annotated[str, typer.Argument(help="Run id, unique id prefix, name, or 
 
 
 def db_url(value: str | None) -> str:
-    return value or os.environ.get("STABMON_DB_URL") or DEFAULT_DB_URL
+    """``--db``, else the default store URL (:func:`stabmon.store.database.resolve_url`)."""
+    from stabmon.store.database import resolve_url
+
+    return resolve_url(value)
 
 
 def fail(message: str) -> NoReturn:
@@ -56,7 +57,7 @@ def store_session(db: str | None) -> Iterator[Any]:
     from sqlalchemy.orm import Session
 
     from stabmon.store import StoreError, make_engine
-    from stabmon.store.engine import require_schema, safe_url, sqlite_path
+    from stabmon.store.database import require_schema, safe_url, sqlite_path
 
     url = db_url(db)
     try:
@@ -78,6 +79,14 @@ def store_session(db: str | None) -> Iterator[Any]:
     finally:
         engine.dispose()
 
+
+def run_events(db: str | None, ref: str) -> tuple[str, str, list[Any]]:
+    """(id, name, events in causal order) of the run ``ref`` names; an unknown run is a one-line exit."""
+    from stabmon.store import repo
+
+    with store_session(db) as s:
+        run = repo.resolve_run(session=s, ref=ref)
+        return run.id, run.name, repo.load_events(session=s, run_id=run.id)
 
 
 def console() -> Any:

@@ -15,7 +15,7 @@ db_app = typer.Typer(help="Manage the store's database schema.", no_args_is_help
 def upgrade_cmd(db: DbOption = None) -> None:
     """Create or upgrade the store's schema to the newest version (safe to run again)."""
     from stabmon.store import StoreError, upgrade
-    from stabmon.store.engine import head_revision, safe_url
+    from stabmon.store.database import head_revision, safe_url
 
     url = db_url(db)
     try:
@@ -29,7 +29,7 @@ def upgrade_cmd(db: DbOption = None) -> None:
 def current_cmd(db: DbOption = None) -> None:
     """Print the schema revision the database is at, and the newest one."""
     from stabmon.store import StoreError
-    from stabmon.store.engine import head_revision, safe_url, schema_revision
+    from stabmon.store.database import head_revision, safe_url, schema_revision
 
     url = db_url(db)
     try:
@@ -51,7 +51,7 @@ def recover_cmd(
 
     Damaged spool lines are moved to quarantine-*.jsonl and counted; exits 1 if anything is left unwritten."""
     from stabmon.store import StoreConfig, open_store
-    from stabmon.store.engine import safe_url
+    from stabmon.store.database import safe_url
 
     url = db_url(db)
     try:

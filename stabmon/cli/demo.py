@@ -44,7 +44,7 @@ def _check_store(url: str) -> None:
 
 
 def _where(url: str) -> str:
-    from stabmon.store.engine import parse_url, safe_url
+    from stabmon.store.database import parse_url, safe_url
 
     u = parse_url(url)
     if u.get_backend_name() == "sqlite" and u.database:
@@ -96,7 +96,7 @@ def summary(monitor: Any, url: str, result: Any) -> list[str]:
     for e in monitor.events:
         if type(e).__name__ in ("Decision", "InterventionRecord", "Outcome"):
             lines.append("  " + _describe(e))
-    from stabmon.store.engine import safe_url
+    from stabmon.store.database import safe_url
 
     shown = safe_url(url)  # never print a password
     lines.append(f"next: stabmon runs --db {shown}   stabmon metrics {monitor.run_id} --db {shown}")

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stabmon.cli._common import DbOption, RunArg, fail, print_json, store_session
+from stabmon.cli._common import DbOption, RunArg, fail, print_json, run_events
 
 _SEVERITIES = ("info", "warning", "error", "critical")
 _MIN_HELP = "Lowest severity shown: info, warning, error or critical."
@@ -28,18 +28,11 @@ def events(
 ) -> None:
     """List a run's anomalies in step order: step, severity, kind, metric, score/threshold, message."""
     from stabmon.events import Anomaly, Severity, to_dict
-    from stabmon.store import RunNotFoundError, repo
 
     if min_severity not in _SEVERITIES:
         fail(f"--min-severity must be one of {', '.join(_SEVERITIES)}, got {min_severity!r}")
     floor = Severity(min_severity)
-    with store_session(db) as s:
-        try:
-            found = repo.resolve_run(session=s, ref=run)
-        except RunNotFoundError as exc:
-            fail(str(exc))
-        run_id, name = found.id, found.name
-        loaded = repo.load_events(session=s, run_id=run_id)
+    run_id, name, loaded = run_events(db, run)
     anomalies = [e for e in loaded if isinstance(e, Anomaly) and e.severity >= floor
                  and (kind is None or e.kind == kind)]
     if as_json:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stabmon.cli._common import DbOption, db_url, fail, print_json
+from stabmon.cli._common import DbOption, console, db_url, fail, print_json
 from stabmon.replay.progress import progress_bar, wanted
 
 SetOption = Annotated[
@@ -29,7 +29,7 @@ def _from_store(ref: str, url: str) -> tuple[list[Any], str, str, dict[str, Any]
     """(records, run id, run name, run config) of a stored run; ``ref`` is not an existing file."""
     from stabmon.store import RunNotFoundError, StoreConfig, open_store
     from stabmon.store.codec import decode
-    from stabmon.store.engine import sqlite_path
+    from stabmon.store.database import sqlite_path
     from stabmon.store.repo import load_steps, resolve_run
 
     path_like = _looks_like_path(ref)
@@ -110,14 +110,14 @@ def replay_command(
     missing = [s for s in source if not Path(s).exists()]
     if missing and len(source) > 1:
         fail(f"no such file: {', '.join(missing)} (name one stored run or several existing files)")
-    _pipeline(runbook, sets, mode)  # runbook and --set checked before the (possibly long) import
     if not missing:
+        pipeline, target = _pipeline(runbook, sets, mode)  # a bad runbook or --set fails before the import
         imported = read_inputs([Path(s) for s in source], fmt, maps, None)
         records, label, restarts = imported.records, ", ".join(source), imported.restarts
     else:
         records, parent_id, label, config = _from_store(source[0], url)
-    stored_mode = config.get("mode") if config.get("mode") in MODES else None
-    pipeline, target = _pipeline(runbook, sets, mode or stored_mode, _live_checkpoints(config))
+        stored_mode = config.get("mode") if config.get("mode") in MODES else None
+        pipeline, target = _pipeline(runbook, sets, mode or stored_mode, _live_checkpoints(config))
     every = flush_every or _live_flush_every(config)
     with progress_bar("replay", total=len(records), enabled=wanted(json_output)) as advance:
         result = replay(
@@ -181,13 +181,13 @@ def _write_report(path: Path, records: list[Any], events: list[Any], run_id: str
 def _pipeline(runbook: str, sets: list[str] | None, mode: str | None, every: int | None = 1) -> tuple[Any, Any]:
     """The replay pipeline and simulated target (checkpoints every ``every`` steps, None: none); a runbook or
     override that does not load is one line."""
-    from stabmon.replay.replay import build_pipeline
+    from stabmon.replay.replay import simulated_pipeline
     from stabmon.replay.simulate import SimulatedTarget
 
     try:
         target = SimulatedTarget(checkpoint_interval=every)
-        return build_pipeline(runbook=runbook, overrides=tuple(sets or ()), mode=mode, target=target)
-    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as exc:
+        return simulated_pipeline(runbook=runbook, overrides=tuple(sets or ()), mode=mode, target=target)
+    except (ValueError, KeyError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
@@ -220,7 +220,6 @@ def _store(
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table("step", "event", "kind", "metric", "severity", "detail")
@@ -238,7 +237,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             str(r.get("severity") or ""),
             str(detail)[:80],
         )
-    Console().print(table)
+    console().print(table)
 
 
 def register(app: typer.Typer) -> None:

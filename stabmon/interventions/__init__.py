@@ -1,7 +1,7 @@
 """Interventions: the changes a runbook can make to a training run, one file per action.
 
 ``INTERVENTIONS`` maps action names to classes; :func:`get_intervention` looks one up, :func:`register` adds a
-custom one (it then becomes usable in runbooks loaded afterwards). :class:`LiveExecutor` applies decisions.
+custom one (it then becomes usable in runbooks loaded afterwards). :class:`Executor` applies decisions.
 
 >>> sorted(INTERVENTIONS)  # doctest: +NORMALIZE_WHITESPACE
 ['alert_only', 'checkpoint_and_stop', 'rollback', 'scale_lr', 'set_beta2', 'set_clip', 'set_weight_decay',
@@ -13,7 +13,7 @@ from __future__ import annotations
 from stabmon.interventions.alert_only import AlertOnly
 from stabmon.interventions.base import Intervention, InterventionError, Params
 from stabmon.interventions.checkpoint_and_stop import STOP_EXIT_CODE, CheckpointAndStop
-from stabmon.interventions.executor import LiveExecutor
+from stabmon.interventions.executor import Executor
 from stabmon.interventions.rollback import Rollback
 from stabmon.interventions.scale_lr import ScaleLr
 from stabmon.interventions.set_beta2 import SetBeta2
@@ -44,7 +44,7 @@ def register(cls: type[Intervention]) -> type[Intervention]:
 
 
 __all__ = [
-    "INTERVENTIONS", "STOP_EXIT_CODE", "AlertOnly", "CheckpointAndStop", "Intervention", "InterventionError",
-    "LiveExecutor", "Params", "Rollback", "ScaleLr", "SetBeta2", "SetClip", "SetWeightDecay", "SkipStep",
+    "INTERVENTIONS", "STOP_EXIT_CODE", "AlertOnly", "CheckpointAndStop", "Executor", "Intervention",
+    "InterventionError", "Params", "Rollback", "ScaleLr", "SetBeta2", "SetClip", "SetWeightDecay", "SkipStep",
     "get_intervention", "register",
 ]

@@ -1,12 +1,13 @@
-"""The live executor: turns the engine's decisions into interventions on the training state.
+"""The executor: turns the engine's decisions into interventions on their target.
 
-:class:`LiveExecutor` is the :class:`~stabmon.pipeline.ExecutorLike` the monitor uses (the replay simulator
-can use it too, with ``simulated=True`` and a simulated target). It looks the action up in the registry,
-builds the intervention, applies it and returns its audit record; a ``revert`` decision undoes the
-intervention named in ``params["intervention_id"]``. A failure is caught, logged and counted, never raised
-into training: the returned record then carries ``after["error"]`` and the engine judges the rung as failed. A
-change that would do nothing or move a value the harmful way (:class:`~stabmon.interventions.base.NoChange`)
-is not applied: the record carries ``after["skipped"]`` with the reason.
+:class:`Executor` is the :class:`~stabmon.pipeline.ExecutorLike` of every pipeline: live it acts on the
+monitor, in replay (``simulated=True``) on a :class:`~stabmon.replay.simulate.SimulatedTarget`. It looks the
+action up in the registry, builds the intervention, applies it and returns its audit record; a ``revert``
+decision undoes the intervention named in ``params["intervention_id"]``. A failure is caught, logged and
+counted, never raised into training: the returned record then carries ``after["error"]`` and the engine judges
+the rung as failed. A change that would do nothing or move a value the harmful way
+(:class:`~stabmon.interventions.base.NoChange`) is not applied: the record carries ``after["skipped"]`` with
+the reason.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from stabmon.pipeline import InterventionTarget
 log = logging.getLogger(__name__)
 
 
-class LiveExecutor:
+class Executor:
     """Apply decisions to a target, one at a time, keeping what is needed to revert them (also across a
     resume).
 
@@ -31,7 +32,7 @@ class LiveExecutor:
     >>> class T:
     ...     overrides = Overrides(); step = 3
     ...     def hparams(self): return {"clip": 1.0}
-    >>> ex = LiveExecutor(T())
+    >>> ex = Executor(T())
     >>> d = Decision(step=3, action="set_clip", params={"max_norm": 0.5}, status=DecisionStatus.APPLY,
     ...              runbook="r", rule="spike", rung=0, reason="test")
     >>> rec = ex.execute(d); ex.target.overrides.max_norm

@@ -8,8 +8,7 @@ method:
 
 - ``detected``: an alert in ``[step_start - pre, step_end]`` (``pre`` = 100 steps);
 - ``first_alert_step``: the first alert in that window; ``lead_steps = step_start - first_alert_step``
-  (negative
-  when the alert came after the onset);
+  (negative when the alert came after the onset);
 - ``severity``: stabmon's highest anomaly severity in the window (None for peer rules, which have none);
 
 and per run and method: ``steps`` (records replayed) and ``false_alarms``: alert *episodes* outside every
@@ -44,7 +43,7 @@ from stabmon.pipeline import Pipeline
 from stabmon.replay.baselines import peer_rules
 from stabmon.replay.importers.sniff import import_files
 from stabmon.replay.labels import Label, read_labels, run_files
-from stabmon.replay.replay import build_pipeline, replay
+from stabmon.replay.replay import replay, simulated_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ def default_factory(
     *, runbook: Any = "default", overrides: Sequence[str] = (), detector_config: dict[str, Any] | None = None
 ) -> Pipeline:
     """stabmon's live pipeline (detectors + runbook engine, simulated executor)."""
-    return build_pipeline(runbook=runbook, overrides=overrides, detector_config=detector_config)[0]
+    return simulated_pipeline(runbook=runbook, overrides=overrides, detector_config=detector_config)[0]
 
 
 def alerts_for(
@@ -246,13 +245,26 @@ def score(
     return EvalReport(incidents, files, summarize(incidents, files, methods))
 
 
+GROUND_TRUTH_SOURCES = ("author", "paper")
+
+
+def is_ground_truth(label_source: str) -> bool:
+    """Whether a label counts in ``recall_ground_truth``: its ``label_source`` begins with ``author`` or
+    ``paper`` (labelled by the run's authors or a paper, not only observed by whoever collected the logs).
+
+    >>> is_ground_truth("paper_outlier+observed_by_us"), is_ground_truth("observed_by_us")
+    (True, False)
+    """
+    return label_source.startswith(GROUND_TRUTH_SOURCES)
+
+
 def summarize(
     incidents: list[dict[str, Any]], files: list[dict[str, Any]], methods: Sequence[str]
 ) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
         num = [r for r in incidents if r["method"] == m and r["category"] == "numeric"]
-        gt = [r for r in num if r["label_source"].startswith(("author", "paper"))]
+        gt = [r for r in num if is_ground_truth(r["label_source"])]
         rows = [r for r in files if r["method"] == m]
         steps = sum(r["steps"] for r in rows)
         fa = sum(r["false_alarms"] for r in rows)

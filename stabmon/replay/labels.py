@@ -5,12 +5,10 @@ may be a glob (``410m-seed5_*.tsv``). Each label is put in one of three categori
 
 - ``numeric``: a numeric instability a detector should catch (spikes, divergence, loss-scale collapse or drop,
   collapse after resume, grad-norm blips); these make up recall.
-- ``control``: a stretch known to be healthy (``none_control``, ``benign_*``,
-  ``rollbacks_without_instability``);
+- ``control``: a stretch known to be healthy (``none_control``, ``benign_*``, ``rollbacks_without_instability``);
   alerts inside it are false alarms, and it is reported on its own.
 - ``other``: incidents that are not numeric (crash, exit, hang, throughput, rollback/data-skip records);
-  reported
-  separately, not counted in recall, and alerts inside their window are not false alarms.
+  reported separately, not counted in recall, and alerts inside their window are not false alarms.
 
 A run is a set of files: a label's files plus every file in the same directory with the same run prefix (the
 name before a W&B run id), so the segments of a resumed run are evaluated stitched, as one history.
@@ -31,7 +29,6 @@ from stabmon.replay.stitch import run_key
 
 NUMERIC_WORDS = ("spike", "diverg", "collapse", "loss_scale_drop", "loss_jump", "blip", "nan")
 CONTROL_PREFIXES = ("none", "benign", "rollbacks_without_instability")
-GROUND_TRUTH_SOURCES = ("author", "paper")
 
 
 @dataclass(frozen=True)
@@ -53,11 +50,6 @@ class Label:
         if any(w in kind for w in NUMERIC_WORDS):
             return "numeric"
         return "other"
-
-    @property
-    def ground_truth(self) -> bool:
-        """Labelled by the run's authors or a paper, not only observed by whoever collected the logs."""
-        return any(src in self.label_source for src in GROUND_TRUTH_SOURCES)
 
 
 def read_labels(path: str | Path) -> list[Label]:

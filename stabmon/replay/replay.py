@@ -1,9 +1,9 @@
 """Replay a recorded run through the same detectors and runbook engine as live, interventions simulated.
 
-:func:`replay` feeds StepRecords one at a time into a :class:`stabmon.pipeline.Pipeline` built from the very
-classes the live monitor uses (:class:`stabmon.detect.DetectorSuite`, :class:`stabmon.runbook.Engine`,
-:class:`stabmon.interventions.LiveExecutor`); only the executor's target differs: a
-:class:`~stabmon.replay.simulate.SimulatedTarget`. Any object with the pipeline protocols can be passed
+:func:`replay` feeds StepRecords one at a time into a :class:`stabmon.pipeline.Pipeline` built by the same
+factory as the live monitor's (:func:`stabmon.factory.build_pipeline`: :class:`stabmon.detect.DetectorSuite`,
+:class:`stabmon.runbook.Engine`, :class:`stabmon.interventions.Executor`); only the executor's target differs:
+a :class:`~stabmon.replay.simulate.SimulatedTarget`. Any object with the pipeline protocols can be passed
 instead (``pipeline=``), which is how tests and :mod:`stabmon.replay.eval` run it.
 
 Replay is deterministic: the same records through freshly built objects give the same events, apart from the
@@ -26,7 +26,6 @@ random event ids; :func:`canonical` replaces those by ordinals so two replays co
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +40,7 @@ from stabmon.events import (
     StepRecord,
     to_dict,
 )
+from stabmon.factory import build_pipeline
 from stabmon.pipeline import Pipeline
 from stabmon.replay.simulate import SimulatedTarget
 
@@ -87,27 +87,7 @@ class ReplayResult:
         }
 
 
-def make_detectors(config: dict[str, Any] | None = None, overrides: Sequence[str] = ()) -> Any:
-    """The live detector suite from a config mapping plus ``detector.param=value`` overrides."""
-    try:
-        from stabmon.detect import DetectorSuite  # type: ignore[attr-defined]
-    except ImportError as exc:
-        raise RuntimeError(f"stabmon.detect.DetectorSuite is not available: {exc}") from exc
-    return DetectorSuite.from_config(config, overrides=list(overrides))
-
-
-def make_engine(runbook: Any, mode: str | None = None) -> Any:
-    """The runbook engine for a runbook name, path, Runbook or engine (None: no engine), built exactly as the
-    live monitor builds it (:func:`stabmon.collect.wiring.resolve_engine`); ``mode`` None keeps the
-    runbook's."""
-    if runbook is None:
-        return None
-    from stabmon.collect.wiring import resolve_engine
-
-    return resolve_engine(runbook, mode)  # type: ignore[arg-type]
-
-
-def build_pipeline(
+def simulated_pipeline(
     *,
     runbook: Any = None,
     detector_config: dict[str, Any] | None = None,
@@ -115,23 +95,14 @@ def build_pipeline(
     target: SimulatedTarget | None = None,
     mode: str | None = None,
 ) -> tuple[Pipeline, SimulatedTarget]:
-    """A pipeline of live detector + engine objects whose executor acts on a simulated target.
-
-    The detectors take ``detector_config``, or else the runbook's ``detectors:`` section (where an override
-    file written by ``stabmon tune`` lands through ``include:``), then the ``detector.param=value``
-    ``overrides``."""
-    from stabmon.interventions import LiveExecutor
-
+    """The pipeline :func:`stabmon.factory.build_pipeline` builds for the live monitor, its executor acting on
+    a simulated ``target`` (default: a fresh :class:`SimulatedTarget`), and that target. ``mode`` None keeps the
+    runbook's."""
     target = target or SimulatedTarget()
-    if isinstance(runbook, (str, os.PathLike)):
-        from stabmon.runbook import load_runbook
-
-        runbook = load_runbook(runbook)
-    if detector_config is None and getattr(runbook, "detectors", None):
-        detector_config = dict(runbook.detectors)  # the runbook's `detectors:` (e.g. an included tune result)
-    engine = make_engine(runbook, mode)
-    executor = LiveExecutor(target, simulated=True) if engine is not None else None
-    return Pipeline(make_detectors(detector_config, overrides), engine, executor), target
+    pipeline = build_pipeline(
+        target, runbook=runbook, detectors=detector_config, overrides=overrides, mode=mode, simulated=True
+    )
+    return pipeline, target
 
 
 def replay(
@@ -163,7 +134,7 @@ def replay(
     if flush_every < 1:
         raise ValueError(f"replay.flush_every must be >= 1, got {flush_every}")
     if pipeline is None:
-        pipeline, target = build_pipeline(
+        pipeline, target = simulated_pipeline(
             runbook=runbook, detector_config=detector_config, overrides=overrides, target=target
         )
     executor = pipeline.executor

@@ -1,7 +1,7 @@
 """The replay side of interventions: a target that records what would have changed, without torch.
 
 :class:`SimulatedTarget` implements :class:`stabmon.pipeline.InterventionTarget`. The real intervention
-classes (through :class:`stabmon.interventions.LiveExecutor` with ``simulated=True``) act on it exactly as
+classes (through :class:`stabmon.interventions.Executor` with ``simulated=True``) act on it exactly as
 they act on the live monitor: overrides are set on its :class:`~stabmon.overrides.Overrides`, a rollback is
 answered with the checkpoint the run would have gone back to (the last one at a multiple of
 ``checkpoint_interval`` at least ``lookback`` steps before the onset; ``None``: the run saved none, and the

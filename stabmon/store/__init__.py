@@ -10,7 +10,7 @@ True
 from __future__ import annotations
 
 from stabmon.sinks import Sink
-from stabmon.store.engine import SchemaNotReadyError, StoreError, make_engine, upgrade
+from stabmon.store.database import SchemaNotReadyError, StoreError, make_engine, upgrade
 from stabmon.store.repo import AnswerError, RunNotFoundError
 from stabmon.store.store import Store, StoreConfig, open_store
 from stabmon.store.writer import StoreStats

@@ -29,7 +29,7 @@ from stabmon.store.models import Base, MetricName
 # (run_id, seq, step, batch_index, time, {metric: value})
 StepTuple = tuple[str, int, int, int | None, float | None, dict[str, float]]
 
-_TIME_FIELDS = ("started_at", "ended_at", "created_at")
+_TIME_FIELDS = ("started_at", "ended_at", "created_at", "updated_at")
 
 
 def to_datetime(t: float | None) -> datetime | None:
@@ -54,11 +54,14 @@ class Batch:
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[tuple[str, int, int]] = field(default_factory=list)
     run_updates: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    alerts: list[dict[str, Any]] = field(default_factory=list)
+    alert_updates: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def rows(self) -> int:
         """Rows this batch writes (one per step plus one per metric value, and one per other row)."""
         n = sum(1 + len(s[5]) for s in self.steps)
         n += sum(len(v) for v in self.events.values())
+        n += len(self.alerts) + len(self.alert_updates)
         return n + len(self.runs) + len(self.checkpoints) + len(self.skipped) + len(self.run_updates)
 
     def top_seq(self, run_id: str) -> int:
@@ -73,10 +76,11 @@ class Batch:
         parts = [Batch(self.hi, runs=self.runs)] if self.runs else []
         parts += [Batch(self.hi, steps=[s]) for s in self.steps]
         parts += [Batch(self.hi, events={t: [r]}) for t, rows in self.events.items() for r in rows]
-        if self.checkpoints or self.skipped or self.run_updates:
+        if self.checkpoints or self.skipped or self.run_updates or self.alerts or self.alert_updates:
             parts.append(
                 Batch(
-                    self.hi, checkpoints=self.checkpoints, skipped=self.skipped, run_updates=self.run_updates
+                    self.hi, checkpoints=self.checkpoints, skipped=self.skipped, run_updates=self.run_updates,
+                    alerts=self.alerts, alert_updates=self.alert_updates,
                 )
             )
         return parts
@@ -92,6 +96,8 @@ class Batch:
                 "checkpoints": self.checkpoints,
                 "skipped": self.skipped,
                 "run_updates": self.run_updates,
+                "alerts": self.alerts,
+                "alert_updates": self.alert_updates,
             },
             separators=(",", ":"),
             default=_scalar,
@@ -108,6 +114,8 @@ class Batch:
             checkpoints=d["checkpoints"],
             skipped=[tuple(s) for s in d["skipped"]],  # type: ignore[misc]
             run_updates=[tuple(u) for u in d["run_updates"]],  # type: ignore[misc]
+            alerts=d.get("alerts", []),
+            alert_updates=[tuple(u) for u in d.get("alert_updates", [])],  # type: ignore[misc]
         )
 
 
@@ -178,6 +186,11 @@ def write_batch(conn: sa.Connection, batch: Batch, names: NameCache) -> None:
     runs = tables["runs"]
     for run_id, values in batch.run_updates:
         conn.execute(sa.update(runs).where(runs.c.id == run_id).values(**_timed(values)))
+    alerts = tables["alerts"]
+    if batch.alerts:
+        conn.execute(_insert_ignore(conn, alerts), [_timed(r) for r in batch.alerts])
+    for alert_id, values in batch.alert_updates:
+        conn.execute(sa.update(alerts).where(alerts.c.id == alert_id).values(**_timed(values)))
 
 
 class IdCollisionError(ValueError):

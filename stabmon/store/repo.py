@@ -1,22 +1,25 @@
 """Keyword-only repository functions over a SQLAlchemy session: runs, metrics, events, answers, alerts.
 
-Readers (CLI, replay, report, trace) call these with a session from :meth:`stabmon.store.Store.session` or
-their own ``Session(engine)``; writers on the training path go through :class:`~stabmon.store.Store` instead.
+Readers (CLI, replay, report, trace) and ``stabmon approve/reject`` call these with a session from
+:meth:`stabmon.store.Store.session` or their own ``Session(engine)``. Every run, record, event, checkpoint and
+alert is written by a :class:`~stabmon.store.Store` (``start_run``, ``write_*``, ``add_alert``), through its
+background writer; the store's writer thread also reads human answers here (:func:`take_answers`).
 
->>> from sqlalchemy import create_engine
->>> from sqlalchemy.orm import Session
->>> from stabmon.store.models import Base
->>> engine = create_engine("sqlite://"); Base.metadata.create_all(engine)
->>> with Session(engine) as s:
-...     rid = add_run(session=s, name="demo", environment={})
+>>> import os, tempfile
+>>> from stabmon.store import open_store
+>>> store = open_store("sqlite:///" + os.path.join(tempfile.mkdtemp(), "r.db"))
+>>> rid = store.start_run(name="demo", environment={}); store.flush(10.0)
+True
+>>> with store.session() as s:
 ...     resolve_run(session=s, ref="demo").id == rid, resolve_run(session=s, ref="latest").name
 (True, 'demo')
+>>> store.close()
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -24,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from stabmon.events import Decision, DecisionStatus, StepRecord, new_id
-from stabmon.store.codec import decode, encode, event_from_row
-from stabmon.store.engine import StoreError
+from stabmon.events import Decision, DecisionStatus, StepRecord
+from stabmon.store.codec import decode, event_from_row
+from stabmon.store.database import StoreError
 from stabmon.store.models import (
     AlertRow,
     AnomalyRow,
@@ -73,37 +76,6 @@ def _utc(dt: datetime | None) -> datetime | None:
 
 
 # -- runs ----------------------------------------------------------------------------------------------------
-def add_run(
-    *,
-    session: Session,
-    name: str,
-    kind: str = "live",
-    config: Mapping[str, Any] | None = None,
-    environment: Mapping[str, Any] | None = None,
-    parent_run_id: str | None = None,
-    source: str | None = None,
-    run_id: str | None = None,
-    status: str = "running",
-) -> str:
-    """Insert a run directly (importers and replay use this; live runs go through ``Store.start_run``)."""
-    if kind not in RUN_KINDS:
-        raise ValueError(f"run.kind must be one of {sorted(RUN_KINDS)}, got {kind!r}")
-    run = Run(
-        id=run_id or new_id(),
-        name=name,
-        kind=kind,
-        status=status,
-        started_at=_now(),
-        config=encode(dict(config or {})),
-        environment=encode(dict(environment or {})),
-        parent_run_id=parent_run_id,
-        source=source,
-    )
-    session.add(run)
-    session.flush()
-    return run.id
-
-
 @dataclass(frozen=True)
 class RunSummary:
     id: str
@@ -330,52 +302,6 @@ def take_answers(*, session: Session, run_id: str) -> list[tuple[str, bool]]:
 
 
 # -- alerts, checkpoints, skipped batches --------------------------------------------------------------------
-def add_alert(
-    *,
-    session: Session,
-    channel: str,
-    severity: str,
-    title: str = "",
-    run_id: str | None = None,
-    status: str = "queued",
-    dedup_key: str | None = None,
-    incident_id: str | None = None,
-    event_id: str | None = None,
-    alert_id: str | None = None,
-) -> str:
-    """Record an alert (``channel`` must already be redacted). Returns its id."""
-    now = _now()
-    row = AlertRow(
-        id=alert_id or new_id(),
-        run_id=run_id,
-        created_at=now,
-        updated_at=now,
-        channel=channel,
-        severity=severity,
-        status=status,
-        attempts=0,
-        dedup_key=dedup_key,
-        incident_id=incident_id,
-        event_id=event_id,
-        title=title,
-    )
-    session.add(row)
-    session.flush()
-    return row.id
-
-
-def update_alert(
-    *, session: Session, alert_id: str, status: str, error: str | None = None, attempts: int | None = None
-) -> None:
-    """Set an alert's status (and error); ``attempts`` defaults to one more than before."""
-    row = session.get(AlertRow, alert_id)
-    if row is None:
-        raise StoreError(f"no alert with id {alert_id!r}")
-    row.status, row.error, row.updated_at = status, error, _now()
-    row.attempts = attempts if attempts is not None else row.attempts + 1
-    session.flush()
-
-
 def list_alerts(*, session: Session, run_id: str | None = None) -> list[dict[str, Any]]:
     q = sa.select(*AlertRow.__table__.columns)
     if run_id is not None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -32,13 +31,14 @@ from stabmon.sinks import LowVolumeEvent
 from stabmon.store import repo
 from stabmon.store.answers import AnswerBox
 from stabmon.store.codec import encode
-from stabmon.store.engine import (
+from stabmon.store.database import (
     StoreError,
     current_revision,
     is_down,
     is_memory,
     make_engine,
     require_schema,
+    resolve_url,
     safe_url,
     sqlite_path,
     upgrade,
@@ -49,7 +49,6 @@ from stabmon.store.writer import StoreStats, Writer
 
 log = logging.getLogger("stabmon.store")
 
-DEFAULT_URL = "sqlite:///stabmon.db"
 _EVENTS = (Anomaly, Decision, InterventionRecord, Outcome)
 
 
@@ -108,8 +107,7 @@ def open_store(url: str | None = None, *, config: StoreConfig | None = None) -> 
     database must already be at the newest schema (``stabmon db upgrade --db URL``). Raises ``ValueError``
     with one line when the URL cannot be opened.
     """
-    url = url or os.environ.get("STABMON_DB_URL") or DEFAULT_URL
-    return Store(url, config=config)
+    return Store(resolve_url(url), config=config)
 
 
 class Store:
@@ -285,14 +283,12 @@ class Store:
         if batch_indices:
             self._writer.submit("skipped", run_id, int(step), list(batch_indices))
 
-    def poll_answers(self, *, run_id: str, wait: float = 0.0) -> list[tuple[str, bool]]:
+    def poll_answers(self, *, run_id: str) -> list[tuple[str, bool]]:
         """Answers given with ``stabmon approve/reject`` that this run has not picked up yet.
 
         Never touches the database: the writer thread reads answers (every ``config.poll_interval`` seconds
-        at most) and this hands over what it has read. ``wait`` > 0 (tests, tools; never the monitor) asks
-        for a read now and waits up to ``wait`` seconds for it. See :attr:`answers_live`."""
-        if wait > 0:
-            self.refresh_answers(run_id=run_id, timeout=wait)
+        at most) and this hands over what it has read; :meth:`refresh_answers` asks for a read now. See
+        :attr:`answers_live`."""
         return self.answers.take(run_id)
 
     def refresh_answers(self, *, run_id: str, timeout: float) -> bool:
@@ -309,6 +305,26 @@ class Store:
 
     def end_run(self, *, run_id: str, status: str) -> None:
         self._writer.submit("update", run_id, {"status": status, "ended_at": time.time()})
+
+    # -- AlertRecorder: the notifier's delivery threads record their attempts through the writer ----------------
+    def add_alert(self, *, alert_id: str, **fields: Any) -> None:
+        """Queue the row of one alert to one channel: ``run_id``, ``channel`` (already redacted), ``severity``,
+        ``status``, ``dedup_key``, ``incident_id``, ``event_id``, ``title`` (see
+        :class:`~stabmon.alerts.record.AlertRecorder`)."""
+        now = time.time()
+        row = {"id": alert_id, "created_at": now, "updated_at": now, "attempts": 0, "error": None, **fields}
+        self._submit_alert("alert", row)
+
+    def update_alert(self, *, alert_id: str, status: str, attempts: int, error: str | None) -> None:
+        """Queue an alert's new status after a delivery attempt."""
+        values = {"status": status, "attempts": attempts, "error": error, "updated_at": time.time()}
+        self._submit_alert("alert_update", alert_id, values)
+
+    def _submit_alert(self, *item: Any) -> None:
+        if self._closed:
+            self._after_close(1)
+        else:
+            self._writer.submit(*item)
 
     def _after_close(self, rows: int) -> None:
         self.stats.dropped_rows += rows

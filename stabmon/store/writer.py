@@ -1,12 +1,12 @@
 """The background writer: drains the store's queue into batches, writes them, spools them when needed.
 
-The training thread only appends to a deque (``submit``). This thread wakes every ``flush_interval`` seconds
-(or at once on ``flush``), turns what is queued into one :class:`~stabmon.store.batch.Batch` and writes it in
-one transaction. When the database is unavailable the batch, and every batch after it, goes to the spool file
-in order; the writer retries with exponential backoff, replays the spool when the database answers again, and
-only then writes new batches directly. A batch the database refuses for its content (not for being
-unreachable) is set aside in a ``rejected-*.jsonl`` file and counted, so one bad value cannot wedge the
-writer.
+The training thread (and the notifier's delivery threads, for alert rows) only appends to a deque
+(``submit``). This thread wakes every ``flush_interval`` seconds (or at once on ``flush``), turns what is queued
+into one :class:`~stabmon.store.batch.Batch` and writes it in one transaction. When the database is
+unavailable the batch, and every batch after it, goes to the spool file in order; the writer retries with
+exponential backoff, replays the spool when the database answers again, and only then writes new batches
+directly. A batch the database refuses for its content (not for being unreachable) is set aside in a
+``rejected-*.jsonl`` file and counted, so one bad value cannot wedge the writer.
 
 A store opened while its database is down starts with ``ready`` False: everything goes to the spool until the
 schema check passes. At close, whatever the database has not taken (queued, held in memory, or in a write
@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from stabmon.store.answers import AnswerBox
 from stabmon.store.batch import Batch, NameCache, write_batch
 from stabmon.store.codec import EVENT_TABLES, event_row
-from stabmon.store.engine import is_unavailable, require_schema
+from stabmon.store.database import is_unavailable, require_schema
 from stabmon.store.spool import Spool
 
 log = logging.getLogger("stabmon.store")
@@ -76,6 +76,7 @@ class Writer(threading.Thread):
         self.stats = StoreStats()
         self.queue: deque[tuple[Any, ...]] = deque()
         self._tickets = itertools.count(1)
+        self._submit_lock = threading.Lock()
         self.issued = 0
         self.done = 0
         self._cond = threading.Condition()
@@ -93,10 +94,12 @@ class Writer(threading.Thread):
 
     # -- training thread -------------------------------------------------------------------------------------
     def submit(self, *item: Any) -> None:
-        """Queue one item; O(1), never touches the database."""
-        t = next(self._tickets)
-        self.queue.append((t, *item))
-        self.issued = t
+        """Queue one item; O(1), never touches the database. Called from the training thread and from the
+        notifier's delivery threads (alert rows), so tickets are taken and queued under one lock."""
+        with self._submit_lock:
+            t = next(self._tickets)
+            self.queue.append((t, *item))
+            self.issued = t
 
     def wait(self, timeout: float | None) -> bool:
         """Block until everything submitted so far is in the database, or ``timeout`` passes."""
@@ -355,6 +358,8 @@ def _add(batch: Batch, item: tuple[Any, ...]) -> int:
         "update": lambda: batch.run_updates.append((item[1], item[2])),
         "checkpoint": lambda: batch.checkpoints.append(item[1]),
         "skipped": lambda: batch.skipped.extend((item[1], item[2], int(b)) for b in item[3]),
+        "alert": lambda: batch.alerts.append(item[1]),
+        "alert_update": lambda: batch.alert_updates.append((item[1], item[2])),
     }
     handlers[kind]()
     return 1

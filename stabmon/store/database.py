@@ -1,4 +1,7 @@
-"""Engines, schema upgrades and schema checks.
+"""Database URLs, SQLAlchemy engines, schema upgrades and schema checks.
+
+:func:`resolve_url` is the one place the default store URL is decided; :func:`safe_url` the one redaction of a
+store URL for messages and logs.
 
 The schema is created only by Alembic. :func:`upgrade` runs ``alembic upgrade head`` programmatically from the
 migrations shipped with the package (:func:`stabmon.resources.migrations_dir`), so it works from a wheel.
@@ -12,6 +15,7 @@ True
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,13 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.pool import NullPool, StaticPool
 
 from stabmon.resources import migrations_dir
+
+DEFAULT_URL = "sqlite:///stabmon.db"
+
+
+def resolve_url(url: str | None = None) -> str:
+    """``url``, else ``$STABMON_DB_URL``, else ``sqlite:///stabmon.db`` (in the working directory)."""
+    return url or os.environ.get("STABMON_DB_URL") or DEFAULT_URL
 
 
 class StoreError(ValueError):
@@ -45,7 +56,7 @@ def parse_url(url: str | URL) -> URL:
     >>> parse_url("notaurl")
     Traceback (most recent call last):
     ...
-    stabmon.store.engine.StoreError: store: cannot parse 'notaurl' as a database URL (e.g. sqlite:///stabmon.db or postgresql+psycopg://user@host:5432/db)
+    stabmon.store.database.StoreError: store: cannot parse 'notaurl' as a database URL (e.g. sqlite:///stabmon.db or postgresql+psycopg://user@host:5432/db)
     """
     try:
         return make_url(url)

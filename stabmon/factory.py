@@ -1,0 +1,118 @@
+"""The one place a :class:`~stabmon.pipeline.Pipeline` is built, for the live monitor and for replay alike.
+
+:func:`build_pipeline` turns the plain forms a user gives (a runbook name or path, a detector config mapping,
+``detector.param=value`` overrides, a mode) or ready objects implementing the pipeline protocols into the
+detector suite, the runbook engine and the executor acting on ``target``: the live
+:class:`~stabmon.monitor.Monitor` passes itself, replay a :class:`~stabmon.replay.simulate.SimulatedTarget`.
+Nothing here imports torch, so ``stabmon replay``, ``eval`` and ``tune`` never load it. Bad input is a one-line
+``ValueError`` naming the argument.
+
+>>> from stabmon.replay.simulate import SimulatedTarget
+>>> pipe = build_pipeline(SimulatedTarget(), runbook="default", simulated=True)
+>>> type(pipe.detectors).__name__, type(pipe.engine).__name__, pipe.executor.simulated
+('DetectorSuite', 'Engine', True)
+>>> build_pipeline(SimulatedTarget(), detectors=42)
+Traceback (most recent call last):
+...
+ValueError: detectors: expected a config mapping, a detector suite, None or False, got int
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from stabmon.events import Anomaly, StepRecord
+from stabmon.pipeline import DetectorSuiteLike, EngineLike, InterventionTarget, Pipeline
+
+
+class NullDetectors:
+    """A detector suite that finds nothing (``detectors=False``).
+
+    >>> NullDetectors().update(StepRecord(step=0, metrics={}))
+    []
+    """
+
+    def update(self, record: StepRecord) -> list[Anomaly]:
+        return []
+
+    def enter_grace(self, steps: int | None = None) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+def resolve_detectors(detectors: Any, overrides: Sequence[str] = ()) -> DetectorSuiteLike:
+    """The detector suite for ``detectors=``: False (none), None (defaults) or a config mapping, then the
+    ``detector.param=value`` ``overrides``; or a ready suite."""
+    if detectors is False:
+        return NullDetectors()
+    if detectors is None or isinstance(detectors, Mapping):
+        from stabmon.detect import DetectorSuite
+
+        try:
+            return DetectorSuite.from_config(detectors, overrides=list(overrides))
+        except ValueError as exc:
+            raise ValueError(f"detectors: {exc}") from None
+    if isinstance(detectors, DetectorSuiteLike):
+        return detectors
+    raise ValueError(
+        f"detectors: expected a config mapping, a detector suite, None or False, got {type(detectors).__name__}"
+    )
+
+
+def resolve_runbook(runbook: Any) -> Any:
+    """A loaded :class:`~stabmon.runbook.Runbook` from a name, a path or a Runbook; errors name ``runbook``."""
+    from stabmon.runbook import Runbook, load_runbook
+
+    if isinstance(runbook, Runbook):
+        return runbook
+    try:
+        return load_runbook(os.fspath(runbook))
+    except (ValueError, OSError, TypeError) as exc:
+        first = (str(exc).splitlines() or [""])[0]
+        raise ValueError(f"runbook: {first}") from None
+
+
+def resolve_engine(runbook: Any, mode: str | None) -> EngineLike | None:
+    """The runbook engine for a runbook name, path, Runbook or ready engine; None without a runbook or in
+    ``observe`` mode. ``mode`` None keeps the runbook's."""
+    if runbook is None or mode == "observe":
+        return None
+    if isinstance(runbook, EngineLike):
+        return runbook
+    from stabmon.runbook import Engine
+
+    return Engine(resolve_runbook(runbook), mode=mode)
+
+
+def build_pipeline(
+    target: InterventionTarget,
+    *,
+    runbook: Any = None,
+    detectors: Any = None,
+    overrides: Sequence[str] = (),
+    mode: str | None = None,
+    simulated: bool = False,
+) -> Pipeline:
+    """Detectors, the runbook engine (None without a runbook or in ``observe`` mode) and, with an engine, an
+    :class:`~stabmon.interventions.Executor` acting on ``target`` (``simulated``: its records say so).
+
+    Without ``detectors=``, the detectors take the runbook's ``detectors:`` section (where a ``stabmon tune``
+    result lands through ``include:``); ``overrides`` apply on top."""
+    if runbook is not None and mode != "observe" and not isinstance(runbook, EngineLike):
+        runbook = resolve_runbook(runbook)
+        if detectors is None and runbook.detectors:
+            detectors = dict(runbook.detectors)
+    engine = resolve_engine(runbook, mode)
+    executor = None
+    if engine is not None:
+        from stabmon.interventions import Executor
+
+        executor = Executor(target, simulated=simulated)
+    return Pipeline(resolve_detectors(detectors, overrides), engine, executor)
