@@ -116,7 +116,8 @@ def parse_mapping(items: list[str] | tuple[str, ...] | None) -> dict[str, str]:
     return out
 
 
-def _read_frame(path: Path) -> pl.DataFrame:
+def read_frame(path: Path) -> pl.DataFrame:
+    """The table in ``path``: Parquet by its magic bytes, JSON lines, else CSV or TSV."""
     head = Path(path).open("rb").read(4)
     if head == b"PAR1":
         return pl.read_parquet(path)
@@ -244,7 +245,7 @@ def read(
     """Read a CSV/TSV/JSONL/Parquet file; see the module docstring for the options."""
     name = Path(path).name
     try:
-        df = _read_frame(Path(path))
+        df = read_frame(Path(path))
     except Exception as exc:  # noqa: BLE001 - polars raises many types on garbage; the file is reported, not fatal
         result = ImportResult(format=FORMAT, records=[])
         result.problem(name, f"unreadable table ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")

@@ -43,7 +43,7 @@ def read(
     """Read one exported W&B history file (one segment)."""
     name = Path(path).name
     try:
-        df = generic._read_frame(Path(path))
+        df = generic.read_frame(Path(path))
     except Exception as exc:  # noqa: BLE001 - reported, never raised
         result = ImportResult(format=FORMAT, records=[])
         result.problem(name, f"unreadable table ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
