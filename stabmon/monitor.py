@@ -47,9 +47,9 @@ from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Flusher, Outbox
 from stabmon.collect.grads import GradNorms
 from stabmon.collect.memory import DeviceMemory
-from stabmon.collect.observe import value_problem
 from stabmon.collect.optim import OptimizerHooks
 from stabmon.collect.ranks import RankGather, RankProbe
+from stabmon.collect.record import StepRecorder
 from stabmon.collect.restore import TrainingState
 from stabmon.collect.sharding import ShardedSquares, embedding_counted, layout_of
 from stabmon.collect.target import LiveTarget
@@ -63,7 +63,7 @@ from stabmon.collect.wiring import (
 )
 from stabmon.events import Anomaly, Event, Metric, StepRecord
 from stabmon.overrides import Overrides
-from stabmon.store.limits import check_name, name_problem
+from stabmon.store.limits import check_name
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +115,7 @@ class Monitor:
             check_name("run_name", run_name)
         if mode not in MODES:
             raise ValueError(f"mode: must be one of {', '.join(map(str, MODES))}, got {mode!r}")
-        self.model, self.optimizer, self.scaler, self.scheduler, self.mode = (
-            model,
-            optimizer,
-            scaler,
-            scheduler,
-            mode,
-        )
+        self.model, self.optimizer, self.scaler, self.scheduler, self.mode = model, optimizer, scaler, scheduler, mode
         overrides = Overrides()
         self.cursor = DataCursor()
         self.buffer = StepBuffer()
@@ -156,6 +150,8 @@ class Monitor:
             replicated = self.layout.kind == "ddp"
             self.buffer.gather = RankGather(replicated=replicated)
             self._probe = RankProbe(model, self._grads.params, replicated=replicated)
+        self.recorder = StepRecorder(self.buffer, self._hooks, config=cfg, failsafe=self.failsafe, scaler=scaler,
+                                     activations=self._acts, probe=self._probe)
         self.run_name = run_name or time.strftime("run-%Y%m%d-%H%M%S")
         self.outbox = self._open_outbox(store, notifier, alerts)
         self.target = LiveTarget(
@@ -187,10 +183,6 @@ class Monitor:
             self.outbox.run_id = broadcast(run_id)
         self.target.checkpoints = checkpoints if checkpoints is not None else self._manager(checkpoint_dir)
         self.records: deque[StepRecord] = deque(maxlen=cfg.history)
-        self._scale_snapshot: torch.Tensor | None = None
-        self._hp_snapshot: dict[str, float] | None = None
-        self._tokens: int | None = None
-        self._t_last: float | None = None
         self._closed = False
         self._initial_saved = False
         self._watchdog = self._start_watchdog(store) if cfg.hang_timeout is not None else None
@@ -259,10 +251,6 @@ class Monitor:
     @property
     def run_id(self) -> str:
         return self.outbox.run_id
-
-    @property
-    def kill_switch(self) -> Any:
-        return self.flusher.kill_switch
 
     @property
     def events(self) -> list[Event]:
@@ -343,12 +331,10 @@ class Monitor:
             try:
                 yield self._step, batch
             except GeneratorExit:  # the loop was left (break) during this step
-                if self._hooks.stepped or self.buffer.pending_values:
+                if self.recorder.trained:
                     self.end_step()
                 else:  # left before training on the batch: no step happened
-                    self.buffer.discard()
-                    if self._acts is not None:
-                        self._acts.disarm()
+                    self.recorder.discard()
                 raise
             self.end_step()
             if self.should_stop or (max_steps is not None and self._step >= max_steps):
@@ -363,69 +349,20 @@ class Monitor:
             self._initial_saved = True  # the initial state is known-good: a rollback can always reach it
             if self.checkpoints is not None:
                 self.save_checkpoint()
-        if self._t_last is None:
-            self._t_last = time.perf_counter()
-        self.buffer.begin(step=self._step, batch_index=batch_index)
-        self._hooks.stepped = False
-        self._scale_snapshot = None
-        self._hp_snapshot = None
-        self._tokens = None
-        act_k, emb_k = self.config.activations.every, self.config.embeddings.every
-        if self._acts is not None and self._step % act_k == 0:
-            self._acts.arm()
-        self._hooks.sample_embeddings = bool(self._emb) and emb_k > 0 and self._step % emb_k == 0
+        self.recorder.begin(step=self._step, batch_index=batch_index)
 
     def observe(self, loss: Any = None, *, tokens: int | None = None, **metrics: Any) -> None:
         """Record this step's loss (and any other named scalars) as device tensors: no host sync.
         ``tokens`` (a host int: tokens in this step's batch) adds ``tokens_per_sec`` at the end of the step."""
         if not self.buffer.open:
             self.begin_step()
-        if tokens is not None:
-            self._tokens = int(tokens)
-        for name, value in (("loss", loss), *metrics.items()):
-            if value is not None:
-                self._observe_one(name, value)
-        self._collect_activations()
-        scaler = self.scaler
-        if scaler is not None and scaler.is_enabled():
-            # an overflow step never reaches the pre-hook: keep the values in force before scheduler.step()
-            self._hp_snapshot = self._hooks.hparams()
-            if getattr(scaler, "_scale", None) is not None:
-                self._scale_snapshot = scaler._scale.detach().clone()
-
-    def _observe_one(self, name: str, value: Any) -> None:
-        """Queue one observed value. A value that cannot be a metric (meta tensor, complex, a name the store
-        cannot hold) is dropped alone, logged once per name and counted in ``errors``; never raised."""
-        problem = name_problem("observe: metric name", name) or value_problem(name, value)
-        if problem is None and isinstance(value, torch.Tensor):
-            self.buffer.add([name], value.detach())
-        elif problem is None:
-            self.buffer.add_host(name, float(value.item() if hasattr(value, "item") else value))
-        else:
-            self.errors["observe"] += 1
-            if self.errors[f"observe:{name[:64]}"] == 0:
-                log.error("stabmon: %s (dropped at step %d; counted in monitor.errors)", problem, self._step)
-            self.errors[f"observe:{name[:64]}"] += 1
+        self.recorder.observe((("loss", loss), *metrics.items()), tokens=tokens, step=self._step)
 
     def end_step(self) -> None:
         """Close the step's record; flush when ``config.flush_every`` steps are waiting."""
         if not self.buffer.open:
             return
-        self._collect_activations()
-        self._record_scaler()
-        hp = self._hooks.last_hparams if self._hooks.stepped else (self._hp_snapshot or self._hooks.hparams())
-        for name, value in hp.items():
-            self.buffer.add_host(name, value)
-        if self._probe is not None:
-            local_norm = self._grads.last_local_total if self._hooks.stepped else None
-            before_flush = len(self.buffer) + 1 >= self.config.flush_every
-            self._probe.record(self.buffer, started=self._t_last, local_norm=local_norm, before_flush=before_flush)
-        now = time.perf_counter()
-        elapsed = now - (self._t_last or now)
-        self.buffer.add_host(Metric.STEP_TIME, elapsed)
-        if self._tokens is not None and elapsed > 0:
-            self.buffer.add_host(Metric.TOKENS_PER_SEC, self._tokens / elapsed)
-        self.buffer.end(time=time.time())
+        self.recorder.end()
         self._step += 1
         if self._watchdog is not None:
             self._watchdog.beat(self._step - 1)
@@ -434,30 +371,7 @@ class Monitor:
             self.save_checkpoint()
         if len(self.buffer) >= self.config.flush_every:
             self.flush()
-        self._t_last = time.perf_counter()  # flush and checkpoint time stay out of the next step's time
-
-    def _collect_activations(self) -> None:
-        if self._acts is not None and self._acts.armed:
-            names, values = self._acts.collect()
-            if values is not None:
-                self.buffer.add([Metric.ACT_RMS_PREFIX + n for n in names], values)
-
-    def _record_scaler(self) -> None:
-        scaler = self.scaler
-        if scaler is None or not scaler.is_enabled():
-            return
-        # scaler.step() skips a non-fused optimizer.step() (and so our pre-hook) when it found inf/NaN
-        # gradients; a fused optimizer steps anyway and its kernel skips on the scaler's found_inf
-        found_inf = self._hooks.found_inf if self._hooks.stepped else None
-        if found_inf is not None:
-            self.buffer.add([Metric.OVERFLOW], found_inf)
-        else:
-            self.buffer.add_host(Metric.OVERFLOW, 0.0 if self._hooks.stepped else 1.0)
-        scale = self._scale_snapshot
-        if scale is None and getattr(scaler, "_scale", None) is not None:
-            scale = scaler._scale.detach().clone()
-        if scale is not None:
-            self.buffer.add([Metric.LOSS_SCALE], scale)
+        self.recorder.restart_clock()  # flush and checkpoint time stay out of the next step's time
 
     # -- flush -------------------------------------------------------------------------------------------
     def flush(self) -> list[StepRecord]:

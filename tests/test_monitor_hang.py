@@ -127,20 +127,11 @@ def anomaly(kind: str, step: int) -> Anomaly:
     return Anomaly(kind=kind, metric="loss", step=step, score=1.0, severity=Severity.WARNING, detector="test")
 
 
-class FlagEverything:
+class FlagEverything(NullDetectors):
     """Detectors that flag every record, so that every flush publishes."""
 
     def update(self, record: StepRecord) -> list[Anomaly]:
         return [anomaly("test", record.step)]
-
-    def enter_grace(self, steps: int | None = None) -> None:
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        return None
 
 
 class TimedSink:
