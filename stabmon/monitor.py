@@ -16,16 +16,22 @@ A plain PyTorch loop needs four lines::
 
 Everything measured stays on the device until a flush (every ``config.flush_every`` steps and at close): one
 stacked copy to the host, then StepRecords go through the :class:`~stabmon.pipeline.Pipeline`, to the store
-and the notifier. Decisions are applied at flushes through :class:`~stabmon.interventions.Executor`, whose
-target is the monitor itself (:class:`~stabmon.pipeline.InterventionTarget`).
+and the notifier (:class:`~stabmon.collect.flushing.Flusher`). Decisions are applied at flushes through
+:class:`~stabmon.interventions.Executor`, whose target is a :class:`~stabmon.collect.target.LiveTarget`
+(the overrides, rollback and checkpoint-and-stop; :class:`~stabmon.pipeline.InterventionTarget`).
+
+A framework that runs backward inside ``optimizer.step(closure)`` (Lightning) takes the optimizer hooks off
+(:meth:`Monitor.remove_optimizer_hooks`) and calls :meth:`Monitor.before_optimizer_step` and
+:meth:`Monitor.after_optimizer_step` itself; :meth:`Monitor.sync_step` follows a framework's step count.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -35,15 +41,18 @@ from stabmon.collect.activations import ActivationNorms
 from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.config import ActivationConfig, EmbeddingConfig, GradConfig, MonitorConfig
 from stabmon.collect.data import DataCursor
-from stabmon.collect.distributed import RankFollower, broadcast, executed_decisions, mean_across_ranks, world
+from stabmon.collect.distributed import RankFollower, broadcast, mean_across_ranks, world
 from stabmon.collect.embeddings import EmbeddingDrift
-from stabmon.collect.flushing import decide, publish, share, start_run
+from stabmon.collect.failsafe import Failsafe
+from stabmon.collect.flushing import Flusher, Outbox
 from stabmon.collect.grads import GradNorms
 from stabmon.collect.memory import DeviceMemory
-from stabmon.collect.observe import value_problem
 from stabmon.collect.optim import OptimizerHooks
 from stabmon.collect.ranks import RankGather, RankProbe
+from stabmon.collect.record import StepRecorder
+from stabmon.collect.restore import TrainingState
 from stabmon.collect.sharding import ShardedSquares, embedding_counted, layout_of
+from stabmon.collect.target import LiveTarget
 from stabmon.collect.wiring import (
     DEFAULT_STORE,
     MODES,
@@ -54,7 +63,7 @@ from stabmon.collect.wiring import (
 )
 from stabmon.events import Anomaly, Event, Metric, StepRecord
 from stabmon.overrides import Overrides
-from stabmon.store.limits import check_name, name_problem
+from stabmon.store.limits import check_name
 
 log = logging.getLogger(__name__)
 
@@ -106,16 +115,13 @@ class Monitor:
             check_name("run_name", run_name)
         if mode not in MODES:
             raise ValueError(f"mode: must be one of {', '.join(map(str, MODES))}, got {mode!r}")
-        self.model, self.optimizer, self.scaler, self.scheduler, self.mode = (
-            model,
-            optimizer,
-            scaler,
-            scheduler,
-            mode,
-        )
-        self.overrides = Overrides()
+        self.model, self.optimizer, self.scaler, self.scheduler, self.mode = model, optimizer, scaler, scheduler, mode
+        overrides = Overrides()
         self.cursor = DataCursor()
         self.buffer = StepBuffer()
+        self._step = 0
+        self.failsafe = Failsafe(step=lambda: self._step)
+        self.errors: Counter[str] = self.failsafe.errors
         cfg = self.config
         self.layout = layout_of(model)
         sharded = ShardedSquares(self.layout.counted) if self.layout.sharded else None
@@ -131,13 +137,12 @@ class Monitor:
             optimizer,
             self._grads,
             buffer=self.buffer,
-            overrides=lambda: self.overrides,
+            overrides=lambda: overrides,
             clip=cfg.clip,
             scaler=scaler,
             embeddings=self._emb,
             ema_decay=cfg.grads.skip_ema,
         )
-        self.errors: Counter[str] = Counter()
         self.rank, self.world_size = world()
         self._probe: RankProbe | None = None
         if self.world_size > 1:
@@ -145,53 +150,132 @@ class Monitor:
             replicated = self.layout.kind == "ddp"
             self.buffer.gather = RankGather(replicated=replicated)
             self._probe = RankProbe(model, self._grads.params, replicated=replicated)
-        self._follower = RankFollower()
-        leader = self.rank == 0  # only rank 0 writes to the store and sends alerts
-        self.store, self._owns_store = resolve_store(store if leader else None)
-        self.notifier, self._owns_notifier = (
-            resolve_notifier(notifier, alerts, self.store) if leader else (None, False)
-        )
-        self.pipeline, self.executor = build_pipeline(self, detectors=detectors, runbook=runbook, mode=mode)
+        self.recorder = StepRecorder(self.buffer, self._hooks, config=cfg, failsafe=self.failsafe, scaler=scaler,
+                                     activations=self._acts, probe=self._probe)
         self.run_name = run_name or time.strftime("run-%Y%m%d-%H%M%S")
-        self.run_id = start_run(self, resume_run_id)
+        self.outbox = self._open_outbox(store, notifier, alerts)
+        self.target = LiveTarget(
+            hparams=self._hooks.hparams,
+            step=lambda: self._step,
+            state=TrainingState(model, optimizer, scaler, scheduler, monitor=self),
+            cursor=self.cursor,
+            outbox=self.outbox,
+            failsafe=self.failsafe,
+            stop_code=cfg.exit_code,
+            overrides=overrides,
+            rank=self.rank,
+        )
+        self.pipeline, self.executor = build_pipeline(self.target, detectors=detectors, runbook=runbook, mode=mode)
+        self._follower = RankFollower()
+        self.flusher = Flusher(
+            self.pipeline,
+            self.outbox,
+            target=self.target,
+            failsafe=self.failsafe,
+            mode=mode,
+            follower=self._follower,
+            kill_switch=_kill_switch(cfg.kill_switch),
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        run_id = self.outbox.start_run(config={"monitor": cfg.to_dict(), "mode": mode}, resume_run_id=resume_run_id)
         if self.world_size > 1:
-            self.run_id = broadcast(self.run_id)
-        self.checkpoints = checkpoints
-        if self.checkpoints is None and checkpoint_dir is not None:
-            from stabmon.checkpoints import CheckpointManager
-
-            self.checkpoints = CheckpointManager(
-                checkpoint_dir, keep=cfg.checkpoint_keep, sink=self.store, run_id=self.run_id
-            )
-        self.kill_switch = None
-        if cfg.kill_switch:
-            from stabmon.checkpoints import KillSwitch
-
-            self.kill_switch = KillSwitch(cfg.kill_switch, every=1)
-        self.anomalies: list[Anomaly] = []
-        self.events: list[Event] = []
+            self.outbox.run_id = broadcast(run_id)
+        self.target.checkpoints = checkpoints if checkpoints is not None else self._manager(checkpoint_dir)
         self.records: deque[StepRecord] = deque(maxlen=cfg.history)
-        self._step = 0
-        self.should_stop = False
-        self.stop_reason: str | None = None
-        self._scale_snapshot: torch.Tensor | None = None
-        self._hp_snapshot: dict[str, float] | None = None
-        self._tokens: int | None = None
-        self._t_last: float | None = None
         self._closed = False
         self._initial_saved = False
         self._watchdog = self._start_watchdog(store) if cfg.hang_timeout is not None else None
         self._hooks.install()
 
-    # -- InterventionTarget ------------------------------------------------------------------------------
+    def _open_outbox(self, store: Any, notifier: Any, alerts: Iterable[str] | None) -> Outbox:
+        """Rank 0's store and notifier (only rank 0 writes to the store and sends alerts)."""
+        leader = self.rank == 0
+        sink, owns_store = resolve_store(store if leader else None)
+        alerter, owns_notifier = resolve_notifier(notifier, alerts, sink) if leader else (None, False)
+        return Outbox(sink, alerter, failsafe=self.failsafe, run_name=self.run_name, owns_store=owns_store,
+                      owns_notifier=owns_notifier)
+
+    def _manager(self, checkpoint_dir: str | None) -> Any:
+        if checkpoint_dir is None:
+            return None
+        from stabmon.checkpoints import CheckpointManager
+
+        return CheckpointManager(
+            checkpoint_dir, keep=self.config.checkpoint_keep, sink=self.outbox.store, run_id=self.run_id
+        )
+
+    # -- what the monitor is made of ---------------------------------------------------------------------
     @property
     def step(self) -> int:
         """Optimizer steps completed (the index the next step will get)."""
         return self._step
 
+    @property
+    def overrides(self) -> Overrides:
+        """LR / clip / beta2 / weight-decay / skip overrides in force (the intervention target's)."""
+        return self.target.overrides
+
+    @property
+    def checkpoints(self) -> Any:
+        """The :class:`~stabmon.checkpoints.CheckpointManager`, or None."""
+        return self.target.checkpoints
+
+    @property
+    def should_stop(self) -> bool:
+        """True once checkpoint-and-stop, the kill switch or rank 0 asked the run to stop."""
+        return self.target.should_stop
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self.target.stop_reason
+
+    @property
+    def exit_code(self) -> int:
+        """0, or ``config.exit_code`` (:data:`stabmon.checkpoints.STOP_EXIT_CODE`) after a requested stop."""
+        return self.target.exit_code
+
+    @property
+    def store(self) -> Any:
+        """The store sink (None without a store, and on ranks other than 0); assignable."""
+        return self.outbox.store
+
+    @store.setter
+    def store(self, sink: Any) -> None:
+        self.outbox.store = sink
+
+    @property
+    def notifier(self) -> Any:
+        return self.outbox.notifier
+
+    @property
+    def run_id(self) -> str:
+        return self.outbox.run_id
+
+    @property
+    def events(self) -> list[Event]:
+        """Every anomaly, decision, intervention and outcome published in this run."""
+        return self.flusher.events
+
+    @property
+    def anomalies(self) -> list[Anomaly]:
+        return self.flusher.anomalies
+
     def hparams(self) -> dict[str, float]:
         """lr, beta2, weight_decay and clip in force for the next step (overrides included)."""
-        return self._hooks.hparams()
+        return self.target.hparams()
+
+    def rollback(
+        self, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None
+    ) -> dict[str, Any]:
+        """Restore the last-known-good checkpoint and skip data (:meth:`LiveTarget.rollback`)."""
+        return self.target.rollback(
+            onset_step=onset_step, lookback=lookback, skip_batches=skip_batches, checkpoint_dir=checkpoint_dir
+        )
+
+    def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
+        """Save a checkpoint and ask the loop to stop with ``config.exit_code``."""
+        return self.target.checkpoint_and_stop(reason=reason)
 
     def device_memory(self) -> DeviceMemory:
         """Bytes the monitor holds on the device right now, per signal (activation norms hold a few scalars
@@ -202,34 +286,33 @@ class Monitor:
             pending=self.buffer.nbytes(),
         )
 
-    def rollback(
-        self, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None
-    ) -> dict[str, Any]:
-        from stabmon.collect.restore import rollback
+    # -- for training frameworks -------------------------------------------------------------------------
+    def remove_optimizer_hooks(self) -> None:
+        """Take the optimizer step pre/post hooks off, for a framework that runs backward inside
+        ``optimizer.step(closure)``; it then calls :meth:`before_optimizer_step` and
+        :meth:`after_optimizer_step` itself."""
+        self._hooks.remove()
 
-        return rollback(
-            self,
-            onset_step=onset_step,
-            lookback=lookback,
-            skip_batches=skip_batches,
-            checkpoint_dir=checkpoint_dir,
-        )
+    def before_optimizer_step(self) -> None:
+        """The pre-step work (unscale, norms, skip guard, clip, overrides): after backward, before the update."""
+        self._hooks.before_step()
 
-    def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
-        info = self.save_checkpoint() if self.checkpoints is not None else None
-        self.should_stop, self.stop_reason = True, reason
-        log.warning("stabmon: stopping the run at step %d: %s", self._step, reason)
-        return {
-            "path": getattr(info, "path", None),
-            "step": self._step,
-            "exit_code": self.config.exit_code,
-            "reason": reason,
-        }
+    def after_optimizer_step(self, *, skipped: bool = False) -> None:
+        """The post-step work (scheduler-visible values back, the skip guard finished): after the update.
+        ``skipped=True``: the optimizer did not step after all (a GradScaler overflow)."""
+        self._hooks.after_step(skipped=skipped)
 
-    @property
-    def exit_code(self) -> int:
-        """0, or ``config.exit_code`` (:data:`stabmon.checkpoints.STOP_EXIT_CODE`) after a requested stop."""
-        return self.config.exit_code if self.should_stop else 0
+    def sync_step(self, step: int) -> None:
+        """Set the step counter to a framework's optimizer-step count (after a resume without saved monitor
+        state, or when the framework restored another step). Call it between steps."""
+        try:
+            value = operator.index(step)
+        except TypeError:
+            raise ValueError(f"sync_step: step must be an integer >= 0, got {type(step).__name__}") from None
+        if value < 0:
+            raise ValueError(f"sync_step: step must be an integer >= 0, got {value}")
+        self._step = value
+
 
     # -- the loop ----------------------------------------------------------------------------------------
     def steps(
@@ -248,12 +331,10 @@ class Monitor:
             try:
                 yield self._step, batch
             except GeneratorExit:  # the loop was left (break) during this step
-                if self._hooks.stepped or self.buffer.pending_values:
+                if self.recorder.trained:
                     self.end_step()
                 else:  # left before training on the batch: no step happened
-                    self.buffer.discard()
-                    if self._acts is not None:
-                        self._acts.disarm()
+                    self.recorder.discard()
                 raise
             self.end_step()
             if self.should_stop or (max_steps is not None and self._step >= max_steps):
@@ -268,69 +349,20 @@ class Monitor:
             self._initial_saved = True  # the initial state is known-good: a rollback can always reach it
             if self.checkpoints is not None:
                 self.save_checkpoint()
-        if self._t_last is None:
-            self._t_last = time.perf_counter()
-        self.buffer.begin(step=self._step, batch_index=batch_index)
-        self._hooks.stepped = False
-        self._scale_snapshot = None
-        self._hp_snapshot = None
-        self._tokens = None
-        act_k, emb_k = self.config.activations.every, self.config.embeddings.every
-        if self._acts is not None and self._step % act_k == 0:
-            self._acts.arm()
-        self._hooks.sample_embeddings = bool(self._emb) and emb_k > 0 and self._step % emb_k == 0
+        self.recorder.begin(step=self._step, batch_index=batch_index)
 
     def observe(self, loss: Any = None, *, tokens: int | None = None, **metrics: Any) -> None:
         """Record this step's loss (and any other named scalars) as device tensors: no host sync.
         ``tokens`` (a host int: tokens in this step's batch) adds ``tokens_per_sec`` at the end of the step."""
         if not self.buffer.open:
             self.begin_step()
-        if tokens is not None:
-            self._tokens = int(tokens)
-        for name, value in (("loss", loss), *metrics.items()):
-            if value is not None:
-                self._observe_one(name, value)
-        self._collect_activations()
-        scaler = self.scaler
-        if scaler is not None and scaler.is_enabled():
-            # an overflow step never reaches the pre-hook: keep the values in force before scheduler.step()
-            self._hp_snapshot = self._hooks.hparams()
-            if getattr(scaler, "_scale", None) is not None:
-                self._scale_snapshot = scaler._scale.detach().clone()
-
-    def _observe_one(self, name: str, value: Any) -> None:
-        """Queue one observed value. A value that cannot be a metric (meta tensor, complex, a name the store
-        cannot hold) is dropped alone, logged once per name and counted in ``errors``; never raised."""
-        problem = name_problem("observe: metric name", name) or value_problem(name, value)
-        if problem is None and isinstance(value, torch.Tensor):
-            self.buffer.add([name], value.detach())
-        elif problem is None:
-            self.buffer.add_host(name, float(value.item() if hasattr(value, "item") else value))
-        else:
-            self.errors["observe"] += 1
-            if self.errors[f"observe:{name[:64]}"] == 0:
-                log.error("stabmon: %s (dropped at step %d; counted in monitor.errors)", problem, self._step)
-            self.errors[f"observe:{name[:64]}"] += 1
+        self.recorder.observe((("loss", loss), *metrics.items()), tokens=tokens, step=self._step)
 
     def end_step(self) -> None:
         """Close the step's record; flush when ``config.flush_every`` steps are waiting."""
         if not self.buffer.open:
             return
-        self._collect_activations()
-        self._record_scaler()
-        hp = self._hooks.last_hparams if self._hooks.stepped else (self._hp_snapshot or self._hooks.hparams())
-        for name, value in hp.items():
-            self.buffer.add_host(name, value)
-        if self._probe is not None:
-            local_norm = self._grads.last_local_total if self._hooks.stepped else None
-            before_flush = len(self.buffer) + 1 >= self.config.flush_every
-            self._probe.record(self.buffer, started=self._t_last, local_norm=local_norm, before_flush=before_flush)
-        now = time.perf_counter()
-        elapsed = now - (self._t_last or now)
-        self.buffer.add_host(Metric.STEP_TIME, elapsed)
-        if self._tokens is not None and elapsed > 0:
-            self.buffer.add_host(Metric.TOKENS_PER_SEC, self._tokens / elapsed)
-        self.buffer.end(time=time.time())
+        self.recorder.end()
         self._step += 1
         if self._watchdog is not None:
             self._watchdog.beat(self._step - 1)
@@ -339,74 +371,36 @@ class Monitor:
             self.save_checkpoint()
         if len(self.buffer) >= self.config.flush_every:
             self.flush()
-        self._t_last = time.perf_counter()  # flush and checkpoint time stay out of the next step's time
-
-    def _collect_activations(self) -> None:
-        if self._acts is not None and self._acts.armed:
-            names, values = self._acts.collect()
-            if values is not None:
-                self.buffer.add([Metric.ACT_RMS_PREFIX + n for n in names], values)
-
-    def _record_scaler(self) -> None:
-        scaler = self.scaler
-        if scaler is None or not scaler.is_enabled():
-            return
-        # scaler.step() skips a non-fused optimizer.step() (and so our pre-hook) when it found inf/NaN
-        # gradients; a fused optimizer steps anyway and its kernel skips on the scaler's found_inf
-        found_inf = self._hooks.found_inf if self._hooks.stepped else None
-        if found_inf is not None:
-            self.buffer.add([Metric.OVERFLOW], found_inf)
-        else:
-            self.buffer.add_host(Metric.OVERFLOW, 0.0 if self._hooks.stepped else 1.0)
-        scale = self._scale_snapshot
-        if scale is None and getattr(scaler, "_scale", None) is not None:
-            scale = scaler._scale.detach().clone()
-        if scale is not None:
-            self.buffer.add([Metric.LOSS_SCALE], scale)
+        self.recorder.restart_clock()  # flush and checkpoint time stay out of the next step's time
 
     # -- flush -------------------------------------------------------------------------------------------
     def flush(self) -> list[StepRecord]:
         """Copy waiting metrics to the host once, run them through the pipeline, hand events to the sinks."""
-        records: list[StepRecord] = []
-        try:
-            records = self.buffer.drain()
-        except Exception:  # noqa: BLE001 - never raise into training (and every rank still reaches _share)
-            self.errors["collect"] += 1
-            log.exception("stabmon: could not read back this flush's metrics")
+        # a failed read-back is logged and counted; every rank still reaches the flush's collective
+        records: list[StepRecord] = self.failsafe.call("collect", self.buffer.drain) or []
         for r in records:
             self._hooks.learn_host(r.get(Metric.GRAD_NORM), bool(r.get(Metric.SKIPPED)))
         self.records.extend(records)
-        store = self.store
-        if records and store is not None:
-            self._guard("store", lambda: store.write_steps(run_id=self.run_id, records=records))
-        events = decide(self, records) if self.rank == 0 else []
-        if self.world_size > 1:
-            share(self, executed_decisions(events) if self.rank == 0 else None)
+        self.flusher.flush(records)
         return records
 
     def _start_watchdog(self, store: Any) -> Any:
-        """The hang watchdog (a thread): rank 0 publishes at once instead of waiting for a flush; another rank
-        writes its own report into the run; ``config.hang.exit_code`` then ends the process."""
+        """The hang watchdog (a thread): rank 0 publishes without waiting for a flush (never at the same time
+        as one); another rank writes its own report into the run; ``config.hang.exit_code`` then ends the
+        process."""
         from stabmon.collect.hangs import HangReporter, start_watchdog
 
+        outbox = self.outbox
         reporter = HangReporter(
             rank=self.rank,
-            publish=lambda anomalies: publish(self, list[Event](anomalies)),
-            settle=self._settle,
+            publish=self.flusher.publish_from_thread,
+            settle=outbox.settle,
             open_store=lambda: resolve_store(store),
-            run_id=lambda: self.run_id,
+            run_id=lambda: outbox.run_id,
             run_name=self.run_name,
             exit_code=self.config.hang.exit_code,
         )
         return start_watchdog(self.config, reporter, label=f"rank {self.rank}: " if self.world_size > 1 else "")
-
-    def _settle(self) -> None:
-        """Before a hang exit: what was published reaches the database and the alert channels (bounded)."""
-        store, notifier = self.store, self.notifier
-        if notifier is not None:  # first: its last attempts are rows for the store
-            self._guard("alerts", lambda: notifier.close(timeout=10.0))
-        if store is not None:
-            self._guard("store", lambda: store.flush(timeout=30.0))
 
     def heartbeat(self) -> None:
         """A sign of life between steps (inside a long evaluation): re-arms the hang watchdog without
@@ -414,34 +408,18 @@ class Monitor:
         if self._watchdog is not None:
             self._watchdog.beat(self._step - 1, learn=False)
 
-    def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
-        """Run training-path I/O: catch, log, count; never raise into training."""
-        if what == "store" and self.store is None:
-            return None
-        try:
-            return fn()
-        except Exception:  # noqa: BLE001
-            self.errors[what] += 1
-            log.exception("stabmon: %s failed at step %d (continuing)", what, self._step)
-            return None
-
     # -- state -------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Any:
         """Save :meth:`training_state` through the checkpoint manager; failures are logged and counted."""
-        if self.checkpoints is None:
-            raise ValueError("checkpoint_dir: the monitor has no checkpoint manager (pass checkpoint_dir=...)")
-        return self._guard("checkpoint", lambda: self.checkpoints.save(self.training_state(), step=self._step))
+        return self.target.save_checkpoint()
 
     def training_state(self) -> dict[str, Any]:
         """Everything a checkpoint holds: model, optimizer, scaler, scheduler and the monitor's own state."""
-        from stabmon.collect.restore import training_state
-
-        return training_state(self)
+        return self.target.state.state_dict()
 
     def load_training_state(self, state: dict[str, Any]) -> None:
-        from stabmon.collect.restore import load_training_state
-
-        load_training_state(self, state)
+        """Restore a :meth:`training_state` (all or nothing; ``ValueError`` when it does not fit)."""
+        self.target.state.load(state)
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter, data position, overrides, detector/engine/executor state, guard and embedding
@@ -451,41 +429,39 @@ class Monitor:
             "step": self._step,
             "data": self.cursor.state_dict(),
             "overrides": self.overrides.state_dict(),
-            "pipeline": self._guard("pipeline", self.pipeline.state_dict),
+            "pipeline": self.failsafe.call("pipeline", self.pipeline.state_dict),
             "executor": self.executor.state_dict() if hasattr(self.executor, "state_dict") else None,
             "follower": self._follower.state_dict(),
             "hooks": self._hooks.state_dict(),
             "embeddings": self._emb.state_dict() if self._emb else None,
-            "notifier": self._notifier_state(),
+            "notifier": self.outbox.notifier_state(),
             "run_id": self.run_id,
             "run_name": self.run_name,
         }
 
-    def _notifier_state(self) -> dict[str, Any] | None:
-        """Which channels were told about which incident, so a resumed run does not page again."""
-        state_dict = getattr(self.notifier, "state_dict", None)
-        return None if state_dict is None else self._guard("notifier", state_dict)
-
     def load_state_dict(self, state: dict[str, Any], *, pipeline: bool = True) -> None:
+        """Restore a :meth:`state_dict` (``pipeline=False`` keeps the detectors, engine and executor)."""
         self._step = int(state["step"])
         self.cursor.load_state_dict(state["data"])
         self.overrides.load_state_dict(state["overrides"])
         self._hooks.load_state_dict(state.get("hooks", {}))
         if self._emb and state.get("embeddings"):
             self._emb.load_state_dict(state["embeddings"])
-        if pipeline and state.get("pipeline") is not None:
+        if pipeline:
+            self._load_pipeline_state(state)
+        self.outbox.load_notifier_state(state.get("notifier"))
+
+    def _load_pipeline_state(self, state: dict[str, Any]) -> None:
+        if state.get("pipeline") is not None:
             self.pipeline.load_state_dict(state["pipeline"])
             reseed = getattr(self.pipeline.engine, "reseed", None)
             if reseed is not None:  # another run may continue from this same state: never share an id
                 reseed()
-            self._guard("pipeline", lambda: self.pipeline.detectors.enter_grace(self.config.grace_steps))
-        if pipeline and state.get("executor") is not None and hasattr(self.executor, "load_state_dict"):
+            self.failsafe.call("pipeline", lambda: self.pipeline.detectors.enter_grace(self.config.grace_steps))
+        if state.get("executor") is not None and hasattr(self.executor, "load_state_dict"):
             self.executor.load_state_dict(state["executor"])
-        if pipeline and state.get("follower") is not None:
+        if state.get("follower") is not None:
             self._follower.load_state_dict(state["follower"])
-        load_notifier = getattr(self.notifier, "load_state_dict", None)
-        if state.get("notifier") is not None and load_notifier is not None:
-            self._guard("notifier", lambda: load_notifier(state["notifier"]))
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def close(self, status: str | None = None) -> None:
@@ -502,17 +478,18 @@ class Monitor:
             self._probe.remove()
         if self._acts is not None:
             self._acts.disarm()
-        status = status or ("stopped" if self.should_stop else "finished")
-        store, notifier = self.store, self.notifier
-        if notifier is not None and self._owns_notifier:  # first: its last attempts are rows for the store
-            self._guard("alerts", lambda: notifier.close(timeout=10.0))
-        if store is not None:
-            self._guard("store", lambda: store.end_run(run_id=self.run_id, status=status))
-            if self._owns_store:  # close() drains within the store's close_timeout and spools the rest
-                self._guard("store", store.close)
+        self.outbox.close(status or ("stopped" if self.should_stop else "finished"))
 
     def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close(status="failed" if exc_type is not None else None)
+
+
+def _kill_switch(path: str | None) -> Any:
+    if not path:
+        return None
+    from stabmon.checkpoints import KillSwitch
+
+    return KillSwitch(path, every=1)

@@ -62,7 +62,8 @@ class ExecutorLike(Protocol):
 
 @runtime_checkable
 class InterventionTarget(Protocol):
-    """What interventions act on: the live :class:`~stabmon.monitor.Monitor`, or a replay simulator."""
+    """What interventions act on: the live :class:`~stabmon.collect.target.LiveTarget`, or a replay
+    simulator."""
 
     overrides: Overrides
 
@@ -73,10 +74,14 @@ class InterventionTarget(Protocol):
     def hparams(self) -> dict[str, float]:
         """Values in force now: ``lr``, ``beta2``, ``weight_decay``, ``clip`` (absent when not applicable)."""
 
-    def rollback(self, *, onset_step: int, lookback: int, skip_batches: int) -> dict[str, Any]:
-        """Restore the last-known-good checkpoint saved at least ``lookback`` steps before ``onset_step`` and skip
-        the next ``skip_batches`` batches of data. Returns what happened (checkpoint path and step, restored step,
-        skipped batch range) for the audit row."""
+    def rollback(
+        self, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None
+    ) -> dict[str, Any]:
+        """Restore the last-known-good checkpoint saved at least ``lookback`` steps before ``onset_step`` (from
+        ``checkpoint_dir`` when given, else the target's own checkpoints) and skip the next ``skip_batches``
+        batches of data. Returns what happened (checkpoint path and step, restored step, skipped batch range) for
+        the audit row. The rollback rung's ``lr_factor`` / ``lr_cap`` / ``onset_lr`` are not passed here: the
+        intervention applies them to :attr:`overrides` after this returns."""
 
     def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
         """Save a checkpoint and ask the training loop to stop with the documented exit code."""

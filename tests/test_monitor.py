@@ -678,3 +678,58 @@ def test_hang_watchdog_publishes_at_once() -> None:
     mon.close()
     assert hung_after_last_step()  # (a slow step on a loaded machine may add an earlier one)
     assert any(getattr(e, "kind", None) == "hang" and e.step == 1 for e in sink.events)
+
+
+# -- what training frameworks call ------------------------------------------------------------------------
+def test_the_optimizer_step_driven_by_public_calls_matches_the_hooks() -> None:
+    """A framework that runs backward inside optimizer.step(closure) takes the hooks off and calls
+    before_optimizer_step / after_optimizer_step itself: same clipping, overrides and records."""
+    runs = []
+    for manual in (False, True):
+        model, opt, mon = make(config=MonitorConfig(clip=0.5, flush_every=4))
+        mon.overrides.lr_scale = 0.5
+        if manual:
+            mon.remove_optimizer_hooks()
+        for _, idx in mon.steps(batches(8)):
+            loss = loss_of(model, idx)
+            loss.backward()
+            mon.observe(loss=loss)
+            if manual:
+                mon.before_optimizer_step()
+            opt.step()
+            if manual:
+                mon.after_optimizer_step()
+            opt.zero_grad()
+        mon.close()
+        assert opt.param_groups[0]["lr"] == 0.1  # the override never leaks into what a scheduler sees
+        timeless = [{k: v for k, v in r.metrics.items() if k != Metric.STEP_TIME} for r in mon.records]
+        runs.append((timeless, [p.detach().clone() for p in model.parameters()]))
+    (hooked, hooked_params), (manual, manual_params) = runs
+    assert manual == hooked and all(torch.equal(a, b) for a, b in zip(hooked_params, manual_params, strict=True))
+    assert hooked[0][Metric.GRAD_NORM] > 0.5 and hooked[0]["lr"] == 0.05
+
+
+def test_an_optimizer_step_skipped_after_the_pre_step_work_records_an_overflow() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    model, opt, mon = make(scaler=scaler)
+    mon.remove_optimizer_hooks()
+    before = [p.detach().clone() for p in model.parameters()]
+    for _, idx in mon.steps(batches(1)):
+        scaler.scale(loss_of(model, idx)).backward()
+        mon.before_optimizer_step()
+        mon.after_optimizer_step(skipped=True)  # the update never happened (as a GradScaler overflow)
+        opt.zero_grad()
+    mon.close()
+    assert mon.records[0].metrics[Metric.OVERFLOW] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_sync_step_follows_the_framework_and_refuses_bad_steps() -> None:
+    model, opt, mon = make()
+    mon.sync_step(7)
+    train(mon, model, opt, batches(2))
+    for bad, message in ((-1, "got -1"), (2.5, "got float"), ("3", "got str")):
+        with pytest.raises(ValueError, match=rf"^sync_step: step must be an integer >= 0, {message}$"):
+            mon.sync_step(bad)  # type: ignore[arg-type]
+    mon.close()
+    assert mon.step == 9 and [r.step for r in mon.records] == [7, 8]

@@ -5,8 +5,10 @@ configured code so a scheduler would restart the job."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,8 +18,12 @@ from test_alerts_support import Receiver, wait_until
 from torch import nn
 
 from stabmon.collect.config import HANG_EXIT_CODE, HangConfig, MonitorConfig
-from stabmon.events import Anomaly
+from stabmon.collect.failsafe import Failsafe
+from stabmon.collect.flushing import Flusher, Outbox
+from stabmon.collect.wiring import NullDetectors
+from stabmon.events import Anomaly, Severity, StepRecord
 from stabmon.monitor import Monitor
+from stabmon.pipeline import Pipeline
 from stabmon.store import open_store, repo
 
 HANG_AT, STEP = 12, 0.02
@@ -114,3 +120,117 @@ def test_learned_deadline_follows_step_times_within_floor_and_cap() -> None:
         now[0] += 100.0
         dog.beat(step)
     assert dog.deadline() == 100.0  # never above the cap
+
+
+# -- the watchdog thread and the training thread never publish at the same time ---------------------------------
+def anomaly(kind: str, step: int) -> Anomaly:
+    return Anomaly(kind=kind, metric="loss", step=step, score=1.0, severity=Severity.WARNING, detector="test")
+
+
+class FlagEverything(NullDetectors):
+    """Detectors that flag every record, so that every flush publishes."""
+
+    def update(self, record: StepRecord) -> list[Anomaly]:
+        return [anomaly("test", record.step)]
+
+
+class TimedSink:
+    """A sink whose ``write_events`` holds the main (training) thread ``hold`` seconds; it notes every call's
+    thread and interval, and how many calls were ever inside at once."""
+
+    def __init__(self, hold: float) -> None:
+        self.hold = hold
+        self.calls: list[tuple[str, float, float, list[Any]]] = []
+        self.inside = self.most_inside = 0
+        self._count = threading.Lock()
+
+    def write_events(self, *, run_id: str, events: Any) -> None:
+        with self._count:
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+        start = time.monotonic()
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(self.hold)
+        with self._count:
+            self.inside -= 1
+        self.calls.append((threading.current_thread().name, start, time.monotonic(), list(events)))
+
+    def start_run(self, **_: Any) -> str:
+        return "run-1"
+
+    def write_steps(self, **_: Any) -> None:
+        pass
+
+    def poll_answers(self, **_: Any) -> list[tuple[str, bool]]:
+        return []
+
+    def end_run(self, **_: Any) -> None:
+        pass
+
+    def write_checkpoint(self, **_: Any) -> None:
+        pass
+
+    def write_skipped_batches(self, **_: Any) -> None:
+        pass
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_watchdog_waits_for_a_flush_that_is_publishing() -> None:
+    sink = TimedSink(hold=2.0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = MonitorConfig(flush_every=2, hang_timeout=0.3)
+    mon = Monitor(model, opt, store=sink, detectors=FlagEverything(), config=config)
+    for _, x in mon.steps([torch.randn(8, 4) for _ in range(2)]):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    # step 1's flush held the training thread in write_events for 2 s, well past the 0.3 s deadline
+    deadline = time.monotonic() + 20
+    while not any(a.kind == "hang" and a.step == 1 for a in mon.anomalies) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    mon.close()
+    (slow,) = [c for c in sink.calls if c[0] == threading.main_thread().name and c[2] - c[1] >= 2.0]
+    (hang_call,) = [c for c in sink.calls if any(a.kind == "hang" and a.step == 1 for a in c[3])]
+    hang = next(a for a in hang_call[3] if a.kind == "hang")
+    assert hang_call[0] == "stabmon-hang-watchdog"
+    assert slow[1] + hang.score < slow[2]  # it fired while the flush was writing ...
+    assert hang_call[1] >= slow[2]  # ... and published only after that write was done
+    assert sink.most_inside == 1
+
+
+def test_the_watchdog_hands_its_events_to_the_next_flush_when_a_publish_is_stuck() -> None:
+    release, entered = threading.Event(), threading.Event()
+    written: list[str] = []
+
+    class StuckOnce:
+        def write_events(self, *, run_id: str, events: Any) -> None:
+            if not written:
+                entered.set()
+                assert release.wait(20)
+            written.extend(e.kind for e in events)
+
+    safe = Failsafe()
+    outbox = Outbox(StuckOnce(), None, failsafe=safe, run_name="stuck")  # type: ignore[arg-type]
+
+    class Target:
+        should_stop, stop_reason, step = False, None, 0
+
+    flusher = Flusher(Pipeline(NullDetectors()), outbox, target=Target(), failsafe=safe, handoff_after=0.2)
+    stuck = threading.Thread(target=flusher.publish, args=([anomaly("spike", 1)],))
+    stuck.start()
+    assert entered.wait(20)
+    try:
+        flusher.publish_from_thread([anomaly("hang", 1)])  # gives up after 0.2 s: the training thread holds on
+        assert written == [] and [a.kind for a in flusher.anomalies] == ["spike"]
+    finally:
+        release.set()
+        stuck.join(20)
+    flusher.flush([])
+    assert written == ["spike", "hang"] and [a.kind for a in flusher.anomalies] == ["spike", "hang"]
+    assert safe.errors == {}

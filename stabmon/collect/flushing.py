@@ -1,90 +1,275 @@
 """The flush side of the monitor: records -> pipeline -> store and notifier, and rank-0 decisions shared.
 
-Functions of the :class:`~stabmon.monitor.Monitor` they are given (like :mod:`stabmon.collect.restore`); all
-training-path I/O goes through ``monitor._guard``, which catches, logs and counts. :func:`decide` runs on
-rank 0 only; :func:`share` is a collective every rank calls at every flush under ``torch.distributed``.
+:class:`Outbox` is the run's way out of the training process: the run in the store and the notifier, every
+call through the :class:`~stabmon.collect.failsafe.Failsafe` (only rank 0 has a store and a notifier; on the
+other ranks both are None and the outbox does nothing). :class:`Flusher` is the flush step, built from its
+collaborators: the pipeline, the outbox, the intervention target, the rank follower and the kill switch.
+:meth:`Flusher.decide` runs on rank 0 only; :meth:`Flusher.share` is a collective every rank calls at every
+flush under ``torch.distributed``.
+
+The hang watchdog publishes from its own thread (:meth:`Flusher.publish_from_thread`). Publishing holds a lock,
+so the watchdog's events and a flush's never go to the store and the notifier at the same time; when the
+training thread keeps the lock for ``handoff_after`` seconds (stuck in a write), the watchdog's events are
+handed to the training thread's next flush instead.
+
+>>> from stabmon.collect.failsafe import Failsafe
+>>> from stabmon.collect.wiring import NullDetectors
+>>> from stabmon.pipeline import Pipeline
+>>> class Target:
+...     should_stop, stop_reason = False, None
+>>> outbox = Outbox(None, None, failsafe=Failsafe(), run_name="doc")
+>>> flusher = Flusher(Pipeline(NullDetectors()), outbox, target=Target(), failsafe=outbox.failsafe)
+>>> flusher.flush([StepRecord(step=0, metrics={"loss": 1.0})]), flusher.events
+([], [])
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from typing import Any
+from collections import deque
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any, Protocol
 
-from stabmon.collect.distributed import broadcast
+from stabmon.collect.distributed import RankFollower, broadcast, executed_decisions
+from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.wiring import environment
 from stabmon.events import Anomaly, Event, StepRecord
+from stabmon.pipeline import Pipeline
+from stabmon.sinks import NotifierLike, Sink
+
+log = logging.getLogger(__name__)
 
 
-def decide(monitor: Any, records: list[StepRecord]) -> list[Event]:
-    """Rank 0: detectors, engine and executor on the new records; events to the store and notifier."""
-    events: list[Event] = []
-    engine = monitor.pipeline.engine
-    propose = engine is not None and getattr(engine, "mode", monitor.mode) == "propose"
-    if propose and not getattr(monitor.store, "answers_live", True) and hasattr(engine, "hold"):
-        engine.hold(len(records))  # answers cannot be read: no proposal may expire meanwhile
-    for r in records:
-        events.extend(monitor._guard("pipeline", lambda r=r: monitor.pipeline.process(r)) or [])
-    if propose:
-        events.extend(answers(monitor))
-    publish(monitor, events)
-    if monitor.kill_switch is not None and not monitor.should_stop and monitor.kill_switch.triggered():
-        monitor.checkpoint_and_stop(reason=monitor.kill_switch.reason())
-    return events
+class Outbox:
+    """The run in the store and the alert channels; nothing here raises (see the module docstring).
 
+    >>> from stabmon.collect.failsafe import Failsafe
+    >>> box = Outbox(None, None, failsafe=Failsafe(), run_name="doc")
+    >>> box.start_run(config={}, resume_run_id="r-1"), box.poll_answers()
+    ('r-1', [])
+    """
 
-def share(monitor: Any, executed: Any) -> None:
-    """Every rank: apply what rank 0 applied, and stop when rank 0 stops (a collective call)."""
-    payload = (executed, monitor.should_stop, monitor.stop_reason) if monitor.rank == 0 else None
-    executed, stop, reason = broadcast(payload)
-    if monitor.rank != 0:
-        monitor._guard("pipeline", lambda: monitor._follower.follow(monitor.executor, executed))
-        if stop and not monitor.should_stop:
-            monitor.should_stop, monitor.stop_reason = True, reason
+    def __init__(
+        self,
+        store: Sink | None,
+        notifier: NotifierLike | None,
+        *,
+        failsafe: Failsafe,
+        run_name: str,
+        owns_store: bool = False,
+        owns_notifier: bool = False,
+    ) -> None:
+        self.store, self.notifier = store, notifier
+        self.failsafe = failsafe
+        self.run_name = run_name
+        self.run_id = ""
+        """Set by :meth:`start_run` (and, under ``torch.distributed``, to rank 0's id on every rank)."""
+        self.owns_store, self.owns_notifier = owns_store, owns_notifier
 
-
-def answers(monitor: Any) -> list[Event]:
-    """Propose mode: humans' answers from the store, fed to the engine (and executed when approved)."""
-    if monitor.store is None:
-        return []
-    got = monitor._guard("store", lambda: monitor.store.poll_answers(run_id=monitor.run_id)) or []
-    out: list[Event] = []
-    for decision_id, approved in got:
-        out.extend(
-            monitor._guard(
-                "pipeline", lambda d=decision_id, a=approved: monitor.pipeline.answer(d, a, monitor.step)
+    def start_run(self, *, config: Mapping[str, Any], resume_run_id: str | None) -> str:
+        """Open (or reopen) the run in the store; a local id when there is no store or it failed."""
+        run_id = None
+        store = self.store
+        if store is not None:
+            run_id = self.failsafe.call(
+                "store",
+                lambda: store.start_run(
+                    name=self.run_name,
+                    kind="live",
+                    config=config,
+                    environment=environment(),
+                    resume_run_id=resume_run_id,
+                ),
             )
-            or []
-        )
-    return out
+        self.run_id = run_id or resume_run_id or f"local-{time.time_ns():x}"
+        return self.run_id
+
+    def write_steps(self, records: Sequence[StepRecord]) -> None:
+        store = self.store
+        if records and store is not None:
+            self.failsafe.call("store", lambda: store.write_steps(run_id=self.run_id, records=records))
+
+    def send(self, events: Sequence[Any]) -> None:
+        """Anomalies, decisions, interventions and outcomes to the store and to the notifier."""
+        store, notifier = self.store, self.notifier
+        if store is not None:
+            self.failsafe.call("store", lambda: store.write_events(run_id=self.run_id, events=events))
+        if notifier is not None:
+            self.failsafe.call(
+                "alerts", lambda: notifier.handle(run_id=self.run_id, run_name=self.run_name, events=events)
+            )
+
+    @property
+    def answers_live(self) -> bool:
+        """False while the store cannot read humans' answers (proposals must not expire meanwhile)."""
+        return bool(getattr(self.store, "answers_live", True))
+
+    def poll_answers(self) -> list[tuple[str, bool]]:
+        store = self.store
+        if store is None:
+            return []
+        return self.failsafe.call("store", lambda: store.poll_answers(run_id=self.run_id)) or []
+
+    def write_skipped_batches(self, *, step: int, batch_indices: Sequence[int]) -> None:
+        store = self.store
+        if store is not None:
+            self.failsafe.call(
+                "store",
+                lambda: store.write_skipped_batches(run_id=self.run_id, step=step, batch_indices=batch_indices),
+            )
+
+    def settle(self) -> None:
+        """What was sent reaches the database and the alert channels (bounded): before a hang exit."""
+        store, notifier = self.store, self.notifier
+        if notifier is not None:  # first: its last delivery attempts are rows for the store
+            self.failsafe.call("alerts", lambda: notifier.close(timeout=10.0))
+        if store is not None:
+            self.failsafe.call("store", lambda: store.flush(timeout=30.0))
+
+    def notifier_state(self) -> dict[str, Any] | None:
+        """Which channels were told about which incident, so a resumed run does not page again."""
+        state_dict = getattr(self.notifier, "state_dict", None)
+        return None if state_dict is None else self.failsafe.call("notifier", state_dict)
+
+    def load_notifier_state(self, state: dict[str, Any] | None) -> None:
+        load = getattr(self.notifier, "load_state_dict", None)
+        if state is not None and load is not None:
+            self.failsafe.call("notifier", lambda: load(state))
+
+    def close(self, status: str) -> None:
+        """Close the notifier and then the store where this outbox opened them (the notifier's last attempts are
+        written through the store), ending the run in the store."""
+        store, notifier = self.store, self.notifier
+        if notifier is not None and self.owns_notifier:  # first: its last delivery attempts are rows for the store
+            self.failsafe.call("alerts", lambda: notifier.close(timeout=10.0))
+        if store is not None:
+            self.failsafe.call("store", lambda: store.end_run(run_id=self.run_id, status=status))
+            if self.owns_store:  # close() drains within the store's close_timeout and spools the rest
+                self.failsafe.call("store", store.close)
 
 
-def publish(monitor: Any, events: list[Event]) -> None:
-    """Keep anomalies, decisions, interventions and outcomes; write them to the store; hand them to alerts."""
-    low = [e for e in events if not isinstance(e, StepRecord)]
-    if not low:
-        return
-    monitor.events.extend(low)
-    monitor.anomalies.extend(e for e in low if isinstance(e, Anomaly))
-    monitor._guard("store", lambda: monitor.store.write_events(run_id=monitor.run_id, events=low))
-    if monitor.notifier is not None:
-        monitor._guard(
-            "alerts",
-            lambda: monitor.notifier.handle(run_id=monitor.run_id, run_name=monitor.run_name, events=low),
-        )
+class FlushTarget(Protocol):
+    """What a flush needs of the intervention target: the step, the stop request, checkpoint-and-stop."""
+
+    should_stop: bool
+    stop_reason: str | None
+
+    @property
+    def step(self) -> int: ...
+
+    def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]: ...
+
+    def request_stop(self, reason: str | None) -> None: ...
 
 
-def start_run(monitor: Any, resume_run_id: str | None) -> str:
-    """Open the run in the store (rank 0), or make up a local id when there is no store."""
-    if monitor.store is None:
-        return resume_run_id or f"local-{time.time_ns():x}"
-    run_id = monitor._guard(
-        "store",
-        lambda: monitor.store.start_run(
-            name=monitor.run_name,
-            kind="live",
-            config={"monitor": monitor.config.to_dict(), "mode": monitor.mode},
-            environment=environment(),
-            resume_run_id=resume_run_id,
-        ),
-    )
-    return run_id or resume_run_id or f"local-{time.time_ns():x}"
+class Flusher:
+    """One flush: records through the pipeline, events to the outbox, decisions shared across ranks."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        outbox: Outbox,
+        *,
+        target: FlushTarget,
+        failsafe: Failsafe,
+        mode: str | None = None,
+        follower: RankFollower | None = None,
+        kill_switch: Any = None,
+        rank: int = 0,
+        world_size: int = 1,
+        handoff_after: float = 10.0,
+    ) -> None:
+        self.pipeline, self.outbox, self.target, self.failsafe = pipeline, outbox, target, failsafe
+        self.mode = mode
+        self.follower = follower if follower is not None else RankFollower()
+        self.kill_switch = kill_switch
+        self.rank, self.world_size = rank, world_size
+        self.handoff_after = handoff_after
+        self.events: list[Event] = []
+        """Every anomaly, decision, intervention and outcome published in this run."""
+        self.anomalies: list[Anomaly] = []
+        self._publishing = threading.Lock()
+        self._handed: deque[Event] = deque()  # from another thread, for the next flush to publish
+
+    def flush(self, records: list[StepRecord]) -> list[Event]:
+        """The records (already read back) to the store, then rank 0 decides and every rank follows."""
+        self.outbox.write_steps(records)
+        events = self.decide(records) if self.rank == 0 else []
+        if self.world_size > 1:
+            self.share(executed_decisions(events) if self.rank == 0 else None)
+        return events
+
+    def decide(self, records: list[StepRecord]) -> list[Event]:
+        """Rank 0: detectors, engine and executor on the new records; events to the store and notifier."""
+        events: list[Event] = []
+        engine = self.pipeline.engine
+        propose = engine is not None and getattr(engine, "mode", self.mode) == "propose"
+        hold = getattr(engine, "hold", None)
+        if propose and not self.outbox.answers_live and hold is not None:
+            hold(len(records))  # answers cannot be read: no proposal may expire meanwhile
+        for r in records:
+            events.extend(self.failsafe.call("pipeline", partial(self.pipeline.process, r)) or [])
+        if propose:
+            events.extend(self._answers())
+        self.publish([*self._take_handed(), *events])
+        self._check_kill_switch()
+        return events
+
+    def _answers(self) -> list[Event]:
+        """Propose mode: humans' answers from the store, fed to the engine (and executed when approved)."""
+        out: list[Event] = []
+        for decision_id, approved in self.outbox.poll_answers():
+            answer = partial(self.pipeline.answer, decision_id, approved, self.target.step)
+            out.extend(self.failsafe.call("pipeline", answer) or [])
+        return out
+
+    def _check_kill_switch(self) -> None:
+        switch = self.kill_switch
+        if switch is not None and not self.target.should_stop and switch.triggered():
+            self.target.checkpoint_and_stop(reason=switch.reason())
+
+    def share(self, executed: Any) -> None:
+        """Every rank: apply what rank 0 applied, and stop when rank 0 stops (a collective call)."""
+        target = self.target
+        payload = (executed, target.should_stop, target.stop_reason) if self.rank == 0 else None
+        executed, stop, reason = broadcast(payload)
+        if self.rank != 0:
+            follower, executor = self.follower, self.pipeline.executor
+            self.failsafe.call("pipeline", lambda: follower.follow(executor, executed))
+            if stop and not target.should_stop:
+                target.request_stop(reason)
+
+    def publish(self, events: Sequence[Event]) -> None:
+        """Keep anomalies, decisions, interventions and outcomes; send them to the store and the alerts."""
+        with self._publishing:
+            self._publish(events)
+
+    def publish_from_thread(self, events: Sequence[Event]) -> None:
+        """:meth:`publish` from another thread (the hang watchdog): once no flush is publishing, or, when one
+        keeps publishing for ``handoff_after`` seconds, at the training thread's next flush."""
+        if not self._publishing.acquire(timeout=self.handoff_after):
+            log.error("stabmon: the training thread is stuck publishing; %d event(s) wait for its next flush",
+                      len(events))
+            self._handed.extend(events)
+            return
+        try:
+            self._publish(events)
+        finally:
+            self._publishing.release()
+
+    def _take_handed(self) -> list[Event]:
+        taken: list[Event] = []
+        while self._handed:
+            taken.append(self._handed.popleft())
+        return taken
+
+    def _publish(self, events: Sequence[Event]) -> None:
+        low = [e for e in events if not isinstance(e, StepRecord)]
+        if not low:
+            return
+        self.events.extend(low)
+        self.anomalies.extend(e for e in low if isinstance(e, Anomaly))
+        self.outbox.send(low)

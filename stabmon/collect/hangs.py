@@ -2,11 +2,12 @@
 end the process so the scheduler restarts the job.
 
 Rank 0 publishes the hang anomaly (every thread's stack in its message) to the store and the alert channels
-like any other event. Another rank has no store of its own during training (only rank 0 writes), so a hung
-rank k opens the monitor's store at that moment, writes its own anomaly into the same run, and closes it
-again: the stuck rank is often not rank 0, and its stacks are the ones that say why. With ``exit_code`` set,
-the reporter waits (bounded) until the anomaly is written and the alerts are sent, then calls ``os._exit``:
-a hung process cannot be asked to return from its training loop.
+like any other event, from the watchdog thread but never at the same time as the training thread
+(:meth:`stabmon.collect.flushing.Flusher.publish_from_thread`). Another rank has no store of its own during
+training (only rank 0 writes), so a hung rank k opens the monitor's store at that moment, writes its own
+anomaly into the same run, and closes it again: the stuck rank is often not rank 0, and its stacks are the
+ones that say why. With ``exit_code`` set, the reporter waits (bounded) until the anomaly is written and the
+alerts are sent, then calls ``os._exit``: a hung process cannot be asked to return from its training loop.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class HangReporter:
 
     rank: int
     publish: Callable[[list[Anomaly]], None]
-    """Rank 0: to the store and the notifier."""
+    """Rank 0: to the store and the notifier (serialized with the training thread's flushes)."""
     settle: Callable[[], None]
     """Wait (bounded) until what was published is written and sent; called before exiting."""
     open_store: Callable[[], tuple[Any, bool]] = field(default=lambda: (None, False))

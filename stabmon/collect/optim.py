@@ -123,6 +123,14 @@ class OptimizerHooks:
 
     # -- hooks -------------------------------------------------------------------------------------------
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.before_step()
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.after_step()
+
+    def before_step(self) -> None:
+        """The pre-step work (steps 1-5 of the module docstring); the step pre-hook, or called by a framework
+        that runs backward inside ``optimizer.step(closure)``."""
         self.stepped = True
         grad_scale = self._scaled_handoff()
         self.last_hparams = self.hparams()
@@ -144,7 +152,10 @@ class OptimizerHooks:
         if self.sample_embeddings and self.embeddings:
             self.embeddings.before_update()
 
-    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def after_step(self, *, skipped: bool = False) -> None:
+        """The post-step work: scheduler-visible values back, the guard finished, embeddings measured.
+        ``skipped``: the optimizer did not step after all (a GradScaler overflow seen only at batch end); the
+        step then counts as not stepped."""
         for group, saved in zip(self.optimizer.param_groups, self._saved_groups, strict=False):
             group.update(saved)
         self._saved_groups = []
@@ -153,6 +164,8 @@ class OptimizerHooks:
             names, values = self.embeddings.after_update()
             if values is not None:
                 self.buffer.add(names, values)
+        if skipped:
+            self.stepped = False
 
     def _clip(self, result: GradResult, grad_scale: torch.Tensor | None) -> None:
         max_norm = self.max_norm()

@@ -125,13 +125,6 @@ class MonitorSpec:
         )
 
 
-def align_step(monitor: Any, step: int) -> None:
-    """Make the monitor's step counter equal the framework's optimizer-step count (after a resume without
-    saved monitor state, or when the framework restored a different step)."""
-    if monitor.step != step:
-        monitor._step = int(step)  # Monitor has no public setter; the framework owns the step here
-
-
 def state_to_bytes(state: dict[str, Any]) -> bytes:
     """Monitor state as bytes, so a checkpoint loaded with ``torch.load(weights_only=True)`` still loads."""
     buf = io.BytesIO()

@@ -48,7 +48,7 @@ import torch
 
 from stabmon.collect.config import MonitorConfig
 from stabmon.collect.wiring import DEFAULT_STORE
-from stabmon.integrations._shared import MonitorSpec, align_step
+from stabmon.integrations._shared import MonitorSpec
 
 try:
     from transformers import TrainerCallback
@@ -139,7 +139,7 @@ class StabmonCallback(TrainerCallback):
         )
         if saved is not None:
             self.monitor.load_state_dict(saved)
-        align_step(self.monitor, state.global_step)
+        self.monitor.sync_step(state.global_step)
         self.stop_requested = False
         self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
 
@@ -162,7 +162,7 @@ class StabmonCallback(TrainerCallback):
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None:
             return
-        align_step(self.monitor, state.global_step)
+        self.monitor.sync_step(state.global_step)
         self.monitor.begin_step(batch_index=state.global_step * args.gradient_accumulation_steps)
         self._losses = []
 

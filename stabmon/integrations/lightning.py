@@ -18,8 +18,9 @@ What the callback does at each Lightning hook:
 - ``on_before_optimizer_step`` runs the monitor's pre-step work: norms, clip, overrides. Lightning calls
   ``optimizer.step(closure)`` and the closure runs forward and backward *inside* ``step()``, so a
   ``torch.optim`` step pre-hook would fire before backward, on the previous step's gradients. The callback
-  therefore removes the monitor's pre-hook and runs it from this hook (after backward, after AMP unscaling,
-  before Lightning's own clipping); the post-hook stays a real step post-hook. When the GradScaler skips an
+  therefore takes the monitor's optimizer hooks off (``Monitor.remove_optimizer_hooks``) and calls
+  ``Monitor.before_optimizer_step`` from this hook (after backward, after AMP unscaling, before Lightning's
+  own clipping) and ``Monitor.after_optimizer_step`` from a real step post-hook. When the GradScaler skips an
   overflow step, the post work (restoring the scheduler-visible hyper-parameters) is done at batch end.
 - ``state_dict`` / ``load_state_dict``: the monitor state travels in Lightning checkpoints (as bytes, so
   checkpoints still load with ``weights_only=True``).
@@ -48,7 +49,7 @@ import torch
 
 from stabmon.collect.config import MonitorConfig
 from stabmon.collect.wiring import DEFAULT_STORE
-from stabmon.integrations._shared import MonitorSpec, align_step, state_from_bytes, state_to_bytes
+from stabmon.integrations._shared import MonitorSpec, state_from_bytes, state_to_bytes
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -107,7 +108,6 @@ class StabmonCallback(Callback):
         self._saved_clip: Any = None
         self._took_clip = False
         self._post_handle: Any = None
-        self._optimizer: Any = None
         self._losses: list[torch.Tensor] = []
         self._attempted = False  # on_before_optimizer_step ran in this batch
         self._post_pending = False  # ... and the step post-hook has not run yet
@@ -124,7 +124,7 @@ class StabmonCallback(Callback):
             raise ValueError(
                 f"StabmonCallback: watches exactly one optimizer; the module configures {len(optimizers)}"
             )
-        optimizer = self._optimizer = optimizers[0]
+        optimizer = optimizers[0]
         configs = getattr(trainer, "lr_scheduler_configs", None) or []
         clip = self._take_over_clip(trainer)
         pending, self._pending = self._pending, None
@@ -138,10 +138,10 @@ class StabmonCallback(Callback):
         )
         if pending is not None:
             self.monitor.load_state_dict(pending)
-        align_step(self.monitor, trainer.global_step)
+        self.monitor.sync_step(trainer.global_step)
         # Lightning runs backward inside optimizer.step(closure): the pre-step work moves to
         # on_before_optimizer_step, the post-step work stays a real step post-hook.
-        self.monitor._hooks.remove()
+        self.monitor.remove_optimizer_hooks()
         self._post_handle = optimizer.register_step_post_hook(self._after_step)
         self.stop_requested, self.stop_checkpoint = False, None
 
@@ -175,7 +175,7 @@ class StabmonCallback(Callback):
     # -- steps -------------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.monitor is not None and not self.monitor.buffer.open:
-            align_step(self.monitor, trainer.global_step)
+            self.monitor.sync_step(trainer.global_step)
             self.monitor.begin_step(batch_index=batch_idx)
             self._losses = []
 
@@ -197,13 +197,13 @@ class StabmonCallback(Callback):
             loss = self._losses[0] if len(self._losses) == 1 else torch.stack(self._losses).sum()
         self.monitor.observe(loss=loss)
         self._losses = []
-        self.monitor._hooks._pre(self._optimizer, (), {})
+        self.monitor.before_optimizer_step()
         self._attempted = self._post_pending = True
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._post_pending:
             self._post_pending = False
-            self.monitor._hooks._post(optimizer, args, kwargs)
+            self.monitor.after_optimizer_step()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.monitor is None or not self._attempted:
@@ -211,8 +211,7 @@ class StabmonCallback(Callback):
         self._attempted = False
         if self._post_pending:  # the GradScaler skipped an overflow step: undo the pre-step changes
             self._post_pending = False
-            self.monitor._hooks._post(self._optimizer, (), {})
-            self.monitor._hooks.stepped = False
+            self.monitor.after_optimizer_step(skipped=True)
         self.monitor.end_step()
         if self.monitor.should_stop and not self.stop_requested:
             self._stop(trainer)

@@ -91,7 +91,9 @@ class Spool:
     def quarantine_path(self) -> Path:
         return self.dir / f"quarantine-{self.path.stem.removeprefix('spool-')}.jsonl"
 
-    def _open(self) -> int:
+    def open_locked(self) -> int:
+        """The spool file's descriptor, opened and locked for this process (``OSError`` when another process
+        holds the lock)."""
         if self._fd is None:
             self.dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
@@ -105,7 +107,7 @@ class Spool:
         """Add one batch (one line) and hand it to the OS; on failure the file is left as it was."""
         data = frame(batch)
         with self._lock:
-            fd = self._open()
+            fd = self.open_locked()
             start = os.lseek(fd, 0, os.SEEK_END)
             if self._torn:
                 data = b"\n" + data  # end the fragment a failed append left, so it stays one bad line
@@ -184,7 +186,7 @@ def orphans(directory: str | os.PathLike[str]) -> list[Spool]:
     for path in sorted(d.glob("spool-*.jsonl")):
         sp = Spool(d, path)
         try:
-            sp._open()
+            sp.open_locked()
         except OSError:
             continue  # a live store owns it
         with open(path, "rb") as fh:

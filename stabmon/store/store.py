@@ -295,7 +295,7 @@ class Store:
         """Have the writer read ``run_id``'s answers now and wait up to ``timeout`` seconds for it (for tests
         and tools that answer and then step; the monitor never waits). True when the read happened."""
         reads = self.answers.due_now(run_id)
-        self._writer._wake.set()
+        self._writer.wake()
         return self.answers.wait(reads, timeout)
 
     @property

@@ -101,6 +101,10 @@ class Writer(threading.Thread):
             self.queue.append((t, *item))
             self.issued = t
 
+    def wake(self) -> None:
+        """Have the writer thread look at its queue and its timers now, without waiting for its interval."""
+        self._wake.set()
+
     def wait(self, timeout: float | None) -> bool:
         """Block until everything submitted so far is in the database, or ``timeout`` passes."""
         target = self.issued

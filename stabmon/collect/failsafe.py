@@ -1,0 +1,47 @@
+"""The failsafe around training-path I/O: catch, log with ``log.exception``, count per category, continue.
+
+Store writes, alert delivery, checkpoint saves and the pipeline are all called through one :class:`Failsafe`
+owned by the :class:`~stabmon.monitor.Monitor`; its ``errors`` counter is ``monitor.errors``. Only an explicit
+stop (a runbook's checkpoint-and-stop, the kill switch, the hang watchdog's exit code) ends a run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Failsafe:
+    """Run callables that must never raise into training.
+
+    >>> safe = Failsafe(step=lambda: 7)
+    >>> safe.call("store", lambda: 1 / 0) is None, safe.call("store", lambda: 2), safe.errors["store"]
+    (True, 2, 1)
+    """
+
+    def __init__(self, *, step: Callable[[], int] = lambda: -1) -> None:
+        self.errors: Counter[str] = Counter()
+        """Failures per category (``store``, ``alerts``, ``pipeline``, ``checkpoint``, ``collect``, ...)."""
+        self.step = step
+        """The current step, for the log line."""
+
+    def call(self, what: str, fn: Callable[[], T]) -> T | None:
+        """``fn()``, or None after logging the exception and counting it under ``what``."""
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001 - never raise into training
+            self.errors[what] += 1
+            log.exception("stabmon: %s failed at step %d (continuing)", what, self._current_step())
+            return None
+
+    def _current_step(self) -> int:
+        try:
+            return int(self.step())
+        except Exception:  # noqa: BLE001 - a log line is not worth a second failure
+            return -1

@@ -1,0 +1,166 @@
+"""One step's record beyond the norms the optimizer hooks queue: observed values, activation norms, the
+GradScaler's overflow flag and scale, the hyper-parameters in force, per-rank values, step time and throughput.
+
+The :class:`~stabmon.monitor.Monitor` opens each step with :meth:`StepRecorder.begin`, hands ``observe()``'s
+values to :meth:`StepRecorder.observe` and closes the step with :meth:`StepRecorder.end`. Values stay on the
+device until the flush; host values (step time, the hyper-parameters) are queued as floats.
+
+>>> import torch
+>>> from stabmon.collect.config import MonitorConfig
+>>> from stabmon.collect.failsafe import Failsafe
+>>> from stabmon.collect.grads import GradNorms
+>>> from stabmon.overrides import Overrides
+>>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> buffer = StepBuffer()
+>>> hooks = OptimizerHooks(opt, GradNorms(model), buffer=buffer, overrides=Overrides)
+>>> recorder = StepRecorder(buffer, hooks, config=MonitorConfig(), failsafe=Failsafe())
+>>> recorder.begin(step=0, batch_index=0)
+>>> recorder.observe([("loss", torch.tensor(2.0)), ("phase", torch.tensor(1j))], tokens=None, step=0)
+>>> recorder.end()
+>>> sorted(buffer.drain()[0].metrics), recorder.failsafe.errors["observe"]
+(['clip', 'loss', 'lr', 'step_time', 'weight_decay'], 1)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from stabmon.collect.activations import ActivationNorms
+from stabmon.collect.buffer import StepBuffer
+from stabmon.collect.config import MonitorConfig
+from stabmon.collect.failsafe import Failsafe
+from stabmon.collect.observe import value_problem
+from stabmon.collect.optim import OptimizerHooks
+from stabmon.collect.ranks import RankProbe
+from stabmon.events import Metric
+from stabmon.store.limits import name_problem
+
+log = logging.getLogger(__name__)
+
+
+class StepRecorder:
+    """What a step's record holds besides the hooks' norms; see the module docstring."""
+
+    def __init__(
+        self,
+        buffer: StepBuffer,
+        hooks: OptimizerHooks,
+        *,
+        config: MonitorConfig,
+        failsafe: Failsafe,
+        scaler: Any = None,
+        activations: ActivationNorms | None = None,
+        probe: RankProbe | None = None,
+    ) -> None:
+        self.buffer, self.hooks, self.config, self.failsafe = buffer, hooks, config, failsafe
+        self.scaler, self.activations, self.probe = scaler, activations, probe
+        self.started: float | None = None
+        """When the step being recorded began (``time.perf_counter``); flushes and checkpoints stay out."""
+        self._scale_snapshot: torch.Tensor | None = None
+        self._hp_snapshot: dict[str, float] | None = None
+        self._tokens: int | None = None
+
+    @property
+    def trained(self) -> bool:
+        """The open step observed something or stepped the optimizer."""
+        return self.hooks.stepped or bool(self.buffer.pending_values)
+
+    def begin(self, *, step: int, batch_index: int | None) -> None:
+        if self.started is None:
+            self.started = time.perf_counter()
+        self.buffer.begin(step=step, batch_index=batch_index)
+        self.hooks.stepped = False
+        self._scale_snapshot = None
+        self._hp_snapshot = None
+        self._tokens = None
+        act_k, emb_k = self.config.activations.every, self.config.embeddings.every
+        if self.activations is not None and step % act_k == 0:
+            self.activations.arm()
+        self.hooks.sample_embeddings = bool(self.hooks.embeddings) and emb_k > 0 and step % emb_k == 0
+
+    def discard(self) -> None:
+        """Drop the open step (it never trained)."""
+        self.buffer.discard()
+        if self.activations is not None:
+            self.activations.disarm()
+
+    def observe(self, values: Iterable[tuple[str, Any]], *, tokens: int | None, step: int) -> None:
+        if tokens is not None:
+            self._tokens = int(tokens)
+        for name, value in values:
+            if value is not None:
+                self._observe_one(name, value, step)
+        self._collect_activations()
+        scaler = self.scaler
+        if scaler is not None and scaler.is_enabled():
+            # an overflow step never reaches the pre-hook: keep the values in force before scheduler.step()
+            self._hp_snapshot = self.hooks.hparams()
+            if getattr(scaler, "_scale", None) is not None:
+                self._scale_snapshot = scaler._scale.detach().clone()
+
+    def _observe_one(self, name: str, value: Any, step: int) -> None:
+        """Queue one observed value. A value that cannot be a metric (meta tensor, complex, a name the store
+        cannot hold) is dropped alone, logged once per name and counted in ``errors``; never raised."""
+        problem = name_problem("observe: metric name", name) or value_problem(name, value)
+        if problem is None and isinstance(value, torch.Tensor):
+            self.buffer.add([name], value.detach())
+        elif problem is None:
+            self.buffer.add_host(name, float(value.item() if hasattr(value, "item") else value))
+        else:
+            errors = self.failsafe.errors
+            errors["observe"] += 1
+            if errors[f"observe:{name[:64]}"] == 0:
+                log.error("stabmon: %s (dropped at step %d; counted in monitor.errors)", problem, step)
+            errors[f"observe:{name[:64]}"] += 1
+
+    def end(self) -> None:
+        """Close the step's record: activations, scaler, hyper-parameters in force, per-rank values, time."""
+        self._collect_activations()
+        self._record_scaler()
+        hooks = self.hooks
+        hp = hooks.last_hparams if hooks.stepped else (self._hp_snapshot or hooks.hparams())
+        for name, value in hp.items():
+            self.buffer.add_host(name, value)
+        if self.probe is not None:
+            local_norm = hooks.grads.last_local_total if hooks.stepped else None
+            before_flush = len(self.buffer) + 1 >= self.config.flush_every
+            self.probe.record(self.buffer, started=self.started, local_norm=local_norm, before_flush=before_flush)
+        now = time.perf_counter()
+        elapsed = now - (self.started or now)
+        self.buffer.add_host(Metric.STEP_TIME, elapsed)
+        if self._tokens is not None and elapsed > 0:
+            self.buffer.add_host(Metric.TOKENS_PER_SEC, self._tokens / elapsed)
+        self.buffer.end(time=time.time())
+
+    def restart_clock(self) -> None:
+        """The next step's time starts now (after the flush and the checkpoint of the step that ended)."""
+        self.started = time.perf_counter()
+
+    def _collect_activations(self) -> None:
+        acts = self.activations
+        if acts is not None and acts.armed:
+            names, values = acts.collect()
+            if values is not None:
+                self.buffer.add([Metric.ACT_RMS_PREFIX + n for n in names], values)
+
+    def _record_scaler(self) -> None:
+        scaler = self.scaler
+        if scaler is None or not scaler.is_enabled():
+            return
+        # scaler.step() skips a non-fused optimizer.step() (and so the pre-hook) when it found inf/NaN
+        # gradients; a fused optimizer steps anyway and its kernel skips on the scaler's found_inf
+        found_inf = self.hooks.found_inf if self.hooks.stepped else None
+        if found_inf is not None:
+            self.buffer.add([Metric.OVERFLOW], found_inf)
+        else:
+            self.buffer.add_host(Metric.OVERFLOW, 0.0 if self.hooks.stepped else 1.0)
+        scale = self._scale_snapshot
+        if scale is None and getattr(scaler, "_scale", None) is not None:
+            scale = scaler._scale.detach().clone()
+        if scale is not None:
+            self.buffer.add([Metric.LOSS_SCALE], scale)

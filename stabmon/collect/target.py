@@ -1,0 +1,164 @@
+"""What a runbook's interventions act on in a live run: the :class:`~stabmon.pipeline.InterventionTarget`.
+
+:class:`LiveTarget` holds the overrides the optimizer hooks apply around ``optimizer.step()``, reports the
+values in force, restores the last-known-good checkpoint (rollback), saves a checkpoint and asks the loop to stop
+(checkpoint-and-stop). The monitor builds it from its collaborators and hands it to the live executor; the
+monitor's ``overrides``, ``rollback``, ``checkpoint_and_stop``, ``should_stop`` and ``exit_code`` are this
+object's.
+
+Rollback asks the :class:`~stabmon.checkpoints.CheckpointManager` for the newest checkpoint that validates
+(exists -> byte count -> loads -> finite -> fits the model and optimizer) saved at least ``lookback`` steps
+before the anomaly's onset, restores the training state and step counter from it, keeps the detectors, engine,
+executor and overrides as they are now (the engine is in the middle of handling the incident), and skips the
+next ``skip_batches`` batches (recorded in the store). A one-shot iterator cannot be rewound: the data then keeps
+flowing forward and the skip starts at the current position.
+
+>>> import torch
+>>> from stabmon.collect.data import DataCursor
+>>> from stabmon.collect.failsafe import Failsafe
+>>> from stabmon.collect.flushing import Outbox
+>>> from stabmon.collect.restore import TrainingState
+>>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> safe = Failsafe()
+>>> target = LiveTarget(hparams=lambda: {"lr": 0.1}, step=lambda: 5, state=TrainingState(model, opt),
+...                     cursor=DataCursor(), outbox=Outbox(None, None, failsafe=safe, run_name="doc"),
+...                     failsafe=safe, stop_code=86)
+>>> target.checkpoint_and_stop(reason="operator")["exit_code"], target.should_stop, target.exit_code
+(86, True, 86)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from stabmon.collect.data import DataCursor
+from stabmon.collect.failsafe import Failsafe
+from stabmon.collect.flushing import Outbox
+from stabmon.collect.restore import TrainingState
+from stabmon.overrides import Overrides
+
+log = logging.getLogger(__name__)
+
+
+class LiveTarget:
+    """The live run's intervention target; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        hparams: Callable[[], dict[str, float]],
+        step: Callable[[], int],
+        state: TrainingState,
+        cursor: DataCursor,
+        outbox: Outbox,
+        failsafe: Failsafe,
+        stop_code: int,
+        overrides: Overrides | None = None,
+        checkpoints: Any = None,
+        rank: int = 0,
+    ) -> None:
+        self.overrides = overrides if overrides is not None else Overrides()
+        self._hparams, self._step = hparams, step
+        self.state, self.cursor, self.outbox, self.failsafe = state, cursor, outbox, failsafe
+        self.stop_code = stop_code
+        self.checkpoints = checkpoints
+        """The :class:`~stabmon.checkpoints.CheckpointManager` (None: no checkpoints, no rollback)."""
+        self.rank = rank
+        self.should_stop = False
+        self.stop_reason: str | None = None
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (the index the next step will get)."""
+        return self._step()
+
+    def hparams(self) -> dict[str, float]:
+        """lr, beta2, weight_decay and clip in force for the next step (overrides included)."""
+        return self._hparams()
+
+    @property
+    def exit_code(self) -> int:
+        """0, or ``stop_code`` after a requested stop."""
+        return self.stop_code if self.should_stop else 0
+
+    def request_stop(self, reason: str | None) -> None:
+        """Ask the training loop to stop at the next step boundary (no checkpoint: another rank saves it)."""
+        self.should_stop, self.stop_reason = True, reason
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Any:
+        """Save the training state through the checkpoint manager; failures are logged and counted."""
+        manager = self.checkpoints
+        if manager is None:
+            raise ValueError("checkpoint_dir: the monitor has no checkpoint manager (pass checkpoint_dir=...)")
+        return self.failsafe.call("checkpoint", lambda: manager.save(self.state.state_dict(), step=self.step))
+
+    def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
+        """Save a checkpoint (when there is a manager) and ask the loop to stop with ``stop_code``."""
+        info = self.save_checkpoint() if self.checkpoints is not None else None
+        self.request_stop(reason)
+        log.warning("stabmon: stopping the run at step %d: %s", self.step, reason)
+        return {"path": getattr(info, "path", None), "step": self.step, "exit_code": self.stop_code, "reason": reason}
+
+    # -- rollback ----------------------------------------------------------------------------------------
+    def rollback(
+        self, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None
+    ) -> dict[str, Any]:
+        """Restore the last-known-good checkpoint and skip data; returns the audit facts. Raises when no
+        checkpoint validates (the executor records the failure and the engine escalates)."""
+        manager = self._manager(checkpoint_dir)
+        from_step, from_position = self.step, self.cursor.position
+        # a run younger than the lookback goes back to its oldest checkpoint (the initial state is saved at step 0)
+        info, state = manager.last_known_good(before_step=max(0, onset_step - lookback), check=self.state.mismatch)
+        self._restore(state, from_position)
+        start = self.cursor.position
+        skipped = self.cursor.skip_range(start, skip_batches)
+        if skipped:
+            self.outbox.write_skipped_batches(step=self.step, batch_indices=skipped)
+        self._record_timeline(manager, info)
+        skipping = f"; skipping batches [{start}, {start + skip_batches})" if skip_batches else ""
+        log.warning("stabmon: rolled back from step %d to checkpoint step %d (%s)%s", from_step, info.step,
+                    info.path, skipping)
+        return {
+            "checkpoint_path": info.path,
+            "checkpoint_step": info.step,
+            "restored_step": self.step,
+            "from_step": from_step,
+            "skipped": [start, start + skip_batches],
+            "rewound_data": self.cursor.rewindable,
+        }
+
+    def _manager(self, checkpoint_dir: str | None) -> Any:
+        from stabmon.checkpoints import CheckpointManager
+
+        if checkpoint_dir is not None:
+            return CheckpointManager(checkpoint_dir)
+        if self.checkpoints is None:
+            raise RuntimeError("rollback needs checkpoints: create the Monitor with checkpoint_dir=...")
+        if self.rank != 0:
+            return CheckpointManager(self.checkpoints.directory)  # rank 0 wrote the registry: read it afresh
+        return self.checkpoints
+
+    def _restore(self, state: dict[str, Any], from_position: int) -> None:
+        """The checkpoint's training state, with the overrides and the skip set in force kept in force."""
+        overrides = self.overrides.state_dict()
+        skipped_before = set(self.cursor.skip)
+        self.state.load(state, pipeline=False)
+        self.overrides.load_state_dict(overrides)
+        self.cursor.skip |= skipped_before
+        if self.cursor.rewindable:
+            self.cursor.rewind(self.cursor.position)
+        else:  # a one-shot iterator cannot be rewound: the data keeps flowing forward
+            self.cursor.position = from_position
+
+    def _record_timeline(self, manager: Any, target: Any) -> None:
+        """The rollback in the registry: later checkpoints abandoned, and the rolled-back state (skip set in
+        force) saved at once on the new timeline, so a resume continues from here and not from undone
+        training."""
+        if self.rank != 0:
+            return
+        manager.rolled_back(target)
+        if manager is self.checkpoints:
+            self.save_checkpoint()

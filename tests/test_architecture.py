@@ -1,0 +1,110 @@
+"""Rules on the shape of the code, read from the source with :mod:`ast`.
+
+A component gets its collaborators and uses their public surface; it never reaches into another object's private
+members (``x._name``, or ``getattr(x, "_name")``, where ``x`` is not ``self``, ``cls`` or ``super()``). Such a
+reach is a call back up into an owner, or a dependency on another class's internals that no test of that class
+protects. The few third-party internals stabmon cannot do without are listed in ``ALLOWED``, each with its
+reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "stabmon"
+
+ALLOWED: tuple[tuple[str, str], ...] = (
+    # (the object as written, the private name), both regular expressions matched in full
+    # torch's multi-tensor kernels: one launch for every gradient; torch offers no public equivalent
+    (r"torch", r"_foreach_\w+"),
+    # a hung process cannot unwind through its stuck threads: the hang reporter ends it with os._exit
+    (r"os", r"_exit"),
+    # torch.amp.GradScaler keeps its scale tensor and per-optimizer stage private; get_scale() would sync the host
+    (r"scaler", r"_scale|_per_optimizer_states"),
+    # river's PageHinkley keeps its running statistics private; the drift detector reads its test statistic
+    (r"ph|ph\._x_mean", r"_x_mean|_sum_increase|_min_increase"),
+)
+
+OWN = {"self", "cls"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own(node: ast.expr) -> bool:
+    """``self`` / ``cls``, or ``super()``: the object's own members."""
+    if isinstance(node, ast.Name):
+        return node.id in OWN
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+
+
+def _allowed(owner: str, name: str) -> bool:
+    return any(re.fullmatch(o, owner) and re.fullmatch(n, name) for o, n in ALLOWED)
+
+
+def _reaches(tree: ast.AST) -> list[tuple[int, str, str]]:
+    """(line, object, private name) for every reach into another object's private member."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and not _own(node.value):
+            found.append((node.lineno, ast.unparse(node.value), node.attr))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+            and not _own(node.args[0])
+        ):
+            found.append((node.lineno, ast.unparse(node.args[0]), node.args[1].value))
+    return found
+
+
+def violations(source: str, filename: str = "<source>") -> list[str]:
+    tree = ast.parse(source, filename=filename)
+    return [f"{filename}:{line}: {owner}.{name}" for line, owner, name in _reaches(tree) if not _allowed(owner, name)]
+
+
+def test_no_module_reaches_into_another_objects_private_members() -> None:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += violations(path.read_text(encoding="utf-8"), str(path.relative_to(PACKAGE.parent)))
+    assert found == [], "private members reached from outside their object:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("monitor._guard('store', f)", {"monitor._guard"}),
+        ("self.monitor._hooks._pre(opt)", {"self.monitor._hooks", "self.monitor._hooks._pre"}),
+        ("getattr(other, '_state', None)", {"other._state"}),
+        ("self._writer._wake.set()", {"self._writer._wake"}),
+        ("import torch\nscale = optimizer._scale", {"optimizer._scale"}),
+    ],
+)
+def test_the_rule_catches_reaches(source: str, expected: set[str]) -> None:
+    assert {v.split(": ", 1)[1] for v in violations(source)} == expected
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "self._step += 1",
+        "cls._registry[name] = c",
+        "super()._score_value(v, x)",
+        "obj.__class__.__name__",
+        "torch._foreach_norm(grads)",
+        "os._exit(86)",
+        "scaler._scale.detach()",
+        "getattr(self, '_floor', False)",
+    ],
+)
+def test_own_members_dunders_and_listed_third_party_internals_pass(source: str) -> None:
+    assert violations(source) == []
