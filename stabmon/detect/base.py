@@ -25,8 +25,10 @@ from __future__ import annotations
 import copy
 import math
 import pickle
+import types
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any, ClassVar
 
 from stabmon.detect.config import DetectorConfig
@@ -38,7 +40,7 @@ _INF = math.inf
 
 def _flags(score: float, threshold: float) -> bool:
     """Does a score flag its point? It must be finite and positive and reach the threshold."""
-    return 0.0 < score < _INF and score >= threshold
+    return score >= threshold and 0.0 < score < _INF
 
 
 class Detector:
@@ -62,9 +64,19 @@ class Detector:
     #: why (if at all) this detector learns the points it flags: a rolling window that must hold every value
     #: (the progress detectors compare the loss with its own history) cannot protect its baseline.
     learns_flagged: ClassVar[str] = ""
-    #: True for detectors that must see records lacking their metric (absence, or other metrics, signal);
-    #: the suite skips the others on such records, so an absent metric neither scores nor breaks a streak.
-    sees_every_record: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Give each detector class its own copy of the code of :meth:`update` and of the ``_observe`` it
+        inherits: CPython (3.11+) specialises attribute loads and calls per code object for one class at a
+        time, so one copy shared by the dozen detectors of a suite runs markedly slower than a copy per class
+        (``benchmarks/replay.py``). The code is the same; only its caches are per class. A subclass that wraps
+        ``update`` calls the general path as ``self._update_path``."""
+        super().__init_subclass__(**kwargs)
+        cls._update_path = _own_copy(Detector.update)  # type: ignore[method-assign]
+        if "update" not in cls.__dict__:
+            cls.update = cls._update_path  # type: ignore[method-assign]
+        if "_observe" not in cls.__dict__:
+            cls._observe = _own_copy(cls._observe)  # type: ignore[method-assign]
 
     def __init__(self, metric: str, config: Any = None) -> None:
         self.metric = metric
@@ -127,6 +139,12 @@ class Detector:
         if not _flags(score, self._threshold):
             self._learn(v, x)
         return score
+
+    def watches(self, names: AbstractSet[str]) -> bool:
+        """Must :meth:`update` see a record with these metric names? By default only one that has this
+        detector's metric: the suite skips the others, so an absent metric neither scores nor breaks a streak.
+        A detector for which absence, or another metric, is the signal widens it."""
+        return self.metric in names
 
     # --- river-shaped API -----------------------------------------------------------------------------------
     @property
@@ -201,7 +219,7 @@ class Detector:
         if score is None:
             self._streak = 0
             return None
-        if 0.0 < score < _INF and score >= self._threshold:  # _flags, inline: this runs on every record
+        if score >= self._threshold and 0.0 < score < _INF:  # _flags, inline: this runs on every record
             return self._flag(step, raw, score)
         self._streak = 0
         self.n_learned += 1
@@ -258,6 +276,10 @@ class Detector:
         for a, blob in state["stats"].items():
             setattr(self, a, pickle.loads(blob))
 
+    def _update_path(self, step: int, x: X) -> Anomaly | None:
+        """This class's own copy of :meth:`Detector.update` (see :meth:`__init_subclass__`)."""
+        return Detector.update(self, step, x)
+
     def clone(self) -> Detector:
         return copy.deepcopy(self)
 
@@ -270,3 +292,11 @@ class Detector:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(metric={self.metric!r}, config={self.config!r})"
+
+
+def _own_copy(f: Callable[..., Any]) -> Any:
+    """A new function with a new code object equal to ``f``'s (new code objects do not share caches)."""
+    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    g.__qualname__, g.__doc__, g.__module__ = f.__qualname__, f.__doc__, f.__module__
+    g.__kwdefaults__, g.__annotations__ = f.__kwdefaults__, f.__annotations__
+    return g

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,7 +131,6 @@ class MissingMetric(Detector):
     kind = "missing"
     Config = MissingConfig
     config: MissingConfig
-    sees_every_record = True
     _state_attrs = ("_present",)
 
     def _reset(self) -> None:
@@ -144,6 +144,9 @@ class MissingMetric(Detector):
 
     def _learn(self, v: float, x: X) -> None:
         self._present = self._present + 1 if v else 0
+
+    def watches(self, names: AbstractSet[str]) -> bool:  # a record with another watched metric judges it
+        return self.metric in names or any(m in names for m in self.config.metrics)
 
     def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
         if self.metric in x:  # the common case, it arrived: value 1, which scores 0 and is learned
@@ -211,7 +214,6 @@ class LossScaleCollapse(Detector):
     Config = LossScaleConfig
     config: LossScaleConfig
     grace_exempt = "a scale at its floor is critical whenever it happens (the rate rule respects grace)"
-    sees_every_record = True  # overflow without a printed loss scale still counts
     _state_attrs = ("_overflows", "_count", "_at_floor")
 
     def _reset(self) -> None:
@@ -226,6 +228,9 @@ class LossScaleCollapse(Detector):
         if Metric.OVERFLOW in x or self.metric in x:
             return 1.0
         return None
+
+    def watches(self, names: AbstractSet[str]) -> bool:  # overflow without a printed loss scale still counts
+        return Metric.OVERFLOW in names or self.metric in names
 
     def _learn(self, v: float, x: X) -> None:
         window = self._overflows
@@ -263,7 +268,10 @@ class LossScaleCollapse(Detector):
         return 1.0
 
     def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
-        if self._count or x.get(Metric.OVERFLOW) or (raw is None and Metric.OVERFLOW not in x):
+        overflow = x.get(Metric.OVERFLOW)
+        if raw is None and overflow is None:
+            return None  # no value: neither a scale nor an overflow flag
+        if self._count or overflow:
             return super()._observe(raw, x, scoring)
         # the common case - no overflow in the window nor now: the rate is 0, so unless the scale is at its
         # floor nothing can fire, and the point is learned (a 0 joins a window of 0s, the count stays 0)
@@ -274,7 +282,7 @@ class LossScaleCollapse(Detector):
         return 0.0
 
     def update(self, step: int, x: X) -> Anomaly | None:
-        anomaly = super().update(step, x)
+        anomaly = self._update_path(step, x)
         if self.metric in x:  # a scale stuck at the floor is reported once, again after it has recovered
             repeat = self._floor and self._at_floor
             self._at_floor = self._floor

@@ -164,7 +164,7 @@ class FrozenEmbedding(Detector):
 
     def update(self, step: int, x: X) -> Anomaly | None:
         self._now = step
-        return super().update(step, x)
+        return self._update_path(step, x)
 
     def _clock(self) -> int:
         return self._now if self._now is not None else self.n_learned  # river API: one observation, one step
@@ -284,7 +284,7 @@ class StepTimeRegression(Detector):
         return score
 
     def update(self, step: int, x: X) -> Anomaly | None:
-        anomaly = super().update(step, x)
+        anomaly = self._update_path(step, x)
         v = x.get(self.metric)
         if v is not None and 0.0 < v < _INF:  # every usable value joins the recent window, flagged or not
             window.push(self._recent, self._sorted, v)
