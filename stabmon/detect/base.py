@@ -38,7 +38,7 @@ X = Mapping[str, float]
 _INF = math.inf
 
 
-def _flags(score: float, threshold: float) -> bool:
+def is_flagged(score: float, threshold: float) -> bool:
     """Does a score flag its point? It must be finite and positive and reach the threshold."""
     return score >= threshold and 0.0 < score < _INF
 
@@ -68,9 +68,9 @@ class Detector:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Give each detector class its own copy of the code of :meth:`update` and of the ``_observe`` it
         inherits: CPython (3.11+) specialises attribute loads and calls per code object for one class at a
-        time, so one copy shared by the dozen detectors of a suite runs markedly slower than a copy per class
-        (``benchmarks/replay.py``). The code is the same; only its caches are per class. A subclass that wraps
-        ``update`` calls the general path as ``self._update_path``."""
+        time, so one copy shared by the dozen detectors of a suite runs about a fifth slower than a copy per
+        class (``benchmarks/replay.py --clock cpu``). The code is the same; only its caches are per class. A
+        subclass that wraps ``update`` calls the general path as ``self._update_path``."""
         super().__init_subclass__(**kwargs)
         cls._update_path = _own_copy(Detector.update)  # type: ignore[method-assign]
         if "update" not in cls.__dict__:
@@ -136,7 +136,7 @@ class Detector:
         if v is None:
             return None
         score = self._score(v, x) if scoring else self._grace_score(v, x)
-        if not _flags(score, self._threshold):
+        if not is_flagged(score, self._threshold):
             self._learn(v, x)
         return score
 
@@ -219,7 +219,7 @@ class Detector:
         if score is None:
             self._streak = 0
             return None
-        if score >= self._threshold and 0.0 < score < _INF:  # _flags, inline: this runs on every record
+        if score >= self._threshold and 0.0 < score < _INF:  # is_flagged, inline: this runs on every record
             return self._flag(step, raw, score)
         self._streak = 0
         self.n_learned += 1

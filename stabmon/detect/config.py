@@ -47,6 +47,7 @@ def param(default: Any, check: Check = any_value, doc: str = "") -> Any:
 @dataclasses.dataclass(frozen=True)
 class DetectorConfig:
     """The settings every detector has; each detector's config extends it (and may change its defaults).
+    A detector exempt from grace (``Detector.grace_exempt``) scores during its grace period too.
 
     >>> DetectorConfig(metrics=("loss",)).grace_period, DetectorConfig().evidence
     (0, 16)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from river import drift, stats
 
 from stabmon.detect import window
-from stabmon.detect.base import Detector, X, _flags
+from stabmon.detect.base import Detector, X, is_flagged
 from stabmon.detect.config import (
     DetectorConfig,
     at_least_one,
@@ -279,7 +279,7 @@ class StepTimeRegression(Detector):
         if raw is None or not 0.0 < raw < _INF:  # the general path, with the value read from ``raw``
             return None
         score = self._score(raw, x) if scoring else 0.0
-        if not _flags(score, self._threshold):
+        if not is_flagged(score, self._threshold):
             self._baseline.update(raw)
         return score
 
