@@ -7,6 +7,7 @@ import dataclasses
 import math
 import pickle
 import random
+import types
 
 import pytest
 
@@ -170,3 +171,46 @@ def test_defaults_are_immutable_and_not_shared(cls: type[Detector]) -> None:
     a, b = cls(metric), cls(metric)
     _feed(a, healthy)
     assert b.n_learned == 0 and b.state_dict()["evidence"] == []
+
+
+_ODD_VALUES = (math.nan, math.inf, -math.inf, 0.0, -1.0, 1e-40, 1e30)
+
+
+def _random_stream(cls: type[Detector], seed: int, n: int = 600) -> list[tuple[int, dict[str, float]]]:
+    """Stretches of the example's healthy and bad records (long enough for the slow detectors to fire),
+    with noise on the watched metric, odd values, absent metrics and rewinds of the step counter."""
+    metric, healthy, bad = cls.example()
+    rng = random.Random(seed)
+    out: list[tuple[int, dict[str, float]]] = []
+    step = rng.randrange(0, 200)
+    while len(out) < n:
+        pool = bad if rng.random() < 0.4 else healthy
+        for _ in range(rng.randint(1, 150)):
+            x = dict(rng.choice(pool))
+            if metric in x:
+                x[metric] *= 1 + 0.1 * rng.gauss(0, 1)
+            if rng.random() < 0.05:
+                x[rng.choice(sorted(x))] = rng.choice(_ODD_VALUES)
+            if rng.random() < 0.05:
+                x.pop(rng.choice(sorted(x)))
+            step = step + 1 if rng.random() > 0.02 else max(0, step - rng.randint(1, 30))
+            out.append((step, x))
+    return out[:n]
+
+
+@pytest.mark.parametrize("cls", DETECTORS, ids=ids)
+@pytest.mark.parametrize("seed", range(4))
+def test_the_fast_observe_hook_equals_the_general_path(cls: type[Detector], seed: int) -> None:
+    """A detector's own ``_observe`` (its replay hot path) gives the anomalies and the state that the general
+    path (``_value``, ``_score``, ``_learn``) gives, record by record, through grace and re-entered grace."""
+    metric = cls.example()[0]
+    fast, general = cls(metric), cls(metric)
+    general._observe = types.MethodType(Detector._observe, general)  # type: ignore[method-assign]
+    rng = random.Random(seed)
+    for step, x in _random_stream(cls, seed):
+        if rng.random() < 0.02:
+            steps = rng.choice([None, 0, rng.randint(1, 20)])
+            fast.enter_grace(steps)
+            general.enter_grace(steps)
+        assert _strip(fast.update(step, x)) == _strip(general.update(step, x)), (step, x)
+        assert fast.state_dict() == general.state_dict(), (step, x)

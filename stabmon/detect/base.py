@@ -7,14 +7,17 @@ A detector watches one metric (``self.metric``) of the metric mapping ``x`` of e
 - ``score_one(x)`` returns how anomalous ``x`` is, higher = more anomalous, and 0.0 during the grace period
   and when the metric is absent; it never divides by a zero variance.
 
-:meth:`Detector.update` is the public method the suite calls once per record. It owns the bookkeeping that
-every detector shares: the evidence window of recent ``(step, value)`` pairs, the grace period, the *protect
-filter* (a point whose score reaches the threshold is reported and NOT learned, so a spike never becomes the
-new baseline, as in river's ``anomaly.ThresholdFilter``), the count of consecutive flagged points that drives
-severity, and re-baselining after a long run of flags (a shift that lasts ``relearn_after`` points is a new
-regime: it has been reported, and the detector re-enters grace instead of alarming forever). Subclasses
-implement ``_learn``, ``_score``, ``_severity`` and ``_message``, and list their statistics in
-``_state_attrs`` for ``state_dict``.
+:meth:`Detector.update` is the public method the suite calls once per record, and the one update path of every
+detector. It owns the bookkeeping that every detector shares: the evidence window of recent ``(step, value)``
+pairs, the grace period, the *protect filter* (a point whose score reaches the threshold is reported and NOT
+learned, so a spike never becomes the new baseline, as in river's ``anomaly.ThresholdFilter``) and the count of
+consecutive flagged points that drives severity. Subclasses implement ``_value``, ``_score``, ``_learn``,
+``_severity`` and ``_message``, and list their statistics in ``_state_attrs`` for ``state_dict``.
+
+The detector-specific part of a record is the hook :meth:`Detector._observe`: score the value and learn it
+unless it is flagged. Its default composes ``_value``, ``_score`` and ``_learn``; a detector on the replay hot
+path overrides it with a cheaper equivalent, and the contract suite checks on random streams that the override
+and the default give the same anomalies and the same state.
 """
 
 from __future__ import annotations
@@ -22,13 +25,22 @@ from __future__ import annotations
 import copy
 import math
 import pickle
+import types
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any, ClassVar
 
+from stabmon.detect.config import DetectorConfig
 from stabmon.events import Anomaly, Severity
 
 X = Mapping[str, float]
+_INF = math.inf
+
+
+def is_flagged(score: float, threshold: float) -> bool:
+    """Does a score flag its point? It must be finite and positive and reach the threshold."""
+    return score >= threshold and 0.0 < score < _INF
 
 
 class Detector:
@@ -44,7 +56,7 @@ class Detector:
 
     name: ClassVar[str] = ""
     kind: ClassVar[str] = ""
-    Config: ClassVar[type] = object
+    Config: ClassVar[type[DetectorConfig]] = DetectorConfig
     _state_attrs: ClassVar[tuple[str, ...]] = ()
     #: why (if at all) this detector keeps firing during grace; safety rules (NaN, a loss scale at its floor)
     #: must not be silenced by a grace period that an intervention or a resume started.
@@ -52,15 +64,25 @@ class Detector:
     #: why (if at all) this detector learns the points it flags: a rolling window that must hold every value
     #: (the progress detectors compare the loss with its own history) cannot protect its baseline.
     learns_flagged: ClassVar[str] = ""
-    #: True for detectors that must see records lacking their metric (absence, or other metrics, signal);
-    #: the suite skips the others on such records, so an absent metric neither scores nor breaks a streak.
-    sees_every_record: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Give each detector class its own copy of the code of :meth:`update` and of the ``_observe`` it
+        inherits: CPython (3.11+) specialises attribute loads and calls per code object for one class at a
+        time, so one copy shared by the dozen detectors of a suite runs about a fifth slower than a copy per
+        class (``benchmarks/replay.py --clock cpu``). The code is the same; only its caches are per class. A
+        subclass that wraps ``update`` calls the general path as ``self._update_path``."""
+        super().__init_subclass__(**kwargs)
+        cls._update_path = _own_copy(Detector.update)  # type: ignore[method-assign]
+        if "update" not in cls.__dict__:
+            cls.update = cls._update_path  # type: ignore[method-assign]
+        if "_observe" not in cls.__dict__:
+            cls._observe = _own_copy(cls._observe)  # type: ignore[method-assign]
 
     def __init__(self, metric: str, config: Any = None) -> None:
         self.metric = metric
         self.config = config if config is not None else self.Config()
-        self._evidence: deque[tuple[int, float]] = deque(maxlen=getattr(self.config, "evidence", 16))
-        self._grace_left = int(getattr(self.config, "grace_period", 0))
+        self._evidence: deque[tuple[int, float]] = deque(maxlen=self.config.evidence)
+        self._grace_left = self.config.grace_period
         #: the training step from which a detector that starts with the run scores (set by the first
         #: :meth:`update`; None until then); see :meth:`_begin`
         self._warmup_until: int | None = None
@@ -85,6 +107,10 @@ class Detector:
     def _score(self, v: float, x: X) -> float:
         raise NotImplementedError
 
+    def _grace_score(self, v: float, x: X) -> float:
+        """The score during grace: 0, except for what a ``grace_exempt`` detector reports whenever it happens."""
+        return 0.0
+
     @property
     def threshold(self) -> float:
         raise NotImplementedError
@@ -97,6 +123,28 @@ class Detector:
 
     def _on_flag(self) -> None:
         """Called after a point is flagged (and not learned)."""
+
+    def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
+        """The detector-specific part of :meth:`update`: the score of this record's value, which is learned
+        unless the score flags it. None when the record has no usable value (nothing scored, nothing learned).
+        ``raw`` is ``x.get(self.metric)``; ``scoring`` is False in grace and warm-up (see
+        :meth:`_grace_score`).
+
+        This default is the general path; an override must give the same scores and the same state (checked
+        by the contract suite), only faster."""
+        v = self._value(x)
+        if v is None:
+            return None
+        score = self._score(v, x) if scoring else self._grace_score(v, x)
+        if not is_flagged(score, self._threshold):
+            self._learn(v, x)
+        return score
+
+    def watches(self, names: AbstractSet[str]) -> bool:
+        """Must :meth:`update` see a record with these metric names? By default only one that has this
+        detector's metric: the suite skips the others, so an absent metric neither scores nor breaks a streak.
+        A detector for which absence, or another metric, is the signal widens it."""
+        return self.metric in names
 
     # --- river-shaped API -----------------------------------------------------------------------------------
     @property
@@ -118,21 +166,28 @@ class Detector:
             self._grace_left -= 1
 
     def _score_value(self, v: float | None, x: X) -> float:
-        if v is None or self._grace_left > 0 or self._warming:
+        if v is None:
             return 0.0
-        score = self._score(v, x)
+        score = self._grace_score(v, x) if self.in_grace else self._score(v, x)
         return score if math.isfinite(score) else 0.0
 
     def enter_grace(self, steps: int | None = None) -> None:
         """Re-enter the grace period: score 0 and learn the next ``steps`` observations (default:
         ``grace_period``). Used after an intervention, a rollback or a resume, and by the river-shaped
         ``learn_one`` / ``score_one`` API, which knows no step numbers."""
-        self._grace_left = int(getattr(self.config, "grace_period", 0) if steps is None else steps)
+        self._grace_left = self.config.grace_period if steps is None else int(steps)
         self._grace_entered = True
         self._streak = 0
 
-    def _begin(self, step: int) -> None:
-        """The first record this detector sees through :meth:`update`: fix its start-of-training grace.
+    def _rebaseline(self) -> None:
+        """Forget the statistics and learn a new baseline, in grace (a shift that has lasted is a new regime)."""
+        self._reset()
+        self.n_learned = 0
+        self.enter_grace()
+
+    def _begin(self, step: int) -> int:
+        """The first record this detector sees through :meth:`update`: fix its start-of-training grace, and
+        return the step from which it scores.
 
         Grace protects the volatile *start of training* (LR warm-up, the initial loss-scale search), so at the
         start it is counted in training steps: a detector scores once ``step >= grace_period`` and it has
@@ -143,30 +198,30 @@ class Detector:
         kept, counted in observations."""
         if self._grace_entered or self.n_learned:
             self._warmup_until = step  # grace, if any, is counted in observations
-            return
-        self._warmup_until = int(getattr(self.config, "grace_period", 0))
-        self._grace_left = 0
+        else:
+            self._warmup_until = self.config.grace_period
+            self._grace_left = 0
+        return self._warmup_until
 
     def update(self, step: int, x: X) -> Anomaly | None:
         """Score, then learn unless flagged; return the Anomaly when the score reaches the threshold.
 
-        The per-record hot path: the value is computed once, shared by scoring and learning, and the evidence
-        window is only copied into a tuple when a point is flagged."""
-        if self._warmup_until is None:
-            self._begin(step)
+        The per-record hot path: the value is computed once (by :meth:`_observe`), shared by scoring and
+        learning, and the evidence window is only copied into a tuple when a point is flagged."""
+        warmup = self._warmup_until
+        if warmup is None:
+            warmup = self._begin(step)
         raw = x.get(self.metric)
         if raw is not None:
             self._evidence.append((step, raw))
-        self._warming = step < self._warmup_until  # type: ignore[operator]
-        v = self._value(x)
-        if v is None:
+        warming = self._warming = step < warmup
+        score = self._observe(raw, x, not warming and self._grace_left <= 0)
+        if score is None:
             self._streak = 0
             return None
-        score = self._score_value(v, x)
-        if score > 0 and score >= self._threshold:
+        if score >= self._threshold and 0.0 < score < _INF:  # is_flagged, inline: this runs on every record
             return self._flag(step, raw, score)
         self._streak = 0
-        self._learn(v, x)
         self.n_learned += 1
         if self._grace_left > 0:
             self._grace_left -= 1
@@ -187,11 +242,6 @@ class Detector:
             message=self._message(None if raw is None else float(raw), score),
         )
         self._on_flag()
-        relearn = getattr(self.config, "relearn_after", 0)
-        if relearn and self._streak >= relearn:
-            self._reset()
-            self.n_learned = 0
-            self.enter_grace()
         return anomaly
 
     # --- state ----------------------------------------------------------------------------------------------
@@ -226,6 +276,10 @@ class Detector:
         for a, blob in state["stats"].items():
             setattr(self, a, pickle.loads(blob))
 
+    def _update_path(self, step: int, x: X) -> Anomaly | None:
+        """This class's own copy of :meth:`Detector.update` (see :meth:`__init_subclass__`)."""
+        return Detector.update(self, step, x)
+
     def clone(self) -> Detector:
         return copy.deepcopy(self)
 
@@ -238,3 +292,11 @@ class Detector:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(metric={self.metric!r}, config={self.config!r})"
+
+
+def _own_copy(f: Callable[..., Any]) -> Any:
+    """A new function with a new code object equal to ``f``'s (new code objects do not share caches)."""
+    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    g.__qualname__, g.__doc__, g.__module__ = f.__qualname__, f.__doc__, f.__module__
+    g.__kwdefaults__, g.__annotations__ = f.__kwdefaults__, f.__annotations__
+    return g

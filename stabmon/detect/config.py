@@ -44,6 +44,22 @@ def param(default: Any, check: Check = any_value, doc: str = "") -> Any:
     return dataclasses.field(default=default, metadata={"check": check, "doc": doc})
 
 
+@dataclasses.dataclass(frozen=True)
+class DetectorConfig:
+    """The settings every detector has; each detector's config extends it (and may change its defaults).
+    A detector exempt from grace (``Detector.grace_exempt``) scores during its grace period too.
+
+    >>> DetectorConfig(metrics=("loss",)).grace_period, DetectorConfig().evidence
+    (0, 16)
+    """
+
+    enabled: bool = param(True, doc="run this detector")
+    metrics: tuple[str, ...] = param((), non_empty, "metrics watched (globs allowed)")
+    grace_period: int = param(0, non_negative, "start-of-training steps (observations after enter_grace) learned "
+                              "before scoring starts")
+    evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
+
+
 def _coerce(value: Any, hint: Any, path: str) -> Any:
     hint_s = str(hint)
     if hint is bool or hint_s == "bool":

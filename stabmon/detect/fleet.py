@@ -13,25 +13,22 @@ from collections import deque
 from dataclasses import dataclass
 
 from stabmon.detect.base import Detector, X
-from stabmon.detect.config import at_least_one, at_least_two, non_empty, non_negative, param, positive
+from stabmon.detect.config import DetectorConfig, at_least_one, at_least_two, non_empty, param, positive
 from stabmon.events import Metric, Severity
 
 
 @dataclass(frozen=True)
-class StragglerConfig:
+class StragglerConfig(DetectorConfig):
     """Parameters of :class:`Straggler` (config key ``straggler``).
 
     >>> StragglerConfig().min_ratio, StragglerConfig().patience, StragglerConfig().window
     (1.1, 8, 16)
     """
 
-    enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.STRAGGLER_RATIO,), non_empty, "slowest-rank ratio metric")
     min_ratio: float = param(1.1, positive, "slowest / median time from which a step counts as slow")
     window: int = param(16, at_least_two, "recent steps looked at")
     patience: int = param(8, at_least_one, "slow steps of the same rank within the window that are reported")
-    grace_period: int = param(0, non_negative, "steps from the start (observations after enter_grace) unscored")
-    evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
 
 
 class Straggler(Detector):
@@ -49,6 +46,7 @@ class Straggler(Detector):
     name = "straggler"
     kind = "straggler"
     Config = StragglerConfig
+    config: StragglerConfig
     _state_attrs = ("_window",)
 
     def _reset(self) -> None:
@@ -90,18 +88,15 @@ class Straggler(Detector):
 
 
 @dataclass(frozen=True)
-class DivergenceConfig:
+class DivergenceConfig(DetectorConfig):
     """Parameters of :class:`Divergence` (config key ``divergence``).
 
     >>> DivergenceConfig().tolerance
     1e-06
     """
 
-    enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.DIVERGENCE,), non_empty, "cross-rank divergence metric")
     tolerance: float = param(1e-6, positive, "relative distance from the median from which replicas disagree")
-    grace_period: int = param(0, non_negative, "steps from the start (observations after enter_grace) unscored")
-    evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
 
 
 class Divergence(Detector):
@@ -120,6 +115,8 @@ class Divergence(Detector):
     name = "divergence"
     kind = "divergence"
     Config = DivergenceConfig
+    config: DivergenceConfig
+
     def _reset(self) -> None:
         self._rank = -1  # of the point being scored; not state
 

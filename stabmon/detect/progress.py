@@ -13,21 +13,22 @@ import dataclasses
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
+from stabmon.detect import window
 from stabmon.detect.base import Detector, X
-from stabmon.detect.config import at_least_one, non_empty, open_unit, param
+from stabmon.detect.config import DetectorConfig, at_least_one, non_empty, open_unit, param
 from stabmon.events import Anomaly, Metric, Severity
 
 
 @dataclass(frozen=True)
-class RegressionConfig:
+class RegressionConfig(DetectorConfig):
     """Parameters of :class:`LossRegression` (config key ``regression``).
 
     >>> RegressionConfig().rise, RegressionConfig().patience
     (0.1, 20)
     """
 
-    enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.LOSS,), non_empty, "loss-like metrics (lower is better)")
     window: int = param(20, at_least_one, "steps in the rolling median compared with the best one")
     rise: float = param(0.1, open_unit, "relative rise of the rolling median over its best that counts")
@@ -55,12 +56,14 @@ class LossRegression(Detector):
     name = "regression"
     kind = "regression"
     Config = RegressionConfig
+    config: RegressionConfig
     grace_exempt = "it compares the loss with the run's own best, which no warm-up can fake"
     learns_flagged = "its rolling median must see every loss, flagged or not"
     _state_attrs = ("_recent", "_best", "_above", "_last_step", "_positive")
 
     def _reset(self) -> None:
         self._recent: deque[float] = deque(maxlen=self.config.window)
+        self._sorted: list[float] = []  # the same values, sorted (derived, not saved)
         self._best = float("inf")
         self._above = 0
         self._last_step = -1
@@ -69,6 +72,7 @@ class LossRegression(Detector):
     def update(self, step: int, x: X) -> Anomaly | None:
         if step <= self._last_step:  # the step counter went back (a rollback): a new timeline, same best
             self._recent.clear()
+            self._sorted.clear()
             self._above = 0
         self._last_step = step
         raw = x.get(self.metric)
@@ -80,11 +84,11 @@ class LossRegression(Detector):
         if v <= 0:
             self._positive = False
             return None
-        self._recent.append(v)
+        window.push(self._recent, self._sorted, v)
         self.n_learned += 1
         if len(self._recent) < self._recent.maxlen:  # type: ignore[operator]
             return None
-        median = statistics.median(self._recent)
+        median = window.median(self._sorted)
         if median <= self._best * (1 + self.config.rise):
             self._best, self._above = min(self._best, median), 0
             return None
@@ -93,8 +97,12 @@ class LossRegression(Detector):
             return None
         return self._flag(step, raw, median / self._best)
 
-    def _learn(self, v: float, x: X) -> None:  # river-shaped API: the same bookkeeping as update()
-        self._recent.append(v)
+    def _learn(self, v: float, x: X) -> None:  # river-shaped API: the window update() keeps
+        window.push(self._recent, self._sorted, v)
+
+    def load_state_dict(self, state: Any) -> None:
+        super().load_state_dict(state)
+        self._sorted = sorted(self._recent)
 
     def _score(self, v: float, x: X) -> float:
         if len(self._recent) < self._recent.maxlen or self._best == float("inf"):  # type: ignore[operator]
@@ -119,19 +127,17 @@ class LossRegression(Detector):
 
 
 @dataclass(frozen=True)
-class NoProgressConfig:
+class NoProgressConfig(DetectorConfig):
     """Parameters of :class:`NoProgress` (config key ``no_progress``).
 
     >>> NoProgressConfig().by_step, NoProgressConfig().min_drop
     (100, 0.1)
     """
 
-    enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.LOSS,), non_empty, "loss-like metrics (lower is better)")
     window: int = param(10, at_least_one, "steps in the rolling medians compared (the first ones, the last ones)")
     by_step: int = param(100, at_least_one, "training step by which the loss must have fallen")
     min_drop: float = param(0.1, open_unit, "relative fall of the loss from its first steps that counts as progress")
-    evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
 
 
 class NoProgress(Detector):
@@ -155,6 +161,7 @@ class NoProgress(Detector):
     name = "no_progress"
     kind = "no_progress"
     Config = NoProgressConfig
+    config: NoProgressConfig
     grace_exempt = "it judges the warm-up itself"
     learns_flagged = "its rolling median must see every loss, flagged or not"
     _state_attrs = ("_first", "_recent", "_judged", "_start")

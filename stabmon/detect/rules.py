@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
 from stabmon.detect.base import Detector, X
 from stabmon.detect.config import (
+    DetectorConfig,
     at_least_one,
     at_least_two,
     non_empty,
@@ -25,16 +27,14 @@ from stabmon.events import Anomaly, Metric, Severity
 
 
 @dataclass(frozen=True)
-class NonFiniteConfig:
+class NonFiniteConfig(DetectorConfig):
     """Parameters of :class:`NonFinite` (config key ``nonfinite``).
 
     >>> NonFiniteConfig().metrics
     ('loss', 'grad_norm')
     """
 
-    enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.LOSS, Metric.GRAD_NORM), non_empty, "must stay finite")
-    evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
 
 
 class NonFinite(Detector):
@@ -56,6 +56,7 @@ class NonFinite(Detector):
     name = "nonfinite"
     kind = "nonfinite"
     Config = NonFiniteConfig
+    config: NonFiniteConfig
     grace_exempt = "a non-finite loss is critical whenever it happens"
 
     def _value(self, x: X) -> float | None:
@@ -72,17 +73,14 @@ class NonFinite(Detector):
             return 0.0
         return 1.0
 
-    def _score_value(self, v: float | None, x: X) -> float:  # a NaN is the point: the base would zero it
-        return 0.0 if v is None else self._score(v, x)
+    def _grace_score(self, v: float, x: X) -> float:  # exempt from grace
+        return self._score(v, x)
 
-    def update(self, step: int, x: X) -> Anomaly | None:
-        raw = x.get(self.metric)
-        if raw is not None and math.isfinite(raw):  # the common case: nothing to score, nothing to learn
-            self._evidence.append((step, raw))
-            self._streak = 0
-            self.n_learned += 1
+    def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
+        if raw is None:
             return None
-        return super().update(step, x)
+        # the common case, a finite value, scores 0 in grace or not; learning is a no-op
+        return 0.0 if math.isfinite(raw) else self._score(raw, x)
 
     @property
     def threshold(self) -> float:
@@ -100,17 +98,15 @@ class NonFinite(Detector):
 
 
 @dataclass(frozen=True)
-class MissingConfig:
+class MissingConfig(DetectorConfig):
     """Parameters of :class:`MissingMetric` (config key ``missing``).
 
     >>> MissingConfig().min_streak
     10
     """
 
-    enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.LOSS, Metric.GRAD_NORM), non_empty, "expected each step")
     min_streak: int = param(10, at_least_one, "records in a row a metric must have arrived on to be expected")
-    evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
 
 
 class MissingMetric(Detector):
@@ -134,7 +130,7 @@ class MissingMetric(Detector):
     name = "missing"
     kind = "missing"
     Config = MissingConfig
-    sees_every_record = True
+    config: MissingConfig
     _state_attrs = ("_present",)
 
     def _reset(self) -> None:
@@ -149,14 +145,14 @@ class MissingMetric(Detector):
     def _learn(self, v: float, x: X) -> None:
         self._present = self._present + 1 if v else 0
 
-    def update(self, step: int, x: X) -> Anomaly | None:
-        if self.metric in x and self._warmup_until is not None:  # the common case: it arrived
-            self._evidence.append((step, x[self.metric]))
+    def watches(self, names: AbstractSet[str]) -> bool:  # a record with another watched metric judges it
+        return self.metric in names or any(m in names for m in self.config.metrics)
+
+    def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
+        if self.metric in x:  # the common case, it arrived: value 1, which scores 0 and is learned
             self._present += 1
-            self._streak = 0
-            self.n_learned += 1
-            return None
-        return super().update(step, x)
+            return 0.0
+        return super()._observe(raw, x, scoring)
 
     def _score(self, v: float, x: X) -> float:
         return 1.0 if not v and self._present >= self.config.min_streak else 0.0
@@ -177,20 +173,18 @@ class MissingMetric(Detector):
 
 
 @dataclass(frozen=True)
-class LossScaleConfig:
+class LossScaleConfig(DetectorConfig):
     """Parameters of :class:`LossScaleCollapse` (config key ``loss_scale``).
 
     >>> LossScaleConfig().max_overflow_rate, LossScaleConfig().window
     (0.25, 20)
     """
 
-    enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.LOSS_SCALE,), non_empty, "the loss-scale metric")
     min_scale: float = param(1.0, positive, "a scale at or below this has collapsed (DeepSpeed's floor)")
     window: int = param(20, at_least_two, "steps over which the overflow rate is measured")
     max_overflow_rate: float = param(0.25, open_unit, "overflow rate in the window that is a collapse")
     grace_period: int = param(50, non_negative, "steps before the rate rule applies (initial scale search)")
-    evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
 
 
 class LossScaleCollapse(Detector):
@@ -218,8 +212,8 @@ class LossScaleCollapse(Detector):
     name = "loss_scale"
     kind = "loss_scale_collapse"
     Config = LossScaleConfig
+    config: LossScaleConfig
     grace_exempt = "a scale at its floor is critical whenever it happens (the rate rule respects grace)"
-    sees_every_record = True  # overflow without a printed loss scale still counts
     _state_attrs = ("_overflows", "_count", "_at_floor")
 
     def _reset(self) -> None:
@@ -227,12 +221,16 @@ class LossScaleCollapse(Detector):
         # river's generic `utils.Rolling(stats.Sum)` (which reverts through Python on every step)
         self._overflows: deque[int] = deque(maxlen=self.config.window)
         self._count = 0
-        self._at_floor = False
+        self._at_floor = False  # the scale was at its floor on the last record that carried it (reported)
+        self._floor = False  # the point being scored is at the floor; not state
 
     def _value(self, x: X) -> float | None:
         if Metric.OVERFLOW in x or self.metric in x:
             return 1.0
         return None
+
+    def watches(self, names: AbstractSet[str]) -> bool:  # overflow without a printed loss scale still counts
+        return Metric.OVERFLOW in names or self.metric in names
 
     def _learn(self, v: float, x: X) -> None:
         window = self._overflows
@@ -244,9 +242,6 @@ class LossScaleCollapse(Detector):
 
     def load_state_dict(self, state: Any) -> None:
         super().load_state_dict(state)
-        if not isinstance(self._overflows, deque):  # saved by a release that kept river's Rolling(Sum)
-            flags = (1 if a[0][0] == 1.0 else 0 for a in getattr(self._overflows, "window", ()))
-            self._overflows = deque(flags, maxlen=self.config.window)
         self._count = sum(self._overflows)
 
     def _floor_hit(self, x: X) -> bool:
@@ -261,48 +256,33 @@ class LossScaleCollapse(Detector):
         total += 1 if x.get(Metric.OVERFLOW, 0.0) == 1.0 else 0
         return total / self.config.window
 
-    def _score(self, v: float, x: X) -> float:
-        return self._rate(x) / self.config.max_overflow_rate
+    def _grace_score(self, v: float, x: X) -> float:  # the floor rule is exempt from grace
+        self._floor = self._floor_hit(x)
+        return 1.0 if self._floor else 0.0
 
-    def _score_value(self, v: float | None, x: X) -> float:
-        if v is None:
-            return 0.0
-        floor = 1.0 if self._floor_hit(x) else 0.0
-        return max(floor, super()._score_value(v, x))
+    def _score(self, v: float, x: X) -> float:
+        return max(self._grace_score(v, x), self._rate(x) / self.config.max_overflow_rate)
 
     @property
     def threshold(self) -> float:
         return 1.0
 
-    def update(self, step: int, x: X) -> Any:
-        if (self.metric not in x and Metric.OVERFLOW not in x and self._count == 0
-                and self._warmup_until is not None and not self._at_floor):
-            self._streak = 0  # a run without loss scaling: the common case below, with nothing to learn
-            return None
-        if (not x.get(Metric.OVERFLOW) and self._count == 0 and self._warmup_until is not None
-                and not self._at_floor and not self._floor_hit(x)):
-            # the common case - no overflow in the window nor now, scale above its floor: nothing can fire,
-            # so only learn (what the general path below would do, without scoring)
-            self._streak = 0
-            if self._value(x) is None:
-                return None
-            self._warming = step < self._warmup_until
-            raw = x.get(self.metric)
-            if raw is not None:
-                self._evidence.append((step, raw))
-            self._floor = False
-            self._learn(1.0, x)
-            self.n_learned += 1
-            if self._grace_left > 0:
-                self._grace_left -= 1
-            return None
+    def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
+        overflow = x.get(Metric.OVERFLOW)
+        if raw is None and overflow is None:
+            return None  # no value: neither a scale nor an overflow flag
+        if self._count or overflow:
+            return super()._observe(raw, x, scoring)
+        # the common case - no overflow in the window nor now: the rate is 0, so unless the scale is at its
+        # floor nothing can fire, and the point is learned (a 0 joins a window of 0s, the count stays 0)
         self._floor = self._floor_hit(x)
-        if self._floor and self._at_floor and self._warmup_until is not None:
-            # still at the floor: already reported (critical, once); the point is flagged, so not learned
-            self._evidence.append((step, x[self.metric]))
-            self._streak += 1
-            return None
-        anomaly = super().update(step, x)
+        if self._floor:
+            return super()._observe(raw, x, scoring)
+        self._overflows.append(0)
+        return 0.0
+
+    def update(self, step: int, x: X) -> Anomaly | None:
+        anomaly = self._update_path(step, x)
         if self.metric in x:  # a scale stuck at the floor is reported once, again after it has recovered
             repeat = self._floor and self._at_floor
             self._at_floor = self._floor
@@ -311,10 +291,10 @@ class LossScaleCollapse(Detector):
         return anomaly
 
     def _severity(self, score: float, streak: int) -> Severity:
-        return Severity.CRITICAL if getattr(self, "_floor", False) else Severity.ERROR
+        return Severity.CRITICAL if self._floor else Severity.ERROR
 
     def _message(self, v: float | None, score: float) -> str:
-        if getattr(self, "_floor", False):
+        if self._floor:
             return f"loss scale {v} is at its floor ({self.config.min_scale})"
         rate = score * self.config.max_overflow_rate
         return f"{rate:.0%} of the last {self.config.window} steps overflowed (loss scale {v})"

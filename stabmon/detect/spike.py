@@ -33,6 +33,7 @@ from river import stats
 
 from stabmon.detect.base import Detector, X
 from stabmon.detect.config import (
+    DetectorConfig,
     at_least_one,
     at_least_two,
     non_empty,
@@ -41,58 +42,54 @@ from stabmon.detect.config import (
     param,
     positive,
 )
-from stabmon.events import Anomaly, Metric, Severity
+from stabmon.events import Metric, Severity
 
-_TINY = 1e-30
+_INF = math.inf
 
 
 @dataclass(frozen=True)
-class SpikeConfig:
+class _LogSpikeConfig(DetectorConfig):
+    """The parameters both spike detectors have."""
+
+    metrics: tuple[str, ...] = param((Metric.GRAD_NORM, Metric.LOSS), non_empty, "watched (globs allowed)")
+    grace_period: int = param(10, non_negative, "start-of-training steps (or observations after enter_grace) "
+                              "learned before scoring starts")
+    z_threshold: float = param(6.0, positive, "z-score of the log-value that flags a spike")
+    min_std: float = param(0.05, positive, "floor on the std of the log-value")
+    persist: int = param(3, at_least_one, "consecutive flagged steps that make a spike an error")
+    relearn_after: int = param(50, non_negative, "flags in a row that restart the baseline (0: never)")
+
+
+@dataclass(frozen=True)
+class SpikeConfig(_LogSpikeConfig):
     """Parameters of :class:`EWSpike` (config key ``spike``).
 
     >>> SpikeConfig().z_threshold, SpikeConfig().metrics
     (6.0, ('grad_norm', 'loss'))
     """
 
-    enabled: bool = param(True, doc="run this detector")
-    metrics: tuple[str, ...] = param((Metric.GRAD_NORM, Metric.LOSS), non_empty, "watched (globs allowed)")
     alpha: float = param(0.05, open_unit, "fading factor of the EW mean/var of log-values (memory ~2/alpha)")
-    z_threshold: float = param(6.0, positive, "z-score of the log-value that flags a spike")
-    min_std: float = param(0.05, positive, "floor on the std of the log-value")
-    grace_period: int = param(10, non_negative, "start-of-training steps (or observations after enter_grace) "
-                              "learned before scoring starts")
-    persist: int = param(3, at_least_one, "consecutive flagged steps that make a spike an error")
-    relearn_after: int = param(50, non_negative, "flags in a row that restart the baseline (0: never)")
-    evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
 
 
 @dataclass(frozen=True)
-class RobustSpikeConfig:
+class RobustSpikeConfig(_LogSpikeConfig):
     """Parameters of :class:`RobustSpike` (config key ``robust_spike``).
 
     >>> RobustSpikeConfig().window
     64
     """
 
-    enabled: bool = param(True, doc="run this detector")
-    metrics: tuple[str, ...] = param((Metric.GRAD_NORM, Metric.LOSS), non_empty, "watched (globs allowed)")
     window: int = param(64, at_least_two, "rolling window of the median and IQR")
     z_threshold: float = param(6.0, positive, "robust z-score (IQR / 1.349 as sigma) that flags a spike")
-    min_std: float = param(0.05, positive, "floor on the robust std of the log-value")
-    grace_period: int = param(10, non_negative, "steps from the start (observations after enter_grace) unscored")
-    persist: int = param(3, at_least_one, "consecutive flagged steps that make a spike an error")
-    relearn_after: int = param(50, non_negative, "flags in a row that restart the baseline (0: never)")
-    evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
 
 
 class _LogSpike(Detector):
     kind = "spike"
+    config: _LogSpikeConfig
 
     def _value(self, x: X) -> float | None:
         v = x.get(self.metric)
-        if v is None or not math.isfinite(v) or v <= 0:
-            return None
-        return math.log(max(v, _TINY))
+        return math.log(v) if v is not None and 0.0 < v < _INF else None
 
     @property
     def threshold(self) -> float:
@@ -106,6 +103,11 @@ class _LogSpike(Detector):
         ratio = f" ({v / base:.3g}x its baseline {base:.3g})" if v is not None and base > 0 else ""
         return f"{self.metric} spike: {v}{ratio}, z={score:.3g} for {self._streak} step(s)"
 
+    def _on_flag(self) -> None:
+        relearn = self.config.relearn_after
+        if relearn and self._streak >= relearn:
+            self._rebaseline()
+
     def _centre(self) -> float:
         raise NotImplementedError
 
@@ -116,22 +118,15 @@ class _LogSpike(Detector):
         """The upward z-score of the log-value ``v`` against the learned baseline (0 at or below it)."""
         raise NotImplementedError
 
-    def update(self, step: int, x: X) -> Anomaly | None:
-        raw = x.get(self.metric)
-        if (raw is None or self._warmup_until is None or self._grace_left > 0 or step < self._warmup_until
-                or not 0.0 < raw < math.inf or self.n_learned == 0):
-            return super().update(step, x)  # grace, a first point, an unusable value: the general path
-        # the per-record hot path, the general path inlined: score the log-value, learn it unless flagged
-        self._evidence.append((step, raw))
-        self._warming = False
+    def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
+        # the general path with the value read from ``raw`` and the score known to be finite and >= 0
+        if raw is None or not 0.0 < raw < _INF:
+            return None
         v = math.log(raw)
-        score = self._z(v)  # n_learned > 0 here, so the baseline is defined
-        if score > 0 and score >= self._threshold:
-            return self._flag(step, raw, score)
-        self._streak = 0
-        self._learn(v, x)
-        self.n_learned += 1
-        return None
+        score = self._z(v) if scoring and self.n_learned else 0.0
+        if score < self._threshold:
+            self._learn(v, x)
+        return score
 
     @classmethod
     def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:
@@ -154,6 +149,7 @@ class EWSpike(_LogSpike):
 
     name = "spike"
     Config = SpikeConfig
+    config: SpikeConfig
     _state_attrs = ("_mean", "_var")
 
     def _reset(self) -> None:
@@ -192,6 +188,7 @@ class RobustSpike(_LogSpike):
 
     name = "robust_spike"
     Config = RobustSpikeConfig
+    config: RobustSpikeConfig
     _state_attrs = ("_median", "_iqr")
 
     def _reset(self) -> None:

@@ -112,16 +112,14 @@ class DetectorSuite:
     def _plan(self, names: tuple[str, ...]) -> list[_Update]:
         self._discover(names)
         present = set(names)
-        plan: list[_Update] = [
-            d.update for d in self._detectors.values() if d.metric in present or d.sees_every_record
-        ]
+        plan: list[_Update] = [d.update for d in self._detectors.values() if d.watches(present)]
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[names] = plan
         return plan
 
     def update(self, record: StepRecord) -> list[Anomaly]:
-        """Every detector that watches a metric of the record (or every record) sees it; return the
+        """Every detector that watches the record (:meth:`Detector.watches`) sees it; return the
         anomalies found, most severe first per (kind, metric)."""
         metrics = record.metrics
         names = tuple(metrics)

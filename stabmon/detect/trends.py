@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 from river import drift, stats
 
-from stabmon.detect.base import Detector, X
+from stabmon.detect import window
+from stabmon.detect.base import Detector, X, is_flagged
 from stabmon.detect.config import (
+    DetectorConfig,
     at_least_one,
     at_least_two,
     non_empty,
@@ -22,23 +24,23 @@ from stabmon.detect.config import (
 )
 from stabmon.events import Anomaly, Metric
 
+_INF = math.inf
+
 
 @dataclass(frozen=True)
-class DriftConfig:
+class DriftConfig(DetectorConfig):
     """Parameters of :class:`Drift` (config key ``drift``).
 
     >>> DriftConfig().metrics
     ('grad_norm', 'act_rms/*')
     """
 
-    enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.GRAD_NORM, Metric.ACT_RMS_PREFIX + "*"), non_empty,
                                      "metrics watched (globs allowed)")
     delta: float = param(0.005, non_negative, "tolerated upward deviation of the log-value per step")
     threshold: float = param(25.0, positive, "Page-Hinkley statistic (log units) that signals a drift")
     min_instances: int = param(100, at_least_one, "observations before the test can fire")
     alpha: float = param(0.999, open_unit, "forgetting factor of the cumulative sum")
-    grace_period: int = param(0, non_negative, "steps from the start (observations after enter_grace) unscored")
     evidence: int = param(32, at_least_one, "length of the (step, value) evidence window")
 
 
@@ -66,6 +68,7 @@ class Drift(Detector):
     name = "drift"
     kind = "drift"
     Config = DriftConfig
+    config: DriftConfig
     _state_attrs = ("_ph",)
 
     def _reset(self) -> None:
@@ -82,9 +85,9 @@ class Drift(Detector):
 
     def _score(self, v: float, x: X) -> float:
         ph = self._ph
-        try:  # what the test statistic would be after seeing v, without changing the detector
+        try:  # what the test statistic would be after seeing v (river's arithmetic), without learning v
             n, mean = ph._x_mean.n, ph._x_mean.get()
-            new_mean = mean + (v - mean) / (n + 1)
+            new_mean = mean + (1.0 / (n + 1)) * (v - mean)
             s = ph.alpha * ph._sum_increase + (v - new_mean) - ph.delta
             stat = s - min(ph._min_increase, s)
             return stat if n + 1 >= ph.min_instances else 0.0
@@ -100,26 +103,15 @@ class Drift(Detector):
     def _on_flag(self) -> None:
         self._reset()
 
-    def update(self, step: int, x: X) -> Anomaly | None:
-        raw = x.get(self.metric)
-        if (raw is None or self._warmup_until is None or self._grace_left > 0 or step < self._warmup_until
-                or not 0.0 < raw < math.inf):
-            return super().update(step, x)
-        # hot path: learn first, then read the test statistic. Equivalent to score-then-learn because a
-        # report restarts the test (`_on_flag`), discarding the point with the old statistics; it saves
-        # computing the statistic twice.
+    def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
+        if not (scoring and _PH_INTERNALS) or raw is None or not 0.0 < raw < _INF:
+            return super()._observe(raw, x, scoring)
+        # learn first, then read the test statistic. Equivalent to score-then-learn because a report restarts
+        # the test (`_on_flag`), discarding the point with the old statistics; it saves computing the
+        # statistic twice.
         ph = self._ph
-        if not _PH_INTERNALS:  # a river release with different internals: the general path
-            return super().update(step, x)
-        self._evidence.append((step, raw))
-        self._warming = False
         ph.update(math.log(raw))
-        stat = ph._sum_increase - ph._min_increase if ph._x_mean.n >= ph.min_instances else 0.0
-        if stat > 0 and stat >= self._threshold:
-            return self._flag(step, raw, stat)
-        self._streak = 0
-        self.n_learned += 1
-        return None
+        return ph._sum_increase - ph._min_increase if ph._x_mean.n >= ph.min_instances else 0.0
 
     def _message(self, v: float | None, score: float) -> str:
         return f"{self.metric} is drifting upward (Page-Hinkley {score:.3g} >= {self.threshold:.3g}), now {v}"
@@ -131,18 +123,16 @@ class Drift(Detector):
 
 
 @dataclass(frozen=True)
-class FrozenEmbeddingConfig:
+class FrozenEmbeddingConfig(DetectorConfig):
     """Parameters of :class:`FrozenEmbedding` (config key ``frozen_embedding``).
 
     >>> FrozenEmbeddingConfig().epsilon, FrozenEmbeddingConfig().patience
     (1e-07, 100)
     """
 
-    enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param((Metric.EMB_UPDATE_PREFIX + "*",), non_empty, "update-ratio metrics")
     epsilon: float = param(1e-7, positive, "update ratio below which a matrix did not move")
     patience: int = param(100, at_least_one, "training steps frozen (first to last frozen sample) that are reported")
-    evidence: int = param(16, at_least_one, "length of the (step, value) evidence window")
 
 
 class FrozenEmbedding(Detector):
@@ -165,6 +155,7 @@ class FrozenEmbedding(Detector):
     name = "frozen_embedding"
     kind = "frozen_embedding"
     Config = FrozenEmbeddingConfig
+    config: FrozenEmbeddingConfig
     _state_attrs = ("_since", "_now")
 
     def _reset(self) -> None:
@@ -173,7 +164,7 @@ class FrozenEmbedding(Detector):
 
     def update(self, step: int, x: X) -> Anomaly | None:
         self._now = step
-        return super().update(step, x)
+        return self._update_path(step, x)
 
     def _clock(self) -> int:
         return self._now if self._now is not None else self.n_learned  # river API: one observation, one step
@@ -217,14 +208,13 @@ class FrozenEmbedding(Detector):
 
 
 @dataclass(frozen=True)
-class StepTimeConfig:
+class StepTimeConfig(DetectorConfig):
     """Parameters of :class:`StepTimeRegression` (config key ``step_time``).
 
     >>> StepTimeConfig().max_regression
     0.05
     """
 
-    enabled: bool = param(True, doc="run this detector")
     metrics: tuple[str, ...] = param(
         (Metric.STEP_TIME, Metric.FLEET_STEP_TIME), non_empty, "step-time metrics (this rank's, the fleet median)"
     )
@@ -252,6 +242,7 @@ class StepTimeRegression(Detector):
     name = "step_time"
     kind = "step_time"
     Config = StepTimeConfig
+    config: StepTimeConfig
     _state_attrs = ("_baseline", "_recent", "_sorted", "_reported")
 
     def _reset(self) -> None:
@@ -273,46 +264,35 @@ class StepTimeRegression(Detector):
         base = self._baseline.get()
         if not base:
             return 0.0
-        window = self._sorted  # the recent values, sorted; v joins them for the median
-        i = bisect.bisect_left(window, v)
-        window.insert(i, v)
-        n = len(window)
-        median = window[n // 2] if n % 2 else (window[n // 2 - 1] + window[n // 2]) / 2
-        del window[i]
+        ordered = self._sorted  # the recent values, sorted; v joins them for the median
+        i = bisect.bisect_left(ordered, v)
+        ordered.insert(i, v)
+        median = window.median(ordered)
+        del ordered[i]
         return max(0.0, median / base - 1.0)
 
     @property
     def threshold(self) -> float:
         return float(self.config.max_regression)
 
+    def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
+        if raw is None or not 0.0 < raw < _INF:  # the general path, with the value read from ``raw``
+            return None
+        score = self._score(raw, x) if scoring else 0.0
+        if not is_flagged(score, self._threshold):
+            self._baseline.update(raw)
+        return score
+
     def update(self, step: int, x: X) -> Anomaly | None:
-        raw = x.get(self.metric)
-        v = raw if raw is not None and 0.0 < raw < math.inf else None
-        if (v is not None and self._warmup_until is not None and self._grace_left == 0
-                and step >= self._warmup_until):  # hot path: the general one inlined
-            self._evidence.append((step, v))
-            self._warming = False
-            score = self._score(v, x)
-            if score > 0 and score >= self._threshold:
-                anomaly: Anomaly | None = self._flag(step, v, score)
-            else:
-                self._streak = 0
-                self._learn(v, x)
-                self.n_learned += 1
-                anomaly = None
-        else:
-            anomaly = super().update(step, x)
-        if v is not None:
-            recent = self._recent
-            if len(recent) == recent.maxlen:
-                del self._sorted[bisect.bisect_left(self._sorted, recent[0])]
-            recent.append(v)
-            bisect.insort(self._sorted, v)
+        anomaly = self._update_path(step, x)
+        v = x.get(self.metric)
+        if v is not None and 0.0 < v < _INF:  # every usable value joins the recent window, flagged or not
+            window.push(self._recent, self._sorted, v)
         if anomaly is None:
-            self._reported = False if self._streak == 0 else self._reported
+            self._reported = False  # a point that is not flagged ends the episode
             return None
         if self._reported:
-            return None
+            return None  # reported once per episode
         self._reported = True
         return anomaly
 

@@ -38,8 +38,10 @@ from stabmon.events import (
     new_id,
 )
 from stabmon.runbook.schema import Rule, Runbook
+from stabmon.runbook.state import Incident, Sighting, WindowRow, incident_from_state, incident_state
 
 _HISTORY_MARGIN = 256  # loss history kept beyond baseline_steps, to reach back before a persistent onset
+_STATE_VERSION = 2  # 1: the incident a dict, sightings and window rows lists
 
 
 class Engine:
@@ -77,10 +79,10 @@ class Engine:
         # recent (step, loss) pairs: a bounded deque, so remembering one per record costs no list shifting
         self._losses: deque[tuple[int, float]] = deque(maxlen=runbook.baseline_steps + _HISTORY_MARGIN)
         self._lrs: deque[tuple[int, float]] = deque(maxlen=runbook.baseline_steps + _HISTORY_MARGIN)
-        self._history: dict[str, list[list[int]]] = {}  # rule -> [[tick, step, onset_step], ...]
+        self._history: dict[str, list[Sighting]] = {}  # rule name -> its sightings within its horizon
         self._cooldown_until = 0
-        self._budget: list[int] = []
-        self._incident: dict[str, Any] | None = None
+        self._budget: list[int] = []  # ticks at which changes were applied (the budget window's count)
+        self._incident: Incident | None = None
         self.stopped = False
 
     # -- public API --
@@ -107,9 +109,9 @@ class Engine:
 
     def answer(self, decision_id: str, approved: bool, step: int) -> list[Decision | Outcome]:
         inc = self._incident
-        if inc is None or inc["phase"] != "proposed" or inc["decision"]["id"] != decision_id:
+        if inc is None or inc.phase != "proposed" or inc.current.id != decision_id:
             return []  # stale: already expired, answered, or not ours
-        decision = self._decision_from(inc["decision"])
+        decision = inc.current
         if not approved:
             self._close()
             return [dataclasses.replace(decision, status=DecisionStatus.REJECTED, step=step)]
@@ -121,28 +123,28 @@ class Engine:
         """Propose mode: the next ``ticks`` records do not count against a waiting proposal's approval
         timeout (its answers cannot be read right now, so an expiry could outrun an approval)."""
         inc = self._incident
-        if inc is not None and inc["phase"] == "proposed":
-            inc["decision_tick"] += ticks
+        if inc is not None and inc.phase == "proposed":
+            inc.decision_tick += ticks
 
     def applied(self, decision: Decision, record: InterventionRecord) -> None:
         if decision.action == "checkpoint_and_stop" and "error" not in record.after:
             self.stopped = True
         inc = self._incident
-        if inc is None or inc["decision"]["id"] != decision.id:
+        if inc is None or inc.current.id != decision.id:
             return
-        inc["intervention_id"] = record.id
-        inc["changed"] = inc.get("changed", False) or record.changed_training
-        inc["alerted"] = inc.get("alerted", False) or record.action == "alert_only"
+        inc.intervention_id = record.id
+        inc.changed = inc.changed or record.changed_training
+        inc.alerted = inc.alerted or record.action == "alert_only"
         if decision.action != "rollback":
             # the change acts from the target's step at application; records of earlier steps still to come
             # (the rest of a live monitor's flush) were measured before it and are not part of its window
-            inc["effective_step"] = record.step
+            inc.effective_step = record.step
         elif "error" not in record.after and not record.after.get("simulated"):
             # a live rollback rewound the step counter: records still to come from the abandoned timeline (the
             # rest of the flush) are not part of its window, which starts at the restored step
-            inc["await_step"] = record.step
+            inc.await_step = record.step
         if "error" in record.after:
-            inc["error"] = str(record.after["error"])
+            inc.error = str(record.after["error"])
 
     # -- idle: does a rule fire? --
     def _maybe_open(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
@@ -154,7 +156,7 @@ class Engine:
             if rule is None:
                 continue
             onset = a.evidence[0][0] if a.evidence else a.step
-            self._history.setdefault(rule.name, []).append([self._tick, a.step, onset])
+            self._history.setdefault(rule.name, []).append(Sighting(self._tick, a.step, onset))
             best = fresh.get(rule.name)
             if best is None or a.severity > best.severity or (a.severity == best.severity and a.score >
             best.score):
@@ -162,7 +164,7 @@ class Engine:
         for rule in self.runbook.rules:
             hist = self._history.get(rule.name, [])
             horizon = self._tick - rule.when.persistence.of
-            self._history[rule.name] = [h for h in hist if h[0] > horizon]
+            self._history[rule.name] = [h for h in hist if h.tick > horizon]
         if self._tick <= self._cooldown_until:
             return []
         for rule in self.runbook.rules:
@@ -174,45 +176,44 @@ class Engine:
         return next((r for r in self.runbook.rules if r.when.matches(anomaly)), None)
 
     def _persistent(self, rule: Rule) -> bool:
-        return len({h[0] for h in self._history.get(rule.name, [])}) >= rule.when.persistence.seen
+        return len({h.tick for h in self._history.get(rule.name, [])}) >= rule.when.persistence.seen
 
     def _open(self, rule: Rule, anomaly: Anomaly, record: StepRecord) -> list[Decision | Outcome]:
         hist = self._history.get(rule.name, [])
-        onset = min([h[2] for h in hist] + [anomaly.step])
+        onset = min([h.onset for h in hist] + [anomaly.step])
         before = [v for s, v in self._losses if s < onset][-self.runbook.baseline_steps:]
-        seen = len({h[0] for h in hist})
-        self._incident = {
-            "id": self._next_id(), "rule": rule.name, "rung": 0, "phase": "idle", "anomaly_id": anomaly.id,
-            "metric": anomaly.metric, "onset_step": onset,
-            "baseline": statistics.median(before) if before else None,
-            "trigger": (f"{anomaly.kind} on {anomaly.metric} at step {anomaly.step} "
-                        f"(score {anomaly.score:.4g}, {anomaly.severity.value}); "
-                        f"seen on {seen} of the last {rule.when.persistence.of} steps"),
-        }
+        seen = len({h.tick for h in hist})
+        self._incident = Incident(
+            id=self._next_id(), rule=rule.name, anomaly_id=anomaly.id, metric=anomaly.metric, onset_step=onset,
+            baseline=statistics.median(before) if before else None,
+            trigger=(f"{anomaly.kind} on {anomaly.metric} at step {anomaly.step} "
+                     f"(score {anomaly.score:.4g}, {anomaly.severity.value}); "
+                     f"seen on {seen} of the last {rule.when.persistence.of} steps"),
+        )
         return self._issue_rung(record.step)
 
     # -- an incident is open --
     def _advance(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
         inc = self._incident
         assert inc is not None
-        if inc["phase"] == "proposed":
-            if self._tick - inc["decision_tick"] >= self.runbook.approval.timeout:
+        if inc.phase == "proposed":
+            if self._tick - inc.decision_tick >= self.runbook.approval.timeout:
                 return self._timeout(record.step)
             return []
-        rule = self.runbook.rule(inc["rule"])
-        if inc["decision"]["action"] == "alert_only" and self._acting(anomalies, rule):
+        rule = self.runbook.rule(inc.rule)
+        if inc.current.action == "alert_only" and self._acting(anomalies, rule):
             return self._supersede(record, anomalies)  # whenever it comes: an alert has nothing to wait for
-        eff = inc.get("effective_step")
-        if eff is not None and record.step < eff and inc.get("error") is None:
+        eff = inc.effective_step
+        if eff is not None and record.step < eff and inc.error is None:
             return []
-        if inc.get("await_step") is not None:
-            if record.step != inc["await_step"]:
+        if inc.await_step is not None:
+            if record.step != inc.await_step:
                 return []
-            inc["await_step"] = None
+            inc.await_step = None
         matched = sum(1 for a in anomalies if rule.when.matches(a))
-        signal = record.get(inc["metric"])
-        inc["window"].append([record.step, _num(record.get(Metric.LOSS)), _num(signal), matched])
-        if inc.get("error") is None and len(inc["window"]) < self._rung(inc).observe:
+        signal = record.get(inc.metric)
+        inc.window.append(WindowRow(record.step, _num(record.get(Metric.LOSS)), _num(signal), matched))
+        if inc.error is None and len(inc.window) < self._rung(inc).observe:
             return []
         return self._judge(record.step)
 
@@ -229,17 +230,17 @@ class Engine:
         the anomaly a rule acts on open its own incident now, instead of being counted against the alert."""
         inc = self._incident
         assert inc is not None
-        done = Outcome(intervention_id=inc.get("intervention_id"), decision_id=inc["decision"]["id"],
-                       step=record.step, verdict=Verdict.SUPERSEDED, evidence={"observed_steps": len(inc["window"])},
-                       incident_id=inc["id"], id=self._next_id())
-        inc["alerted"], inc["changed"] = True, False  # no cooldown after an alert
+        done = Outcome(intervention_id=inc.intervention_id, decision_id=inc.current.id, step=record.step,
+                       verdict=Verdict.SUPERSEDED, evidence={"observed_steps": len(inc.window)},
+                       incident_id=inc.id, id=self._next_id())
+        inc.alerted, inc.changed = True, False  # no cooldown after an alert
         self._close()
         return [done, *self._maybe_open(record, anomalies)]
 
     def _timeout(self, step: int) -> list[Decision | Outcome]:
         inc = self._incident
         assert inc is not None
-        decision = self._decision_from(inc["decision"])
+        decision = inc.current
         waited = f"no answer after {self.runbook.approval.timeout} steps"
         if self.runbook.approval.on_timeout == "expire":
             self._close()
@@ -255,62 +256,62 @@ class Engine:
         assert inc is not None
         rung = self._rung(inc)
         ok, evidence = self._criteria(inc, rung)
-        rule = self.runbook.rule(inc["rule"])
-        decision_id = inc["decision"]["id"]
+        rule = self.runbook.rule(inc.rule)
+        decision_id = inc.current.id
 
         def outcome(verdict: Verdict) -> Outcome:
-            return Outcome(intervention_id=inc.get("intervention_id"), decision_id=decision_id, step=step,
-                           verdict=verdict, evidence=evidence, incident_id=inc["id"], id=self._next_id())
+            return Outcome(intervention_id=inc.intervention_id, decision_id=decision_id, step=step,
+                           verdict=verdict, evidence=evidence, incident_id=inc.id, id=self._next_id())
 
         if ok:
             self._close()
             return [outcome(Verdict.RESOLVED)]
-        attempt = inc.get("attempt", 1)
-        if attempt < rung.repeat and inc.get("error") is None:
-            inc["attempt"] = attempt + 1  # the same rung again, on top of the last attempt
+        attempt = inc.attempt
+        if attempt < rung.repeat and inc.error is None:
+            inc.attempt = attempt + 1  # the same rung again, on top of the last attempt
             evidence["attempt"] = attempt
             return [outcome(Verdict.ESCALATED)] + self._issue_rung(step)
-        has_next = inc["rung"] + 1 < len(rule.ladder)
+        has_next = inc.rung + 1 < len(rule.ladder)
         if rung.on_failure == "stop":
             out: list[Decision | Outcome] = [outcome(Verdict.STOPPED)]
             return out + self._issue_stop(step)
         if rung.on_failure == "revert":
             out = [outcome(Verdict.REVERTED)]
-            if inc.get("error") is None:
+            if inc.error is None:
                 out.append(self._revert_decision(step))
         else:
             out = [outcome(Verdict.ESCALATED if has_next else Verdict.EXHAUSTED)]
         if has_next:
-            inc["rung"] += 1
-            inc["attempt"] = 1
+            inc.rung += 1
+            inc.attempt = 1
             return out + self._issue_rung(step)
         self._close()
         return out
 
-    def _criteria(self, inc: dict[str, Any], rung: Any) -> tuple[bool, dict[str, Any]]:
-        window = inc["window"]
+    def _criteria(self, inc: Incident, rung: Any) -> tuple[bool, dict[str, Any]]:
+        window = inc.window
         k = rung.success.quiet_steps or rung.observe
         tail = window[-k:]
-        matched = sum(w[3] for w in tail)
+        matched = sum(w.matched for w in tail)
         ev: dict[str, Any] = {"observed_steps": len(window), "judged_steps": len(tail),
-                              "matching_anomalies": matched, "metric": inc["metric"]}
+                              "matching_anomalies": matched, "metric": inc.metric}
         ok = matched == 0 and len(window) >= rung.observe
-        if inc.get("error") is not None:
-            ev["error"] = inc["error"]
+        if inc.error is not None:
+            ev["error"] = inc.error
             ok = False
         if rung.success.loss_within is not None:
-            losses = [w[1] for w in tail]
+            losses = [w.loss for w in tail]
             finite = [v for v in losses if v is not None and math.isfinite(v)]
             now = statistics.median(finite) if finite else None
-            ev.update(loss_baseline=inc["baseline"], loss_now=now, loss_within=rung.success.loss_within)
+            ev.update(loss_baseline=inc.baseline, loss_now=now, loss_within=rung.success.loss_within)
             if now is None or len(finite) < len([v for v in losses if v is not None]):
                 ok = False
                 ev["loss_nonfinite"] = True
-            elif inc["baseline"] is not None:
-                ev["loss_ratio"] = now / inc["baseline"] if inc["baseline"] else None
-                ok = ok and now <= inc["baseline"] * (1 + rung.success.loss_within)
+            elif inc.baseline is not None:
+                ev["loss_ratio"] = now / inc.baseline if inc.baseline else None
+                ok = ok and now <= inc.baseline * (1 + rung.success.loss_within)
         if rung.success.signal_below is not None:
-            values = [w[2] for w in tail if w[2] is not None]
+            values = [w.signal for w in tail if w.signal is not None]
             peak = max(values, key=lambda v: math.inf if math.isnan(v) else v) if values else None
             ev.update(signal_max=peak, signal_below=rung.success.signal_below)
             ok = ok and peak is not None and not math.isnan(peak) and peak < rung.success.signal_below
@@ -320,31 +321,31 @@ class Engine:
     def _issue_rung(self, step: int) -> list[Decision | Outcome]:
         inc = self._incident
         assert inc is not None
-        rule = self.runbook.rule(inc["rule"])
+        rule = self.runbook.rule(inc.rule)
         rung = self._rung(inc)
         if rung.action != "alert_only" and self._budget_left() <= 0:
             b = self.runbook.budget
-            reason = (f"{inc['trigger']}; budget exhausted ({b.max_interventions} interventions per "
-                      f"{b.per_steps} steps): rung {inc['rung'] + 1} ({rung.action}) not attempted")
+            reason = (f"{inc.trigger}; budget exhausted ({b.max_interventions} interventions per "
+                      f"{b.per_steps} steps): rung {inc.rung + 1} ({rung.action}) not attempted")
             alert = self._decision("alert_only", {"message": reason}, DecisionStatus.APPLY, step, reason)
             self._close()
             return [alert]
         params = rung.params.model_dump(exclude_none=True)
         if rung.action == "rollback":
-            params["onset_step"] = inc["onset_step"]
-            onset_lr = next((v for st, v in reversed(self._lrs) if st <= inc["onset_step"]), None)
+            params["onset_step"] = inc.onset_step
+            onset_lr = next((v for st, v in reversed(self._lrs) if st <= inc.onset_step), None)
             if onset_lr is not None and "lr_cap" in params:
                 params["onset_lr"] = onset_lr  # the cap is a fraction of the LR at which the trouble began
-        reason = f"{inc['trigger']}; rung {inc['rung'] + 1}/{len(rule.ladder)} of rule {rule.name}"
+        reason = f"{inc.trigger}; rung {inc.rung + 1}/{len(rule.ladder)} of rule {rule.name}"
         if rung.repeat > 1:
-            reason += f" (attempt {inc.get('attempt', 1)} of {rung.repeat})"
+            reason += f" (attempt {inc.attempt} of {rung.repeat})"
         return [self._propose_or_apply(rung.action, params, step, reason)]
 
     def _issue_stop(self, step: int) -> list[Decision | Outcome]:
         inc = self._incident
         assert inc is not None
-        reason = f"{inc['trigger']}; rung {inc['rung'] + 1} failed and its runbook says stop"
-        inc["stop"] = True
+        reason = f"{inc.trigger}; rung {inc.rung + 1} failed and its runbook says stop"
+        inc.stop = True
         return [self._propose_or_apply("checkpoint_and_stop", {"reason": reason}, step, reason)]
 
     def _propose_or_apply(self, action: str, params: dict[str, Any], step: int, reason: str) -> Decision:
@@ -353,7 +354,7 @@ class Engine:
         status = DecisionStatus.PROPOSED if self.mode == "propose" else DecisionStatus.APPLY
         decision = self._decision(action, params, status, step, reason)
         if status == DecisionStatus.PROPOSED:
-            inc.update(phase="proposed", decision=_plain(decision), decision_tick=self._tick)
+            inc.phase, inc.decision, inc.decision_tick = "proposed", _kept(decision), self._tick
         else:
             self._start(decision)
         return decision
@@ -361,34 +362,34 @@ class Engine:
     def _revert_decision(self, step: int) -> Decision:
         inc = self._incident
         assert inc is not None
-        prev = inc["decision"]
-        params = {"intervention_id": inc.get("intervention_id"), "decision_id": prev["id"]}
-        reason = f"rung {inc['rung'] + 1} ({prev['action']}) did not resolve the incident: revert it"
+        prev = inc.current
+        params = {"intervention_id": inc.intervention_id, "decision_id": prev.id}
+        reason = f"rung {inc.rung + 1} ({prev.action}) did not resolve the incident: revert it"
         return self._decision("revert", params, DecisionStatus.APPLY, step, reason)
 
     def _start(self, decision: Decision) -> None:
         """The decision is being applied now: observe it (or, for a stop, end the incident)."""
         inc = self._incident
         assert inc is not None
-        if decision.action == "checkpoint_and_stop" and inc.get("stop"):
+        if decision.action == "checkpoint_and_stop" and inc.stop:
             self._close()
             return
         if decision.action != "alert_only":
             self._budget.append(self._tick)
-        inc.update(phase="observing", decision=_plain(decision), window=[], intervention_id=None, error=None,
-                   effective_step=None, await_step=None)
+        inc.phase, inc.decision, inc.window = "observing", _kept(decision), []
+        inc.intervention_id = inc.error = inc.effective_step = inc.await_step = None
 
     def _decision(self, action: str, params: dict[str, Any], status: DecisionStatus, step: int,
                   reason: str) -> Decision:
         inc = self._incident
         assert inc is not None
         return Decision(step=step, action=action, params=params, status=status, runbook=self.runbook.name,
-                        rule=inc["rule"], rung=inc["rung"], reason=reason, anomaly_id=inc["anomaly_id"],
-                        incident_id=inc["id"], id=self._next_id())
+                        rule=inc.rule, rung=inc.rung, reason=reason, anomaly_id=inc.anomaly_id,
+                        incident_id=inc.id, id=self._next_id())
 
     # -- bookkeeping --
-    def _rung(self, inc: dict[str, Any]) -> Any:
-        return self.runbook.rule(inc["rule"]).ladder[inc["rung"]]
+    def _rung(self, inc: Incident) -> Any:
+        return self.runbook.rule(inc.rule).ladder[inc.rung]
 
     def _budget_left(self) -> int:
         b = self.runbook.budget
@@ -399,7 +400,7 @@ class Engine:
         # The cooldown lets the run settle after a change; an incident that only alerted changed nothing, so
         # it must not hold back the rule that acts when the same signal turns out to persist (warning -> error).
         inc = self._incident
-        if inc is None or not inc.get("alerted") or inc.get("changed"):
+        if inc is None or not inc.alerted or inc.changed:
             self._cooldown_until = self._tick + self.runbook.cooldown
         self._incident = None
         self._history = {}
@@ -413,41 +414,41 @@ class Engine:
         self._counter += 1
         return hashlib.sha1(f"{self._salt}:{self._counter}".encode()).hexdigest()[:12]
 
-    @staticmethod
-    def _decision_from(d: dict[str, Any]) -> Decision:
-        return Decision(**{**d, "status": DecisionStatus(d["status"]), "params": dict(d["params"])})
-
     # -- state --
     def state_dict(self) -> dict[str, Any]:
         """Plain Python values only (safe for ``torch.load(weights_only=True)`` and JSON)."""
-        import copy
-
         return {
-            "version": 1, "runbook": self.runbook.name, "salt": self._salt, "counter": self._counter,
-            "tick": self._tick, "losses": [list(x) for x in self._losses], "lrs": [list(x) for x in self._lrs],
-            "history": copy.deepcopy(self._history), "cooldown_until": self._cooldown_until,
-            "budget": list(self._budget), "incident": copy.deepcopy(self._incident), "stopped": self.stopped,
+            "version": _STATE_VERSION, "runbook": self.runbook.name, "salt": self._salt,
+            "counter": self._counter, "tick": self._tick, "losses": [list(x) for x in self._losses],
+            "lrs": [list(x) for x in self._lrs],
+            "history": {rule: [dataclasses.asdict(h) for h in hist] for rule, hist in self._history.items()},
+            "cooldown_until": self._cooldown_until, "budget": list(self._budget),
+            "incident": None if self._incident is None else incident_state(self._incident),
+            "stopped": self.stopped,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        import copy
-
+        """Restore a :meth:`state_dict`, also one saved in version 1 (history and window rows as lists)."""
+        version = state.get("version")
+        if version not in (1, _STATE_VERSION):
+            raise ValueError(f"engine.state.version must be 1 or {_STATE_VERSION}, got {version!r}")
         if state.get("runbook") != self.runbook.name:
             raise ValueError(f"engine.state.runbook is {state.get('runbook')!r}, not {self.runbook.name!r}")
         self._salt, self._counter, self._tick = state["salt"], state["counter"], state["tick"]
         self._losses = deque(((int(s), float(v)) for s, v in state["losses"]), maxlen=self._losses.maxlen)
-        self._lrs = deque(((int(s), float(v)) for s, v in state.get("lrs", [])), maxlen=self._lrs.maxlen)
-        self._history = copy.deepcopy(state["history"])
+        self._lrs = deque(((int(s), float(v)) for s, v in state["lrs"]), maxlen=self._lrs.maxlen)
+        sighting = (lambda h: Sighting(*h)) if version == 1 else (lambda h: Sighting(**h))
+        self._history = {rule: [sighting(h) for h in hist] for rule, hist in state["history"].items()}
         self._cooldown_until, self._budget = state["cooldown_until"], list(state["budget"])
-        self._incident, self.stopped = copy.deepcopy(state["incident"]), bool(state["stopped"])
+        incident = state["incident"]
+        self._incident = None if incident is None else incident_from_state(incident, version=version)
+        self.stopped = bool(state["stopped"])
 
 
 def _num(value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
-def _plain(decision: Decision) -> dict[str, Any]:
-    d = {f.name: getattr(decision, f.name) for f in dataclasses.fields(decision)}
-    d["status"] = decision.status.value
-    d["params"] = dict(decision.params)
-    return d
+def _kept(decision: Decision) -> Decision:
+    """The engine's own copy of a decision it hands out (its params are not shared with the consumers)."""
+    return dataclasses.replace(decision, params=dict(decision.params))

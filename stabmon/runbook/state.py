@@ -1,0 +1,132 @@
+"""The runbook engine's state: what it remembers between records, as dataclasses.
+
+::
+
+    anomaly a rule matches --> Sighting (per rule, until the persistence horizon passes)
+    a rule fires           --> Incident --(each observed record)--> WindowRow in Incident.window
+
+:func:`incident_state` / :func:`incident_from_state` turn an :class:`Incident` into plain values and back
+(``dataclasses.asdict``, with the decision's status as its string value), so an engine's ``state_dict`` is safe
+for ``torch.load(weights_only=True)`` and JSON. It also reads the incident of a state saved before
+these dataclasses (state ``version`` 1).
+
+>>> inc = Incident(id="i1", rule="spikes", anomaly_id="a1", metric="loss", onset_step=3, baseline=2.0,
+...                trigger="spike on loss at step 3")
+>>> inc.window.append(WindowRow(step=4, loss=2.1, signal=2.1, matched=0))
+>>> incident_from_state(incident_state(inc)) == inc
+True
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from stabmon.events import Decision, DecisionStatus
+
+
+@dataclass(slots=True)
+class Sighting:
+    """An anomaly a rule matched, kept for the rule's persistence test (``seen`` of the last ``of`` records).
+
+    >>> Sighting(tick=12, step=1040, onset=1037).onset
+    1037
+    """
+
+    tick: int  #: the engine's record counter when it was seen
+    step: int  #: the anomaly's step
+    onset: int  #: the first step of its evidence (where a rollback must reach back to)
+
+
+@dataclass(slots=True)
+class WindowRow:
+    """One record observed after a change, as the change is judged on it.
+
+    >>> WindowRow(step=7, loss=2.5, signal=None, matched=1).matched
+    1
+    """
+
+    step: int
+    loss: float | None  #: the record's loss (None: not reported; NaN kept, it fails a ``loss_within`` test)
+    signal: float | None  #: the record's value of the metric that triggered the incident
+    matched: int  #: anomalies in the record that the incident's rule matches
+
+
+@dataclass(slots=True)
+class Incident:
+    """One episode, from the anomaly that opened it to the outcome that closed it.
+
+    ``decision`` is the change being proposed or observed; its outcome is judged on ``window``.
+
+    >>> Incident(id="i1", rule="r", anomaly_id=None, metric="loss", onset_step=0, baseline=None,
+    ...          trigger="t").phase
+    'idle'
+    """
+
+    id: str
+    rule: str  #: name of the runbook rule that fired
+    anomaly_id: str | None  #: the anomaly that opened it
+    metric: str  #: that anomaly's metric (its value is the window's ``signal``)
+    onset_step: int  #: earliest evidence step of the sightings that made the rule fire
+    baseline: float | None  #: median loss before the onset (None: no loss seen before it)
+    trigger: str  #: the sentence every decision's reason starts with
+    rung: int = 0  #: index of the current rung in the rule's ladder
+    attempt: int = 1  #: attempt at the current rung (rungs with ``repeat`` > 1)
+    phase: str = "idle"  #: "idle" (no decision yet), "proposed" (waiting for an answer) or "observing"
+    decision: Decision | None = None  #: the current decision
+    decision_tick: int = 0  #: the record counter when a proposal was made (its approval timeout counts from it)
+    window: list[WindowRow] = field(default_factory=list)
+    intervention_id: str | None = None  #: the record of the current decision's application
+    error: str | None = None  #: why the current decision failed to apply
+    effective_step: int | None = None  #: records of earlier steps predate the change: not observed
+    await_step: int | None = None  #: a live rollback: observing starts at the record of this (restored) step
+    changed: bool = False  #: a decision of this incident changed training
+    alerted: bool = False  #: a decision of this incident was only an alert
+    stop: bool = False  #: the pending decision is the runbook's checkpoint-and-stop
+
+    @property
+    def current(self) -> Decision:
+        """The current decision: an open incident always has one (its first is issued as it opens)."""
+        assert self.decision is not None, f"incident {self.id} has no decision"
+        return self.decision
+
+
+_INCIDENT_FIELDS = frozenset(f.name for f in dataclasses.fields(Incident))
+
+
+def decision_state(decision: Decision) -> dict[str, Any]:
+    """Plain values of a Decision (the status as its string value)."""
+    d = dataclasses.asdict(decision)
+    d["status"] = decision.status.value
+    d["params"] = dict(decision.params)
+    return d
+
+
+def decision_from_state(d: Mapping[str, Any]) -> Decision:
+    return Decision(**{**d, "status": DecisionStatus(d["status"]), "params": copy.deepcopy(dict(d["params"]))})
+
+
+def incident_state(inc: Incident) -> dict[str, Any]:
+    d = dataclasses.asdict(inc)
+    d["decision"] = None if inc.decision is None else decision_state(inc.decision)
+    return d
+
+
+def incident_from_state(d: Mapping[str, Any], *, version: int = 2) -> Incident:
+    """The inverse of :func:`incident_state`. ``version=1``: the incident as the engine of state version 1
+    kept it, a dict of these fields (some present only once set) with ``[step, loss, signal, matched]``
+    lists as window rows."""
+    values = dict(d)
+    rows = d.get("window", ())
+    values["window"] = [WindowRow(*w) for w in rows] if version == 1 else [WindowRow(**w) for w in rows]
+    decision = d.get("decision")
+    values["decision"] = None if decision is None else decision_from_state(decision)
+    unknown = sorted(set(values) - _INCIDENT_FIELDS)
+    if unknown:
+        raise ValueError(f"engine.state.incident.{unknown[0]} is not a field of an incident")
+    return Incident(**values)
+
+
