@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from stabmon.collect.activations import ActivationNorms
+from stabmon.collect.batches import batch_log_for
 from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.config import ActivationConfig, EmbeddingConfig, GradConfig, MonitorConfig
 from stabmon.collect.data import DataCursor
@@ -44,6 +45,7 @@ from stabmon.collect.observe import value_problem
 from stabmon.collect.optim import OptimizerHooks
 from stabmon.collect.ranks import RankGather, RankProbe
 from stabmon.collect.sharding import ShardedSquares, embedding_counted, layout_of
+from stabmon.collect.updates import UpdateNorms
 from stabmon.collect.wiring import (
     DEFAULT_STORE,
     MODES,
@@ -96,6 +98,8 @@ class Monitor:
         checkpoint_dir: str | None = None,
         checkpoints: Any = None,
         resume_run_id: str | None = None,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+        sample_ids: Callable[[Any], Any] | None = None,
     ) -> None:
         self.config = config if config is not None else MonitorConfig()
         if not isinstance(self.config, MonitorConfig):
@@ -136,6 +140,7 @@ class Monitor:
             scaler=scaler,
             embeddings=self._emb,
             ema_decay=cfg.grads.skip_ema,
+            updates=UpdateNorms(self._grads) if cfg.updates.every else None,
         )
         self.errors: Counter[str] = Counter()
         self.rank, self.world_size = world()
@@ -152,6 +157,8 @@ class Monitor:
             resolve_notifier(notifier, alerts, self.store) if leader else (None, False)
         )
         self.pipeline, self.executor = build_pipeline(self, detectors=detectors, runbook=runbook, mode=mode)
+        self.batches = batch_log_for(self.pipeline.engine, sample_ids, capacity=cfg.diagnose.batches)
+        self._loss_fn = loss_fn  # diagnose's loss of a batch (None: stabmon.collect.rerun.call_model)
         self.run_name = run_name or time.strftime("run-%Y%m%d-%H%M%S")
         self.run_id = start_run(self, resume_run_id)
         if self.world_size > 1:
@@ -174,6 +181,7 @@ class Monitor:
         self._step = 0
         self.should_stop = False
         self.stop_reason: str | None = None
+        self._stop_code = self.config.exit_code
         self._scale_snapshot: torch.Tensor | None = None
         self._hp_snapshot: dict[str, float] | None = None
         self._tokens: int | None = None
@@ -215,21 +223,29 @@ class Monitor:
             checkpoint_dir=checkpoint_dir,
         )
 
-    def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
+    def diagnose(self, **params: Any) -> dict[str, Any]:
+        """Re-run and replay the incident's steps (see :mod:`stabmon.collect.rerun`); the verdict and its
+        evidence."""
+        from stabmon.collect.rerun import diagnose
+
+        return diagnose(self, self._grads, self._hooks, loss_fn=self._loss_fn, **params)
+
+    def checkpoint_and_stop(self, *, reason: str, exit_code: int | None = None) -> dict[str, Any]:
         info = self.save_checkpoint() if self.checkpoints is not None else None
         self.should_stop, self.stop_reason = True, reason
+        self._stop_code = exit_code if exit_code is not None else self.config.exit_code
         log.warning("stabmon: stopping the run at step %d: %s", self._step, reason)
         return {
             "path": getattr(info, "path", None),
             "step": self._step,
-            "exit_code": self.config.exit_code,
+            "exit_code": self._stop_code,
             "reason": reason,
         }
 
     @property
     def exit_code(self) -> int:
         """0, or ``config.exit_code`` (:data:`stabmon.checkpoints.STOP_EXIT_CODE`) after a requested stop."""
-        return self.config.exit_code if self.should_stop else 0
+        return self._stop_code if self.should_stop else 0
 
     # -- the loop ----------------------------------------------------------------------------------------
     def steps(
@@ -244,7 +260,7 @@ class Monitor:
         if self.should_stop or (max_steps is not None and self._step >= max_steps):
             return
         for index, batch in self.cursor.batches(loader, passes):
-            self.begin_step(batch_index=index)
+            self.begin_step(batch_index=index, batch=batch)
             try:
                 yield self._step, batch
             except GeneratorExit:  # the loop was left (break) during this step
@@ -259,9 +275,9 @@ class Monitor:
             if self.should_stop or (max_steps is not None and self._step >= max_steps):
                 return
 
-    def begin_step(self, *, batch_index: int | None = None) -> None:
+    def begin_step(self, *, batch_index: int | None = None, batch: Any = None) -> None:
         """Open the record of the next step (done by :meth:`steps`; call it yourself in a hand-written
-        loop)."""
+        loop, with the ``batch`` when a runbook diagnoses or ``sample_ids`` is given)."""
         if self.buffer.open:
             self.end_step()
         if self._step == 0 and not self._initial_saved and self.config.checkpoint_every:
@@ -271,6 +287,8 @@ class Monitor:
         if self._t_last is None:
             self._t_last = time.perf_counter()
         self.buffer.begin(step=self._step, batch_index=batch_index)
+        if self.batches is not None and batch is not None:
+            self.batches.remember(step=self._step, batch_index=batch_index, batch=batch)
         self._hooks.stepped = False
         self._scale_snapshot = None
         self._hp_snapshot = None
@@ -279,6 +297,8 @@ class Monitor:
         if self._acts is not None and self._step % act_k == 0:
             self._acts.arm()
         self._hooks.sample_embeddings = bool(self._emb) and emb_k > 0 and self._step % emb_k == 0
+        upd_k = self.config.updates.every
+        self._hooks.sample_updates = upd_k > 0 and self._step % upd_k == 0
 
     def observe(self, loss: Any = None, *, tokens: int | None = None, **metrics: Any) -> None:
         """Record this step's loss (and any other named scalars) as device tensors: no host sync.

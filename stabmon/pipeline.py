@@ -75,8 +75,9 @@ class InterventionTarget(Protocol):
         the next ``skip_batches`` batches of data. Returns what happened (checkpoint path and step, restored step,
         skipped batch range) for the audit row."""
 
-    def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
-        """Save a checkpoint and ask the training loop to stop with the documented exit code."""
+    def checkpoint_and_stop(self, *, reason: str, exit_code: int | None = None) -> dict[str, Any]:
+        """Save a checkpoint and ask the training loop to stop with the documented exit code (or
+        ``exit_code``)."""
 
 
 class Pipeline:

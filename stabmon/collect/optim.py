@@ -51,6 +51,7 @@ from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.embeddings import EmbeddingDrift
 from stabmon.collect.grads import GradNorms, GradResult
 from stabmon.collect.guard import SkipGuard
+from stabmon.collect.updates import UpdateNorms
 from stabmon.events import Metric
 from stabmon.overrides import Overrides
 
@@ -69,6 +70,7 @@ class OptimizerHooks:
         scaler: Any = None,
         embeddings: EmbeddingDrift | None = None,
         ema_decay: float = 0.98,
+        updates: UpdateNorms | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.grads = grads
@@ -77,6 +79,8 @@ class OptimizerHooks:
         self.clip = clip
         self.scaler = scaler
         self.embeddings = embeddings
+        self.updates = updates
+        self.sample_updates = False
         self.guard = SkipGuard(optimizer, ema_decay=ema_decay)
         self.stepped = False
         self.sample_embeddings = False
@@ -143,6 +147,8 @@ class OptimizerHooks:
         self._apply_overrides()
         if self.sample_embeddings and self.embeddings:
             self.embeddings.before_update()
+        if self.sample_updates and self.updates is not None:
+            self.updates.before_update()
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for group, saved in zip(self.optimizer.param_groups, self._saved_groups, strict=False):
@@ -151,6 +157,10 @@ class OptimizerHooks:
         self.guard.after_update()
         if self.sample_embeddings and self.embeddings:
             names, values = self.embeddings.after_update()
+            if values is not None:
+                self.buffer.add(names, values)
+        if self.sample_updates and self.updates is not None:
+            names, values = self.updates.after_update()
             if values is not None:
                 self.buffer.add(names, values)
 
