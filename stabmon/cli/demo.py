@@ -107,6 +107,8 @@ def _describe(e: Any) -> str:
     name = type(e).__name__
     if name == "Decision":
         return f"decision   step {e.step:<5} {e.action} {dict(e.params)} [{e.status.value}] rule {e.rule} (id {e.id})"
+    if name == "InterventionRecord" and e.action == "diagnose" and "verdict" in e.after:
+        return f"diagnosed  step {e.step:<5} verdict {e.after['verdict']}: {e.after.get('summary', '')}"
     if name == "InterventionRecord":
         return f"applied    step {e.step:<5} {e.action} {dict(e.before)} -> {dict(e.after)}"
     return f"outcome    step {e.step:<5} {e.verdict.value}"

@@ -22,7 +22,8 @@ def trace(run: RunArg, db: DbOption = None,
             fail(str(exc))
         run_id, name = found.id, found.name
         events = repo.load_events(session=s, run_id=run_id)
-    result = {"run_id": run_id, "run_name": name, **build_trace(events)}
+        positions = repo.batch_positions(session=s, run_id=run_id)
+    result = {"run_id": run_id, "run_name": name, **build_trace(events, positions)}
     if as_json:
         print_json(result)
         return
