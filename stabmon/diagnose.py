@@ -103,7 +103,7 @@ def replay_recurs(
     inc_med = math.inf if len(bad) * 2 > len(incident) else statistics.median(v for v in incident if finite(v))
     excess = inc_med - ref_med
     floor = max(MIN_EXCESS * abs(ref_med), SPREAD_FACTOR * mad(ref))
-    needed = max(floor, recur * recorded_excess) if finite(recorded_excess) else floor
+    needed = max(floor, recur * recorded_excess) if recorded_excess is not None and finite(recorded_excess) else floor
     return {"recurs": bool(excess > needed), "incident_median": plain(inc_med), "reference_median": plain(ref_med),
             "excess": plain(excess), "recorded_excess": plain(recorded_excess), "needed": plain(needed)}
 

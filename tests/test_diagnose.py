@@ -234,7 +234,8 @@ def test_demo_with_diagnose_first_then_trace_shows_the_data_verdict(tmp_path: Pa
     trace = CliRunner().invoke(app, ["trace", run_id, "--db", url, "--json"])
     assert trace.exit_code == 0, trace.output
     assert '"verdict": "data"' in trace.output
-    incident = next(i for i in json.loads(trace.output)["incidents"] if i["steps"][0]["decision"]["action"] == "diagnose")
+    incidents = json.loads(trace.output)["incidents"]
+    incident = next(i for i in incidents if i["steps"][0]["decision"]["action"] == "diagnose")
     evidence = incident["steps"][0]["intervention"]["after"]
     assert evidence["incident_steps"] and evidence["batches"] and incident["batches"]
     assert incident["steps"][1]["decision"]["rule"] == "bad_data"

@@ -23,8 +23,9 @@ import contextlib
 import copy
 import math
 import socket
+import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,12 +97,7 @@ def _experiments(bench: Bench, onset: int, step: int, metric: str, k: int, rtol:
                        "re-run together)")
     recorded = {r.step: r for r in bench.records}  # a step trained again after a rollback: the newest wins
     signal = metric if metric in (Metric.LOSS, Metric.GRAD_NORM) else Metric.LOSS
-    window = [(s, v) for s in range(onset, step + 1) if (v := _value(recorded.get(s), signal)) is not None]
-    baseline = [v for s in range(onset - 4 * k, onset) if (v := _value(recorded.get(s), signal)) is not None]
-    incident = dx.incident_steps(window, baseline=baseline, limit=k)
-    reference = dx.reference_steps(list(bench.batches.entries), incident, k)
-    if not incident or not reference:
-        raise _Missing(f"no {signal} recorded for the incident (steps {onset}-{step}) or no batches around it")
+    incident, reference, baseline = _choose(bench, recorded, signal, onset, step, k)
     entries = {s: _entry(bench.batches, s) for s in incident + reference}
     if bench.checkpoints is None:
         raise _Missing("diagnose needs checkpoints: create the Monitor with checkpoint_dir=...")
@@ -111,31 +107,41 @@ def _experiments(bench: Bench, onset: int, step: int, metric: str, k: int, rtol:
         raise _Missing(f"no valid checkpoint at or before step {min(incident)}: {exc}") from None
     with bench.paused(), _restored(bench):
         _load(bench, state)
-        measured = {s: _measure(bench, entries[s]) for s in incident + reference}
+        pick = 0 if signal == Metric.LOSS else 1
+        measured = {s: _measure(bench, entries[s])[pick] for s in incident + reference}
         rerun = _rerun(bench, info.step, min(incident), recorded, rtol)
-    base_med = _median(baseline)
-    recorded_excess = _median([_value(recorded.get(s), signal) for s in incident]) - base_med if base_med else None
-    pick = 0 if signal == Metric.LOSS else 1
-    replay = dx.replay_recurs(incident=[measured[s][pick] for s in incident],
-                              reference=[measured[s][pick] for s in reference],
+    recorded_excess = _median([_value(recorded.get(s), signal) for s in incident]) - _median(baseline)
+    replay = dx.replay_recurs(incident=[measured[s] for s in incident], reference=[measured[s] for s in reference],
                               recorded_excess=recorded_excess, recur=recur)
     replay["checkpoint_step"] = info.step
     verdict, summary = dx.verdict_of(rerun, replay)
     batches = [{**entries[s].describe(), "role": "incident" if s in incident else "reference",
-                "recorded": dx.plain(_value(recorded.get(s), signal)), "at_checkpoint": dx.plain(measured[s][pick])}
+                "recorded": dx.plain(_value(recorded.get(s), signal)), "at_checkpoint": dx.plain(measured[s])}
                for s in sorted(entries)]
     return {"verdict": verdict, "summary": summary, "signal": signal, "checkpoint_step": info.step,
             "checkpoint_path": str(info.path), "incident_steps": incident, "reference_steps": reference,
             "replay": replay, "rerun": rerun, "batches": batches}
 
 
+def _choose(bench: Bench, recorded: dict[int, StepRecord], signal: str, onset: int, step: int,
+            k: int) -> tuple[list[int], list[int], list[float]]:
+    """(incident steps, reference steps, the recorded baseline before the onset)."""
+    window = [(s, v) for s in range(onset, step + 1) if (v := _value(recorded.get(s), signal)) is not None]
+    baseline = [v for s in range(onset - 4 * k, onset) if (v := _value(recorded.get(s), signal)) is not None]
+    incident = dx.incident_steps(window, baseline=baseline, limit=k)
+    reference = dx.reference_steps(list(bench.batches.entries), incident, k)
+    if not incident or not reference:
+        raise _Missing(f"no {signal} recorded for the incident (steps {onset}-{step}) or no batches around it")
+    return incident, reference, baseline
+
+
 def _value(record: StepRecord | None, name: str) -> float | None:
     return None if record is None else record.get(name)
 
 
-def _median(values: list[float | None]) -> float:
-    finite = sorted(v for v in values if dx.finite(v))  # type: ignore[misc]
-    return finite[len(finite) // 2] if finite else math.nan
+def _median(values: Sequence[float | None]) -> float:
+    finite = sorted(v for v in values if v is not None and math.isfinite(v))
+    return statistics.median(finite) if finite else math.nan
 
 
 def _entry(batches: BatchLog, step: int) -> BatchEntry:

@@ -46,7 +46,8 @@ def register(cls: type[Intervention]) -> type[Intervention]:
 
 
 __all__ = [
-    "INTERVENTIONS", "STOP_EXIT_CODE", "AlertOnly", "CheckpointAndStop", "Diagnose", "Intervention", "InterventionError",
-    "LiveExecutor", "Params", "Rollback", "ScaleLr", "SetBeta2", "SetClip", "SetWeightDecay", "SkipStep",
+    "INTERVENTIONS", "STOP_EXIT_CODE", "AlertOnly", "CheckpointAndStop", "Diagnose", "Intervention",
+    "InterventionError", "LiveExecutor", "Params", "Rollback", "ScaleLr", "SetBeta2", "SetClip", "SetWeightDecay",
+    "SkipStep",
     "get_intervention", "register",
 ]

@@ -136,12 +136,12 @@ def _batches(anomaly: Anomaly, positions: Sequence[tuple[int, int | None]]) -> l
     first, last = anomaly.evidence[0][0], anomaly.step
     for i, (step, _) in enumerate(positions):
         if step == last:
-            stretch: list[list[int | None]] = []
+            stretch: list[tuple[int, int | None]] = []
             for s, b in reversed(positions[: i + 1]):
                 if s < first or (stretch and s >= stretch[-1][0]):
                     break
-                stretch.append([s, b])
-            return stretch[::-1]
+                stretch.append((s, b))
+            return [[s, b] for s, b in reversed(stretch)]
     return []
 
 
