@@ -113,14 +113,19 @@ def verdict_of(rerun: dict[str, Any] | None, replay: dict[str, Any] | None) -> t
     if rerun is not None and rerun.get("reproduced") is False:
         m = rerun.get("mismatch", {})
         return "hardware_suspect", (f"re-running step {m.get('step')} from the checkpoint of step "
-                                    f"{rerun.get('from_step')} gave {m.get('metric')} {m.get('rerun')} where the run "
-                                    f"recorded {m.get('recorded')}: the first execution was not reproducible")
+                                    f"{rerun.get('from_step')} gave {m.get('metric')} {_g(m.get('rerun'))} where the "
+                                    f"run recorded {_g(m.get('recorded'))}: the first execution was not "
+                                    "reproducible")
     if replay is None or replay.get("recurs") is None:
         why = (replay or {}).get("reason", "the incident's batches could not be replayed")
         return INCONCLUSIVE, why
     where = f"at the checkpoint of step {replay.get('checkpoint_step')}"
     if replay["recurs"]:
-        return "data", (f"the incident's batches stand out {where} too (excess {replay['excess']} over the "
-                        f"batches before them, needed {replay['needed']}): the data is to blame")
-    return "state", (f"the incident's batches are ordinary {where} (excess {replay['excess']}, needed "
-                     f"{replay['needed']}): the state met them; change the recipe")
+        return "data", (f"the incident's batches stand out {where} too (excess {_g(replay['excess'])} over the "
+                        f"batches before them, needed {_g(replay['needed'])}): the data is to blame")
+    return "state", (f"the incident's batches are ordinary {where} (excess {_g(replay['excess'])}, needed "
+                     f"{_g(replay['needed'])}): the state met them; change the recipe")
+
+
+def _g(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

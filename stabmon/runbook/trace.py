@@ -116,9 +116,11 @@ def diagnosis_lines(iv: dict[str, Any]) -> list[str]:
     rerun = after.get("rerun") or {}
     if rerun:
         what = {True: "reproduced", False: "NOT reproduced", None: f"not run ({rerun.get('skipped')})"}
+        m = rerun.get("mismatch")
+        differs = (f": at step {m['step']} {m['metric']} {_short(m['rerun'])} re-run, {_short(m['recorded'])} "
+                   "recorded" if m else "")
         lines.append(f"               re-run steps {rerun.get('from_step')}-{rerun.get('to_step')} from the "
-                     f"checkpoint: {what[rerun.get('reproduced')]}"
-                     + (f" {rerun['mismatch']}" if rerun.get("mismatch") else ""))
+                     f"checkpoint: {what[rerun.get('reproduced')]}{differs}")
     for b in after.get("batches", []):
         ids = f" samples {b['sample_ids']}" if b.get("sample_ids") is not None else ""
         lines.append(f"               {b['role']:<9} step {b['step']} batch {b['batch_index']}: "
