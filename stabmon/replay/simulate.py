@@ -107,6 +107,11 @@ class SimulatedTarget:
         self.stops.append(result)
         return result
 
+    def diagnose(self, **params: Any) -> dict[str, Any]:
+        """Replay has no model to re-run: the diagnosis is inconclusive (the runbook's next rung follows)."""
+        return {"verdict": "inconclusive", "summary": "replay cannot re-run steps (no model)", "simulated": True,
+                "onset_step": params.get("onset_step"), "step": params.get("step")}
+
     def summary(self) -> dict[str, Any]:
         return {
             "overrides": self.overrides.state_dict(),
