@@ -241,3 +241,32 @@ def test_demo_with_diagnose_first_then_trace_shows_the_data_verdict(tmp_path: Pa
     assert incident["steps"][1]["decision"]["rule"] == "bad_data"
     text = CliRunner().invoke(app, ["trace", run_id, "--db", url]).output
     assert "verdict data" in text and "re-run steps" in text
+
+
+# -- the engine follows the verdict -----------------------------------------------------------------------------
+@pytest.mark.parametrize(("verdict", "rule", "action"), [
+    ("data", "bad_data", "rollback"), ("state", "bad_state", "rollback"),
+    ("hardware_suspect", "bad_hardware", "checkpoint_and_stop"), ("inconclusive", "instability", "rollback"),
+])
+def test_the_engine_continues_the_incident_with_the_verdicts_rule(verdict: str, rule: str, action: str) -> None:
+    from stabmon.events import Anomaly, Decision, Outcome, Severity, StepRecord
+    from stabmon.runbook import Engine, load_runbook
+
+    engine = Engine(load_runbook("diagnose-first"), id_seed="t")
+    spike = Anomaly(kind="spike", metric="loss", step=10, score=9.0, severity=Severity.ERROR, detector="z",
+                    evidence=((8, 1.0), (9, 1.0), (10, 5.0)))
+    (first,) = engine.process(StepRecord(10, {"loss": 5.0}), [spike])
+    assert isinstance(first, Decision) and first.action == "diagnose"
+    assert (first.params["onset_step"], first.params["step"], first.params["metric"]) == (8, 10, "loss")
+    engine.applied(first, InterventionRecord(decision_id=first.id, step=11, action="diagnose", before={},
+                                             after={"verdict": verdict, "summary": "why"}))
+    out = engine.process(StepRecord(11, {"loss": 5.0}), [])
+    outcome = next(e for e in out if isinstance(e, Outcome))
+    nxt = next(e for e in out if isinstance(e, Decision))
+    assert (nxt.rule, nxt.action, nxt.incident_id) == (rule, action, first.incident_id)
+    if verdict == "inconclusive":  # no verdict: the diagnose rung failed, its own next rung follows
+        assert outcome.evidence["error"].startswith("no verdict")
+    else:
+        assert outcome.evidence == {"diagnosis": verdict, "next_rule": rule}
+    if verdict == "hardware_suspect":
+        assert nxt.params["exit_code"] == 88
