@@ -14,7 +14,9 @@ The pre-hook runs inside ``optimizer.step()``:
    k x running mean`` (or non-finite) on the device;
 4. clipping with the clamped coefficient, reusing that norm;
 5. overrides: effective ``lr = scheduler lr x lr_scale``, ``beta2`` and ``weight_decay`` written into the
-   param groups.
+   param groups;
+6. on a step sampled for the update norm (:class:`~stabmon.collect.updates.UpdateNorms`), a copy of the
+   parameters, compared with them in the post-hook once the update (or the guard's discard) is done.
 
 The post-hook restores the scheduler-visible values (so a scheduler keeps its own trajectory and can never
 undo an override) and lets the guard finish: with fused Adam/AdamW the flagged update never happened (the flag
