@@ -90,6 +90,13 @@ SCENARIOS: dict[str, Scenario] = {
             {"fault": "corrupt_weight", "fault_step": 100},
         ),
         Scenario(
+            "flaky-gpu",
+            "Flaky GPUs (BLOOM's and Llama 3's hardware failures, Megatron's rerun state machine): at step 110 one "
+            "execution of the first block computes an inf in its output; the loss and the update are NaN and "
+            "stay NaN. Run again from the same state, the step computes correctly: a transient fault",
+            {"fault": "flaky_activation", "fault_step": 110},
+        ),
+        Scenario(
             "frozen-pos-emb",
             "OPT-175B's frozen positional embeddings: wpe never receives a gradient; nothing diverges, it "
             "just does not learn. Not rescuable automatically: detect it and tell a human",

@@ -215,6 +215,9 @@ FAULTS = {
     "flipped (each becomes ~2^128 times larger), once, at fault_step",
     "overflow_state": "fp16 only: the final LayerNorm's gain multiplied by 2^14, once, at fault_step, so the "
     "logits overflow float16 on every later step; every update is skipped and the loss scale collapses",
+    "flaky_activation": "a flaky GPU: the first time step fault_step runs, one element of the first block's "
+    "output is computed as inf (a forward hook), so the loss and the update are NaN; re-running the same step "
+    "from the same state computes it correctly",
     "freeze_wpe": "the positional embedding never receives a gradient (OPT-175B's frozen positional "
     "embeddings): nothing diverges, it just does not learn",
 }
@@ -228,14 +231,29 @@ class Fault:
     def __init__(self, config: TrainConfig, model: GPT) -> None:
         self.kind, self.step, self.model, self.fired = config.fault, config.fault_step, model, False
         self.gen = torch.Generator().manual_seed(config.seed + 3)
+        self.armed = False
         if self.kind == "freeze_wpe":
             model.wpe.weight.requires_grad_(False)
+        if self.kind == "flaky_activation":
+            model.h[0].register_forward_hook(self._flaky)
+
+    def _flaky(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        """The one faulty execution: only while armed by :meth:`before_step` (a re-run is not)."""
+        if not self.armed:
+            return None
+        self.armed = False
+        output = output.clone()
+        output.view(-1)[0] = math.inf
+        return output
 
     @torch.no_grad()
     def before_step(self, step: int) -> None:
-        if self.fired or step != self.step or self.kind not in ("corrupt_weight", "overflow_state"):
+        if self.fired or step != self.step or self.kind not in ("corrupt_weight", "overflow_state", "flaky_activation"):
             return
         self.fired = True
+        if self.kind == "flaky_activation":
+            self.armed = True
+            return
         if self.kind == "corrupt_weight":  # flip the top exponent bit: |w| < 2 becomes |w| x 2^128
             bits = self.model.h[0].mlp[0].weight.view(-1).view(torch.int32)
             hit = torch.randperm(bits.numel(), generator=self.gen)[:4]

@@ -63,6 +63,8 @@ class Metric:
     ACT_RMS_PREFIX = "act_rms/"
     EMB_DRIFT_PREFIX = "emb_drift/"  # ||W - W0|| / ||W0||
     EMB_UPDATE_PREFIX = "emb_update/"  # ||W_t - W_{t-1}|| / ||W_t||
+    UPDATE_RATIO = "update_ratio"  # ||Δθ|| / ||θ|| of the step applied (after clipping, overrides, skips)
+    UPDATE_RATIO_PREFIX = "update_ratio/"  # the same per layer (the layers of the per-layer grad norms)
 
 
 class Severity(str, Enum):

@@ -31,13 +31,14 @@ import logging
 import operator
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from stabmon.collect.activations import ActivationNorms
+from stabmon.collect.batches import batch_log_for
 from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.config import ActivationConfig, EmbeddingConfig, GradConfig, MonitorConfig
 from stabmon.collect.data import DataCursor
@@ -53,6 +54,7 @@ from stabmon.collect.record import StepRecorder
 from stabmon.collect.restore import TrainingState
 from stabmon.collect.sharding import ShardedSquares, embedding_counted, layout_of
 from stabmon.collect.target import LiveTarget
+from stabmon.collect.updates import UpdateNorms
 from stabmon.collect.wiring import (
     DEFAULT_STORE,
     MODES,
@@ -105,6 +107,8 @@ class Monitor:
         checkpoint_dir: str | None = None,
         checkpoints: Any = None,
         resume_run_id: str | None = None,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+        sample_ids: Callable[[Any], Any] | None = None,
     ) -> None:
         self.config = config if config is not None else MonitorConfig()
         if not isinstance(self.config, MonitorConfig):
@@ -142,6 +146,7 @@ class Monitor:
             scaler=scaler,
             embeddings=self._emb,
             ema_decay=cfg.grads.skip_ema,
+            updates=UpdateNorms(self._grads) if cfg.updates.every else None,
         )
         self.rank, self.world_size = world()
         self._probe: RankProbe | None = None
@@ -166,6 +171,9 @@ class Monitor:
             rank=self.rank,
         )
         self.pipeline, self.executor = build_pipeline(self.target, detectors=detectors, runbook=runbook, mode=mode)
+        self.batches = batch_log_for(self.pipeline.engine, sample_ids, capacity=cfg.diagnose.batches)
+        self.target.diagnoser = self.diagnose
+        self._loss_fn = loss_fn  # diagnose's loss of a batch (None: stabmon.collect.rerun.call_model)
         self._follower = RankFollower()
         self.flusher = Flusher(
             self.pipeline,
@@ -273,9 +281,16 @@ class Monitor:
             onset_step=onset_step, lookback=lookback, skip_batches=skip_batches, checkpoint_dir=checkpoint_dir
         )
 
-    def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
-        """Save a checkpoint and ask the loop to stop with ``config.exit_code``."""
-        return self.target.checkpoint_and_stop(reason=reason)
+    def checkpoint_and_stop(self, *, reason: str, exit_code: int | None = None) -> dict[str, Any]:
+        """Save a checkpoint and ask the loop to stop with ``exit_code`` (default ``config.exit_code``)."""
+        return self.target.checkpoint_and_stop(reason=reason, exit_code=exit_code)
+
+    def diagnose(self, **params: Any) -> dict[str, Any]:
+        """Re-run and replay the incident's steps (see :mod:`stabmon.collect.rerun`); the verdict and its
+        evidence."""
+        from stabmon.collect.rerun import diagnose
+
+        return diagnose(self, self._grads, self._hooks, loss_fn=self._loss_fn, **params)
 
     def device_memory(self) -> DeviceMemory:
         """Bytes the monitor holds on the device right now, per signal (activation norms hold a few scalars
@@ -327,7 +342,7 @@ class Monitor:
         if self.should_stop or (max_steps is not None and self._step >= max_steps):
             return
         for index, batch in self.cursor.batches(loader, passes):
-            self.begin_step(batch_index=index)
+            self.begin_step(batch_index=index, batch=batch)
             try:
                 yield self._step, batch
             except GeneratorExit:  # the loop was left (break) during this step
@@ -340,9 +355,9 @@ class Monitor:
             if self.should_stop or (max_steps is not None and self._step >= max_steps):
                 return
 
-    def begin_step(self, *, batch_index: int | None = None) -> None:
+    def begin_step(self, *, batch_index: int | None = None, batch: Any = None) -> None:
         """Open the record of the next step (done by :meth:`steps`; call it yourself in a hand-written
-        loop)."""
+        loop, with the ``batch`` when a runbook diagnoses or ``sample_ids`` is given)."""
         if self.buffer.open:
             self.end_step()
         if self._step == 0 and not self._initial_saved and self.config.checkpoint_every:
@@ -350,6 +365,8 @@ class Monitor:
             if self.checkpoints is not None:
                 self.save_checkpoint()
         self.recorder.begin(step=self._step, batch_index=batch_index)
+        if self.batches is not None and batch is not None:
+            self.batches.remember(step=self._step, batch_index=batch_index, batch=batch)
 
     def observe(self, loss: Any = None, *, tokens: int | None = None, **metrics: Any) -> None:
         """Record this step's loss (and any other named scalars) as device tensors: no host sync.

@@ -83,8 +83,9 @@ class InterventionTarget(Protocol):
         the audit row. The rollback rung's ``lr_factor`` / ``lr_cap`` / ``onset_lr`` are not passed here: the
         intervention applies them to :attr:`overrides` after this returns."""
 
-    def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
-        """Save a checkpoint and ask the training loop to stop with the documented exit code."""
+    def checkpoint_and_stop(self, *, reason: str, exit_code: int | None = None) -> dict[str, Any]:
+        """Save a checkpoint and ask the training loop to stop with the documented exit code (or
+        ``exit_code``)."""
 
 
 class Pipeline:

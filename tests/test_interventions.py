@@ -50,6 +50,10 @@ class FakeTarget:
         self.calls.append(("stop", {"reason": reason}))
         return {"path": "ckpt.pt"}
 
+    def diagnose(self, **kw: Any) -> dict[str, Any]:
+        self.calls.append(("diagnose", kw))
+        return {"verdict": "state", "onset_step": kw["onset_step"]}
+
 
 def decision(action: str, params: dict[str, Any] | None = None, **kw: Any) -> Decision:
     return Decision(step=100, action=action, params=params or {}, status=DecisionStatus.APPLY, runbook="rb",
@@ -222,7 +226,7 @@ def test_register_custom_intervention() -> None:
 # -- contract suite: every registered intervention --
 VALID_PARAMS = {"scale_lr": {"factor": 0.9}, "set_clip": {"max_norm": 1.0}, "set_beta2": {"beta2": 0.95},
                 "set_weight_decay": {"weight_decay": 0.1}, "skip_step": {"factor": 5.0}, "rollback": {},
-                "checkpoint_and_stop": {}, "alert_only": {}}
+                "checkpoint_and_stop": {}, "alert_only": {}, "diagnose": {"onset_step": 90, "metric": "loss"}}
 
 
 @pytest.mark.parametrize("name", sorted(INTERVENTIONS))

@@ -14,7 +14,7 @@ from sync_support import SyncCounter
 from test_monitor import Tiny
 from torch import nn
 
-from stabmon.collect.config import ActivationConfig, EmbeddingConfig, MonitorConfig
+from stabmon.collect.config import ActivationConfig, EmbeddingConfig, MonitorConfig, UpdateConfig
 from stabmon.monitor import Monitor
 from stabmon.overrides import Overrides
 
@@ -28,6 +28,7 @@ def _run(
     device: str = "cpu",
     fused_adamw: bool = False,
     scaler: bool = False,
+    **monitor: object,
 ) -> Monitor:
     torch.manual_seed(0)
     model = Tiny(vocab=17, d=16).to(device)
@@ -38,7 +39,8 @@ def _run(
     amp = torch.amp.GradScaler(device, init_scale=256.0) if scaler else None
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s))
     data = [torch.randint(0, 17, (4, 8), generator=torch.Generator().manual_seed(i)).to(device) for i in range(steps)]
-    mon = Monitor(model, opt, scaler=amp, scheduler=sched, store=None, detectors=False, config=config)
+    mon = Monitor(model, opt, scaler=amp, scheduler=sched, store=None, detectors=False, config=config,
+                  **monitor)  # type: ignore[arg-type]
     if overrides is not None:
         mon.overrides.load_state_dict(overrides.state_dict())
     real_flush = mon.flush
@@ -75,10 +77,14 @@ def test_no_host_sync_outside_flushes(every: int) -> None:
         flush_every=20,
         activations=ActivationConfig(every=every),
         embeddings=EmbeddingConfig(every=every),
+        updates=UpdateConfig(every=every),
     )
     counter = SyncCounter()
-    mon = _run(cfg, counter, overrides=Overrides(lr_scale=0.5, skip_factor=3.0))
+    # a diagnose rung keeps every step's batch, RNG state and sample ids: host work, no device read
+    mon = _run(cfg, counter, overrides=Overrides(lr_scale=0.5, skip_factor=3.0), runbook="diagnose-first",
+               mode="apply", sample_ids=lambda idx: [f"seq{i}" for i in range(len(idx))])
     assert counter.outside == []
+    assert mon.batches is not None and len(mon.batches.entries) == 50 and "update_ratio" in mon.records[0].metrics
     # 50 steps, flush_every=20: flushes after steps 20 and 40, and at close: one host copy each
     assert counter.inside == ["tolist"] * 3
     assert len(mon.records) == 50

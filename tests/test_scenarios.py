@@ -75,7 +75,7 @@ def test_fault_config_errors_name_the_field() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["weight-corruption", "fp16-overflow", "bad-shard"])
+@pytest.mark.parametrize("name", ["weight-corruption", "fp16-overflow", "bad-shard", "flaky-gpu"])
 def test_fault_scenarios_fail_unmonitored_by_construction(name: str) -> None:
     result = recovery().tiny_gpt.train(config(name, FIRST + 10))
     healthy = healthy_loss(name, FIRST + 10)

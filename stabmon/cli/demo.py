@@ -84,7 +84,7 @@ def summary(monitor: Any, url: str, result: Any) -> list[str]:
         _fmt(_series(recs, "step_time"), "step_time (s)"),
         _fmt(_series(recs, "tokens_per_sec"), "tokens_per_sec"),
     ]
-    for prefix in ("act_rms/", "emb_drift/", "emb_update/"):
+    for prefix in ("act_rms/", "emb_drift/", "emb_update/", "update_ratio"):
         names = sorted({k for r in recs for k in r.metrics if k.startswith(prefix)})
         lines.extend(_fmt(_series(recs, n), n) for n in names)
     kinds = Counter(type(e).__name__ for e in monitor.events)
@@ -107,6 +107,8 @@ def _describe(e: Any) -> str:
     name = type(e).__name__
     if name == "Decision":
         return f"decision   step {e.step:<5} {e.action} {dict(e.params)} [{e.status.value}] rule {e.rule} (id {e.id})"
+    if name == "InterventionRecord" and e.action == "diagnose" and "verdict" in e.after:
+        return f"diagnosed  step {e.step:<5} verdict {e.after['verdict']}: {e.after.get('summary', '')}"
     if name == "InterventionRecord":
         return f"applied    step {e.step:<5} {e.action} {dict(e.before)} -> {dict(e.after)}"
     return f"outcome    step {e.step:<5} {e.verdict.value}"
@@ -125,8 +127,8 @@ def demo(
     db: DbOption = None,
     steps: Annotated[int | None, typer.Option(help="Training steps (default: the scenario's, 300).")] = None,
     scenario: Annotated[
-        str, typer.Option(help="bad-shard | lr-too-high | fp16-overflow | weight-corruption | frozen-pos-emb | "
-                               "activation-drift | healthy (examples/scenarios.py)")
+        str, typer.Option(help="bad-shard | lr-too-high | fp16-overflow | weight-corruption | flaky-gpu | "
+                               "frozen-pos-emb | activation-drift | healthy (examples/scenarios.py)")
     ] = "bad-shard",
     runbook: Annotated[str, typer.Option(help="Runbook name or path, 'none' to only watch.")] = "default",
     mode: Annotated[str, typer.Option(help="apply | propose | observe")] = "apply",
@@ -149,6 +151,7 @@ def demo(
             fail(f"--runbook {runbook!r}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
     url = db_url(db)
     _check_store(url)
+    from stabmon.collect.config import UpdateConfig
     from stabmon.monitor import Monitor, MonitorConfig
 
     chosen = sc.SCENARIOS[scenario]
@@ -166,7 +169,8 @@ def demo(
             store=url,
             runbook=None if runbook == "none" else runbook,
             mode=mode,
-            config=MonitorConfig(clip=config.clip, checkpoint_every=25, checkpoint_keep=40),
+            config=MonitorConfig(clip=config.clip, checkpoint_every=25, checkpoint_keep=40,
+                                 updates=UpdateConfig(every=10)),
             checkpoint_dir=str(ckpt_dir),
             run_name=f"demo-tiny-gpt-{scenario}",
         )

@@ -66,6 +66,34 @@ class ActivationConfig:
 
 
 @dataclass
+class UpdateConfig:
+    """Update norm ``||Δθ|| / ||θ||`` (global and per layer) of the step actually applied, on sampled steps
+    (:mod:`stabmon.collect.updates`)."""
+
+    every: int = 0
+    """Sample every ``every`` steps (0: off). A sampled step holds one transient copy of the parameters from
+    the optimizer's pre-hook to its post-hook, which is why it is off unless asked for."""
+
+    def validate(self, path: str) -> None:
+        if self.every < 0:
+            raise ValueError(f"{path}.every must be >= 0, got {self.every}")
+
+
+@dataclass
+class DiagnoseConfig:
+    """What ``diagnose`` (a runbook rung, :mod:`stabmon.collect.rerun`) keeps while a runbook uses it."""
+
+    batches: int = 256
+    """Recent steps whose batch (a reference), RNG state and sample ids the batch log keeps: it must reach
+    back from the flush that diagnoses to the checkpoint before the incident (checkpoint interval + the
+    incident's length + ``flush_every``), else the verdict is inconclusive."""
+
+    def validate(self, path: str) -> None:
+        if self.batches < 1:
+            raise ValueError(f"{path}.batches must be >= 1, got {self.batches}")
+
+
+@dataclass
 class EmbeddingConfig:
     """Drift ``||W - W0|| / ||W0||`` and update ratio ``||W_t - W_{t-1}|| / ||W_t||`` of every
     nn.Embedding."""
@@ -132,6 +160,8 @@ class MonitorConfig:
     grads: GradConfig = field(default_factory=GradConfig)
     activations: ActivationConfig = field(default_factory=ActivationConfig)
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    updates: UpdateConfig = field(default_factory=UpdateConfig)
+    diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
     checkpoint_every: int = 0
     """Save a checkpoint every N steps through the checkpoint manager, and one of the initial state before the
     first step (0 = never; rollback needs some)."""
@@ -173,6 +203,8 @@ class MonitorConfig:
         self.grads.validate("config.grads")
         self.activations.validate("config.activations")
         self.embeddings.validate("config.embeddings")
+        self.updates.validate("config.updates")
+        self.diagnose.validate("config.diagnose")
         self.hang.validate("config.hang")
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,6 +217,8 @@ class MonitorConfig:
             ("grads", GradConfig),
             ("activations", ActivationConfig),
             ("embeddings", EmbeddingConfig),
+            ("updates", UpdateConfig),
+            ("diagnose", DiagnoseConfig),
             ("hang", HangConfig),
         ):
             if isinstance(data.get(key), dict):

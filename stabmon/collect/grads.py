@@ -126,6 +126,16 @@ class GradNorms:
     def params(self) -> list[nn.Parameter]:
         return list(self._params)
 
+    @property
+    def layer_index(self) -> list[int]:
+        """For each of :attr:`params`, the index of its layer in :attr:`layer_names` (-1: in no layer)."""
+        return list(self._layer_idx)
+
+    @property
+    def sharded(self) -> ShardedSquares | None:
+        """The sum over ranks of per-parameter squares (sharded layouts), else None."""
+        return self._squares
+
     def _plan(self, present: tuple[bool, ...], grads: list[torch.Tensor]) -> _Plan:
         """Per grad-presence mask (cached): layer scatter indices, and whether one fused call covers all."""
         if present not in self._cache:

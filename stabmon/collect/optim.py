@@ -16,6 +16,8 @@ The pre-hook runs inside ``optimizer.step()``:
 5. overrides: effective ``lr = scheduler lr x lr_scale`` (at most ``lr_cap``) and ``beta2`` written into the
    param groups; ``weight_decay`` sets the decaying groups' value, scaling each from its own (groups at 0 stay
    at 0).
+6. on a step sampled for the update norm (:class:`~stabmon.collect.updates.UpdateNorms`), a copy of the
+   parameters, compared with them in the post-hook once the update (or the guard's discard) is done.
 
 The post-hook restores the scheduler-visible values (so a scheduler keeps its own trajectory and can never
 undo an override) and lets the guard finish: with fused Adam/AdamW the flagged update never happened (the flag
@@ -52,6 +54,7 @@ from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.embeddings import EmbeddingDrift
 from stabmon.collect.grads import GradNorms, GradResult
 from stabmon.collect.guard import SkipGuard
+from stabmon.collect.updates import UpdateNorms
 from stabmon.events import Metric
 from stabmon.overrides import Overrides
 
@@ -70,6 +73,7 @@ class OptimizerHooks:
         scaler: Any = None,
         embeddings: EmbeddingDrift | None = None,
         ema_decay: float = 0.98,
+        updates: UpdateNorms | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.grads = grads
@@ -78,6 +82,8 @@ class OptimizerHooks:
         self.clip = clip
         self.scaler = scaler
         self.embeddings = embeddings
+        self.updates = updates
+        self.sample_updates = False
         self.guard = SkipGuard(optimizer, ema_decay=ema_decay)
         self.stepped = False
         self.sample_embeddings = False
@@ -151,6 +157,8 @@ class OptimizerHooks:
         self._apply_overrides()
         if self.sample_embeddings and self.embeddings:
             self.embeddings.before_update()
+        if self.sample_updates and self.updates is not None:
+            self.updates.before_update()
 
     def after_step(self, *, skipped: bool = False) -> None:
         """The post-step work: scheduler-visible values back, the guard finished, embeddings measured.
@@ -162,6 +170,10 @@ class OptimizerHooks:
         self.guard.after_update()
         if self.sample_embeddings and self.embeddings:
             names, values = self.embeddings.after_update()
+            if values is not None:
+                self.buffer.add(names, values)
+        if self.sample_updates and self.updates is not None:
+            names, values = self.updates.after_update()
             if values is not None:
                 self.buffer.add(names, values)
         if skipped:

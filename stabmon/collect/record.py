@@ -82,6 +82,8 @@ class StepRecorder:
         if self.activations is not None and step % act_k == 0:
             self.activations.arm()
         self.hooks.sample_embeddings = bool(self.hooks.embeddings) and emb_k > 0 and step % emb_k == 0
+        upd_k = self.config.updates.every
+        self.hooks.sample_updates = upd_k > 0 and step % upd_k == 0
 
     def discard(self) -> None:
         """Drop the open step (it never trained)."""

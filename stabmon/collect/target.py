@@ -68,6 +68,8 @@ class LiveTarget:
         self.rank = rank
         self.should_stop = False
         self.stop_reason: str | None = None
+        self.diagnoser: Callable[..., dict[str, Any]] | None = None
+        """What the ``diagnose`` intervention calls (the monitor's re-run and replay); None: cannot diagnose."""
 
     @property
     def step(self) -> int:
@@ -95,12 +97,21 @@ class LiveTarget:
             raise ValueError("checkpoint_dir: the monitor has no checkpoint manager (pass checkpoint_dir=...)")
         return self.failsafe.call("checkpoint", lambda: manager.save(self.state.state_dict(), step=self.step))
 
-    def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
-        """Save a checkpoint (when there is a manager) and ask the loop to stop with ``stop_code``."""
+    def checkpoint_and_stop(self, *, reason: str, exit_code: int | None = None) -> dict[str, Any]:
+        """Save a checkpoint (when there is a manager) and ask the loop to stop with ``exit_code`` (default
+        ``stop_code``)."""
         info = self.save_checkpoint() if self.checkpoints is not None else None
+        if exit_code is not None:
+            self.stop_code = exit_code
         self.request_stop(reason)
         log.warning("stabmon: stopping the run at step %d: %s", self.step, reason)
         return {"path": getattr(info, "path", None), "step": self.step, "exit_code": self.stop_code, "reason": reason}
+
+    def diagnose(self, **params: Any) -> dict[str, Any]:
+        """The verdict of re-running and replaying an incident's steps (:mod:`stabmon.collect.rerun`)."""
+        if self.diagnoser is None:
+            raise RuntimeError("diagnose: this target cannot re-run steps")
+        return self.diagnoser(**params)
 
     # -- rollback ----------------------------------------------------------------------------------------
     def rollback(

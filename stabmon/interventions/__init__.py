@@ -4,8 +4,8 @@
 custom one (it then becomes usable in runbooks loaded afterwards). :class:`Executor` applies decisions.
 
 >>> sorted(INTERVENTIONS)  # doctest: +NORMALIZE_WHITESPACE
-['alert_only', 'checkpoint_and_stop', 'rollback', 'scale_lr', 'set_beta2', 'set_clip', 'set_weight_decay',
- 'skip_step']
+['alert_only', 'checkpoint_and_stop', 'diagnose', 'rollback', 'scale_lr', 'set_beta2', 'set_clip',
+ 'set_weight_decay', 'skip_step']
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from stabmon.interventions.alert_only import AlertOnly
 from stabmon.interventions.base import Intervention, InterventionError, Params
 from stabmon.interventions.checkpoint_and_stop import STOP_EXIT_CODE, CheckpointAndStop
+from stabmon.interventions.diagnose import Diagnose
 from stabmon.interventions.executor import Executor
 from stabmon.interventions.rollback import Rollback
 from stabmon.interventions.scale_lr import ScaleLr
@@ -23,7 +24,8 @@ from stabmon.interventions.skip_step import SkipStep
 
 INTERVENTIONS: dict[str, type[Intervention]] = {
     cls.name: cls
-    for cls in (ScaleLr, SetClip, SetBeta2, SetWeightDecay, Rollback, CheckpointAndStop, SkipStep, AlertOnly)
+    for cls in (ScaleLr, SetClip, SetBeta2, SetWeightDecay, Rollback, CheckpointAndStop, SkipStep, AlertOnly,
+                Diagnose)
 }
 
 
@@ -44,7 +46,7 @@ def register(cls: type[Intervention]) -> type[Intervention]:
 
 
 __all__ = [
-    "INTERVENTIONS", "STOP_EXIT_CODE", "AlertOnly", "CheckpointAndStop", "Executor", "Intervention",
+    "INTERVENTIONS", "STOP_EXIT_CODE", "AlertOnly", "CheckpointAndStop", "Diagnose", "Executor", "Intervention",
     "InterventionError", "Params", "Rollback", "ScaleLr", "SetBeta2", "SetClip", "SetWeightDecay", "SkipStep",
     "get_intervention", "register",
 ]

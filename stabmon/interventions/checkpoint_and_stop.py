@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import Field
+
 from stabmon.checkpoints import STOP_EXIT_CODE
 from stabmon.interventions.base import Intervention, Params
 
@@ -18,9 +20,12 @@ __all__ = ["STOP_EXIT_CODE", "CheckpointAndStop", "CheckpointAndStopParams"]
 
 
 class CheckpointAndStopParams(Params):
-    """``reason``: recorded with the checkpoint and shown in the alert."""
+    """``reason``: recorded with the checkpoint and shown in the alert. ``exit_code``: the process's exit code
+    (default :data:`STOP_EXIT_CODE`); e.g. :data:`~stabmon.checkpoints.HARDWARE_EXIT_CODE` after ``diagnose``
+    found a hardware suspect, so the scheduler moves the job to other machines."""
 
     reason: str = "runbook: checkpoint and stop"
+    exit_code: int | None = Field(default=None, ge=1, le=255)
 
 
 class CheckpointAndStop(Intervention):
@@ -42,6 +47,8 @@ class CheckpointAndStop(Intervention):
 
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         assert isinstance(self.params, CheckpointAndStopParams)
-        result = dict(self.target.checkpoint_and_stop(reason=self.params.reason))
-        result.setdefault("exit_code", STOP_EXIT_CODE)
+        code = self.params.exit_code
+        kwargs = {} if code is None else {"exit_code": code}
+        result = dict(self.target.checkpoint_and_stop(reason=self.params.reason, **kwargs))
+        result.setdefault("exit_code", STOP_EXIT_CODE if code is None else code)
         return {"step": int(self.target.step)}, result

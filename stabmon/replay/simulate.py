@@ -98,12 +98,19 @@ class SimulatedTarget:
         self.rollbacks.append({"step": self._step, **result})
         return result
 
-    def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]:
+    def checkpoint_and_stop(self, *, reason: str, exit_code: int | None = None) -> dict[str, Any]:
         if self.stopped_at is None:
             self.stopped_at = self._step
-        result = {"simulated": True, "stopped_at": self._step, "reason": reason}
+        result: dict[str, Any] = {"simulated": True, "stopped_at": self._step, "reason": reason}
+        if exit_code is not None:
+            result["exit_code"] = exit_code
         self.stops.append(result)
         return result
+
+    def diagnose(self, **params: Any) -> dict[str, Any]:
+        """Replay has no model to re-run: the diagnosis is inconclusive (the runbook's next rung follows)."""
+        return {"verdict": "inconclusive", "summary": "replay cannot re-run steps (no model)", "simulated": True,
+                "onset_step": params.get("onset_step"), "step": params.get("step")}
 
     def summary(self) -> dict[str, Any]:
         return {

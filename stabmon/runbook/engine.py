@@ -37,6 +37,7 @@ from stabmon.events import (
     Verdict,
     new_id,
 )
+from stabmon.runbook import verdicts
 from stabmon.runbook.schema import Rule, Runbook
 from stabmon.runbook.state import Incident, Sighting, WindowRow, incident_from_state, incident_state
 
@@ -145,6 +146,7 @@ class Engine:
             inc.await_step = record.step
         if "error" in record.after:
             inc.error = str(record.after["error"])
+        verdicts.note_verdict(inc, decision, record)
 
     # -- idle: does a rule fire? --
     def _maybe_open(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
@@ -173,7 +175,8 @@ class Engine:
         return []
 
     def _rule_for(self, anomaly: Anomaly) -> Rule | None:
-        return next((r for r in self.runbook.rules if r.when.matches(anomaly)), None)
+        return next((r for r in self.runbook.rules if verdicts.opens_incidents(r) and r.when.matches(anomaly)),
+                    None)
 
     def _persistent(self, rule: Rule) -> bool:
         return len({h.tick for h in self._history.get(rule.name, [])}) >= rule.when.persistence.seen
@@ -200,6 +203,8 @@ class Engine:
             if self._tick - inc.decision_tick >= self.runbook.approval.timeout:
                 return self._timeout(record.step)
             return []
+        if inc.diagnosis is not None and (followed := self._follow_diagnosis(record.step)):
+            return followed
         rule = self.runbook.rule(inc.rule)
         if inc.current.action == "alert_only" and self._acting(anomalies, rule):
             return self._supersede(record, anomalies)  # whenever it comes: an alert has nothing to wait for
@@ -216,6 +221,23 @@ class Engine:
         if inc.error is None and len(inc.window) < self._rung(inc).observe:
             return []
         return self._judge(record.step)
+
+    def _follow_diagnosis(self, step: int) -> list[Decision | Outcome]:
+        """Close the diagnose rung and continue the incident with the rule for its verdict (none: the rung
+        failed, its own ladder goes on)."""
+        inc = self._incident
+        assert inc is not None
+        verdict, inc.diagnosis = inc.diagnosis, None
+        assert verdict is not None
+        rule = verdicts.rule_for_verdict(self.runbook, inc.metric, verdict)
+        if rule is None:
+            inc.error = f"diagnosed {verdict}, but no rule has when.verdict: {verdict}"
+            return []
+        done = Outcome(intervention_id=inc.intervention_id, decision_id=inc.current.id, step=step,
+                       verdict=Verdict.ESCALATED, evidence={"diagnosis": verdict, "next_rule": rule.name},
+                       incident_id=inc.id, id=self._next_id())
+        inc.rule, inc.rung, inc.attempt, inc.trigger = rule.name, 0, 1, f"{inc.trigger}; diagnosed: {verdict}"
+        return [done, *self._issue_rung(step)]
 
     def _acting(self, anomalies: Sequence[Anomaly], current: Rule) -> bool:
         """Does an anomaly call for a rule that changes training, while only an alert is being observed?"""
@@ -331,6 +353,7 @@ class Engine:
             self._close()
             return [alert]
         params = rung.params.model_dump(exclude_none=True)
+        params.update(verdicts.diagnose_params(rung.action, inc, step))
         if rung.action == "rollback":
             params["onset_step"] = inc.onset_step
             onset_lr = next((v for st, v in reversed(self._lrs) if st <= inc.onset_step), None)

@@ -56,12 +56,17 @@ class Persistence(_Strict):
 
 class Condition(_Strict):
     """Which anomalies a rule answers: ``kind`` and ``metric`` are shell-style globs (``kind`` may be a list),
-    ``severity`` the least severity, ``persistence`` how often they must recur before the rule acts."""
+    ``severity`` the least severity, ``persistence`` how often they must recur before the rule acts.
+
+    ``verdict`` (``data`` | ``state`` | ``hardware_suspect``): the rule answers an incident whose ``diagnose``
+    rung returned this verdict, and never opens one itself (:mod:`stabmon.runbook.verdicts`); ``metric`` then
+    selects the incidents' metric, and ``kind``/``severity`` which anomalies its observation windows count."""
 
     kind: str | list[str] = "*"
     metric: str = "*"
     severity: Severity = Severity.WARNING
     persistence: Persistence = Persistence()
+    verdict: Literal["data", "state", "hardware_suspect"] | None = None
 
     def matches(self, anomaly: Anomaly) -> bool:
         kinds = [self.kind] if isinstance(self.kind, str) else self.kind
@@ -189,6 +194,10 @@ class Runbook(_Strict):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"rule names must be unique, repeated: {', '.join(dup)}")
+        diagnosing = any(getattr(rung, "action", "") == "diagnose" for r in self.rules for rung in r.ladder)
+        for r in self.rules:
+            if r.when.verdict is not None and not diagnosing:
+                raise ValueError(f"rule {r.name}: when.verdict needs a rule with a diagnose rung")
         return self
 
     def rule(self, name: str) -> Rule:

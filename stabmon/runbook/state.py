@@ -86,6 +86,7 @@ class Incident:
     changed: bool = False  #: a decision of this incident changed training
     alerted: bool = False  #: a decision of this incident was only an alert
     stop: bool = False  #: the pending decision is the runbook's checkpoint-and-stop
+    diagnosis: str | None = None  #: the verdict of an applied ``diagnose`` rung, until the engine follows it
 
     @property
     def current(self) -> Decision:

@@ -1,7 +1,9 @@
 """The causal chain of each incident, built from a run's recorded events (pure: events in, plain dicts out).
 
-For every incident: the evidence window the detector judged -> the anomaly -> each decision (runbook, rule,
-rung, reason, every status it went through) -> the intervention it caused (values before / after) -> the
+For every incident: the evidence window the detector judged (and, when the steps' data positions are given,
+the batches that made those steps) -> the anomaly -> each decision (runbook, rule, rung, reason, every status
+it went through) -> the intervention it caused (values before / after; for ``diagnose`` its verdict, the
+re-run and replay that decided it and the batches involved, with their sample ids when recorded) -> the
 outcome that judged it (verdict and the metrics that decided). ``stabmon trace RUN`` prints this.
 
 >>> from stabmon.events import Anomaly, Decision, DecisionStatus, Severity
@@ -22,8 +24,9 @@ from typing import Any
 from stabmon.events import Anomaly, Decision, InterventionRecord, Outcome, to_dict
 
 
-def build_trace(events: Iterable[Any]) -> dict[str, Any]:
-    """``{"incidents": [...], "unhandled_anomalies": n}`` from a run's events in causal order."""
+def build_trace(events: Iterable[Any], positions: Sequence[tuple[int, int | None]] = ()) -> dict[str, Any]:
+    """``{"incidents": [...], "unhandled_anomalies": n}`` from a run's events in causal order; ``positions``:
+    the (step, batch_index) of every recorded step in record order (adds each incident's ``batches``)."""
     events = list(events)
     anomalies = {e.id: e for e in events if isinstance(e, Anomaly)}
     records: dict[str, list[InterventionRecord]] = {}
@@ -43,13 +46,14 @@ def build_trace(events: Iterable[Any]) -> dict[str, Any]:
             inc = incidents[key] = {
                 "incident": key, "runbook": e.runbook, "rule": e.rule,
                 "anomaly": _anomaly(anomaly) if anomaly else None, "steps": [],
+                "batches": _batches(anomaly, positions) if anomaly else [],
             }
         if e.id in steps:  # a later status of the same decision (approved, expired, ...)
             steps[e.id]["decision"].update(status=e.status.value, step=e.step, reason=e.reason)
             steps[e.id]["statuses"].append([e.status.value, e.step])
             continue
         entry = steps[e.id] = {
-            "decision": _plain(e, ("id", "step", "action", "params", "status", "rung", "reason")),
+            "decision": _plain(e, ("id", "step", "action", "params", "status", "rule", "rung", "reason")),
             "statuses": [[e.status.value, e.step]],
             "intervention": None, "outcome": None,
         }
@@ -80,14 +84,20 @@ def format_trace(trace: dict[str, Any]) -> list[str]:
             thr = f" >= {a['threshold']:.4g}" if a.get("threshold") is not None else ""
             lines.append(f"  anomaly      {a['kind']} on {a['metric']} at step {a['step']} "
                          f"(score {a['score']:.4g}{thr}, {a['severity']}, {a['detector']})")
+        if inc.get("batches"):
+            shown = ", ".join(f"{st}:{b}" for st, b in inc["batches"][-8:])
+            lines.append(f"  batches      step:batch_index {shown}")
         for s in inc["steps"]:
             d = s["decision"]
             params = ", ".join(f"{k}={v}" for k, v in d["params"].items())
             history = " -> ".join(f"{st}@{step}" for st, step in s["statuses"])
-            lines.append(f"  decision     {d['id']} rung {d['rung'] + 1}: {d['action']}({params}) [{history}]")
+            lines.append(f"  decision     {d['id']} rule {d['rule']} rung {d['rung'] + 1}: {d['action']}({params}) "
+                         f"[{history}]")
             lines.append(f"               {d['reason']}")
             iv = s["intervention"]
-            if iv:
+            if iv and iv["action"] == "diagnose" and "error" not in iv["after"]:
+                lines.extend(diagnosis_lines(iv))
+            elif iv:
                 label = "revert" if iv["reverted"] else "intervention"
                 lines.append(f"  {label:<13}step {iv['step']}: {_changes(iv)}")
             o = s["outcome"]
@@ -97,6 +107,44 @@ def format_trace(trace: dict[str, Any]) -> list[str]:
     lines.append(f"{len(trace['incidents'])} incident(s); {trace['unhandled_anomalies']} anomaly(ies) "
                  "without an incident")
     return lines
+
+
+def diagnosis_lines(iv: dict[str, Any]) -> list[str]:
+    """A diagnose intervention: verdict, the two experiments, the batches (sample ids when recorded)."""
+    after = iv["after"]
+    lines = [f"  diagnosis    step {iv['step']}: verdict {after.get('verdict')}: {after.get('summary', '')}"]
+    rerun = after.get("rerun") or {}
+    if rerun:
+        what = {True: "reproduced", False: "NOT reproduced", None: f"not run ({rerun.get('skipped')})"}
+        m = rerun.get("mismatch")
+        differs = (f": at step {m['step']} {m['metric']} {_short(m['rerun'])} re-run, {_short(m['recorded'])} "
+                   "recorded" if m else "")
+        lines.append(f"               re-run steps {rerun.get('from_step')}-{rerun.get('to_step')} from the "
+                     f"checkpoint: {what[rerun.get('reproduced')]}{differs}")
+    for b in after.get("batches", []):
+        ids = f" samples {b['sample_ids']}" if b.get("sample_ids") is not None else ""
+        lines.append(f"               {b['role']:<9} step {b['step']} batch {b['batch_index']}: "
+                     f"{after.get('signal')} {_short(b['recorded'])} recorded, {_short(b['at_checkpoint'])} at the "
+                     f"checkpoint of step {after.get('checkpoint_step')}{ids}")
+    lines.append(f"               rank {after.get('rank')} on {after.get('host')}, {after.get('seconds')} s")
+    return lines
+
+
+def _batches(anomaly: Anomaly, positions: Sequence[tuple[int, int | None]]) -> list[list[int | None]]:
+    """[step, batch_index] of the steps of the anomaly's evidence window: the first stretch of recorded steps
+    that runs up to the anomaly's step (later timelines after a rollback repeat step numbers)."""
+    if not anomaly.evidence or not positions:
+        return []
+    first, last = anomaly.evidence[0][0], anomaly.step
+    for i, (step, _) in enumerate(positions):
+        if step == last:
+            stretch: list[tuple[int, int | None]] = []
+            for s, b in reversed(positions[: i + 1]):
+                if s < first or (stretch and s >= stretch[-1][0]):
+                    break
+                stretch.append((s, b))
+            return [[s, b] for s, b in reversed(stretch)]
+    return []
 
 
 def _changes(iv: dict[str, Any]) -> str:

@@ -238,6 +238,13 @@ def load_steps(*, session: Session, run_id: str) -> list[StepRecord]:
     return [StepRecord(step=int(s), metrics=metrics[seq], batch_index=b, time=t) for seq, s, b, t in steps]
 
 
+def batch_positions(*, session: Session, run_id: str) -> list[tuple[int, int | None]]:
+    """(step, batch_index) of every recorded step, in record order (a step trained again after a rollback
+    appears again, with the batch it got then)."""
+    q = sa.select(Step.step, Step.batch_index).where(Step.run_key == _run_key(session, run_id)).order_by(Step.seq)
+    return [(int(s), None if b is None else int(b)) for s, b in session.execute(q)]
+
+
 # -- events --------------------------------------------------------------------------------------------------
 def load_events(*, session: Session, run_id: str) -> list[Any]:
     """Anomalies, decisions, interventions and outcomes of a run, in the causal order they were written."""

@@ -1,0 +1,107 @@
+"""Which samples made each recent step: the evidence :mod:`stabmon.diagnose` re-runs and replays.
+
+:class:`BatchLog` keeps, for the last ``capacity`` steps, the step's batch index (the data cursor's), the batch
+object the loader yielded (a reference: nothing is copied), the torch RNG state at the start of the step (so
+a re-run draws the same random numbers) and the sample ids a user's ``sample_ids(batch)`` hook gives. The hook
+runs on the host when the batch is drawn and must return host values (ints or strings: a dataset's indices,
+a document id with an offset); a tensor is refused (reading it back would stall a GPU step).
+
+It exists only when a runbook rung uses ``diagnose`` or a ``sample_ids`` hook is given. Cost: ``capacity``
+batch references kept alive (the loader's own batches, before the loop moves them to a device), plus
+~5 KiB of CPU RNG state per step (and the CUDA generator's seed and offset when CUDA is in use).
+
+>>> log = BatchLog(capacity=2, sample_ids=lambda batch: [f"doc{i}" for i in batch])
+>>> for step, batch in enumerate([[1, 2], [3, 4], [5, 6]]):
+...     log.remember(step=step, batch_index=10 + step, batch=batch)
+>>> sorted(log.entries), log.entries[2].sample_ids, log.entries[2].batch_index
+([1, 2], ('doc5', 'doc6'), 12)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SampleIds = Callable[[Any], Sequence[Any]]
+"""``sample_ids(batch) -> the ids of the samples in it`` (host ints or strings)."""
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One step's batch: its data position, the batch itself, the RNG state it started with, its sample ids."""
+
+    step: int
+    batch_index: int | None
+    batch: Any
+    rng: torch.Tensor
+    cuda_rng: tuple[torch.Tensor, ...] | None = None
+    sample_ids: tuple[Any, ...] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """Plain values for the record (the batch itself is not stored)."""
+        out: dict[str, Any] = {"step": self.step, "batch_index": self.batch_index}
+        if self.sample_ids is not None:
+            out["sample_ids"] = list(self.sample_ids)
+        return out
+
+
+class BatchLog:
+    """The last ``capacity`` steps' batches; see the module docstring."""
+
+    def __init__(self, capacity: int = 256, sample_ids: SampleIds | None = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"diagnose.batches must be >= 1, got {capacity}")
+        if sample_ids is not None and not callable(sample_ids):
+            raise ValueError(f"sample_ids: expected a callable batch -> ids, got {type(sample_ids).__name__}")
+        self.capacity = capacity
+        self._ids = sample_ids
+        self.entries: OrderedDict[int, BatchEntry] = OrderedDict()
+        self.errors = 0
+
+    def remember(self, *, step: int, batch_index: int | None, batch: Any) -> None:
+        """Keep this step's batch (a step run again after a rollback replaces its old entry)."""
+        self.entries.pop(step, None)
+        cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None
+        self.entries[step] = BatchEntry(step, batch_index, batch, torch.get_rng_state(), cuda, self._sample_ids(batch))
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def _sample_ids(self, batch: Any) -> tuple[Any, ...] | None:
+        if self._ids is None:
+            return None
+        try:
+            ids = self._ids(batch)
+            if isinstance(ids, torch.Tensor):
+                raise TypeError("sample_ids returned a tensor; return host ints or strings (ids.tolist())")
+            return tuple(i if isinstance(i, (int, str)) else str(i) for i in ids)
+        except Exception:  # noqa: BLE001 - a broken hook costs the ids, never the step
+            self.errors += 1
+            if self.errors == 1:
+                log.exception("stabmon: sample_ids hook failed (ids not recorded)")
+            return None
+
+    def get(self, step: int) -> BatchEntry | None:
+        return self.entries.get(step)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+def uses_diagnose(engine: Any) -> bool:
+    """Does the engine's runbook have a ``diagnose`` rung?"""
+    rules = getattr(getattr(engine, "runbook", None), "rules", ())
+    return any(getattr(rung, "action", None) == "diagnose" for rule in rules for rung in rule.ladder)
+
+
+def batch_log_for(engine: Any, sample_ids: SampleIds | None, *, capacity: int) -> BatchLog | None:
+    """A batch log when the runbook diagnoses or sample ids are asked for, else None (nothing is kept)."""
+    if sample_ids is None and not uses_diagnose(engine):
+        return None
+    return BatchLog(capacity, sample_ids)

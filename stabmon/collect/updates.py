@@ -1,0 +1,85 @@
+"""The update norm ``||Δθ|| / ||θ||``, global and per layer: the step the optimizer actually applied.
+
+On a sampled step the optimizer pre-hook, after clipping, the skip guard and the overrides have been applied,
+copies the parameters with one fused ``torch._foreach_mul`` (:meth:`UpdateNorms.before_update`); the post-hook,
+after the skip guard restored a discarded update, subtracts the new parameters in place from that copy and takes
+two fused ``torch._foreach_norm`` (of ``Δθ`` and of ``θ``), scatter-added into the same layers as the gradient
+norms (:class:`~stabmon.collect.grads.GradNorms`). Nothing is read back to the host; a skipped update (skip
+guard, GradScaler overflow) reads 0. Under FSDP the squared norms of the shards are summed over ranks the way
+the gradient norms are.
+
+Cost: on a sampled step only, one transient copy of the parameters (their own dtype) from the pre-hook to the
+post-hook, and three fused passes over them; unsampled steps pay nothing (``config.updates.every``).
+
+>>> import torch
+>>> from stabmon.collect.grads import GradNorms
+>>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> upd = UpdateNorms(GradNorms(model))
+>>> model(torch.ones(1, 2)).sum().backward()
+>>> upd.before_update(); opt.step(); names, values = upd.after_update()
+>>> names[:2], values.shape, bool((values > 0).all())
+(['update_ratio', 'update_ratio/0'], torch.Size([3]), True)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stabmon.collect.grads import GradNorms
+from stabmon.collect.sharding import local
+from stabmon.events import Metric
+
+
+class UpdateNorms:
+    """Per-layer ``||Δθ|| / ||θ||`` of one optimizer step; see the module docstring."""
+
+    def __init__(self, grads: GradNorms) -> None:
+        self._params = grads.params
+        self._squares = grads.sharded
+        self.names = [Metric.UPDATE_RATIO] + [Metric.UPDATE_RATIO_PREFIX + n for n in grads.layer_names]
+        self._n_layers = len(grads.layer_names)
+        self._layer_idx = grads.layer_index
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._saved: list[torch.Tensor] | None = None
+
+    def before_update(self) -> None:
+        """Inside ``optimizer.step()``, once the gradients are final: keep the parameters as they are."""
+        with torch.no_grad():
+            self._saved = list(torch._foreach_mul([local(p.detach()) for p in self._params], 1.0))
+
+    def after_update(self) -> tuple[list[str], torch.Tensor | None]:
+        """After the update: (names, stacked ratios on the device), global first; (names, None) when
+        :meth:`before_update` was not called this step."""
+        saved, self._saved = self._saved, None
+        if saved is None or not saved:
+            return self.names, None
+        live = [local(p.detach()) for p in self._params]
+        with torch.no_grad():
+            torch._foreach_sub_(saved, live)  # saved now holds -Δθ
+            delta = _squares(saved)
+            theta = _squares(live)
+        if self._squares is not None:
+            delta, theta = self._squares(delta), self._squares(theta)
+        ratios = [(delta.sum() / theta.sum()).sqrt()]
+        if self._n_layers:
+            ratios.append((self._per_layer(delta) / self._per_layer(theta)).sqrt())
+        return self.names, torch.cat([r.reshape(-1) for r in ratios])
+
+    def _per_layer(self, sq: torch.Tensor) -> torch.Tensor:
+        if self._index is None:
+            pos = [i for i, layer in enumerate(self._layer_idx) if layer >= 0]
+            self._index = (
+                torch.tensor(pos, dtype=torch.long, device=sq.device),
+                torch.tensor([self._layer_idx[i] for i in pos], dtype=torch.long, device=sq.device),
+            )
+        out = torch.zeros(self._n_layers, device=sq.device, dtype=sq.dtype)
+        return out.index_add_(0, self._index[1], sq.index_select(0, self._index[0]))
+
+
+def _squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Squared fp32 L2 norm of each tensor (one fused kernel per device), stacked on the first's device."""
+    device = tensors[0].device
+    if all(t.device == device for t in tensors):
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32).to(device) for t in tensors]).square()

@@ -1,0 +1,131 @@
+"""Why did it spike? The verdict of ``diagnose``: ``data``, ``state`` or ``hardware_suspect``.
+
+Two experiments answer it (:mod:`stabmon.collect.rerun` runs them on the live model, at the flush that
+decided to diagnose; docs/diagnose.md has the costs):
+
+1. **re-run**: from the newest valid checkpoint at or before the incident's first step, the recorded steps are
+   trained again on the same batches with the same RNG state and the hyper-parameters in force then, up to
+   that first step; each step's loss and grad norm are compared with the recorded ones. A deterministic
+   re-run reproduces them; one that differs beyond ``rtol`` means the first execution did not compute what the
+   same inputs compute: a transient fault (Megatron's rerun state machine) -> ``hardware_suspect``.
+2. **replay**: at that same checkpoint state (before the incident), the loss of the incident's batches is
+   compared with the loss of the batches just before them. If the incident's batches stand out there too by
+   at least ``recur`` of the excess that was recorded (and clearly above the reference batches' spread), the
+   spike recurs from a good state: the batches are to blame -> ``data`` (roll back and skip them). If they are
+   ordinary there, it was the state meeting those batches (PaLM's finding) -> ``state`` (roll back and change
+   the recipe).
+
+When the evidence is missing (no checkpoint, the batches are gone from the batch log, a distributed run) the
+verdict is ``inconclusive`` and says why; a runbook then goes on to the diagnose rung's next rung.
+
+This module is pure (no torch): which steps to replay, and the verdict from the measured numbers.
+
+>>> window = [(10, 1.7), (11, 1.6), (12, 4.5), (13, 4.4), (14, 4.3)]
+>>> incident_steps(window, baseline=[1.7, 1.65, 1.6], limit=8)
+[12, 13, 14]
+>>> replay_recurs(incident=[4.4, 4.5], reference=[1.7, 1.6, 1.65], recorded_excess=2.8, recur=0.5)["recurs"]
+True
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+VERDICTS = ("data", "state", "hardware_suspect")
+"""The verdicts a runbook rule can branch on (``when: {verdict: ...}``)."""
+INCONCLUSIVE = "inconclusive"
+
+MIN_EXCESS = 0.05
+"""A replayed excess must also exceed this fraction of the reference batches' median to count as a recurrence."""
+SPREAD_FACTOR = 3.0
+"""... and this many median absolute deviations of the reference batches' values."""
+
+
+def finite(v: float | None) -> bool:
+    return v is not None and math.isfinite(v)
+
+
+def plain(v: float | None) -> float | str | None:
+    """A JSON-safe number: non-finite values as their name (``"nan"``, ``"inf"``)."""
+    if v is None:
+        return None
+    return float(v) if math.isfinite(v) else str(float(v))
+
+
+def incident_steps(window: Sequence[tuple[int, float]], *, baseline: Sequence[float], limit: int) -> list[int]:
+    """The steps of the incident's window that carry the trouble, at most ``limit``: those whose value rose
+    more than half way from the baseline (the median before the window) to the peak, non-finite ones included;
+    without a clear rise (a run that is not learning), the window's last ``limit`` steps."""
+    if not window:
+        return []
+    base = [v for v in baseline if finite(v)]
+    values = [v for _, v in window]
+    peak = math.inf if any(not finite(v) for v in values) else max(values)
+    if base:
+        b = statistics.median(base)
+        if not math.isfinite(peak):
+            return [s for s, v in window if not finite(v)][:limit]
+        if peak > b + max(abs(b) * MIN_EXCESS, 1e-12):
+            threshold = b + 0.5 * (peak - b)
+            return [s for s, v in window if v > threshold][:limit]
+    return [s for s, _ in window][-limit:]
+
+
+def reference_steps(available: Sequence[int], incident: Sequence[int], limit: int) -> list[int]:
+    """Up to ``limit`` available steps nearest to the incident, before it first (the batches just before the
+    onset), then after it."""
+    if not incident:
+        return []
+    first, chosen = min(incident), set(incident)
+    before = sorted((s for s in available if s < first and s not in chosen), reverse=True)[:limit]
+    after = sorted(s for s in available if s > first and s not in chosen)[: max(0, limit - len(before))]
+    return sorted(before + after)
+
+
+def mad(values: Sequence[float]) -> float:
+    med = statistics.median(values)
+    return statistics.median(abs(v - med) for v in values)
+
+
+def replay_recurs(
+    *, incident: Sequence[float], reference: Sequence[float], recorded_excess: float | None, recur: float
+) -> dict[str, Any]:
+    """Does the incident stand out at the checkpoint state? ``incident`` / ``reference``: the values of those
+    batches there; ``recorded_excess``: how far the incident stood above its baseline when it happened."""
+    ref = [v for v in reference if finite(v)]
+    if not ref or not incident:
+        return {"recurs": None, "reason": "no finite reference values at the checkpoint state"}
+    ref_med = statistics.median(ref)
+    bad = [v for v in incident if not finite(v)]
+    inc_med = math.inf if len(bad) * 2 > len(incident) else statistics.median(v for v in incident if finite(v))
+    excess = inc_med - ref_med
+    floor = max(MIN_EXCESS * abs(ref_med), SPREAD_FACTOR * mad(ref))
+    needed = max(floor, recur * recorded_excess) if recorded_excess is not None and finite(recorded_excess) else floor
+    return {"recurs": bool(excess > needed), "incident_median": plain(inc_med), "reference_median": plain(ref_med),
+            "excess": plain(excess), "recorded_excess": plain(recorded_excess), "needed": plain(needed)}
+
+
+def verdict_of(rerun: dict[str, Any] | None, replay: dict[str, Any] | None) -> tuple[str, str]:
+    """(verdict, one-line summary) from the two experiments' results."""
+    if rerun is not None and rerun.get("reproduced") is False:
+        m = rerun.get("mismatch", {})
+        return "hardware_suspect", (f"re-running step {m.get('step')} from the checkpoint of step "
+                                    f"{rerun.get('from_step')} gave {m.get('metric')} {_g(m.get('rerun'))} where the "
+                                    f"run recorded {_g(m.get('recorded'))}: the first execution was not "
+                                    "reproducible")
+    if replay is None or replay.get("recurs") is None:
+        why = (replay or {}).get("reason", "the incident's batches could not be replayed")
+        return INCONCLUSIVE, why
+    where = f"at the checkpoint of step {replay.get('checkpoint_step')}"
+    if replay["recurs"]:
+        return "data", (f"the incident's batches stand out {where} too (excess {_g(replay['excess'])} over the "
+                        f"batches before them, needed {_g(replay['needed'])}): the data is to blame")
+    return "state", (f"the incident's batches are ordinary {where} (excess {_g(replay['excess'])}, needed "
+                     f"{_g(replay['needed'])}): the state met them; change the recipe")
+
+
+def _g(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -1,0 +1,272 @@
+"""``diagnose`` on the tiny GPT: a corrupted shard is ``data``, a learning rate far too high is ``state``, a fault
+in one execution of one step is ``hardware_suspect``, and the diagnose-first runbook acts on each verdict.
+
+Every instability here is there by construction: batches 150-249 are random characters (bad-shard), the peak
+learning rate is 100x the stable one where every seed of the sweep fails (lr-too-high), or a forward hook puts an
+inf in the first block's output the first time step 110 runs (flaky-gpu). Runs are cut short after the verdict.
+Another seed or thread count: ``STABMON_TEST_SEED=7 STABMON_TEST_THREADS=2 pytest tests/test_diagnose.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from stabmon.collect.batches import BatchLog
+from stabmon.collect.config import UpdateConfig
+from stabmon.collect.updates import UpdateNorms
+from stabmon.diagnose import incident_steps, replay_recurs, verdict_of
+from stabmon.events import InterventionRecord, Metric
+from stabmon.monitor import Monitor, MonitorConfig
+
+REPO = Path(__file__).resolve().parent.parent
+SEED = int(os.environ.get("STABMON_TEST_SEED", "5"))
+THREADS = int(os.environ.get("STABMON_TEST_THREADS", "1"))
+
+
+@cache
+def scenarios() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("scenarios_diagnose", REPO / "examples" / "scenarios.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def train(scenario: str, steps: int, tmp_path: Path, **monitor: Any) -> Any:
+    sc = scenarios()
+    config = sc.scenario(scenario).config(SEED, steps=steps, threads=THREADS)
+
+    def factory(model: Any, opt: Any, sched: Any) -> Monitor:
+        return Monitor(model, opt, scheduler=sched, store=None, runbook="diagnose-first", mode="apply",
+                       config=MonitorConfig(clip=config.clip, checkpoint_every=25, checkpoint_keep=40),
+                       checkpoint_dir=str(tmp_path / "ckpt"), **monitor)
+
+    return sc.tiny_gpt.train(config, monitor=factory)
+
+
+def diagnoses(result: Any) -> list[InterventionRecord]:
+    return [e for e in result.monitor.events if isinstance(e, InterventionRecord) and e.action == "diagnose"]
+
+
+def actions_after(result: Any, record: InterventionRecord) -> list[str]:
+    events = result.monitor.events
+    later = events[events.index(record) + 1:]
+    return [e.action for e in later if isinstance(e, InterventionRecord)]
+
+
+def test_a_corrupted_shard_is_data_and_its_batches_are_skipped(tmp_path: Path) -> None:
+    result = train("bad-shard", 175, tmp_path, sample_ids=lambda batch: [f"row{i}" for i in range(len(batch[0]))])
+    (d,) = diagnoses(result)
+    ev = d.after
+    assert ev["verdict"] == "data", ev["summary"]
+    assert ev["rerun"]["reproduced"] is True  # a deterministic re-run reproduces the recorded steps
+    incident = [b for b in ev["batches"] if b["role"] == "incident"]
+    assert incident and all(150 <= b["batch_index"] < 250 for b in incident)  # exactly the corrupted batches
+    assert all(b["sample_ids"][:2] == ["row0", "row1"] for b in ev["batches"])
+    assert ev["replay"]["recurs"] is True and ev["checkpoint_step"] <= min(ev["incident_steps"])
+    assert actions_after(result, d)[0] == "rollback"
+    rollback = next(e for e in result.monitor.events if isinstance(e, InterventionRecord) and e.action == "rollback")
+    start, stop = rollback.after["skipped"]
+    assert start <= 150 and stop >= 250  # the whole shard is skipped
+
+
+def test_a_learning_rate_far_too_high_is_state_and_the_lr_is_capped(tmp_path: Path) -> None:
+    result = train("lr-too-high", 125, tmp_path)
+    (d,) = diagnoses(result)
+    assert d.after["verdict"] == "state", d.after["summary"]
+    assert d.after["rerun"]["reproduced"] is True and d.after["replay"]["recurs"] is False
+    decision = next(e for e in result.monitor.events if getattr(e, "rule", None) == "bad_state")
+    assert decision.action == "rollback" and decision.params["lr_cap"] == 0.5
+
+
+def test_a_fault_in_one_execution_of_a_step_is_hardware_suspect_and_stops_for_a_move(tmp_path: Path) -> None:
+    result = train("flaky-gpu", 125, tmp_path)
+    (d,) = diagnoses(result)
+    ev = d.after
+    assert ev["verdict"] == "hardware_suspect", ev["summary"]
+    assert ev["rerun"]["mismatch"]["step"] == 110 and ev["rerun"]["mismatch"]["recorded"] == "nan"
+    assert ev["rerun"]["from_step"] < 110  # steps before the fault were re-run and reproduced exactly
+    assert ev["host"] and ev["rank"] == 0
+    assert actions_after(result, d) == ["checkpoint_and_stop"]
+    assert result.exit_code == 88
+
+
+def test_diagnose_restores_the_run_exactly(tmp_path: Path) -> None:
+    """The experiments run on the live model: afterwards parameters, optimizer state and RNG are as before."""
+    sc = scenarios()
+    config = sc.scenario("lr-too-high").config(SEED, steps=60, threads=THREADS)
+    made: list[Monitor] = []
+
+    def factory(model: Any, opt: Any, sched: Any) -> Monitor:
+        made.append(Monitor(model, opt, scheduler=sched, store=None, runbook="diagnose-first", mode="observe",
+                            config=MonitorConfig(clip=1.0, checkpoint_every=25), checkpoint_dir=str(tmp_path)))
+        made[0].batches = BatchLog(100)  # observe mode has no engine: keep the batches anyway
+        return made[0]
+
+    sc.tiny_gpt.train(config, monitor=factory)
+    mon = made[0]
+    before = [p.detach().clone() for p in mon.model.parameters()]
+    opt_before = {k: v.clone() for k, v in mon.optimizer.state[mon.optimizer.param_groups[0]["params"][0]].items()}
+    rng = torch.get_rng_state()
+    ev = mon.diagnose(onset_step=40, step=55, metric="loss", max_batches=4, rtol=1e-4, recur=0.5)
+    assert ev["rerun"]["reproduced"] is True, ev
+    assert all(torch.equal(a, b) for a, b in zip(before, mon.model.parameters(), strict=True))
+    state = mon.optimizer.state[mon.optimizer.param_groups[0]["params"][0]]
+    assert all(torch.equal(v, state[k]) for k, v in opt_before.items())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_without_checkpoints_the_verdict_is_inconclusive_and_the_ladder_goes_on() -> None:
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [(torch.randn(8, 4, generator=torch.Generator().manual_seed(i)),) for i in range(30)]
+    with Monitor(model, opt, store=None, runbook="diagnose-first", mode="observe",
+                 loss_fn=lambda m, b: m(b[0]).pow(2).mean()) as mon:
+        mon.batches = BatchLog(50)
+        for _step, (x,) in mon.steps(data):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            mon.observe(loss=loss)
+            opt.step()
+            opt.zero_grad()
+        ev = mon.diagnose(onset_step=5, step=15, metric="loss", max_batches=4, rtol=1e-4, recur=0.5)
+    assert ev["verdict"] == "inconclusive" and "checkpoint" in ev["summary"]
+
+
+# -- the verdict logic, pure ------------------------------------------------------------------------------------
+def test_incident_steps_are_the_ones_that_rose_else_the_last_ones() -> None:
+    window = [(1, 2.0), (2, 2.1), (3, math.nan), (4, math.inf)]
+    assert incident_steps(window, baseline=[2.0, 2.0], limit=8) == [3, 4]
+    flat = [(s, 2.4) for s in range(20)]
+    assert incident_steps(flat, baseline=[], limit=3) == [17, 18, 19]
+
+
+def test_replay_needs_a_clear_excess_and_a_rerun_mismatch_wins() -> None:
+    ordinary = replay_recurs(incident=[2.45, 2.5], reference=[2.44, 2.47, 2.5], recorded_excess=0.02, recur=0.5)
+    assert ordinary["recurs"] is False  # noise never counts as a recurrence
+    assert verdict_of(None, {**ordinary, "checkpoint_step": 0})[0] == "state"
+    mismatch = {"reproduced": False, "from_step": 0, "mismatch": {"step": 3, "metric": "loss"}}
+    assert verdict_of(mismatch, {"recurs": True, "excess": 1, "needed": 0})[0] == "hardware_suspect"
+    assert verdict_of(None, None)[0] == "inconclusive"
+
+
+# -- the update norm ------------------------------------------------------------------------------------------
+def test_update_norm_is_the_step_applied_per_layer_and_zero_when_skipped() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [torch.randn(16, 4, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    expected = []
+    with Monitor(model, opt, store=None, config=MonitorConfig(clip=0.5, flush_every=2,
+                                                              updates=UpdateConfig(every=2))) as mon:
+        for _step, x in mon.steps(data):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            mon.observe(loss=loss)
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before, strict=True)])
+            theta = torch.cat([p.detach().flatten() for p in model.parameters()])
+            expected.append(float(delta.norm() / theta.norm()))
+            opt.zero_grad()
+    for r in mon.records:
+        if r.step % 2 == 0:
+            assert r.get(Metric.UPDATE_RATIO) == pytest.approx(expected[r.step], rel=1e-5)
+            assert {"update_ratio/0", "update_ratio/1"} <= set(r.metrics)
+        else:
+            assert Metric.UPDATE_RATIO not in r.metrics
+    from stabmon.collect.grads import GradNorms
+
+    p = torch.nn.Parameter(torch.ones(3))
+    upd = UpdateNorms(GradNorms(torch.nn.ParameterList([p])))
+    p.grad = torch.ones(3)
+    upd.before_update()  # a skipped update (the optimizer left the parameters as they were): nothing applied
+    assert float(upd.after_update()[1][0]) == 0.0
+
+
+# -- bad input --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("when", "message"), [
+    ("{verdict: flaky}", "when.verdict"),
+    ("{verdict: data}", "needs a rule with a diagnose rung"),
+])
+def test_a_bad_verdict_condition_is_one_line_naming_file_and_line(tmp_path: Path, when: str, message: str) -> None:
+    from stabmon.runbook import load_runbook
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"name: bad\nrules:\n  - name: r\n    when: {when}\n    ladder: [{{action: alert_only}}]\n")
+    with pytest.raises(ValueError) as err:
+        load_runbook(str(path))
+    text = str(err.value)
+    assert text.startswith(f"{path}:") and message in text and "\n" not in text
+
+
+def test_sample_ids_must_be_host_values() -> None:
+    log = BatchLog(4, sample_ids=lambda batch: torch.arange(3))
+    log.remember(step=0, batch_index=0, batch=None)
+    assert log.get(0) is not None and log.get(0).sample_ids is None and log.errors == 1
+    with pytest.raises(ValueError, match="sample_ids"):
+        BatchLog(4, sample_ids="ids")  # type: ignore[arg-type]
+
+
+# -- the CLI ----------------------------------------------------------------------------------------------------
+def test_demo_with_diagnose_first_then_trace_shows_the_data_verdict(tmp_path: Path) -> None:
+    from stabmon.cli import app
+
+    url = f"sqlite:///{tmp_path / 'demo.db'}"
+    demo = CliRunner().invoke(app, ["demo", "--scenario", "bad-shard", "--runbook", "diagnose-first", "--steps",
+                                    "175", "--seed", str(SEED), "--db", url])
+    assert demo.exit_code == 0, demo.output
+    assert "verdict data" in demo.output
+    run_id = next(line.split()[1] for line in demo.output.splitlines() if line.startswith("run: "))
+    trace = CliRunner().invoke(app, ["trace", run_id, "--db", url, "--json"])
+    assert trace.exit_code == 0, trace.output
+    assert '"verdict": "data"' in trace.output
+    incidents = json.loads(trace.output)["incidents"]
+    incident = next(i for i in incidents if i["steps"][0]["decision"]["action"] == "diagnose")
+    evidence = incident["steps"][0]["intervention"]["after"]
+    assert evidence["incident_steps"] and evidence["batches"] and incident["batches"]
+    assert incident["steps"][1]["decision"]["rule"] == "bad_data"
+    text = CliRunner().invoke(app, ["trace", run_id, "--db", url]).output
+    assert "verdict data" in text and "re-run steps" in text
+
+
+# -- the engine follows the verdict -----------------------------------------------------------------------------
+@pytest.mark.parametrize(("verdict", "rule", "action"), [
+    ("data", "bad_data", "rollback"), ("state", "bad_state", "rollback"),
+    ("hardware_suspect", "bad_hardware", "checkpoint_and_stop"), ("inconclusive", "instability", "rollback"),
+])
+def test_the_engine_continues_the_incident_with_the_verdicts_rule(verdict: str, rule: str, action: str) -> None:
+    from stabmon.events import Anomaly, Decision, Outcome, Severity, StepRecord
+    from stabmon.runbook import Engine, load_runbook
+
+    engine = Engine(load_runbook("diagnose-first"), id_seed="t")
+    spike = Anomaly(kind="spike", metric="loss", step=10, score=9.0, severity=Severity.ERROR, detector="z",
+                    evidence=((8, 1.0), (9, 1.0), (10, 5.0)))
+    (first,) = engine.process(StepRecord(10, {"loss": 5.0}), [spike])
+    assert isinstance(first, Decision) and first.action == "diagnose"
+    assert (first.params["onset_step"], first.params["step"], first.params["metric"]) == (8, 10, "loss")
+    engine.applied(first, InterventionRecord(decision_id=first.id, step=11, action="diagnose", before={},
+                                             after={"verdict": verdict, "summary": "why"}))
+    out = engine.process(StepRecord(11, {"loss": 5.0}), [])
+    outcome = next(e for e in out if isinstance(e, Outcome))
+    nxt = next(e for e in out if isinstance(e, Decision))
+    assert (nxt.rule, nxt.action, nxt.incident_id) == (rule, action, first.incident_id)
+    if verdict == "inconclusive":  # no verdict: the diagnose rung failed, its own next rung follows
+        assert outcome.evidence["error"].startswith("no verdict")
+    else:
+        assert outcome.evidence == {"diagnosis": verdict, "next_rule": rule}
+    if verdict == "hardware_suspect":
+        assert nxt.params["exit_code"] == 88
