@@ -47,6 +47,7 @@ from stabmon.collect.embeddings import EmbeddingDrift
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Flusher, Outbox
 from stabmon.collect.grads import GradNorms
+from stabmon.collect.interrupts import INTERRUPTED, ExitGuard
 from stabmon.collect.memory import DeviceMemory
 from stabmon.collect.optim import OptimizerHooks
 from stabmon.collect.ranks import RankGather, RankProbe
@@ -195,6 +196,19 @@ class Monitor:
         self._initial_saved = False
         self._watchdog = self._start_watchdog(store) if cfg.hang_timeout is not None else None
         self._hooks.install()
+        self._exit_guard = ExitGuard(self.close)  # Ctrl-C, SIGTERM or an exit without close(): run interrupted
+        if self.rank == 0:
+            self._warn_unfit()
+
+    def _warn_unfit(self) -> None:
+        """Say at start which runbook rungs cannot act on this optimizer (they would be skipped or fail)."""
+        runbook = getattr(self.pipeline.engine, "runbook", None)
+        if runbook is None:
+            return
+        from stabmon.runbook.fit import fit_warnings
+
+        for line in fit_warnings(runbook, self.hparams(), checkpoints=self.checkpoints is not None):
+            log.warning("stabmon: runbook %s: %s", runbook.name, line)
 
     def _open_outbox(self, store: Any, notifier: Any, alerts: Iterable[str] | None) -> Outbox:
         """Rank 0's store and notifier (only rank 0 writes to the store and sends alerts)."""
@@ -485,6 +499,7 @@ class Monitor:
         """Flush what is left, end the run in the store, remove the hooks. Idempotent."""
         if self._closed:
             return
+        self._exit_guard.release()
         self.end_step()
         self.flush()
         self._closed = True
@@ -501,7 +516,10 @@ class Monitor:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.close(status="failed" if exc_type is not None else None)
+        if exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
+            self.close(status=INTERRUPTED)
+        else:
+            self.close(status="failed" if exc_type is not None else None)
 
 
 def _kill_switch(path: str | None) -> Any:

@@ -24,3 +24,21 @@ def test_a_loss_observed_per_micro_batch_is_recorded_as_their_mean(as_tensor: bo
     records = monitor.flush()
     monitor.close()
     assert [r.metrics["loss"] for r in records] == [pytest.approx(1.5), pytest.approx(2.0)]
+
+
+def test_the_monitor_warns_at_start_about_rungs_that_cannot_act_on_this_optimizer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from stabmon.collect.config import MonitorConfig
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    with caplog.at_level("WARNING", logger="stabmon"):
+        Monitor(model, optimizer, store=None, runbook="opt175b", mode="apply", config=MonitorConfig(clip=1.0)).close()
+    lines = [r.getMessage() for r in caplog.records if "runbook opt175b" in r.getMessage()]
+    assert len(lines) == 5 and "set_clip to 1.5 would not lower clip (1 in force)" in lines[0]
+    assert "rung 7: rollback needs checkpoints" in lines[-1]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="stabmon"):
+        Monitor(model, optimizer, store=None, runbook="palm-rollback", mode="apply").close()
+    assert any("needs checkpoints" in r.getMessage() for r in caplog.records)

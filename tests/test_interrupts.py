@@ -1,0 +1,83 @@
+"""Ctrl-C, SIGTERM and an exit without close() end the run as ``interrupted`` with every trained step stored.
+
+Each case is a real Python process running the README's quick-start loop (no ``with``, no ``close()``) that
+interrupts itself at step 37; the database is read afterwards.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+LOOP = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    import stabmon
+
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = stabmon.Monitor(model, optimizer, store=sys.argv[1], run_name="interrupted-loop")
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    for step, _ in monitor.steps(range(1000)):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        monitor.observe(loss=loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 37:
+            how = sys.argv[2]
+            if how == "exit":
+                sys.exit(0)
+            os.kill(os.getpid(), signal.SIGINT if how == "sigint" else signal.SIGTERM)
+""")
+
+
+def _run(tmp_path: Path, how: str) -> tuple[int, str, int]:
+    db = tmp_path / "runs.db"
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    proc = subprocess.run([sys.executable, str(script), f"sqlite:///{db}", how], capture_output=True, text=True,
+                          timeout=120)
+    with sqlite3.connect(db) as con:
+        (key, status), = con.execute("SELECT key, status FROM runs").fetchall()
+        (steps,), = con.execute("SELECT count(DISTINCT step) FROM steps WHERE run_key = ?", (key,)).fetchall()
+    return proc.returncode, status, steps
+
+
+@pytest.mark.parametrize(("how", "code"), [("sigint", None), ("sigterm", 128 + 15), ("exit", 0)])
+def test_an_interrupted_loop_keeps_its_steps_and_ends_interrupted(tmp_path: Path, how: str, code: int | None) -> None:
+    returncode, status, steps = _run(tmp_path, how)
+    assert status == "interrupted"
+    assert steps == 38  # steps 0..37, the one interrupted included: it trained
+    if code is not None:
+        assert returncode == code
+    else:
+        assert returncode != 0  # KeyboardInterrupt
+
+
+def test_a_handler_the_user_installed_is_left_alone() -> None:
+    import signal
+
+    import torch
+
+    from stabmon.monitor import Monitor
+
+    def mine(signum: int, frame: object) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        model = torch.nn.Linear(2, 1)
+        monitor = Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), store=None)
+        assert signal.getsignal(signal.SIGTERM) is mine
+        monitor.close()
+        assert signal.getsignal(signal.SIGTERM) is mine
+        monitor = Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), store=None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    monitor.close()
