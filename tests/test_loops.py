@@ -36,8 +36,9 @@ def test_the_monitor_warns_at_start_about_rungs_that_cannot_act_on_this_optimize
     with caplog.at_level("WARNING", logger="stabmon"):
         Monitor(model, optimizer, store=None, runbook="opt175b", mode="apply", config=MonitorConfig(clip=1.0)).close()
     lines = [r.getMessage() for r in caplog.records if "runbook opt175b" in r.getMessage()]
-    assert len(lines) == 5 and "set_clip to 1.5 would not lower clip (1 in force)" in lines[0]
-    assert "rung 7: rollback needs checkpoints" in lines[-1]
+    unfit = [line for line in lines if "would not" in line or "has no" in line]
+    assert len(unfit) == 4 and "set_clip to 1.5 would not lower clip (1 in force)" in unfit[0]
+    assert sum("rollback needs checkpoints" in line for line in lines) == 2
     caplog.clear()
     with caplog.at_level("WARNING", logger="stabmon"):
         Monitor(model, optimizer, store=None, runbook="palm-rollback", mode="apply").close()
