@@ -20,8 +20,8 @@ from torch import nn
 from stabmon.collect.config import HANG_EXIT_CODE, HangConfig, MonitorConfig
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Flusher, Outbox
-from stabmon.collect.wiring import NullDetectors
 from stabmon.events import Anomaly, Severity, StepRecord
+from stabmon.factory import NullDetectors
 from stabmon.monitor import Monitor
 from stabmon.pipeline import Pipeline
 from stabmon.store import open_store, repo
