@@ -482,3 +482,41 @@ def test_an_anomaly_a_rule_acts_on_is_not_swallowed_by_an_alert_being_observed()
     out = d.run(1, anomalous=[2], make=lambda s: spike(s, kind="no_progress"))  # reported once, while it waits
     assert [o.verdict for o in outcomes(out)] == [Verdict.SUPERSEDED]
     assert [x.action for x in decisions(out)] == ["scale_lr"]
+
+
+def test_a_skipped_rung_costs_no_window_and_no_budget() -> None:
+    eng = Engine(runbook(budget=1), id_seed="s")
+    (dec,) = eng.process(StepRecord(1, {"loss": 2.0}), [spike(1)])
+    eng.applied(dec, InterventionRecord(decision_id=dec.id, step=1, action=dec.action, before={},
+                                        after={"skipped": "set_clip only lowers clip: 1 now, the rung gives 1.5"}))
+    out = eng.process(StepRecord(2, {"loss": 2.0}), [])
+    (done,) = outcomes(out)
+    assert done.verdict == Verdict.ESCALATED and done.evidence["skipped"].startswith("set_clip only lowers")
+    (nxt,) = decisions(out)
+    assert nxt.action == "set_beta2" and nxt.status == DecisionStatus.APPLY  # budget 1 not spent by the skip
+
+
+def test_with_the_real_executor_a_ladder_that_would_loosen_clipping_skips_to_its_first_real_change() -> None:
+    from stabmon.interventions import Executor
+    from stabmon.overrides import Overrides
+
+    class Target:
+        overrides = Overrides()
+        step = 1
+
+        def hparams(self) -> dict[str, float]:
+            o = self.overrides
+            return {"clip": o.max_norm or 1.0, "beta2": o.beta2 or 0.95, "lr": 1e-3 * o.lr_scale}
+
+    eng, ex = Engine(runbook(), id_seed="s"), Executor(Target())
+    produced = eng.process(StepRecord(1, {"loss": 2.0}), [spike(1)])
+    actions = []
+    for step in range(2, 6):
+        for ev in decisions(produced):
+            record = ex.execute(ev)
+            assert record is not None
+            eng.applied(ev, record)
+            actions.append((ev.action, "skipped" in record.after))
+        produced = eng.process(StepRecord(step, {"loss": 2.0}), [])
+    # clip 1.0 and beta2 0.95 already in force: both rungs are skipped at once, the LR cut is the first change
+    assert actions == [("set_clip", True), ("set_beta2", True), ("scale_lr", False)]

@@ -146,6 +146,10 @@ class Engine:
             inc.await_step = record.step
         if "error" in record.after:
             inc.error = str(record.after["error"])
+        if "skipped" in record.after:  # nothing changed: no window to wait for, no budget spent
+            inc.skipped = str(record.after["skipped"])
+            if self._budget and decision.action != "alert_only":
+                self._budget.pop()
         verdicts.note_verdict(inc, decision, record)
 
     # -- idle: does a rule fire? --
@@ -218,7 +222,7 @@ class Engine:
         matched = sum(1 for a in anomalies if rule.when.matches(a))
         signal = record.get(inc.metric)
         inc.window.append(WindowRow(record.step, _num(record.get(Metric.LOSS)), _num(signal), matched))
-        if inc.error is None and len(inc.window) < self._rung(inc).observe:
+        if inc.error is None and inc.skipped is None and len(inc.window) < self._rung(inc).observe:
             return []
         return self._judge(record.step)
 
@@ -285,6 +289,13 @@ class Engine:
             return Outcome(intervention_id=inc.intervention_id, decision_id=decision_id, step=step,
                            verdict=verdict, evidence=evidence, incident_id=inc.id, id=self._next_id())
 
+        if inc.skipped is not None:  # the rung changed nothing: straight on to the next one, whatever on_failure
+            evidence = {"skipped": inc.skipped, "metric": inc.metric}
+            if inc.rung + 1 < len(rule.ladder):
+                inc.rung, inc.attempt = inc.rung + 1, 1
+                return [outcome(Verdict.ESCALATED)] + self._issue_rung(step)
+            self._close()
+            return [outcome(Verdict.EXHAUSTED)]
         if ok:
             self._close()
             return [outcome(Verdict.RESOLVED)]
@@ -400,7 +411,7 @@ class Engine:
         if decision.action != "alert_only":
             self._budget.append(self._tick)
         inc.phase, inc.decision, inc.window = "observing", _kept(decision), []
-        inc.intervention_id = inc.error = inc.effective_step = inc.await_step = None
+        inc.intervention_id = inc.error = inc.skipped = inc.effective_step = inc.await_step = None
 
     def _decision(self, action: str, params: dict[str, Any], status: DecisionStatus, step: int,
                   reason: str) -> Decision:

@@ -81,6 +81,7 @@ class Incident:
     window: list[WindowRow] = field(default_factory=list)
     intervention_id: str | None = None  #: the record of the current decision's application
     error: str | None = None  #: why the current decision failed to apply
+    skipped: str | None = None  #: why the current decision was not applied (it would change nothing, or do harm)
     effective_step: int | None = None  #: records of earlier steps predate the change: not observed
     await_step: int | None = None  #: a live rollback: observing starts at the record of this (restored) step
     changed: bool = False  #: a decision of this incident changed training
