@@ -488,7 +488,7 @@ def test_a_skipped_rung_costs_no_window_and_no_budget() -> None:
     eng = Engine(runbook(budget=1), id_seed="s")
     (dec,) = eng.process(StepRecord(1, {"loss": 2.0}), [spike(1)])
     eng.applied(dec, InterventionRecord(decision_id=dec.id, step=1, action=dec.action, before={},
-                                        after={"skipped": "set_clip only lowers clip: 1 now, the rung gives 1.5"}))
+                                        after={"not_applied": "set_clip only lowers clip: 1 now, the rung gives 1.5"}))
     out = eng.process(StepRecord(2, {"loss": 2.0}), [])
     (done,) = outcomes(out)
     assert done.verdict == Verdict.ESCALATED and done.evidence["skipped"].startswith("set_clip only lowers")
@@ -516,7 +516,7 @@ def test_with_the_real_executor_a_ladder_that_would_loosen_clipping_skips_to_its
             record = ex.execute(ev)
             assert record is not None
             eng.applied(ev, record)
-            actions.append((ev.action, "skipped" in record.after))
+            actions.append((ev.action, "not_applied" in record.after))
         produced = eng.process(StepRecord(step, {"loss": 2.0}), [])
     # clip 1.0 and beta2 0.95 already in force: both rungs are skipped at once, the LR cut is the first change
     assert actions == [("set_clip", True), ("set_beta2", True), ("scale_lr", False)]

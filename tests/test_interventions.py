@@ -286,7 +286,7 @@ def test_a_change_the_harmful_way_or_none_at_all_is_skipped_and_recorded(action,
     assert t.overrides == Overrides()  # nothing touched
     ex = Executor(t)
     rec = ex.execute(decision(action, params))
-    assert rec is not None and why in rec.after["skipped"] and "error" not in rec.after and ex.errors == 0
+    assert rec is not None and why in rec.after["not_applied"] and "error" not in rec.after and ex.errors == 0
 
 
 def test_scale_lr_during_a_warm_up_at_lr_zero_still_applies_to_later_steps() -> None:

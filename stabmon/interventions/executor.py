@@ -6,7 +6,7 @@ action up in the registry, builds the intervention, applies it and returns its a
 decision undoes the intervention named in ``params["intervention_id"]``. A failure is caught, logged and
 counted, never raised into training: the returned record then carries ``after["error"]`` and the engine judges
 the rung as failed. A change that would do nothing or move a value the harmful way
-(:class:`~stabmon.interventions.base.NoChange`) is not applied: the record carries ``after["skipped"]`` with
+(:class:`~stabmon.interventions.base.NoChange`) is not applied: the record carries ``after["not_applied"]`` with
 the reason.
 """
 
@@ -58,7 +58,7 @@ class Executor:
             log.info("stabmon: %s for decision %s skipped: %s", decision.action, decision.id, exc)
             return InterventionRecord(
                 decision_id=decision.id, step=_step(self.target), action=decision.action, before={},
-                after={"skipped": str(exc)}, simulated=self.simulated,
+                after={"not_applied": str(exc)}, simulated=self.simulated,
             )
         except Exception as exc:  # noqa: BLE001 - never raise into training
             self.errors += 1

@@ -146,8 +146,8 @@ class Engine:
             inc.await_step = record.step
         if "error" in record.after:
             inc.error = str(record.after["error"])
-        if "skipped" in record.after:  # nothing changed: no window to wait for, no budget spent
-            inc.skipped = str(record.after["skipped"])
+        if "not_applied" in record.after:  # nothing changed: no window to wait for, no budget spent
+            inc.skipped = str(record.after["not_applied"])
             if self._budget and decision.action != "alert_only":
                 self._budget.pop()
         verdicts.note_verdict(inc, decision, record)
