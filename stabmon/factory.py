@@ -2,8 +2,8 @@
 
 :func:`build_pipeline` turns the plain forms a user gives (a runbook name or path, a detector config mapping,
 ``detector.param=value`` overrides, a mode) or ready objects implementing the pipeline protocols into the
-detector suite, the runbook engine and the executor acting on ``target``: the live
-:class:`~stabmon.monitor.Monitor` passes itself, replay a :class:`~stabmon.replay.simulate.SimulatedTarget`.
+detector suite, the runbook engine and the executor acting on ``target``: the live monitor passes its
+:class:`~stabmon.collect.target.LiveTarget`, replay a :class:`~stabmon.replay.simulate.SimulatedTarget`.
 Nothing here imports torch, so ``stabmon replay``, ``eval`` and ``tune`` never load it. Bad input is a one-line
 ``ValueError`` naming the argument.
 
