@@ -16,6 +16,8 @@ import sqlalchemy as sa
 import torch
 from sqlalchemy.engine import make_url
 
+from stabmon.factory import NullDetectors
+
 FAST = {"flush_interval": 0.02, "retry_initial": 0.05, "retry_max": 0.2}
 
 SPIKE_RUNBOOK = """
@@ -209,7 +211,7 @@ def train(
     return out
 
 
-class SpikeDetectors:
+class SpikeDetectors(NullDetectors):
     """Flags every loss above 1e3 (the injected spikes), nothing else."""
 
     def update(self, record: Any) -> list[Any]:
@@ -221,15 +223,6 @@ class SpikeDetectors:
         return [
             Anomaly(kind="spike", metric="loss", step=record.step, score=v, severity=Severity.ERROR, detector="fault")
         ]
-
-    def enter_grace(self, steps: int | None = None) -> None:
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        return None
 
 
 def spike_runbook(mode: str = "apply", timeout: int = 200) -> Any:
