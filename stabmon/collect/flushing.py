@@ -13,7 +13,7 @@ training thread keeps the lock for ``handoff_after`` seconds (stuck in a write),
 handed to the training thread's next flush instead.
 
 >>> from stabmon.collect.failsafe import Failsafe
->>> from stabmon.collect.wiring import NullDetectors
+>>> from stabmon.factory import NullDetectors
 >>> from stabmon.pipeline import Pipeline
 >>> class Target:
 ...     should_stop, stop_reason = False, None
