@@ -43,3 +43,44 @@ def test_the_monitor_warns_at_start_about_rungs_that_cannot_act_on_this_optimize
     with caplog.at_level("WARNING", logger="stabmon"):
         Monitor(model, optimizer, store=None, runbook="palm-rollback", mode="apply").close()
     assert any("needs checkpoints" in r.getMessage() for r in caplog.records)
+
+
+def test_propose_mode_without_alerts_prints_one_line_with_the_commands_that_answer(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from stabmon.cli import app
+    from stabmon.events import Anomaly, Severity
+    from stabmon.factory import NullDetectors
+    from stabmon.runbook import loads_runbook
+
+    class LossAbove(NullDetectors):
+        def update(self, record):  # type: ignore[no-untyped-def]
+            loss = record.get("loss")
+            if loss is None or loss < 100:
+                return []
+            return [Anomaly(kind="spike", metric="loss", step=record.step, score=loss, severity=Severity.ERROR,
+                            detector="test")]
+
+    runbook = loads_runbook("name: p\nmode: propose\nrules:\n  - name: r\n    when: {kind: spike}\n"
+                            "    ladder: [{action: set_clip, params: {max_norm: 0.5}, observe: 5}]\n")
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with caplog.at_level("WARNING", logger="stabmon"):
+        with Monitor(model, optimizer, store=url, runbook=runbook, mode="propose", detectors=LossAbove()) as mon:
+            for step, _ in mon.steps(range(30)):
+                mon.observe(loss=torch.tensor(500.0 if step == 12 else 1.0))
+                model(torch.ones(2)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    (line,) = [r.getMessage() for r in caplog.records if "waits for an answer" in r.getMessage()]
+    assert "set_clip(max_norm=0.5)" in line
+    approve = line.split("; ", 1)[1].split("  |  ")[0]
+    args = shlex.split(approve)
+    assert args[:2] == ["stabmon", "approve"]
+    res = CliRunner().invoke(app, args[1:])
+    assert res.exit_code == 0, res.output

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from stabmon.collect.distributed import RankFollower, broadcast, executed_decisions
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.wiring import environment
-from stabmon.events import Anomaly, Event, StepRecord
+from stabmon.events import Anomaly, Decision, DecisionStatus, Event, StepRecord
 from stabmon.pipeline import Pipeline
 from stabmon.sinks import NotifierLike, Sink
 
@@ -128,6 +128,15 @@ class Outbox:
             self.failsafe.call("alerts", lambda: notifier.close(timeout=10.0))
         if store is not None:
             self.failsafe.call("store", lambda: store.flush(timeout=30.0))
+
+    def proposal_line(self, decision: Decision) -> str:
+        """One line for a terminal: what is proposed and the commands that answer it."""
+        url = getattr(self.store, "url", None)
+        db = f" --db '{url}'" if url else ""
+        params = ", ".join(f"{k}={v}" for k, v in decision.params.items())
+        return (f"stabmon: proposal {decision.id} waits for an answer: {decision.action}({params}) at step "
+                f"{decision.step}; stabmon approve {self.run_id} {decision.id}{db}  |  "
+                f"stabmon reject {self.run_id} {decision.id}{db}")
 
     def notifier_state(self) -> dict[str, Any] | None:
         """Which channels were told about which incident, so a resumed run does not page again."""
@@ -273,3 +282,7 @@ class Flusher:
         self.events.extend(low)
         self.anomalies.extend(e for e in low if isinstance(e, Anomaly))
         self.outbox.send(low)
+        if self.outbox.notifier is None:  # no alert channel: the person at the terminal must hear of it
+            for d in low:
+                if isinstance(d, Decision) and d.status == DecisionStatus.PROPOSED:
+                    log.warning("%s", self.outbox.proposal_line(d))
