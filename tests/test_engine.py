@@ -520,3 +520,24 @@ def test_with_the_real_executor_a_ladder_that_would_loosen_clipping_skips_to_its
         produced = eng.process(StepRecord(step, {"loss": 2.0}), [])
     # clip 1.0 and beta2 0.95 already in force: both rungs are skipped at once, the LR cut is the first change
     assert actions == [("set_clip", True), ("set_beta2", True), ("scale_lr", False)]
+
+
+def test_an_approval_timeout_given_as_a_duration_counts_wall_clock_time_not_steps() -> None:
+    rb = loads_runbook("name: d\nmode: propose\napproval: {timeout: 2m}\nrules:\n  - name: r\n"
+                       "    when: {kind: spike}\n    ladder: [{action: set_clip, params: {max_norm: 1.0}}]\n")
+    eng = Engine(rb, id_seed="s")
+    (proposal,) = eng.process(StepRecord(1, {"loss": 2.0}, time=1000.0), [spike(1)])
+    assert proposal.status == DecisionStatus.PROPOSED
+    quiet = [eng.process(StepRecord(s, {"loss": 2.0}, time=1000.0 + s), []) for s in range(2, 100)]
+    assert not any(quiet)  # 98 steps in 99 s: still waiting
+    (expired,) = eng.process(StepRecord(100, {"loss": 2.0}, time=1121.0), [])
+    assert expired.status == DecisionStatus.EXPIRED and "no answer within 2m" in expired.reason
+
+
+@pytest.mark.parametrize("bad", ["10", "10x", "-5m", "0s", 0, "m"])
+def test_a_bad_approval_timeout_is_a_one_line_error(bad: object) -> None:
+    from stabmon.runbook import RunbookError
+
+    text = f"name: d\napproval: {{timeout: {bad!r}}}\nrules:\n  - name: r\n    ladder: [{{action: alert_only}}]\n"
+    with pytest.raises(RunbookError, match=r"approval.timeout"):
+        loads_runbook(text)

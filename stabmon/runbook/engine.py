@@ -77,6 +77,7 @@ class Engine:
         self._salt = id_seed if id_seed is not None else new_id()
         self._counter = 0
         self._tick = 0
+        self._now: float | None = None  # wall-clock time of the record being processed
         # recent (step, loss) pairs: a bounded deque, so remembering one per record costs no list shifting
         self._losses: deque[tuple[int, float]] = deque(maxlen=runbook.baseline_steps + _HISTORY_MARGIN)
         self._lrs: deque[tuple[int, float]] = deque(maxlen=runbook.baseline_steps + _HISTORY_MARGIN)
@@ -94,6 +95,7 @@ class Engine:
 
     def process(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
         self._tick += 1
+        self._now = record.time
         loss = record.metrics.get(Metric.LOSS)  # remember the recent losses (inline: this runs on every record)
         if loss is not None and math.isfinite(loss):
             self._losses.append((record.step, loss))
@@ -126,6 +128,7 @@ class Engine:
         inc = self._incident
         if inc is not None and inc.phase == "proposed":
             inc.decision_tick += ticks
+            inc.decision_time = self._now  # a duration restarts: answers could not be read meanwhile
 
     def applied(self, decision: Decision, record: InterventionRecord) -> None:
         if decision.action == "checkpoint_and_stop" and "error" not in record.after:
@@ -204,9 +207,7 @@ class Engine:
         inc = self._incident
         assert inc is not None
         if inc.phase == "proposed":
-            if self._tick - inc.decision_tick >= self.runbook.approval.timeout:
-                return self._timeout(record.step)
-            return []
+            return self._timeout(record.step) if self._expired(inc) else []
         if inc.diagnosis is not None and (followed := self._follow_diagnosis(record.step)):
             return followed
         rule = self.runbook.rule(inc.rule)
@@ -263,11 +264,21 @@ class Engine:
         self._close()
         return [done, *self._maybe_open(record, anomalies)]
 
+    def _expired(self, inc: Incident) -> bool:
+        approval = self.runbook.approval
+        if approval.steps is not None:
+            return self._tick - inc.decision_tick >= approval.steps
+        if inc.decision_time is None or self._now is None:  # records without times: a duration cannot pass
+            inc.decision_time = inc.decision_time if inc.decision_time is not None else self._now
+            return False
+        return self._now - inc.decision_time >= (approval.seconds or 0.0)
+
     def _timeout(self, step: int) -> list[Decision | Outcome]:
         inc = self._incident
         assert inc is not None
         decision = inc.current
-        waited = f"no answer after {self.runbook.approval.timeout} steps"
+        timeout = self.runbook.approval.timeout
+        waited = f"no answer after {timeout} steps" if isinstance(timeout, int) else f"no answer within {timeout}"
         if self.runbook.approval.on_timeout == "expire":
             self._close()
             return [dataclasses.replace(decision, status=DecisionStatus.EXPIRED, step=step,
@@ -389,6 +400,7 @@ class Engine:
         decision = self._decision(action, params, status, step, reason)
         if status == DecisionStatus.PROPOSED:
             inc.phase, inc.decision, inc.decision_tick = "proposed", _kept(decision), self._tick
+            inc.decision_time = self._now
         else:
             self._start(decision)
         return decision

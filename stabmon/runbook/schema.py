@@ -31,7 +31,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from stabmon.events import Anomaly, Severity
 from stabmon.interventions import INTERVENTIONS, Intervention
@@ -157,11 +157,48 @@ class Budget(_Strict):
     per_steps: int = Field(default=1000, ge=1)
 
 
-class Approval(_Strict):
-    """Propose mode: a proposal unanswered after ``timeout`` steps expires or is applied (``on_timeout``)."""
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
-    timeout: int = Field(default=500, ge=1)
+
+class Approval(_Strict):
+    """Propose mode: a proposal unanswered after ``timeout`` expires or is applied (``on_timeout``).
+    ``timeout`` is a number of steps (``500``) or a duration (``"90s"``, ``"10m"``, ``"2h"``) measured on the
+    steps' wall-clock times, for loops so fast that steps pass in seconds.
+
+    >>> Approval(timeout="10m").seconds, Approval(timeout=200).steps
+    (600.0, 200)
+    """
+
+    timeout: int | str = 500
     on_timeout: Literal["expire", "auto_apply"] = "expire"
+
+    @field_validator("timeout")
+    @classmethod
+    def _steps_or_duration(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 1:
+                raise ValueError(f"must be >= 1 step or a duration such as '10m', got {value}")
+            return value
+        if isinstance(value, str) and _duration(value) is not None:
+            return value
+        raise ValueError(f"expected a number of steps or a duration such as '90s', '10m', '2h', got {value!r}")
+
+    @property
+    def steps(self) -> int | None:
+        return self.timeout if isinstance(self.timeout, int) else None
+
+    @property
+    def seconds(self) -> float | None:
+        return _duration(self.timeout) if isinstance(self.timeout, str) else None
+
+
+def _duration(text: str) -> float | None:
+    number, unit = text.strip()[:-1], text.strip()[-1:]
+    try:
+        value = float(number)
+    except ValueError:
+        return None
+    return value * _UNITS[unit] if unit in _UNITS and value > 0 else None
 
 
 class Runbook(_Strict):

@@ -78,6 +78,7 @@ class Incident:
     phase: str = "idle"  #: "idle" (no decision yet), "proposed" (waiting for an answer) or "observing"
     decision: Decision | None = None  #: the current decision
     decision_tick: int = 0  #: the record counter when a proposal was made (its approval timeout counts from it)
+    decision_time: float | None = None  #: wall-clock time of that record (a timeout given as a duration)
     window: list[WindowRow] = field(default_factory=list)
     intervention_id: str | None = None  #: the record of the current decision's application
     error: str | None = None  #: why the current decision failed to apply
