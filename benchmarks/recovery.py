@@ -64,11 +64,14 @@ class Row:
     seconds: float
 
 
-def monitored(config: tiny_gpt.TrainConfig, runbook: str, ckpt: str) -> tiny_gpt.TrainResult:
+def monitored(
+    config: tiny_gpt.TrainConfig, runbook: str, ckpt: str, detectors: dict[str, Any] | None = None
+) -> tiny_gpt.TrainResult:
     from stabmon.monitor import Monitor, MonitorConfig
 
     def factory(model: Any, opt: Any, sched: Any, scaler: Any = None) -> Monitor:
         return Monitor(model, opt, scheduler=sched, scaler=scaler, store=None, runbook=runbook, mode="apply",
+                       detectors=detectors,
                        checkpoint_dir=ckpt, run_name=f"recovery-{runbook}",
                        config=MonitorConfig(clip=config.clip, checkpoint_every=CHECKPOINT_EVERY,
                                             checkpoint_keep=40,
