@@ -75,8 +75,9 @@ def resolve_runbook(runbook: Any) -> Any:
     try:
         return load_runbook(os.fspath(runbook))
     except (ValueError, OSError, TypeError) as exc:
-        first = (str(exc).splitlines() or [""])[0]
-        raise ValueError(f"runbook: {first}") from None
+        lines = [line for line in str(exc).splitlines() if line.strip()] or [""]
+        every = lines[0] if len(lines) == 1 else f"{len(lines)} problems: " + "; ".join(lines)
+        raise ValueError(f"runbook: {every}") from None  # one line, every problem (as `runbook validate`)
 
 
 def resolve_engine(runbook: Any, mode: str | None) -> EngineLike | None:

@@ -84,3 +84,15 @@ def test_propose_mode_without_alerts_prints_one_line_with_the_commands_that_answ
     assert args[:2] == ["stabmon", "approve"]
     res = CliRunner().invoke(app, args[1:])
     assert res.exit_code == 0, res.output
+
+
+def test_the_monitor_names_every_problem_of_a_bad_runbook_on_one_line(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nrules:\n  - name: r\n    ladder:\n      - action: set_clip\n        observe: -1\n")
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError) as info:
+        Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), store=None, runbook=str(bad))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("runbook: 2 problems: ")
+    assert f"{bad}:5: rules[0].ladder[0].params: Field required" in message
+    assert f"{bad}:6: rules[0].ladder[0].observe: Input should be greater than or equal to 1" in message

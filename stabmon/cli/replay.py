@@ -226,7 +226,9 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         detail = r.get("message") or r.get("reason") or ""
         if r["type"] == "Decision":
-            detail = f"{r.get('status')} {r.get('params')} ({r.get('rule')} rung {r.get('rung')})"
+            rung = r.get("rung")
+            shown = rung + 1 if isinstance(rung, int) else rung  # 1-based, as in `stabmon trace` and the reasons
+            detail = f"{r.get('status')} {r.get('params')} ({r.get('rule')} rung {shown})"
         elif r["type"] == "InterventionRecord":
             detail = f"{r.get('before')} -> {r.get('after')}"
         table.add_row(
