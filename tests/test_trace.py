@@ -116,7 +116,7 @@ def test_trace_shows_the_chain_per_incident(store: Any, sqlite_url: str) -> None
     text = CliRunner().invoke(app, ["trace", run_id, "--db", sqlite_url])
     assert text.exit_code == 0
     out = text.output
-    assert "evidence     grad_norm steps 4-7: 1, 1, 1, 9" in out
+    assert "evidence     grad_norm steps 4-7: baseline 1, peak 9 at step 7; values 1, 1, 1, 9" in out
     assert "intervention step 7: max_norm None -> 1.5; clip 2.5 -> 1.5" in out
     assert "outcome      reverted at step 10" in out and "outcome      resolved at step 13" in out
     assert "1 incident(s); 2 anomaly(ies) without an incident" in out

@@ -18,6 +18,8 @@ outcome that judged it (verdict and the metrics that decided). ``stabmon trace R
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -79,8 +81,7 @@ def format_trace(trace: dict[str, Any]) -> list[str]:
         if a:
             ev = a["evidence"]
             if ev:
-                shown = ", ".join(f"{v:.4g}" for _, v in ev[-8:])
-                lines.append(f"  evidence     {a['metric']} steps {ev[0][0]}-{ev[-1][0]}: {shown}")
+                lines.append(f"  evidence     {_evidence_line(a['metric'], ev)}")
             thr = f" >= {a['threshold']:.4g}" if a.get("threshold") is not None else ""
             lines.append(f"  anomaly      {a['kind']} on {a['metric']} at step {a['step']} "
                          f"(score {a['score']:.4g}{thr}, {a['severity']}, {a['detector']})")
@@ -173,3 +174,24 @@ def _anomaly(a: Anomaly) -> dict[str, Any]:
 def _plain(event: Any, fields: Sequence[str]) -> dict[str, Any]:
     d = to_dict(event)
     return {f: d[f] for f in fields}
+
+
+def _evidence_line(metric: str, evidence: list[Any]) -> str:
+    """The window in one line: its baseline (median of the values before the peak) and peak, then the last
+    values, labelled as the last ones when the window holds more.
+
+    >>> _evidence_line("loss", [(1, 2.0), (2, 2.1), (3, 1.9), (4, 6.0)])
+    'loss steps 1-4: baseline 2, peak 6 at step 4; values 2, 2.1, 1.9, 6'
+    """
+    values = [(s, v) for s, v in evidence if isinstance(v, (int, float))]
+    finite = [(s, v) for s, v in values if math.isfinite(v)]
+    head = f"{metric} steps {evidence[0][0]}-{evidence[-1][0]}"
+    broken = [(s, v) for s, v in values if not math.isfinite(v)]
+    if finite or broken:
+        peak_step, peak = broken[0] if broken else max(finite, key=lambda sv: sv[1])
+        before = [v for s, v in finite if s < peak_step]
+        base = f"baseline {statistics.median(before):.4g}, " if before else ""
+        head += f": {base}peak {peak:.4g} at step {peak_step}"
+    tail = values[-8:]
+    label = "values" if len(tail) == len(values) else f"last {len(tail)} of {len(values)}"
+    return f"{head}; {label} " + ", ".join(f"{v:.4g}" for _, v in tail)
