@@ -254,7 +254,8 @@ class Monitor:
 
     @property
     def exit_code(self) -> int:
-        """0, or ``config.exit_code`` (:data:`stabmon.checkpoints.STOP_EXIT_CODE`) after a requested stop."""
+        """0, or after a requested stop its code: ``config.exit_code`` (:data:`stabmon.checkpoints.STOP_EXIT_CODE`)
+        unless the stopping rung named another (``HARDWARE_EXIT_CODE`` after a hardware-suspect diagnosis)."""
         return self.target.exit_code
 
     @property
