@@ -15,8 +15,12 @@ decided to diagnose; docs/diagnose.md has the costs):
    ordinary there, it was the state meeting those batches (PaLM's finding) -> ``state`` (roll back and change
    the recipe).
 
-When the evidence is missing (no checkpoint, the batches are gone from the batch log, a distributed run) the
-verdict is ``inconclusive`` and says why; a runbook then goes on to the diagnose rung's next rung.
+Under torch.distributed every rank runs both experiments on its own batches; :func:`combine_reruns` names the
+rank whose own loss did not reproduce, and the replay takes each step's mean over ranks (:func:`mean_values`).
+
+When the evidence is missing (no checkpoint, the batches are gone from the batch log, ranks that cannot agree
+on a plan) the verdict is ``inconclusive`` and says why; a runbook then goes on to the diagnose rung's next
+rung.
 
 This module is pure (no torch): which steps to replay, and the verdict from the measured numbers.
 
@@ -108,14 +112,64 @@ def replay_recurs(
             "excess": plain(excess), "recorded_excess": plain(recorded_excess), "needed": plain(needed)}
 
 
+def mean_values(per_rank: Sequence[dict[int, float]]) -> dict[int, float]:
+    """Each step's mean over ranks (NaN on any rank stays NaN), as the record's cross-rank mean."""
+    return {s: sum(r[s] for r in per_rank) / len(per_rank) for s in per_rank[0]}
+
+
+def combine_reruns(reruns: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One re-run result from every rank's (each with its ``rank`` and ``host``; one process: one).
+
+    The earliest step any rank failed to reproduce decides: the ranks whose *own* value (the loss they
+    computed themselves) differs there are the suspects, the first of them is named in ``mismatch``; when only
+    values reduced across ranks differ (the fault was in a backward pass or a collective, and every rank saw
+    it) no rank is named. ``ranks``: each rank's recorded and re-run values at that step (or the last one).
+
+    >>> ok = {"rank": 0, "host": "a", "from_step": 5, "to_step": 7, "rtol": 1e-4, "reproduced": True, "steps": []}
+    >>> bad = {**ok, "rank": 1, "host": "b", "reproduced": False,
+    ...        "mismatch": {"step": 7, "metric": "loss", "recorded": "nan", "rerun": 1.7, "own": True}}
+    >>> out = combine_reruns([ok, bad]); out["mismatch"]["rank"], out["mismatch"]["host"], out["suspect_ranks"]
+    (1, 'b', [1])
+    """
+    first = reruns[0]
+    out: dict[str, Any] = {k: first.get(k) for k in ("from_step", "to_step", "rtol")}
+    skipped = next((r for r in reruns if r.get("reproduced") is None), None)
+    if skipped is not None:
+        return {**out, "reproduced": None, "skipped": skipped.get("skipped")}
+    bad = [r for r in reruns if r["reproduced"] is False]
+    step = min((r["mismatch"]["step"] for r in bad), default=first.get("to_step"))
+    out["ranks"] = [_at(r, step) for r in reruns]
+    if not bad:
+        return {**out, "reproduced": True}
+    there = [r for r in bad if r["mismatch"]["step"] == step]
+    own = [r for r in there if r["mismatch"].get("own")]
+    chosen = (own or there)[0]
+    named = {"rank": chosen["rank"], "host": chosen["host"]} if own else {"rank": None, "host": None}
+    return {**out, "reproduced": False, "mismatch": {**chosen["mismatch"], **named},
+            "suspect_ranks": [r["rank"] for r in own]}
+
+
+def _at(rerun: dict[str, Any], step: Any) -> dict[str, Any]:
+    """A rank's recorded and re-run values at ``step``."""
+    row: dict[str, Any] = next((s for s in rerun.get("steps", []) if s["step"] == step), {})
+    return {"rank": rerun.get("rank"), "host": rerun.get("host"), "reproduced": rerun.get("reproduced"),
+            "step": step, "recorded": row.get("recorded"), "rerun": row.get("rerun")}
+
+
 def verdict_of(rerun: dict[str, Any] | None, replay: dict[str, Any] | None) -> tuple[str, str]:
     """(verdict, one-line summary) from the two experiments' results."""
     if rerun is not None and rerun.get("reproduced") is False:
         m = rerun.get("mismatch", {})
+        who, what = "the run", "the first execution was not reproducible"
+        if len(rerun.get("ranks", ())) > 1:
+            if m.get("rank") is not None:
+                who = f"rank {m['rank']} ({m.get('host')})"
+                what = f"rank {m['rank']}'s first execution was not reproducible"
+            else:
+                who, what = "every rank", "a value reduced across ranks did not reproduce: no rank can be named"
         return "hardware_suspect", (f"re-running step {m.get('step')} from the checkpoint of step "
-                                    f"{rerun.get('from_step')} gave {m.get('metric')} {_g(m.get('rerun'))} where the "
-                                    f"run recorded {_g(m.get('recorded'))}: the first execution was not "
-                                    "reproducible")
+                                    f"{rerun.get('from_step')} gave {m.get('metric')} {_g(m.get('rerun'))} where "
+                                    f"{who} recorded {_g(m.get('recorded'))}: {what}")
     if replay is None or replay.get("recurs") is None:
         why = (replay or {}).get("reason", "the incident's batches could not be replayed")
         return INCONCLUSIVE, why

@@ -52,6 +52,7 @@ from stabmon.collect.memory import DeviceMemory
 from stabmon.collect.optim import OptimizerHooks
 from stabmon.collect.ranks import RankGather, RankProbe
 from stabmon.collect.record import StepRecorder
+from stabmon.collect.rerun_ranks import CrossRank, RankChannel
 from stabmon.collect.restore import TrainingState
 from stabmon.collect.sharding import ShardedSquares, embedding_counted, layout_of
 from stabmon.collect.target import LiveTarget
@@ -151,10 +152,11 @@ class Monitor:
         )
         self.rank, self.world_size = world()
         self._probe: RankProbe | None = None
+        self._rank_values: RankGather | None = None
         if self.world_size > 1:
             self.buffer.reduce = mean_across_ranks
             replicated = self.layout.kind == "ddp"
-            self.buffer.gather = RankGather(replicated=replicated)
+            self.buffer.gather = self._rank_values = RankGather(replicated=replicated, keep=cfg.diagnose.batches)
             self._probe = RankProbe(model, self._grads.params, replicated=replicated)
         self.recorder = StepRecorder(self.buffer, self._hooks, config=cfg, failsafe=self.failsafe, scaler=scaler,
                                      activations=self._acts, probe=self._probe)
@@ -173,8 +175,12 @@ class Monitor:
         )
         self.pipeline, self.executor = build_pipeline(self.target, detectors=detectors, runbook=runbook, mode=mode)
         self.batches = batch_log_for(self.pipeline.engine, sample_ids, capacity=cfg.diagnose.batches)
-        self.target.diagnoser = self.diagnose
         self._loss_fn = loss_fn  # diagnose's loss of a batch (None: stabmon.collect.rerun.call_model)
+        diagnosing = self.batches is not None and self.world_size > 1
+        self._channel = RankChannel(rank=self.rank, world_size=self.world_size if diagnosing else 1,
+                                    timeout=cfg.diagnose.timeout)
+        cross = CrossRank(self.diagnose, rank=self.rank, world_size=self.world_size)
+        self.target.diagnoser = cross
         self._follower = RankFollower()
         self.flusher = Flusher(
             self.pipeline,
@@ -187,6 +193,7 @@ class Monitor:
             rank=self.rank,
             world_size=self.world_size,
         )
+        self.flusher.joiners["diagnose"] = cross.join
         run_id = self.outbox.start_run(config={"monitor": cfg.to_dict(), "mode": mode}, resume_run_id=resume_run_id)
         if self.world_size > 1:
             self.outbox.run_id = broadcast(run_id)
@@ -302,10 +309,13 @@ class Monitor:
 
     def diagnose(self, **params: Any) -> dict[str, Any]:
         """Re-run and replay the incident's steps (see :mod:`stabmon.collect.rerun`); the verdict and its
-        evidence."""
+        evidence. Under torch.distributed every rank must call it at the same point (a runbook's ``diagnose``
+        rung does: rank 0 calls the others in, :mod:`stabmon.collect.rerun_ranks`)."""
         from stabmon.collect.rerun import diagnose
 
-        return diagnose(self, self._grads, self._hooks, loss_fn=self._loss_fn, **params)
+        own = self._rank_values.own if self._rank_values is not None else None
+        return diagnose(self, self._grads, self._hooks, loss_fn=self._loss_fn, own=own, channel=self._channel,
+                        **params)
 
     def device_memory(self) -> DeviceMemory:
         """Bytes the monitor holds on the device right now, per signal (activation norms hold a few scalars

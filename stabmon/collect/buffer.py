@@ -134,7 +134,8 @@ class StepBuffer:
             return [{} for _ in steps]
         device = tensors[0].device if tensors else torch.device("cpu")
         flat = _flat(tensors, device) if tensors else torch.zeros(0)
-        return self.gather.gather(flat, [p.names for p in steps], [p.host for p in steps])
+        return self.gather.gather(flat, [p.names for p in steps], [p.host for p in steps],
+                                  steps=[p.step for p in steps])
 
     def _to_host_or_each(self, tensors: list[torch.Tensor]) -> list[float | None]:
         """All values in one copy; if that fails (one unreadable tensor), tensor by tensor, with None for the
@@ -190,7 +191,8 @@ def _flat(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 class Gather(Protocol):
     def gather(
-        self, flat: torch.Tensor, names: Sequence[Sequence[str]], host: Sequence[Mapping[str, float]]
+        self, flat: torch.Tensor, names: Sequence[Sequence[str]], host: Sequence[Mapping[str, float]],
+        steps: Sequence[int] = (),
     ) -> list[dict[str, float]]: ...
 
 

@@ -87,10 +87,15 @@ class DiagnoseConfig:
     """Recent steps whose batch (a reference), RNG state and sample ids the batch log keeps: it must reach
     back from the flush that diagnoses to the checkpoint before the incident (checkpoint interval + the
     incident's length + ``flush_every``), else the verdict is inconclusive."""
+    timeout: float = 300.0
+    """Under torch.distributed: seconds each of diagnose's own exchanges between the ranks (plans, results,
+    verdict; a gloo group of their own) may wait for a rank before the diagnosis is ``inconclusive``."""
 
     def validate(self, path: str) -> None:
         if self.batches < 1:
             raise ValueError(f"{path}.batches must be >= 1, got {self.batches}")
+        if not self.timeout > 0:
+            raise ValueError(f"{path}.timeout must be > 0 seconds, got {self.timeout}")
 
 
 @dataclass

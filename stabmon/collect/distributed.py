@@ -8,6 +8,10 @@ through its own executor at the same step. Revert decisions name rank 0's interv
 :class:`RankFollower` translates to the local ones. With one process (or no process group) all of this is
 skipped.
 
+An intervention whose work every rank must do together (``diagnose`` re-runs steps, collectives included)
+sends a :class:`Join` through that same broadcast first: the other ranks, waiting there for rank 0's
+decisions, do the work with rank 0, then wait again for the decisions.
+
 >>> world()
 (0, 1)
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +58,14 @@ def executed_decisions(events: Sequence[Event]) -> list[tuple[Decision, str]]:
         for e in events
         if isinstance(e, InterventionRecord) and e.decision_id in decisions and "error" not in e.after
     ]
+
+
+@dataclass(frozen=True)
+class Join:
+    """Rank 0 calls the other ranks into ``action`` (with ``params``) before it shares the flush's decisions."""
+
+    action: str
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 def broadcast(payload: Any) -> Any:

@@ -29,11 +29,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol
 
-from stabmon.collect.distributed import RankFollower, broadcast, executed_decisions
+from stabmon.collect.distributed import Join, RankFollower, broadcast, executed_decisions
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.wiring import environment
 from stabmon.events import Anomaly, Decision, DecisionStatus, Event, StepRecord
@@ -197,6 +197,8 @@ class Flusher:
         self.kill_switch = kill_switch
         self.rank, self.world_size = rank, world_size
         self.handoff_after = handoff_after
+        self.joiners: dict[str, Callable[[dict[str, Any]], Any]] = {}
+        """Non-zero ranks: what to run when rank 0 sends a :class:`~stabmon.collect.distributed.Join`."""
         self.events: list[Event] = []
         """Every anomaly, decision, intervention and outcome published in this run."""
         self.anomalies: list[Anomaly] = []
@@ -244,12 +246,23 @@ class Flusher:
         """Every rank: apply what rank 0 applied, and stop when rank 0 stops (a collective call)."""
         target = self.target
         payload = (executed, target.should_stop, target.stop_reason) if self.rank == 0 else None
-        executed, stop, reason = broadcast(payload)
+        message = broadcast(payload)
+        while isinstance(message, Join):  # rank 0 calls every rank into a joint intervention first
+            self._join(message)
+            message = broadcast(None)
+        executed, stop, reason = message
         if self.rank != 0:
             follower, executor = self.follower, self.pipeline.executor
             self.failsafe.call("pipeline", lambda: follower.follow(executor, executed))
             if stop and not target.should_stop:
                 target.request_stop(reason)
+
+    def _join(self, message: Join) -> None:
+        joiner = self.joiners.get(message.action)
+        if joiner is None:  # every rank builds the same joiners: this is a bug, say so loudly
+            log.error("stabmon: rank 0 asked for %s, which this rank cannot join", message.action)
+            return
+        self.failsafe.call("pipeline", lambda: joiner(message.params))
 
     def publish(self, events: Sequence[Event]) -> None:
         """Keep anomalies, decisions, interventions and outcomes; send them to the store and the alerts."""

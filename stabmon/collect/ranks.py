@@ -17,6 +17,10 @@ any other metric:
 ``fleet/nonfinite_ranks``   ranks whose loss or local gradient norm is NaN/inf
 =========================  ============================================================================
 
+The gathered block also gives this rank's own loss and local gradient norm of each step, which
+:class:`RankGather` keeps for the last ``keep`` steps (``own``): a ``diagnose`` re-run compares each rank with
+what that rank computed, not with the mean over ranks.
+
 >>> per_rank = [[[1.0, 0.5, 2.0, 3.0, 7.0, 0.0]], [[1.2, 0.6, 2.0, 3.0, 7.0, 0.0]]]  # 2 ranks, 1 step
 >>> out = summarise(per_rank, replicated=True)[0]
 >>> out["fleet/straggler_rank"], round(out["fleet/straggler_ratio"], 3), out["fleet/divergence"]
@@ -28,6 +32,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,25 +54,41 @@ class RankGather:
     """Collects :data:`FIELDS` from every rank at a flush (a collective every rank calls).
 
     ``replicated``: ranks hold the same parameters and gradients (DDP), so :data:`_AGREE` values must match.
+    ``keep``: how many recent steps' own values (:attr:`own`) to keep.
     """
 
-    def __init__(self, *, replicated: bool) -> None:
+    def __init__(self, *, replicated: bool, keep: int = 256) -> None:
         self.replicated = replicated
+        self.keep = keep
+        self.own: OrderedDict[int, dict[str, float]] = OrderedDict()
+        """This rank's own ``loss`` and ``grad_norm_local`` per step (host floats; NaN where not measured),
+        for the last ``keep`` steps; a step trained again after a rollback holds its newest values."""
 
     def gather(
-        self, flat: torch.Tensor, names: Sequence[Sequence[str]], host: Sequence[Mapping[str, float]]
+        self, flat: torch.Tensor, names: Sequence[Sequence[str]], host: Sequence[Mapping[str, float]],
+        steps: Sequence[int] = (),
     ) -> list[dict[str, float]]:
         """``flat``: this rank's device values of the flushed steps, named by ``names`` (one list per step);
-        ``host``: each step's host values. Returns the ``fleet/*`` metrics of each step."""
+        ``host``: each step's host values; ``steps``: their step numbers (to keep :attr:`own`). Returns the
+        ``fleet/*`` metrics of each step."""
         block = _block(flat, names, host)
-        _, size = world()
+        rank, size = world()
         if size > 1:
             parts = [torch.empty_like(block) for _ in range(size)]
             torch.distributed.all_gather(parts, block)
             block = torch.stack(parts)
         else:
             block = block.unsqueeze(0)
-        return summarise(block.tolist(), replicated=self.replicated)
+        per_rank = block.tolist()
+        self._keep_own(steps, per_rank[rank])
+        return summarise(per_rank, replicated=self.replicated)
+
+    def _keep_own(self, steps: Sequence[int], rows: Sequence[Sequence[float]]) -> None:
+        for step, row in zip(steps, rows, strict=False):
+            self.own.pop(step, None)
+            self.own[step] = {f: row[FIELDS.index(f)] for f in (Metric.LOSS, Metric.GRAD_NORM_LOCAL)}
+        while len(self.own) > self.keep:
+            self.own.popitem(last=False)
 
 
 def _block(

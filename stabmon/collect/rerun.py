@@ -2,10 +2,12 @@
 re-run the steps from that checkpoint to the incident (the verdict logic is :mod:`stabmon.diagnose`).
 
 Everything happens inside one flush, on the model and optimizer themselves, with the monitor's hooks paused:
-their state is copied first (one copy of parameters and optimizer state, on their device) and restored after,
-exactly, with the RNG state, whatever happens; a failure becomes an ``inconclusive`` verdict with its reason.
-Work: ``2 x max_batches`` forward+backward passes (no update) for the replay, and at most the checkpoint
-interval of training steps for the re-run. Nothing runs unless a runbook rung asks for ``diagnose``.
+their state (and a GradScaler's) is copied first (one copy of parameters and optimizer state, on their
+device) and restored after, exactly, with the RNG state, whatever happens; a failure becomes an
+``inconclusive`` verdict with its reason. Work: ``2 x max_batches`` forward+backward passes (no update) for
+the replay, and at most the checkpoint interval of training steps for the re-run
+(:mod:`stabmon.collect.rerun_steps`). Nothing runs unless a runbook rung asks for ``diagnose``. Under
+torch.distributed every rank runs this together (:mod:`stabmon.collect.rerun_ranks`).
 
 The loss of a batch is computed by ``loss_fn(model, batch)``; the default, :func:`call_model`, calls
 ``model(*batch)`` (a tuple or list), ``model(**batch)`` (a mapping) or ``model(batch)`` and takes the
@@ -35,9 +37,9 @@ from torch import nn
 from stabmon import diagnose as dx
 from stabmon.collect.batches import BatchEntry, BatchLog
 from stabmon.collect.grads import GradNorms
+from stabmon.collect.rerun_ranks import RankChannel
+from stabmon.collect.rerun_steps import LossFn, rerun_steps, seed
 from stabmon.events import Metric, StepRecord
-
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 def call_model(model: Any, batch: Any) -> torch.Tensor:
@@ -56,7 +58,10 @@ def call_model(model: Any, batch: Any) -> torch.Tensor:
 
 @dataclass
 class Bench:
-    """What the experiments work with: the monitor's collaborators, passed in (nothing calls back into it)."""
+    """What the experiments work with: the monitor's collaborators, passed in (nothing calls back into it).
+    ``own``: under torch.distributed, this rank's own recorded loss per step
+    (:attr:`~stabmon.collect.ranks.RankGather.own`); None in one process. ``channel``: the exchanges
+    between ranks (None: one process)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -67,21 +72,49 @@ class Bench:
     checkpoints: Any
     check: Callable[[dict[str, Any]], str | None]
     paused: Callable[[], contextlib.AbstractContextManager[Any]]
-    scaled: bool = False
-    world_size: int = 1
+    scaler: Any = None
+    own: Mapping[int, Mapping[str, float]] | None = None
+    channel: RankChannel | None = None
     rank: int = 0
+
+
+@dataclass
+class Plan:
+    """What both experiments will do, chosen by each rank alone (the ranks then check they agree)."""
+
+    signal: str
+    incident: list[int]
+    reference: list[int]
+    baseline: list[float]
+    entries: dict[int, BatchEntry]
+    recorded: dict[int, StepRecord]
+    checkpoint: Any
+    state: dict[str, Any]
+    rerun_skipped: str | None
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.signal, self.incident, self.reference, self.checkpoint.step, self.rerun_skipped)
 
 
 def run(bench: Bench, *, onset_step: int, step: int, metric: str, max_batches: int, rtol: float,
         recur: float) -> dict[str, Any]:
-    """Both experiments and the verdict, as plain values (the ``after`` of the intervention's record)."""
+    """Both experiments and the verdict, as plain values (the ``after`` of the intervention's record). Under
+    torch.distributed every rank calls it with the same arguments and enters the same exchanges, in order."""
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"rank": bench.rank, "host": socket.gethostname(), "onset_step": onset_step,
-                           "step": step, "metric": metric}
+    host = socket.gethostname()
+    out: dict[str, Any] = {"rank": bench.rank, "host": host, "onset_step": onset_step, "step": step,
+                           "metric": metric}
+    channel = bench.channel or RankChannel(rank=0, world_size=1, timeout=1.0)
     try:
-        out.update(_experiments(bench, onset_step, step, metric, max_batches, rtol, recur))
+        plan = _agreed(channel, bench, onset_step, step, metric, max_batches)
+        local = _local(bench, plan, rtol, host)
+        out.update(_verdict(plan, channel.gather(local), recur))
+        out = channel.share(out)
     except _Missing as exc:
         out.update(verdict=dx.INCONCLUSIVE, summary=str(exc))
+    except Exception as exc:  # noqa: BLE001 - an exchange between ranks failed or timed out
+        out.update(verdict=dx.INCONCLUSIVE, summary=f"rank {bench.rank}: the exchange between ranks failed: "
+                                                    f"{type(exc).__name__}: {exc}")
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
 
@@ -90,11 +123,25 @@ class _Missing(RuntimeError):
     """The evidence an experiment needs is not there (the verdict is then inconclusive)."""
 
 
-def _experiments(bench: Bench, onset: int, step: int, metric: str, k: int, rtol: float,
-                 recur: float) -> dict[str, Any]:
-    if bench.world_size > 1:
-        raise _Missing("diagnose runs in one process only (under torch.distributed the ranks would have to "
-                       "re-run together)")
+def _agreed(channel: RankChannel, bench: Bench, onset: int, step: int, metric: str, k: int) -> Plan:
+    """This rank's plan, once every rank has one and they are the same; else :class:`_Missing` on every rank."""
+    try:
+        plan: Plan | None = _plan(bench, onset, step, metric, k)
+        mine: tuple[Any, ...] | str = plan.key()  # type: ignore[union-attr]
+    except Exception as exc:  # noqa: BLE001 - _Missing, or anything else: the other ranks must hear of it
+        plan, mine = None, str(exc) if isinstance(exc, _Missing) else f"{type(exc).__name__}: {exc}"
+    plans = channel.gather(mine)
+    missing = [(r, p) for r, p in enumerate(plans) if isinstance(p, str)]
+    if missing:
+        rank, why = missing[0]
+        raise _Missing(why if len(plans) == 1 else f"rank {rank}: {why}")
+    if any(p != plans[0] for p in plans):
+        raise _Missing(f"the ranks chose different steps or checkpoints: {plans}")
+    assert plan is not None
+    return plan
+
+
+def _plan(bench: Bench, onset: int, step: int, metric: str, k: int) -> Plan:
     recorded = {r.step: r for r in bench.records}  # a step trained again after a rollback: the newest wins
     signal = metric if metric in (Metric.LOSS, Metric.GRAD_NORM) else Metric.LOSS
     incident, reference, baseline = _choose(bench, recorded, signal, onset, step, k)
@@ -105,22 +152,19 @@ def _experiments(bench: Bench, onset: int, step: int, metric: str, k: int, rtol:
         info, state = bench.checkpoints.last_known_good(before_step=min(incident), check=bench.check)
     except Exception as exc:  # noqa: BLE001 - no usable checkpoint: say so
         raise _Missing(f"no valid checkpoint at or before step {min(incident)}: {exc}") from None
-    with bench.paused(), _restored(bench):
-        _load(bench, state)
-        pick = 0 if signal == Metric.LOSS else 1
-        measured = {s: _measure(bench, entries[s])[pick] for s in incident + reference}
-        rerun = _rerun(bench, info.step, min(incident), recorded, rtol)
-    recorded_excess = _median([_value(recorded.get(s), signal) for s in incident]) - _median(baseline)
-    replay = dx.replay_recurs(incident=[measured[s] for s in incident], reference=[measured[s] for s in reference],
-                              recorded_excess=recorded_excess, recur=recur)
-    replay["checkpoint_step"] = info.step
-    verdict, summary = dx.verdict_of(rerun, replay)
-    batches = [{**entries[s].describe(), "role": "incident" if s in incident else "reference",
-                "recorded": dx.plain(_value(recorded.get(s), signal)), "at_checkpoint": dx.plain(measured[s])}
-               for s in sorted(entries)]
-    return {"verdict": verdict, "summary": summary, "signal": signal, "checkpoint_step": info.step,
-            "checkpoint_path": str(info.path), "incident_steps": incident, "reference_steps": reference,
-            "replay": replay, "rerun": rerun, "batches": batches}
+    return Plan(signal=signal, incident=incident, reference=reference, baseline=baseline, entries=entries,
+                recorded=recorded, checkpoint=info, state=state,
+                rerun_skipped=_rerun_gap(bench, recorded, info.step, min(incident)))
+
+
+def _rerun_gap(bench: Bench, recorded: Mapping[int, StepRecord], start: int, stop: int) -> str | None:
+    """Why steps ``start..stop`` cannot be re-run (None: they can)."""
+    for s in range(start, stop + 1):
+        if bench.batches.get(s) is None or s not in recorded:
+            return f"step {s} is no longer in the batch log or the records"
+        if bench.own is not None and s not in bench.own:
+            return f"rank {bench.rank} no longer holds its own values of step {s}"
+    return None
 
 
 def _choose(bench: Bench, recorded: dict[int, StepRecord], signal: str, onset: int, step: int,
@@ -151,11 +195,61 @@ def _entry(batches: BatchLog, step: int) -> BatchEntry:
     return entry
 
 
+def _local(bench: Bench, plan: Plan, rtol: float, host: str) -> dict[str, Any]:
+    """This rank's evidence: its replayed values and its re-run, or the error that stopped them."""
+    pick = 0 if plan.signal == Metric.LOSS else 1
+    mine: dict[str, Any] = {"rank": bench.rank, "host": host}
+    try:
+        with bench.paused(), _restored(bench):
+            _load(bench, plan.state)
+            mine["measured"] = {s: _measure(bench, plan.entries[s])[pick] for s in plan.incident + plan.reference}
+            mine["rerun"] = _rerun(bench, plan, rtol)
+    except Exception as exc:  # noqa: BLE001 - the other ranks must still hear from this one
+        mine["error"] = f"{type(exc).__name__}: {exc}"
+    return mine
+
+
+def _rerun(bench: Bench, plan: Plan, rtol: float) -> dict[str, Any]:
+    start, stop = plan.checkpoint.step, min(plan.incident)
+    if plan.rerun_skipped is not None:
+        return {"from_step": start, "to_step": stop, "rtol": rtol, "reproduced": None,
+                "skipped": plan.rerun_skipped}
+    return rerun_steps(model=bench.model, optimizer=bench.optimizer, grads=bench.grads, loss_fn=bench.loss_fn,
+                       batches=bench.batches, recorded=plan.recorded, own=bench.own, scaler=bench.scaler,
+                       start=start, stop=stop, rtol=rtol)
+
+
+def _verdict(plan: Plan, evidence: Sequence[dict[str, Any]], recur: float) -> dict[str, Any]:
+    """The verdict from every rank's evidence (the same on every rank: the same inputs)."""
+    failed = [e for e in evidence if "error" in e]
+    if failed:
+        raise _Missing(f"rank {failed[0]['rank']} could not run the experiments: {failed[0]['error']}")
+    rerun = dx.combine_reruns([{**e["rerun"], "rank": e["rank"], "host": e["host"]} for e in evidence])
+    measured = dx.mean_values([e["measured"] for e in evidence])
+    recorded, signal, incident, reference = plan.recorded, plan.signal, plan.incident, plan.reference
+    recorded_excess = _median([_value(recorded.get(s), signal) for s in incident]) - _median(plan.baseline)
+    replay = dx.replay_recurs(incident=[measured[s] for s in incident], reference=[measured[s] for s in reference],
+                              recorded_excess=recorded_excess, recur=recur)
+    replay["checkpoint_step"] = plan.checkpoint.step
+    verdict, summary = dx.verdict_of(rerun, replay)
+    batches = [{**plan.entries[s].describe(), "role": "incident" if s in incident else "reference",
+                "recorded": dx.plain(_value(recorded.get(s), signal)), "at_checkpoint": dx.plain(measured[s])}
+               for s in sorted(plan.entries)]
+    out = {"verdict": verdict, "summary": summary, "signal": signal, "checkpoint_step": plan.checkpoint.step,
+           "checkpoint_path": str(plan.checkpoint.path), "incident_steps": incident, "reference_steps": reference,
+           "replay": replay, "rerun": rerun, "batches": batches}
+    named = (rerun.get("mismatch") or {}).get("rank")
+    if verdict == "hardware_suspect" and named is not None:  # the rank and host to move away from
+        out.update(rank=named, host=rerun["mismatch"]["host"])
+    return out
+
+
 @contextlib.contextmanager
 def _restored(bench: Bench) -> Iterator[None]:
-    """Model, optimizer, gradients and RNG exactly as they were, afterwards."""
+    """Model, optimizer, GradScaler, gradients and RNG exactly as they were, afterwards."""
     model_state = copy.deepcopy(bench.model.state_dict())
     opt_state = copy.deepcopy(bench.optimizer.state_dict())
+    scaler_state = copy.deepcopy(bench.scaler.state_dict()) if bench.scaler is not None else None
     grads = [None if p.grad is None else p.grad.detach().clone() for p in bench.grads.params]
     rng = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -164,6 +258,8 @@ def _restored(bench: Bench) -> Iterator[None]:
     finally:
         bench.model.load_state_dict(model_state)
         bench.optimizer.load_state_dict(opt_state)
+        if scaler_state is not None:
+            bench.scaler.load_state_dict(scaler_state)
         for p, g in zip(bench.grads.params, grads, strict=True):
             p.grad = g
         torch.set_rng_state(rng)
@@ -174,92 +270,28 @@ def _restored(bench: Bench) -> Iterator[None]:
 def _load(bench: Bench, state: dict[str, Any]) -> None:
     bench.model.load_state_dict(state["model"])
     bench.optimizer.load_state_dict(state["optimizer"])
-
-
-def _seed(entry: BatchEntry) -> None:
-    torch.set_rng_state(entry.rng)
-    if entry.cuda_rng is not None:
-        torch.cuda.set_rng_state_all(list(entry.cuda_rng))
-
-
-def _forward_backward(bench: Bench, entry: BatchEntry) -> tuple[torch.Tensor, Any]:
-    bench.optimizer.zero_grad(set_to_none=True)
-    _seed(entry)
-    loss = bench.loss_fn(bench.model, entry.batch)
-    loss.backward()
-    return loss.detach(), bench.grads.compute()
+    if bench.scaler is not None:
+        if state.get("scaler") is None:
+            raise _Missing("the checkpoint holds no GradScaler state to re-run from")
+        bench.scaler.load_state_dict(state["scaler"])
 
 
 def _measure(bench: Bench, entry: BatchEntry) -> tuple[float, float]:
     """(loss, grad norm) of one batch at the state loaded, without an update."""
-    loss, result = _forward_backward(bench, entry)
+    bench.optimizer.zero_grad(set_to_none=True)
+    seed(entry)
+    loss = bench.loss_fn(bench.model, entry.batch)
+    loss.backward()
+    result = bench.grads.compute()
     norm = float(result.total) if result is not None else math.nan
     bench.optimizer.zero_grad(set_to_none=True)
-    return float(loss), norm
+    return float(loss.detach()), norm
 
 
-def _rerun(bench: Bench, start: int, stop: int, recorded: dict[int, StepRecord], rtol: float) -> dict[str, Any]:
-    """Train steps ``start..stop`` again from the loaded checkpoint and compare each with the record."""
-    out: dict[str, Any] = {"from_step": start, "to_step": stop, "rtol": rtol, "reproduced": None}
-    if bench.scaled:
-        out["skipped"] = "a GradScaler run is not re-run (its skipped steps and scale are not replayed)"
-        return out
-    ratios = _lr_ratios(bench.optimizer)
-    for s in range(start, stop + 1):
-        entry, record = bench.batches.get(s), recorded.get(s)
-        if entry is None or record is None:
-            out["skipped"] = f"step {s} is no longer in the batch log or the records"
-            return out
-        loss, result = _forward_backward(bench, entry)
-        now = {Metric.LOSS: float(loss), Metric.GRAD_NORM: float(result.total) if result is not None else None}
-        for name, value in now.items():
-            was = record.get(name)
-            if was is not None and value is not None and not _close(was, value, rtol):
-                out.update(reproduced=False, mismatch={"step": s, "metric": name, "recorded": dx.plain(was),
-                                                       "rerun": dx.plain(value)})
-                return out
-        if s < stop and result is not None:
-            _update(bench, result, record, ratios)
-    out["reproduced"] = True
-    return out
-
-
-def _close(a: float, b: float, rtol: float) -> bool:
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
-    if math.isinf(a) or math.isinf(b):
-        return a == b
-    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
-
-
-def _lr_ratios(optimizer: torch.optim.Optimizer) -> list[float]:
-    """Each param group's learning rate relative to group 0's (the one recorded), as the checkpoint has them."""
-    lrs = [float(g.get("lr", 0.0)) for g in optimizer.param_groups]
-    return [lr / lrs[0] if lrs[0] else 1.0 for lr in lrs]
-
-
-def _update(bench: Bench, result: Any, record: StepRecord, ratios: list[float]) -> None:
-    """The recorded step's update: its clip, learning rate (group 0's; other groups keep their ratio to it),
-    beta2 and weight decay; nothing when the step was skipped."""
-    if record.get(Metric.SKIPPED):
-        return
-    clip = record.get(Metric.CLIP)
-    if clip is not None and math.isfinite(clip):
-        GradNorms.clip_(result, clip)
-    lr = record.get(Metric.LR)
-    for group, ratio in zip(bench.optimizer.param_groups, ratios, strict=True):
-        if lr is not None and "lr" in group:
-            group["lr"] = lr * ratio if ratio != 1.0 else lr
-        if record.get(Metric.BETA2) is not None and "betas" in group:
-            group["betas"] = (group["betas"][0], record.get(Metric.BETA2))
-        if record.get(Metric.WEIGHT_DECAY) is not None and "weight_decay" in group:
-            group["weight_decay"] = record.get(Metric.WEIGHT_DECAY)
-    bench.optimizer.step()
-
-
-def diagnose(monitor: Any, grads: GradNorms, hooks: Any, *, loss_fn: LossFn | None, **params: Any) -> dict[str, Any]:
-    """``Monitor.diagnose``: the experiments on the monitor's model, optimizer, batch log, records and
-    checkpoints, with its optimizer ``hooks`` removed meanwhile."""
+def diagnose(monitor: Any, grads: GradNorms, hooks: Any, *, loss_fn: LossFn | None, own: Any = None,
+             channel: RankChannel | None = None, **params: Any) -> dict[str, Any]:
+    """``Monitor.diagnose``: the experiments on the monitor's model, optimizer, GradScaler, batch log, records
+    and checkpoints, with its optimizer ``hooks`` removed meanwhile."""
     if monitor.batches is None:
         return {"verdict": dx.INCONCLUSIVE, "summary": "no batch log: the runbook has no diagnose rung"}
 
@@ -275,6 +307,6 @@ def diagnose(monitor: Any, grads: GradNorms, hooks: Any, *, loss_fn: LossFn | No
     bench = Bench(model=monitor.model, optimizer=monitor.optimizer, grads=grads, loss_fn=loss_fn or call_model,
                   batches=monitor.batches, records=monitor.records, checkpoints=monitor.checkpoints,
                   check=monitor.target.state.mismatch, paused=paused,
-                  scaled=scaler is not None and scaler.is_enabled(), world_size=monitor.world_size,
-                  rank=monitor.rank)
+                  scaler=scaler if scaler is not None and scaler.is_enabled() else None, own=own,
+                  channel=channel, rank=monitor.rank)
     return run(bench, **params)

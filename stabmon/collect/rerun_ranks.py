@@ -1,0 +1,103 @@
+"""``diagnose`` under torch.distributed: every rank re-runs and replays together, and all agree on one verdict.
+
+The runbook engine runs on rank 0, inside a flush, while the other ranks wait in that flush's broadcast for
+its decisions (:mod:`stabmon.collect.distributed`). When rank 0 applies a ``diagnose`` decision,
+:class:`CrossRank` first sends a :class:`~stabmon.collect.distributed.Join` through that broadcast; every other
+rank then runs the very same experiments on its own model shard or replica, its own batches and its own RNG
+states (the model's collectives, DDP's all-reduce or FSDP's all-gathers, happen as in training), and the ranks
+exchange what they found through a :class:`RankChannel`:
+
+1. each rank's plan (incident and reference steps, checkpoint step, whether the re-run can run) or the reason
+   it has none: any reason, or plans that differ, make every rank return ``inconclusive`` before any
+   experiment starts, so no rank is left waiting in a collective the others skip;
+2. each rank's evidence: its re-run compared with what *that rank* recorded, and its replayed values;
+3. rank 0's verdict, so every rank holds the same result (stored once, by rank 0).
+
+A rank whose own loss did not reproduce is named (``hardware_suspect``, with its host); the replay takes the
+mean over ranks of each step's value, as the record does. Then rank 0 shares its decisions as at every flush,
+and each rank's executor takes the diagnosis it already holds instead of running it again.
+
+Bounded: the three exchanges run on a gloo group of their own whose timeout is ``config.diagnose.timeout``
+(300 s); a rank that does not arrive makes the others' exchange fail after that long and their verdict
+``inconclusive``. The model's own collectives inside the experiments are bounded by the process group's
+timeout (``init_process_group(timeout=...)``), as in training.
+
+>>> channel = RankChannel(rank=0, world_size=1, timeout=1.0)
+>>> channel.gather({"rank": 0}), channel.share("verdict")
+([{'rank': 0}], 'verdict')
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from stabmon import diagnose as dx
+from stabmon.collect.distributed import Join, broadcast
+
+ACTION = "diagnose"
+
+
+class RankChannel:
+    """``diagnose``'s own exchanges between ranks: a gloo group with ``timeout`` seconds (one process: none)."""
+
+    def __init__(self, *, rank: int, world_size: int, timeout: float) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.group: Any = None
+        if world_size > 1:  # every rank builds the monitor at the same point: new_group is a collective
+            self.group = torch.distributed.new_group(backend="gloo",
+                                                     timeout=datetime.timedelta(seconds=timeout))
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, by rank, on every rank."""
+        if self.group is None:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, value, group=self.group)
+        return out
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        if self.group is None:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+class CrossRank:
+    """The live target's diagnoser: ``run(**params)`` alone in one process; under torch.distributed rank 0
+    calls the other ranks in (a :class:`Join` through ``send``) and each of them keeps the result of the run
+    it joined for its executor (see the module docstring). ``last``: the latest diagnosis on this rank.
+
+    >>> cross = CrossRank(lambda **p: {"verdict": "data", **p}, rank=0, world_size=1)
+    >>> cross(step=3)["verdict"], cross.last["step"]
+    ('data', 3)
+    """
+
+    def __init__(self, run: Callable[..., dict[str, Any]], *, rank: int, world_size: int,
+                 send: Callable[[Any], Any] = broadcast) -> None:
+        self.run, self.rank, self.world_size, self.send = run, rank, world_size, send
+        self.held: dict[str, Any] | None = None
+        self.last: dict[str, Any] | None = None
+
+    def __call__(self, **params: Any) -> dict[str, Any]:
+        if self.world_size > 1 and self.rank == 0:
+            self.send(Join(ACTION, dict(params)))
+        elif self.world_size > 1:
+            held, self.held = self.held, None
+            return held if held is not None else {
+                "verdict": dx.INCONCLUSIVE, "rank": self.rank,
+                "summary": f"rank {self.rank} was not called into the diagnosis by rank 0"}
+        return self._run(params)
+
+    def join(self, params: dict[str, Any]) -> None:
+        """A rank other than 0, called in by rank 0: run the experiments with it and keep the result."""
+        self.held = self._run(params)
+
+    def _run(self, params: dict[str, Any]) -> dict[str, Any]:
+        self.last = self.run(**params)
+        return self.last
