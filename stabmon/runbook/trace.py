@@ -122,6 +122,10 @@ def diagnosis_lines(iv: dict[str, Any]) -> list[str]:
                    "recorded" if m else "")
         lines.append(f"               re-run steps {rerun.get('from_step')}-{rerun.get('to_step')} from the "
                      f"checkpoint: {what[rerun.get('reproduced')]}{differs}")
+        ranks = rerun.get("ranks", [])
+        for r in ranks if len(ranks) > 1 else []:
+            lines.append(f"               rank {r['rank']} on {r['host']} at step {r['step']}: "
+                         f"recorded {_values(r['recorded'])}; re-run {_values(r['rerun'])}")
     for b in after.get("batches", []):
         ids = f" samples {b['sample_ids']}" if b.get("sample_ids") is not None else ""
         lines.append(f"               {b['role']:<9} step {b['step']} batch {b['batch_index']}: "
@@ -160,6 +164,10 @@ def _changes(iv: dict[str, Any]) -> str:
         if only:
             parts.append(f"{side}: {', '.join(only)}")
     return "; ".join(parts) or "no change"
+
+
+def _values(values: dict[str, Any] | None) -> str:
+    return ", ".join(f"{k} {_short(v)}" for k, v in (values or {}).items() if v is not None) or "-"
 
 
 def _short(v: Any) -> str:
