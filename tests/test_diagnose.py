@@ -270,3 +270,24 @@ def test_the_engine_continues_the_incident_with_the_verdicts_rule(verdict: str, 
         assert outcome.evidence == {"diagnosis": verdict, "next_rule": rule}
     if verdict == "hardware_suspect":
         assert nxt.params["exit_code"] == 88
+
+
+# -- replay: no model, no verdict ---------------------------------------------------------------------------------
+def test_a_replay_does_not_diagnose_and_says_so() -> None:
+    """A replay cannot re-run steps: its diagnose rung records why, makes up no verdict, and the rule's next rung
+    follows; the replay's summary lists the step."""
+    from stabmon.events import Decision, StepRecord
+    from stabmon.replay.replay import replay, simulated_pipeline
+
+    records = []
+    for s in range(400):
+        loss = 3.0 + 2.0 * math.exp(-s / 80) + 0.01 * math.sin(s * 0.7) + (3.0 if 300 <= s < 304 else 0.0)
+        records.append(StepRecord(step=s, metrics={"loss": loss, "grad_norm": 0.5, "lr": 3e-4}))
+    pipeline, target = simulated_pipeline(runbook="diagnose-first", mode="apply", target=None)
+    result = replay(records, pipeline=pipeline, target=target)
+    (d,) = [e for e in result.events if isinstance(e, InterventionRecord) and e.action == "diagnose"]
+    assert d.after["verdict"] == "inconclusive" and d.after["not_run"] == "replay"
+    assert "no model" in d.after["summary"] and "rerun" not in d.after and "replay" not in d.after
+    assert target.summary()["not_diagnosed"] == [d.step]
+    later = [e for e in result.events[result.events.index(d):] if isinstance(e, Decision)]
+    assert later and later[0].rule == "instability" and later[0].rung == 1  # the diagnose rule's next rung

@@ -150,6 +150,9 @@ def replay_command(
     t = s["target"] or {}
     if t.get("stopped_at") is not None:
         typer.echo(f"the run would have stopped at step {t['stopped_at']}")
+    for step in t.get("not_diagnosed", []):
+        typer.echo(f"diagnose at step {step} not run: a replay has no model, so no verdict; the diagnose rule's "
+                   "next rung followed (the live run followed its verdict)")
     for rb in t.get("rollbacks", []):
         typer.echo(
             f"rollback at step {rb['step']} to checkpoint step {rb['checkpoint_step']}"
@@ -229,6 +232,9 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             rung = r.get("rung")
             shown = rung + 1 if isinstance(rung, int) else rung  # 1-based, as in `stabmon trace` and the reasons
             detail = f"{r.get('status')} {r.get('params')} ({r.get('rule')} rung {shown})"
+        elif r["type"] == "InterventionRecord" and r.get("kind") == "diagnose":
+            after = r.get("after") or {}
+            detail = f"verdict {after.get('verdict')}: {after.get('summary', '')}"
         elif r["type"] == "InterventionRecord":
             detail = f"{r.get('before')} -> {r.get('after')}"
         table.add_row(

@@ -34,6 +34,9 @@ from stabmon.events import Metric, StepRecord
 from stabmon.overrides import Overrides
 
 _HPARAMS = (Metric.LR, Metric.BETA2, Metric.WEIGHT_DECAY, Metric.CLIP)
+NOT_DIAGNOSED = ("not run: a replay has no model to re-run steps on or batches to replay, so no verdict; the "
+                 "diagnose rung counts as failed and its rule's next rung follows (a live run follows its verdict)")
+"""The ``summary`` of every ``diagnose`` in a replay (the table and ``stabmon trace`` show it)."""
 
 
 class SimulatedTarget:
@@ -49,6 +52,8 @@ class SimulatedTarget:
         self._recorded: dict[str, float] = {}
         self.rollbacks: list[dict[str, Any]] = []
         self.stops: list[dict[str, Any]] = []
+        self.not_diagnosed: list[int] = []
+        """Steps at which a ``diagnose`` rung could not run (see :meth:`diagnose`)."""
         self.stopped_at: int | None = None
 
     @property
@@ -108,8 +113,11 @@ class SimulatedTarget:
         return result
 
     def diagnose(self, **params: Any) -> dict[str, Any]:
-        """Replay has no model to re-run: the diagnosis is inconclusive (the runbook's next rung follows)."""
-        return {"verdict": "inconclusive", "summary": "replay cannot re-run steps (no model)", "simulated": True,
+        """Replay has no model to re-run steps on or batches to replay: no verdict is made up. The diagnosis is
+        ``inconclusive`` with that reason, so the rung counts as failed and the rule's next rung follows (a live
+        run follows its verdict instead); :meth:`summary` lists these steps as ``not_diagnosed``."""
+        self.not_diagnosed.append(self._step)
+        return {"verdict": "inconclusive", "summary": NOT_DIAGNOSED, "simulated": True, "not_run": "replay",
                 "onset_step": params.get("onset_step"), "step": params.get("step")}
 
     def summary(self) -> dict[str, Any]:
@@ -117,4 +125,5 @@ class SimulatedTarget:
             "overrides": self.overrides.state_dict(),
             "rollbacks": list(self.rollbacks),
             "stopped_at": self.stopped_at,
+            "not_diagnosed": list(self.not_diagnosed),
         }

@@ -131,7 +131,8 @@ def diagnosis_lines(iv: dict[str, Any]) -> list[str]:
         lines.append(f"               {b['role']:<9} step {b['step']} batch {b['batch_index']}: "
                      f"{after.get('signal')} {_short(b['recorded'])} recorded, {_short(b['at_checkpoint'])} at the "
                      f"checkpoint of step {after.get('checkpoint_step')}{ids}")
-    lines.append(f"               rank {after.get('rank')} on {after.get('host')}, {after.get('seconds')} s")
+    if after.get("host") is not None:  # a replay's diagnosis ran nowhere
+        lines.append(f"               rank {after.get('rank')} on {after.get('host')}, {after.get('seconds')} s")
     return lines
 
 
