@@ -109,6 +109,7 @@ class Monitor:
         checkpoint_dir: str | None = None,
         checkpoints: Any = None,
         resume_run_id: str | None = None,
+        resume: dict[str, Any] | None = None,
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         sample_ids: Callable[[Any], Any] | None = None,
     ) -> None:
@@ -188,6 +189,8 @@ class Monitor:
             rank=self.rank,
             world_size=self.world_size,
         )
+        if resume and resume_run_id is None:  # a saved monitor state names its run: reopen that one
+            resume_run_id = resume.get("run_id")
         run_id = self.outbox.start_run(config={"monitor": cfg.to_dict(), "mode": mode}, resume_run_id=resume_run_id)
         if self.world_size > 1:
             self.outbox.run_id = broadcast(run_id)
@@ -202,6 +205,8 @@ class Monitor:
         self._watchdog = self._start_watchdog(store) if cfg.hang_timeout is not None else None
         self._hooks.install()
         self._exit_guard = ExitGuard(self.close)  # Ctrl-C, SIGTERM or an exit without close(): run interrupted
+        if resume:
+            self.load_state_dict(resume)
         if self.rank == 0:
             self._warn_unfit()
 
