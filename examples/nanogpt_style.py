@@ -165,11 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         if checkpoint is not None:
             monitor.load_state_dict(checkpoint["monitor"])
     else:
-        detectors = {"step_time": {"enabled": False}} if args.no_step_time else None
+        detectors = {"step_time": {"enabled": False}} if args.no_step_time else None  # (the tests' option)
         monitor = stabmon.Monitor(model, optimizer, store=args.db, runbook=args.runbook, mode=args.mode,  # stabmon
-                                  config=stabmon.MonitorConfig(clip=grad_clip, checkpoint_every=eval_interval),  # stabmon
-                                  checkpoints=checkpoints, resume=checkpoint and checkpoint["monitor"],  # stabmon
-                                  detectors=detectors)  # (the tests' option, not needed to attach)
+                                  config=stabmon.MonitorConfig(clip=grad_clip, checkpoint_every=eval_interval),  # noqa: E501  # stabmon
+                                  resume=checkpoint and checkpoint["monitor"], checkpoints=checkpoints,  # stabmon
+                                  detectors=detectors)
 
     X, Y = get_batch("train")
     t0 = time.time()
