@@ -4,7 +4,7 @@ Both arms run the example's ``main()`` in this process: the same seed, data, sch
 the unmonitored arm with ``--no-monitor`` (the loop's own clipping in place of the monitor's). Runs alternate
 A, B, A, B... so that drifts in machine load hit both; each arm's time per iteration is the process CPU time
 (insensitive to other processes on a shared machine) and the wall time of the whole run divided by its
-iterations, evaluation and checkpoints included. The median ratio B/A over the rounds is printed::
+iterations, evaluation, checkpoints and the monitor's start (opening the store) included. The median ratio B/A over the rounds is printed::
 
     python benchmarks/nanogpt_style.py --rounds 3 --iters 100
 """
@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     example = load_example()
     common = ["--max-iters", str(a.iters), "--seed", "1337"]
-    timed(example, [*common, "--max-iters", "10", "--no-monitor"])  # warm-up: imports, allocator
+    for arm in (["--no-monitor"], []):  # warm-up: imports (stabmon's store, migrations), allocator
+        timed(example, [*common, "--max-iters", "10", *arm])
     cpu_ratios, wall_ratios = [], []
     for _ in range(a.rounds):
         base = timed(example, [*common, "--no-monitor"])
