@@ -9,7 +9,7 @@ try:
 except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0+unknown"
 
-__all__ = ["Monitor", "MonitorConfig", "__version__"]
+__all__ = ["Monitor", "MonitorConfig", "UserCheckpoints", "__version__"]
 
 
 def __getattr__(name: str) -> object:
@@ -18,4 +18,8 @@ def __getattr__(name: str) -> object:
         from stabmon import monitor
 
         return getattr(monitor, name)
+    if name == "UserCheckpoints":
+        from stabmon import checkpoints
+
+        return checkpoints.UserCheckpoints
     raise AttributeError(f"module 'stabmon' has no attribute {name!r}")

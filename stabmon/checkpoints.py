@@ -9,6 +9,10 @@ is validated, in order: the file exists -> its size is the recorded byte count -
 :meth:`CheckpointManager.last_known_good` walks from the newest checkpoint saved before a step to older
 ones and returns the first that passes.
 
+:class:`UserCheckpoints` keeps the same registry and validation over the training loop's own checkpoint files:
+the loop's ``save(step) -> path`` writes them and its ``load(path) -> dict`` reads them back, so a nanoGPT-style
+loop that already ``torch.save``s its checkpoint dict needs no second checkpoint system.
+
 :class:`KillSwitch` watches for a file whose appearance asks the run to checkpoint and stop; the process
 then exits with :data:`STOP_EXIT_CODE`.
 
@@ -21,7 +25,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,9 +45,11 @@ class NoValidCheckpointError(RuntimeError):
     """No registered checkpoint passed validation; ``reasons`` maps each candidate path to why it was
     refused."""
 
-    def __init__(self, message: str, reasons: Mapping[str, str]) -> None:
-        details = "; ".join(f"{p}: {r}" for p, r in reasons.items()) or "no checkpoints registered"
-        super().__init__(f"{message} ({details})")
+    def __init__(self, message: str, reasons: Mapping[str, str], *, later: Sequence[int] = ()) -> None:
+        details = [f"{p}: {r}" for p, r in reasons.items()]
+        if later:
+            details.append(f"{len(later)} registered after it, steps {min(later)}-{max(later)}")
+        super().__init__(f"{message} ({'; '.join(details) or 'no checkpoints registered'})")
         self.reasons = dict(reasons)
 
 
@@ -150,14 +156,38 @@ class CheckpointManager:
                 log.exception("stabmon: could not delete old checkpoint %s", old.path)
 
     # -- saving --
-    def save(self, state: Mapping[str, Any], *, step: int) -> CheckpointInfo:
-        """Write ``state`` atomically with ``torch.save`` and register it."""
+    def save(self, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], *, step: int) -> CheckpointInfo:
+        """Write ``state`` (or what ``state()`` returns) and register it with its byte count."""
+        path = Path(self._save(state, step))
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint save for step {step} wrote no file at {path}")
+        info = CheckpointInfo(step=step, path=str(path), nbytes=path.stat().st_size, own=self.owns_saves,
+                              timeline=self.timeline)
+        return self._add(info)
+
+    owns_saves = True
+    """Whether the files :meth:`save` writes are this manager's to prune (``keep``)."""
+
+    @property
+    def can_save(self) -> bool:
+        """Whether :meth:`save` can write a checkpoint."""
+        return True
+
+    def _save(self, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], step: int) -> Path:
+        """Write the file (atomically, with ``torch.save``) and return its path."""
         import torch
 
+        payload = dict(state() if callable(state) else state)
         tag = f"-t{self.timeline}" if self.timeline else ""
         path = self.directory / f"{self.prefix}-{step:09d}{tag}.pt"
-        nbytes = _atomic_write(path, lambda f: torch.save(dict(state), f))
-        return self._add(CheckpointInfo(step=step, path=str(path), nbytes=nbytes, own=True, timeline=self.timeline))
+        _atomic_write(path, lambda f: torch.save(payload, f))
+        return path
+
+    def _load(self, path: Path) -> Any:
+        """Read one checkpoint file back (``torch.load`` on the CPU)."""
+        import torch
+
+        return torch.load(path, map_location="cpu", weights_only=self.weights_only)
 
     def rolled_back(self, target: CheckpointInfo) -> None:
         """Record a rollback to ``target``: every checkpoint saved after it is abandoned (its training was
@@ -173,7 +203,13 @@ class CheckpointManager:
         """Save ``state_fn()`` when ``step`` is a positive multiple of ``every``."""
         if self.every is None or step <= 0 or step % self.every:
             return None
-        return self.save(state_fn(), step=step)
+        return self.save(state_fn, step=step)
+
+    def latest(self) -> CheckpointInfo | None:
+        """The checkpoint to resume from: the newest one on the current timeline (never one a rollback
+        abandoned, even when its step is higher), or None."""
+        alive = [e for e in self._entries if not e.abandoned]
+        return max(alive, key=lambda e: (e.timeline, e.step), default=None)
 
     def register(self, path: str | os.PathLike[str], *, step: int) -> CheckpointInfo:
         """Register a checkpoint the user saved themselves; its current byte count becomes the expected
@@ -198,9 +234,7 @@ class CheckpointManager:
         if size != info.nbytes:
             return None, f"byte count {size} differs from the {info.nbytes} recorded at save"
         try:
-            import torch
-
-            state = torch.load(p, map_location="cpu", weights_only=self.weights_only)
+            state = self._load(p)
         except Exception as exc:  # noqa: BLE001 - any load failure disqualifies the file
             first = (str(exc).splitlines() or [""])[0]
             return None, f"does not load: {type(exc).__name__}: {first}"
@@ -222,8 +256,12 @@ class CheckpointManager:
         :class:`NoValidCheckpointError` when none is left.
         """
         reasons: dict[str, str] = {}
+        newer: list[int] = []
         for info in reversed(self.checkpoints):
-            if (before_step is not None and info.step > before_step) or info.abandoned:
+            if info.abandoned:
+                continue
+            if before_step is not None and info.step > before_step:
+                newer.append(info.step)
                 continue
             state, reason = self.validate(info, check)
             if state is not None:
@@ -232,7 +270,7 @@ class CheckpointManager:
             log.warning("stabmon: checkpoint %s (step %d) refused: %s", info.path, info.step, reason)
             self._record(info, valid=False)
         where = f"at or before step {before_step}" if before_step is not None else "at all"
-        raise NoValidCheckpointError(f"no valid checkpoint {where} in {self.directory}", reasons)
+        raise NoValidCheckpointError(f"no valid checkpoint {where} in {self.directory}", reasons, later=newer)
 
     def state_dict(self) -> dict[str, Any]:
         return {"checkpoints": [asdict(e) for e in self.checkpoints]}
@@ -240,6 +278,96 @@ class CheckpointManager:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._entries = [CheckpointInfo(**e) for e in state["checkpoints"]]
         self._write_registry()
+
+    def adopt(self, state: Mapping[str, Any]) -> int:
+        """Add the checkpoints of a :meth:`state_dict` this registry does not know yet (a resume into another
+        directory must still reach the checkpoints saved before it); returns how many. Adopted files are
+        never pruned: they are not this manager's."""
+        known = {e.path for e in self._entries}
+        new = [CheckpointInfo(**{**e, "own": False}) for e in state.get("checkpoints", ()) if e["path"] not in known]
+        if new:
+            self._entries += new
+            self.timeline = max(self.timeline, *(e.timeline for e in new))
+            self._write_registry()
+        return len(new)
+
+    def reload(self) -> None:
+        """Read the registry file again (another process, rank 0, keeps it)."""
+        self._entries = self._read_registry()
+        self.timeline = max((e.timeline for e in self._entries), default=0)
+
+    def attach(self, *, sink: Any, run_id: str) -> None:
+        """Record checkpoints in ``sink`` under ``run_id`` from now on (the monitor does this for a manager
+        it was given)."""
+        if self.sink is None:
+            self.sink = sink
+        self.run_id = run_id
+
+
+class UserCheckpoints(CheckpointManager):
+    """Rollback, resume and checkpoint-and-stop through the training loop's own checkpoint files.
+
+    ``save(step) -> path``: write the loop's checkpoint for ``step`` (optimizer steps completed) and return where.
+    The monitor calls it every ``config.checkpoint_every`` steps, when the run is interrupted (Ctrl-C, SIGTERM),
+    right after a rollback and for ``checkpoint_and_stop``; ``monitor.save_checkpoint()`` calls it from the loop.
+    None: the loop saves on its own and tells the monitor with :meth:`register`.
+    ``load(path) -> dict``: read one back (default ``torch.load(path, map_location="cpu", weights_only=True)``).
+    A rollback restores the dict's ``model``, ``optimizer`` (and ``scaler``, ``scheduler`` when the monitor has
+    them) and ``monitor`` entries, so the dict must hold ``monitor.state_dict()`` under ``"monitor"``.
+    ``existing() -> [(step, path), ...]``: checkpoints already on disk, registered at start (their byte count
+    is taken as it is then); None: only the registry (``registry.json`` in ``directory``) and the monitor's state.
+    ``keep``: how many of the files ``save`` wrote to keep (older ones deleted); None: stabmon deletes nothing.
+
+    Every candidate is checked like the monitor's own: the file exists -> it has the byte count recorded at
+    save -> ``load`` reads it -> its tensors are finite -> it fits the model and optimizer.
+
+    >>> import tempfile, torch
+    >>> d = tempfile.mkdtemp(); w = {"w": torch.ones(2)}
+    >>> def save(step):
+    ...     path = f"{d}/ckpt-{step}.pt"; torch.save({"model": w, "iter_num": step}, path); return path
+    >>> ckpts = UserCheckpoints(d, save=save)
+    >>> _ = ckpts.save(None, step=10); w["w"][0] = float("nan"); _ = ckpts.save(None, step=20)
+    >>> info, state = ckpts.last_known_good(before_step=100)
+    >>> info.step, state["iter_num"], ckpts.latest().step
+    (10, 10, 20)
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        save: Callable[[int], str | os.PathLike[str]] | None = None,
+        load: Callable[[str], Any] | None = None,
+        existing: Callable[[], Iterable[tuple[int, str | os.PathLike[str]]]] | None = None,
+        keep: int | None = None,
+        sink: Any = None,
+        run_id: str | None = None,
+    ) -> None:
+        for name, fn in (("save", save), ("load", load), ("existing", existing)):
+            if fn is not None and not callable(fn):
+                raise ValueError(f"checkpoints.{name} must be callable, got {type(fn).__name__}")
+        super().__init__(directory, keep=keep or 1, sink=sink, run_id=run_id)
+        self.owns_saves = keep is not None
+        self.user_save, self.user_load = save, load
+        for step, path in existing() if existing is not None else ():
+            if str(path) not in {e.path for e in self._entries}:
+                self.register(path, step=int(step))
+
+    @property
+    def can_save(self) -> bool:
+        return self.user_save is not None
+
+    def _save(self, state: Any, step: int) -> Path:
+        if self.user_save is None:
+            raise RuntimeError(
+                "checkpoints: UserCheckpoints has no save= callable; save in the loop and call register(path, step=)"
+            )
+        return Path(self.user_save(step))
+
+    def _load(self, path: Path) -> Any:
+        if self.user_load is None:
+            return super()._load(path)
+        return self.user_load(str(path))
 
 
 class KillSwitch:

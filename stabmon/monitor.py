@@ -54,6 +54,7 @@ from stabmon.collect.ranks import RankGather, RankProbe
 from stabmon.collect.record import StepRecorder
 from stabmon.collect.rerun_ranks import CrossRank, RankChannel
 from stabmon.collect.restore import TrainingState
+from stabmon.collect.resume import ResumeCheck
 from stabmon.collect.sharding import ShardedSquares, embedding_counted, layout_of
 from stabmon.collect.target import LiveTarget
 from stabmon.collect.updates import UpdateNorms
@@ -109,6 +110,7 @@ class Monitor:
         checkpoint_dir: str | None = None,
         checkpoints: Any = None,
         resume_run_id: str | None = None,
+        resume: dict[str, Any] | None = None,
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         sample_ids: Callable[[Any], Any] | None = None,
     ) -> None:
@@ -194,16 +196,24 @@ class Monitor:
             world_size=self.world_size,
         )
         self.flusher.joiners["diagnose"] = cross.join
+        if resume and resume_run_id is None:  # a saved monitor state names its run: reopen that one
+            resume_run_id = resume.get("run_id")
         run_id = self.outbox.start_run(config={"monitor": cfg.to_dict(), "mode": mode}, resume_run_id=resume_run_id)
         if self.world_size > 1:
             self.outbox.run_id = broadcast(run_id)
         self.target.checkpoints = checkpoints if checkpoints is not None else self._manager(checkpoint_dir)
+        if checkpoints is not None and hasattr(checkpoints, "attach"):
+            checkpoints.attach(sink=self.outbox.store, run_id=self.run_id)
+        last = self.outbox.last_step() if resume_run_id is not None else None
+        self._resume = ResumeCheck(resume_run_id, last_step=broadcast(last) if self.world_size > 1 else last)
         self.records: deque[StepRecord] = deque(maxlen=cfg.history)
         self._closed = False
         self._initial_saved = False
         self._watchdog = self._start_watchdog(store) if cfg.hang_timeout is not None else None
         self._hooks.install()
         self._exit_guard = ExitGuard(self.close)  # Ctrl-C, SIGTERM or an exit without close(): run interrupted
+        if resume:
+            self.load_state_dict(resume)
         if self.rank == 0:
             self._warn_unfit()
 
@@ -352,6 +362,7 @@ class Monitor:
         if value < 0:
             raise ValueError(f"sync_step: step must be an integer >= 0, got {value}")
         self._step = value
+        self._resume.settle()
 
 
     # -- the loop ----------------------------------------------------------------------------------------
@@ -385,6 +396,7 @@ class Monitor:
         loop, with the ``batch`` when a runbook diagnoses or ``sample_ids`` is given)."""
         if self.buffer.open:
             self.end_step()
+        self._resume.first_step(self._step)  # a resumed run must not start over at step 0
         if self._step == 0 and not self._initial_saved and self.config.checkpoint_every:
             self._initial_saved = True  # the initial state is known-good: a rollback can always reach it
             if self.checkpoints is not None:
@@ -479,6 +491,7 @@ class Monitor:
             "notifier": self.outbox.notifier_state(),
             "run_id": self.run_id,
             "run_name": self.run_name,
+            "checkpoints": self.checkpoints.state_dict() if self.checkpoints is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any], *, pipeline: bool = True) -> None:
@@ -491,7 +504,10 @@ class Monitor:
             self._emb.load_state_dict(state["embeddings"])
         if pipeline:
             self._load_pipeline_state(state)
+            if self.checkpoints is not None and state.get("checkpoints"):  # a resume, maybe into another directory
+                self.checkpoints.adopt(state["checkpoints"])
         self.outbox.load_notifier_state(state.get("notifier"))
+        self._resume.settle()
 
     def _load_pipeline_state(self, state: dict[str, Any]) -> None:
         if state.get("pipeline") is not None:
@@ -511,8 +527,12 @@ class Monitor:
         if self._closed:
             return
         self._exit_guard.release()
+        if status == INTERRUPTED and self.buffer.open and not self._hooks.stepped:
+            self.recorder.discard()  # interrupted before its update: the step did not happen
         self.end_step()
         self.flush()
+        if status == INTERRUPTED and self.rank == 0 and self.target.can_save and self._step > 0:
+            self.save_checkpoint()  # a resume from here repeats no step
         self._closed = True
         if self._watchdog is not None:
             self._watchdog.stop()

@@ -171,7 +171,10 @@ def test_executor_failures_are_recorded_not_raised(caplog: pytest.LogCaptureFixt
     missing = ex.execute(decision("revert", {"intervention_id": "nope"}))
     assert missing.after["error"].startswith("LookupError")
     assert ex.execute(decision("teleport")).after["error"].startswith("KeyError")
-    assert ex.errors == 3 and "rollback for decision" in caplog.text
+    assert ex.errors == 3 and "rollback at step 100 failed" in caplog.text
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(lines) == 3 and all("\n" not in m for m in lines)  # one line each: no traceback
+    assert not any(r.exc_info for r in caplog.records if r.levelname == "ERROR")
 
 
 def test_executor_state_survives_a_resume_so_reverts_still_work() -> None:

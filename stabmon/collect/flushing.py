@@ -87,6 +87,14 @@ class Outbox:
         self.run_id = run_id or resume_run_id or f"local-{time.time_ns():x}"
         return self.run_id
 
+    def last_step(self) -> int | None:
+        """The highest step the store holds for this run (None: none, or a store that cannot say)."""
+        read = getattr(self.store, "last_step", None)
+        if read is None:
+            return None
+        value = self.failsafe.call("store", lambda: read(run_id=self.run_id))
+        return value if isinstance(value, int) else None
+
     def write_steps(self, records: Sequence[StepRecord]) -> None:
         store = self.store
         if records and store is not None:

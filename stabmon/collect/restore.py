@@ -60,6 +60,8 @@ class TrainingState:
         want = [len(g["params"]) for g in self.optimizer.param_groups]
         if groups is None or [len(g.get("params", ())) for g in groups] != want:
             return f"does not match the optimizer: parameter groups of sizes {want} expected"
+        if self.monitor is not None and not isinstance(state.get("monitor"), dict):
+            return "holds no monitor state (save monitor.state_dict() under 'monitor')"
         return None
 
     def load(self, state: dict[str, Any], *, pipeline: bool = True) -> None:

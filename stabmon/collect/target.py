@@ -64,7 +64,8 @@ class LiveTarget:
         self.state, self.cursor, self.outbox, self.failsafe = state, cursor, outbox, failsafe
         self.stop_code = stop_code
         self.checkpoints = checkpoints
-        """The :class:`~stabmon.checkpoints.CheckpointManager` (None: no checkpoints, no rollback)."""
+        """The :class:`~stabmon.checkpoints.CheckpointManager` or :class:`~stabmon.checkpoints.UserCheckpoints`
+        (None: no checkpoints, no rollback)."""
         self.rank = rank
         self.should_stop = False
         self.stop_reason: str | None = None
@@ -90,17 +91,22 @@ class LiveTarget:
         self.should_stop, self.stop_reason = True, reason
 
     # -- checkpoints -------------------------------------------------------------------------------------
+    @property
+    def can_save(self) -> bool:
+        """There is a checkpoint manager and it can write (user checkpoints without ``save=`` cannot)."""
+        return self.checkpoints is not None and bool(getattr(self.checkpoints, "can_save", True))
+
     def save_checkpoint(self) -> Any:
         """Save the training state through the checkpoint manager; failures are logged and counted."""
         manager = self.checkpoints
         if manager is None:
-            raise ValueError("checkpoint_dir: the monitor has no checkpoint manager (pass checkpoint_dir=...)")
-        return self.failsafe.call("checkpoint", lambda: manager.save(self.state.state_dict(), step=self.step))
+            raise ValueError("checkpoint_dir: the monitor has no checkpoints (pass checkpoint_dir= or checkpoints=)")
+        return self.failsafe.call("checkpoint", lambda: manager.save(self.state.state_dict, step=self.step))
 
     def checkpoint_and_stop(self, *, reason: str, exit_code: int | None = None) -> dict[str, Any]:
         """Save a checkpoint (when there is a manager) and ask the loop to stop with ``exit_code`` (default
         ``stop_code``)."""
-        info = self.save_checkpoint() if self.checkpoints is not None else None
+        info = self.save_checkpoint() if self.can_save else None
         if exit_code is not None:
             self.stop_code = exit_code
         self.request_stop(reason)
@@ -147,9 +153,9 @@ class LiveTarget:
         if checkpoint_dir is not None:
             return CheckpointManager(checkpoint_dir)
         if self.checkpoints is None:
-            raise RuntimeError("rollback needs checkpoints: create the Monitor with checkpoint_dir=...")
+            raise RuntimeError("rollback needs checkpoints: create the Monitor with checkpoint_dir= or checkpoints=")
         if self.rank != 0:
-            return CheckpointManager(self.checkpoints.directory)  # rank 0 wrote the registry: read it afresh
+            self.checkpoints.reload()  # rank 0 wrote the registry: read it afresh
         return self.checkpoints
 
     def _restore(self, state: dict[str, Any], from_position: int) -> None:
@@ -171,5 +177,5 @@ class LiveTarget:
         if self.rank != 0:
             return
         manager.rolled_back(target)
-        if manager is self.checkpoints:
+        if manager is self.checkpoints and self.can_save:
             self.save_checkpoint()

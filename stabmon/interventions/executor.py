@@ -4,8 +4,9 @@
 monitor, in replay (``simulated=True``) on a :class:`~stabmon.replay.simulate.SimulatedTarget`. It looks the
 action up in the registry, builds the intervention, applies it and returns its audit record; a ``revert``
 decision undoes the intervention named in ``params["intervention_id"]``. A failure is caught, logged and
-counted, never raised into training: the returned record then carries ``after["error"]`` and the engine judges
-the rung as failed. A change that would do nothing or move a value the harmful way
+counted, never raised into training: one line is logged (the traceback only at DEBUG level), the returned
+record carries ``after["error"]`` and the engine judges the rung as failed, so the runbook's next rung or its
+``on_failure`` follows. A change that would do nothing or move a value the harmful way
 (:class:`~stabmon.interventions.base.NoChange`) is not applied: the record carries ``after["not_applied"]`` with
 the reason.
 """
@@ -62,7 +63,11 @@ class Executor:
             )
         except Exception as exc:  # noqa: BLE001 - never raise into training
             self.errors += 1
-            log.exception("stabmon: %s for decision %s failed", decision.action, decision.id)
+            # one line: the runbook moves on (the rung is judged failed); the traceback only at DEBUG level
+            log.error("stabmon: %s at step %s failed (decision %s): %s: %s; the runbook's next rung or "
+                      "on_failure follows", decision.action, _step(self.target), decision.id, type(exc).__name__,
+                      _first_line(exc))
+            log.debug("stabmon: %s failed", decision.action, exc_info=True)
             return InterventionRecord(
                 decision_id=decision.id, step=_step(self.target), action=decision.action, before={},
                 after={"error": f"{type(exc).__name__}: {exc}"}, reverted=decision.action == "revert",
@@ -109,3 +114,7 @@ def _step(target: Any) -> int:
         return int(target.step)
     except Exception:  # noqa: BLE001
         return -1
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0]

@@ -41,7 +41,7 @@ def fit_warnings(
         for i, rung in enumerate(ladder, start=1):
             where = f"rule {rule.name} rung {i}: {rung.action}"
             if rung.action == "rollback" and checkpoints is False:
-                out.append(f"{where} needs checkpoints (checkpoint_dir or checkpoint_every): it will fail")
+                out.append(f"{where} needs checkpoints (Monitor checkpoint_dir= or checkpoints=): it will fail")
             if rung.action == "scale_lr" and rung.params.factor is not None and rung.params.factor >= 1:
                 out.append(f"{where} factor {rung.params.factor:g} would not lower the LR: it will be skipped")
             if rung.action not in _SET:

@@ -181,6 +181,13 @@ def next_seq(*, session: Session, run_id: str) -> int:
 
 
 # -- metrics and steps ---------------------------------------------------------------------------------------
+def last_step(*, session: Session, run_id: str) -> int | None:
+    """The highest step a run has stored (None: no steps)."""
+    key = session.scalar(sa.select(Run.key).where(Run.id == run_id))
+    value = session.scalar(sa.select(sa.func.max(Step.step)).where(Step.run_key == key)) if key else None
+    return None if value is None else int(value)
+
+
 def metric_names(*, session: Session, run_id: str) -> list[str]:
     q = (
         sa.select(MetricName.name)

@@ -233,6 +233,18 @@ class Store:
             log.exception("stabmon store: cannot read run %s's last sequence number; using the clock", run_id)
             return max(spooled, time.time_ns() // 1000)
 
+    def last_step(self, *, run_id: str) -> int | None:
+        """The highest step ``run_id`` holds in the database (None: none, or the database cannot be read now;
+        rows still queued or spooled are not counted). Reads at once: for the edges of a run, like a resume."""
+        if not self._writer.ready:
+            return None
+        try:
+            with self.session() as s:
+                return repo.last_step(session=s, run_id=run_id)
+        except Exception:  # noqa: BLE001 - a resume check must not stop a run the store cannot read
+            log.exception("stabmon store: cannot read run %s's last step", run_id)
+            return None
+
     def _next(self, run_id: str, n: int) -> int:
         with self._seq_lock:
             seq0 = self._seq.get(run_id, 0)
