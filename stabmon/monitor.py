@@ -349,7 +349,10 @@ class Monitor:
 
     def after_optimizer_step(self, *, skipped: bool = False) -> None:
         """The post-step work (scheduler-visible values back, the skip guard finished): after the update.
-        ``skipped=True``: the optimizer did not step after all (a GradScaler overflow)."""
+        ``skipped=True``: the optimizer did not step after all (a loss scaler's overflow). The step is then
+        recorded with ``overflow = 1``, even when the scaler is not one the monitor was given (an engine's own
+        loss scaling), so a non-finite grad norm on it reads as the routine skip it is; it may be called
+        without :meth:`before_optimizer_step` when the skip came before the optimizer was reached."""
         self._hooks.after_step(skipped=skipped)
 
     def sync_step(self, step: int) -> None:

@@ -86,6 +86,10 @@ class OptimizerHooks:
         self.sample_updates = False
         self.guard = SkipGuard(optimizer, ema_decay=ema_decay)
         self.stepped = False
+        self.skip_reported = False
+        """The caller said this step's update was skipped (``after_step(skipped=True)``): a loss scaler's
+        overflow, recorded as such even without a GradScaler the monitor knows of."""
+        self._post_pending = False  # before_step ran and after_step has not yet undone its changes
         self.sample_embeddings = False
         self.found_inf: torch.Tensor | None = None
         """The GradScaler's overflow flag handed to a fused optimizer this step (device tensor), else None."""
@@ -138,6 +142,7 @@ class OptimizerHooks:
         """The pre-step work (steps 1-5 of the module docstring); the step pre-hook, or called by a framework
         that runs backward inside ``optimizer.step(closure)``."""
         self.stepped = True
+        self._post_pending = True
         grad_scale = self._scaled_handoff()
         self.last_hparams = self.hparams()
         result = self.grads.compute()
@@ -162,8 +167,17 @@ class OptimizerHooks:
 
     def after_step(self, *, skipped: bool = False) -> None:
         """The post-step work: scheduler-visible values back, the guard finished, embeddings measured.
-        ``skipped``: the optimizer did not step after all (a GradScaler overflow seen only at batch end); the
-        step then counts as not stepped."""
+        ``skipped``: the optimizer did not step after all (a loss scaler's overflow, seen only at batch end);
+        the step then counts as not stepped and as skipped by the scaler. Without a :meth:`before_step` this
+        step (the scaler skipped before the optimizer was reached) there is nothing to undo, only that."""
+        if self._post_pending:
+            self._post_pending = False
+            self._finish_update()
+        if skipped:
+            self.stepped = False
+            self.skip_reported = True
+
+    def _finish_update(self) -> None:
         for group, saved in zip(self.optimizer.param_groups, self._saved_groups, strict=False):
             group.update(saved)
         self._saved_groups = []
@@ -176,8 +190,6 @@ class OptimizerHooks:
             names, values = self.updates.after_update()
             if values is not None:
                 self.buffer.add(names, values)
-        if skipped:
-            self.stepped = False
 
     def _clip(self, result: GradResult, grad_scale: torch.Tensor | None) -> None:
         max_norm = self.max_norm()

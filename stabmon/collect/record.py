@@ -74,7 +74,7 @@ class StepRecorder:
         if self.started is None:
             self.started = time.perf_counter()
         self.buffer.begin(step=step, batch_index=batch_index)
-        self.hooks.stepped = False
+        self.hooks.stepped = self.hooks.skip_reported = False
         self._scale_snapshot = None
         self._hp_snapshot = None
         self._tokens = None
@@ -153,6 +153,8 @@ class StepRecorder:
     def _record_scaler(self) -> None:
         scaler = self.scaler
         if scaler is None or not scaler.is_enabled():
+            if self.hooks.skip_reported:  # a loss scaler the monitor does not hold (an engine's own) skipped it
+                self.buffer.add_host(Metric.OVERFLOW, 1.0)
             return
         # scaler.step() skips a non-fused optimizer.step() (and so the pre-hook) when it found inf/NaN
         # gradients; a fused optimizer steps anyway and its kernel skips on the scaler's found_inf

@@ -116,7 +116,9 @@ class MissingMetric(Detector):
     the training loss). Reported once per outage: the count restarts when the metric comes back. Metrics a run
     never reports, or
     reports only now and then (validation loss, a loss scale printed only on overflow), never build a streak.
-    Megatron prints no ``lm loss`` on the step that diverged (BigScience tr8-104B exp12 it9027).
+    Megatron prints no ``lm loss`` on the step that diverged (BigScience tr8-104B exp12 it9027). A step the
+    fp16 loss scaler skipped (``overflow == 1``) says nothing about the other metrics: the update never ran,
+    so its grad norm may never have been measured (a GradScaler skips the optimizer step and its hooks).
 
     >>> d = MissingMetric("loss", MissingConfig(min_streak=3))
     >>> [d.update(s, {"loss": 2.0}) for s in range(3)]
@@ -139,6 +141,8 @@ class MissingMetric(Detector):
     def _value(self, x: X) -> float | None:
         if self.metric in x:
             return 1.0
+        if self.metric != Metric.LOSS and x.get(Metric.OVERFLOW) == 1.0:
+            return None  # a skipped overflow step need not carry it
         # judged only on records that carry another watched metric: an evaluation-only record says nothing
         return 0.0 if any(m in x for m in self.config.metrics if m != self.metric) else None
 

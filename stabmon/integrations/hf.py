@@ -17,6 +17,9 @@ What the callback does at each Trainer event:
   tensor (no ``.item()``); ``on_pre_optimizer_step`` hands their mean to the monitor (their sum when the Trainer
   passed ``num_items_in_batch``, because the model then normalised by the whole accumulated batch). A custom
   ``compute_loss`` whose model returns no loss can call :meth:`StabmonCallback.observe_loss`.
+- fp16 overflow: a step the loss scaler skipped (accelerate's ``optimizer.step_was_skipped``: a GradScaler's,
+  or a DeepSpeed engine's own loss scaling) is recorded with ``overflow = 1``, so the ``inf``/``nan`` grad norm
+  of a routine backoff is not an anomaly; a collapsing scale is still one (the loss-scale detector).
 - ``on_save``: flushes the monitor and writes its state (:data:`STATE_FILE`) into the Trainer's
   ``checkpoint-N`` folder.
 - checkpoint-and-stop (a runbook decision or the kill switch): ``control.should_save`` and
@@ -201,6 +204,8 @@ class StabmonCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None:
             return
+        if getattr(kwargs.get("optimizer"), "step_was_skipped", False) is True:
+            self.monitor.after_optimizer_step(skipped=True)  # the loss scaler skipped it: an overflow step
         self.monitor.end_step()
         if self.monitor.should_stop and not self.stop_requested:
             self.stop_requested = True

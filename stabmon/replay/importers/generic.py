@@ -8,6 +8,12 @@ Lightning names); other columns are kept under their own names (their non-numeri
 unless ``keep_unmapped=False``. Every value is read as text first and converted here, so a malformed cell is
 counted (``ImportResult.malformed``) instead of failing the file.
 
+fp16 overflow steps: a column saying whether the loss scaler skipped the step (``overflow``, ``found_inf``,
+``skipped_step``, as 0/1 or true/false; ``--map COLUMN=overflow`` for another name) becomes ``overflow``. A
+table with a loss scale and no such column gets ``overflow = 1`` on the step of each loss-scale backoff
+(:mod:`stabmon.replay.importers.overflow`), so an ``inf`` grad norm logged there reads as the routine skip
+it is, not as a non-finite training state.
+
 >>> import tempfile, pathlib
 >>> p = pathlib.Path(tempfile.mkdtemp()) / "log.csv"
 >>> _ = p.write_text("step,train/loss,acc\\n1,2.5,0.1\\n2,oops,0.2\\n3,2.4,0.3\\n")
@@ -27,6 +33,7 @@ from typing import Any
 
 from stabmon.events import Metric
 from stabmon.replay.importers.base import ImportResult
+from stabmon.replay.importers.overflow import mark_table
 from stabmon.replay.importers.table import StepTable
 from stabmon.replay.importers.tabular import Table, open_table
 
@@ -66,6 +73,8 @@ KNOWN_COLUMNS: dict[str, str] = {
     "grad_norm_total": Metric.GRAD_NORM,
     "loss_scale": Metric.LOSS_SCALE,
     "train/loss_scale": Metric.LOSS_SCALE,
+    **{f"{prefix}{name}": Metric.OVERFLOW for prefix in ("", "train/")
+       for name in ("overflow", "found_inf", "skipped_step", "step_skipped")},
     "lr": Metric.LR,
     "learning_rate": Metric.LR,
     "train/lr": Metric.LR,
@@ -114,6 +123,20 @@ def parse_mapping(items: list[str] | tuple[str, ...] | None) -> dict[str, str]:
             raise ValueError(f"import.map: expected COLUMN=METRIC, got {item!r}")
         out[col.strip()] = metric.strip()
     return out
+
+
+_FLAGS = {"true": 1.0, "false": 0.0}
+
+
+def _to_flag(text: Any) -> float:
+    """An overflow flag cell (0/1, true/false) as 1.0 or 0.0."""
+    word = str(text).strip().lower()
+    if word in _FLAGS:
+        return _FLAGS[word]
+    value = _to_float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"not a flag: {text!r}")
+    return 1.0 if value else 0.0
 
 
 def _to_float(text: Any) -> float:
@@ -173,6 +196,7 @@ def table_to_result(
     plan = _plan(table.columns, dict(mapping or {}), step_column, keep_unmapped)
     for row_no, row in enumerate(table.rows, 2):
         _add_row(row, f"{name}:{row_no}", row_no - 2, plan, steps, result)
+    mark_table(steps)
     return result
 
 
@@ -189,7 +213,7 @@ def _add_row(row: dict[str, Any], where: str, index: int, plan: _Plan, steps: St
         if value is None or (isinstance(value, str) and not value.strip()):
             continue
         try:
-            metrics[metric] = _to_float(value)
+            metrics[metric] = _to_flag(value) if metric == Metric.OVERFLOW else _to_float(value)
         except (TypeError, ValueError):
             if col in plan.strict:
                 result.problem(where, f"{col}: not a number {value!r}"[:120])

@@ -4,7 +4,8 @@
 one clear problem instead of failing. Scalar tags are mapped like table columns
 (:data:`stabmon.replay.importers.generic.KNOWN_COLUMNS` plus ``mapping``; Megatron's ``lm loss``,
 ``grad-norm``, ``loss-scale``, ``learning-rate`` tags are known too); a path that is a directory reads every
-event file in it.
+event file in it. Overflow steps are marked as in the table importers
+(:mod:`stabmon.replay.importers.overflow`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from stabmon.events import Metric, StepRecord
 from stabmon.replay.importers.base import ImportResult
 from stabmon.replay.importers.generic import KNOWN_COLUMNS
+from stabmon.replay.importers.overflow import mark_records
 
 FORMAT = "tensorboard"
 PRIORITY = 10
@@ -63,5 +65,6 @@ def read(path: Path, *, mapping: Mapping[str, str] | None = None, **_: Any) -> I
         for ev in acc.Scalars(tag):
             by_step.setdefault(int(ev.step), {})[metric] = float(ev.value)
             times[int(ev.step)] = float(ev.wall_time)
-    result.records = [StepRecord(step=s, metrics=by_step[s], time=times.get(s)) for s in sorted(by_step)]
+    records = [StepRecord(step=s, metrics=by_step[s], time=times.get(s)) for s in sorted(by_step)]
+    result.records = mark_records(records)
     return result
