@@ -4,7 +4,8 @@ Both arms run the example's ``main()`` in this process: the same seed, data, sch
 the unmonitored arm with ``--no-monitor`` (the loop's own clipping in place of the monitor's). Runs alternate
 A, B, A, B... so that drifts in machine load hit both; each arm's time per iteration is the process CPU time
 (insensitive to other processes on a shared machine) and the wall time of the whole run divided by its
-iterations, evaluation, checkpoints and the monitor's start (opening the store) included. The median ratio B/A over the rounds is printed::
+iterations, evaluation, checkpoints and the monitor's start (opening the store) included. The median ratio
+B/A over the rounds is printed::
 
     python benchmarks/nanogpt_style.py --rounds 3 --iters 100
 """
