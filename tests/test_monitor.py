@@ -405,6 +405,26 @@ def test_rollback_restores_last_known_good_and_skips_batches(tmp_path: Any) -> N
     assert 10 not in {b for _, b in seen[14:]}
 
 
+def test_rollback_in_a_hand_written_loop_skips_nothing_and_says_so(tmp_path: Any) -> None:
+    # a loop that samples its own batches (nanoGPT's get_batch) never draws through monitor.steps():
+    # a skip would name batch indices that mean nothing to it
+    data = batches(30)
+    model, opt, mon = make(config=MonitorConfig(checkpoint_every=5), checkpoint_dir=str(tmp_path))
+    for i in range(14):
+        mon.begin_step()
+        loss = loss_of(model, data[i])
+        loss.backward()
+        mon.observe(loss=loss)
+        opt.step()
+        opt.zero_grad()
+        mon.end_step()
+    result = mon.rollback(onset_step=12, lookback=2, skip_batches=3)
+    mon.close()
+    assert result["checkpoint_step"] == 10 and result["skipped"][0] == result["skipped"][1]
+    assert result["skip_not_applied"] == "the loop does not draw its batches through monitor.steps()"
+    assert not result["rewound_data"]
+
+
 # -- sinks and pipeline -----------------------------------------------------------------------------------
 class MemorySink:
     """Test double of stabmon.sinks.Sink that keeps everything in lists (optionally failing)."""

@@ -29,6 +29,7 @@ class DataCursor:
         self.skip: set[int] = set()
         self._rewind = False
         self.rewindable = True
+        self.drawing = False  # the loop draws its batches through batches(): skips and rewinds take effect
 
     def skip_range(self, start: int, count: int) -> list[int]:
         indices = list(range(start, start + max(0, count)))
@@ -44,6 +45,7 @@ class DataCursor:
         """(global index, batch) for every batch not skipped, for ``epochs`` passes (None: forever)."""
         passes = 0
         first = True
+        self.drawing = True
         while epochs is None or passes < epochs:
             it = iter(loader)
             self.rewindable = it is not loader

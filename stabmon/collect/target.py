@@ -131,21 +131,32 @@ class LiveTarget:
         info, state = manager.last_known_good(before_step=max(0, onset_step - lookback), check=self.state.mismatch)
         self._restore(state, from_position)
         start = self.cursor.position
-        skipped = self.cursor.skip_range(start, skip_batches)
+        # skipping needs the loop to draw its batches through monitor.steps(); a hand-written loop that
+        # samples its own batches (nanoGPT's get_batch) gets no skip, and the record says so
+        skip = skip_batches if self.cursor.drawing else 0
+        skipped = self.cursor.skip_range(start, skip)
         if skipped:
             self.outbox.write_skipped_batches(step=self.step, batch_indices=skipped)
         self._record_timeline(manager, info)
-        skipping = f"; skipping batches [{start}, {start + skip_batches})" if skip_batches else ""
+        if skip:
+            skipping = f"; skipping batches [{start}, {start + skip})"
+        elif skip_batches:
+            skipping = "; no batches skipped (the loop does not draw its batches through monitor.steps())"
+        else:
+            skipping = ""
         log.warning("stabmon: rolled back from step %d to checkpoint step %d (%s)%s", from_step, info.step,
                     info.path, skipping)
-        return {
+        facts = {
             "checkpoint_path": info.path,
             "checkpoint_step": info.step,
             "restored_step": self.step,
             "from_step": from_step,
-            "skipped": [start, start + skip_batches],
-            "rewound_data": self.cursor.rewindable,
+            "skipped": [start, start + skip],
+            "rewound_data": self.cursor.rewindable and self.cursor.drawing,
         }
+        if skip_batches and not skip:
+            facts["skip_not_applied"] = "the loop does not draw its batches through monitor.steps()"
+        return facts
 
     def _manager(self, checkpoint_dir: str | None) -> Any:
         from stabmon.checkpoints import CheckpointManager
