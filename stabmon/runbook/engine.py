@@ -37,7 +37,7 @@ from stabmon.events import (
     Verdict,
     new_id,
 )
-from stabmon.runbook import verdicts
+from stabmon.runbook import rejection, verdicts
 from stabmon.runbook.schema import Rule, Runbook
 from stabmon.runbook.state import Incident, Sighting, WindowRow, incident_from_state, incident_state
 
@@ -116,11 +116,26 @@ class Engine:
             return []  # stale: already expired, answered, or not ours
         decision = inc.current
         if not approved:
-            self._close()
-            return [dataclasses.replace(decision, status=DecisionStatus.REJECTED, step=step)]
+            return self._reject(decision, step)
         approved_decision = dataclasses.replace(decision, status=DecisionStatus.APPROVED, step=step)
         self._start(approved_decision)
         return [approved_decision]
+
+    def _reject(self, decision: Decision, step: int) -> list[Decision | Outcome]:
+        """Close the incident; revert (or keep) what it changed so far, as ``approval.on_reject`` says."""
+        inc = self._incident
+        assert inc is not None
+        note, undo = rejection.plan(inc, step=step, policy=self.runbook.approval.on_reject)
+        out: list[Decision | Outcome] = [dataclasses.replace(decision, status=DecisionStatus.REJECTED, step=step,
+                                                             reason=f"{decision.reason}; {note}")]
+        for change in undo:
+            params = {"intervention_id": change.intervention_id, "decision_id": change.decision_id,
+                      "rejected": decision.id}
+            reason = f"{decision.action} proposal rejected: revert rung {change.rung + 1} ({change.action})"
+            revert = self._decision("revert", params, DecisionStatus.APPLY, step, reason)
+            out.append(dataclasses.replace(revert, rung=change.rung))
+        self._close()
+        return out
 
     def hold(self, ticks: int) -> None:
         """Propose mode: the next ``ticks`` records do not count against a waiting proposal's approval
@@ -134,6 +149,8 @@ class Engine:
         if decision.action == "checkpoint_and_stop" and "error" not in record.after:
             self.stopped = True
         inc = self._incident
+        if inc is not None and decision.incident_id == inc.id:
+            rejection.track(inc, decision, record)
         if inc is None or inc.current.id != decision.id:
             return
         inc.intervention_id = record.id
