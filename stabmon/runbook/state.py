@@ -100,6 +100,7 @@ class Incident:
     skipped: str | None = None  #: why the current decision was not applied (it would change nothing, or do harm)
     effective_step: int | None = None  #: records of earlier steps predate the change: not observed
     await_step: int | None = None  #: a live rollback: observing starts at the record of this (restored) step
+    until_step: int | None = None  #: a rollback: the step it rolled back from; its window runs past it (judging)
     changed: bool = False  #: a decision of this incident changed training
     alerted: bool = False  #: a decision of this incident was only an alert
     stop: bool = False  #: the pending decision is the runbook's checkpoint-and-stop
