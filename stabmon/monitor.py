@@ -400,8 +400,10 @@ class Monitor:
         if self.buffer.open:
             self.end_step()
         self._resume.first_step(self._step)  # a resumed run must not start over at step 0
-        if self._step == 0 and not self._initial_saved and self.config.checkpoint_every:
-            self._initial_saved = True  # the initial state is known-good: a rollback can always reach it
+        if not self._initial_saved and self.config.checkpoint_every:
+            # the first step of a run not restored from a state (its first step may be 1, as in HF Trainer):
+            # the initial state is known-good, so a rollback can always reach it
+            self._initial_saved = True
             if self.checkpoints is not None:
                 self.save_checkpoint()
         self.recorder.begin(step=self._step, batch_index=batch_index)
@@ -500,6 +502,7 @@ class Monitor:
     def load_state_dict(self, state: dict[str, Any], *, pipeline: bool = True) -> None:
         """Restore a :meth:`state_dict` (``pipeline=False`` keeps the detectors, engine and executor)."""
         self._step = int(state["step"])
+        self._initial_saved = True  # a resumed run's first step is not its initial state
         self.cursor.load_state_dict(state["data"])
         self.overrides.load_state_dict(state["overrides"])
         self._hooks.load_state_dict(state.get("hooks", {}))

@@ -14,6 +14,8 @@ from stabmon.replay.importers.sniff import importers, sniff_format
 
 MODULES = importers()
 IDS = [m.FORMAT for m in MODULES]
+OPTIONS = {"pattern": {"patterns": [r"iter (?P<step>\S+): loss (?P<loss>\S+), time (?P<step_time_ms>\S*)ms"]}}
+"""Options an importer cannot read without (the pattern importer reads with the user's regex)."""
 
 # Lines that look like the formats' data lines, with their values mangled, mixed with raw noise.
 fragments = st.sampled_from(
@@ -44,6 +46,9 @@ fragments = st.sampled_from(
         "[1,2]",
         "PAR1",
         "brain.Event",
+        "iter 310: loss ",
+        ", time 21.3ms, mfu ",
+        "step 250: train loss 2.4, val loss ",
     ]
 )
 lines = st.lists(
@@ -64,7 +69,7 @@ def _write(text: str, name: str) -> Path:
 @given(text=documents)
 def test_importer_never_raises_on_garbage(module: object, text: str) -> None:
     p = _write(text, "garbage.log")
-    result = module.read(p)  # type: ignore[attr-defined]
+    result = module.read(p, **OPTIONS.get(module.FORMAT, {}))  # type: ignore[attr-defined]
     assert isinstance(result, ImportResult)
     assert result.malformed >= 0 and len(result.problems) <= ImportResult.MAX_PROBLEMS
     steps = [r.step for r in result.records]

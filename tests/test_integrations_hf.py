@@ -98,19 +98,43 @@ def test_trainer_records_every_step_and_clips_once(tmp_path: Path, sqlite_url: s
     # the Trainer (5.x) still measures a norm for its logs each step, but with max_norm=inf: it never clips
     assert len(trainer_clips) == 24 and all(math.isinf(v) for v in trainer_clips)
     by_step = metrics_by_step(sqlite_url, cb.monitor.run_id)
-    assert sorted(by_step) == list(range(24))
+    assert sorted(by_step) == list(range(1, 25))  # numbered as the Trainer numbers its steps
     for step, m in by_step.items():
         assert {"loss", "grad_norm", "lr", "clip"} <= set(m), step
         assert m["clip"] == pytest.approx(clip)
         assert math.isfinite(m["loss"]) and m["loss"] > 0
-    assert by_step[0]["loss"] == pytest.approx(math.log(VOCAB), rel=0.1)  # random init: ~uniform
+    assert by_step[1]["loss"] == pytest.approx(math.log(VOCAB), rel=0.1)  # random init: ~uniform
     # the monitor saw pre-clip norms, and the update is lr x clip: clipped exactly as configured
     assert len(rec.deltas) == 24
-    for step, delta in enumerate(rec.deltas):
+    for step, delta in enumerate(rec.deltas, 1):
         m = by_step[step]
         assert m["grad_norm"] > clip
         assert delta == pytest.approx(m["lr"] * clip, rel=1e-3)
     assert cb.exit_code == 0 and not cb.stop_requested
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("seed", "accumulate"), [(0, 1), (1, 2)])
+def test_each_metric_is_stored_at_the_step_the_trainer_logs_it(
+    tmp_path: Path, sqlite_url: str, seed: int, accumulate: int
+) -> None:
+    """The Trainer's own log (logging every step) and the store agree step for step: its grad_norm and loss
+    logged at step N are the monitor's values at step N."""
+    cb = StabmonCallback(store=sqlite_url, config=MonitorConfig(flush_every=5))
+    args = make_args(tmp_path / "out", max_steps=16, logging_steps=1, max_grad_norm=1.0, seed=seed,
+                     gradient_accumulation_steps=accumulate, per_device_train_batch_size=8 // accumulate)
+    trainer = transformers.Trainer(model=tiny_model(seed), args=args, train_dataset=dataset(seed=seed),
+                                   callbacks=[cb])
+    trainer.train()
+    logged = {e["step"]: e for e in trainer.state.log_history if "grad_norm" in e}
+    by_step = metrics_by_step(sqlite_url, cb.monitor.run_id)
+    assert sorted(logged) == sorted(by_step) == list(range(1, 17))
+    for step, entry in logged.items():
+        assert by_step[step]["grad_norm"] == pytest.approx(entry["grad_norm"], rel=1e-4), step
+        assert by_step[step]["loss"] == pytest.approx(entry["loss"], abs=1e-4), step
+    # the check can tell neighbours apart: consecutive steps' norms differ far more than the tolerance
+    norms = [logged[s]["grad_norm"] for s in range(1, 17)]
+    assert min(abs(a - b) / b for a, b in zip(norms, norms[1:], strict=False)) > 1e-3
 
 
 @pytest.mark.slow
@@ -127,7 +151,7 @@ def test_forced_checkpoint_and_stop_stops_the_trainer(tmp_path: Path, sqlite_url
     assert cb.stop_requested and cb.exit_code == STOP_EXIT_CODE
     assert "operator stop" in (cb.monitor.stop_reason or "")
     saved = torch.load(out / "checkpoint-8" / STATE_FILE, weights_only=False)
-    assert saved["step"] == 8 and saved["run_id"] == cb.monitor.run_id
+    assert saved["step"] == 9 and saved["run_id"] == cb.monitor.run_id  # the next step it would record
 
 
 @pytest.mark.slow
@@ -143,7 +167,7 @@ def test_monitor_state_survives_save_and_resume(tmp_path: Path, sqlite_url: str)
                               callbacks=[first, Recorder(at=3, action=set_override)])
     t1.train()
     saved = torch.load(out / "checkpoint-20" / STATE_FILE, weights_only=False)
-    assert saved["step"] == 20 and saved["overrides"]["lr_scale"] == 0.5
+    assert saved["step"] == 21 and saved["overrides"]["lr_scale"] == 0.5
 
     second = StabmonCallback(store=sqlite_url, config=MonitorConfig(flush_every=5))
     t2 = transformers.Trainer(model=tiny_model(), args=make_args(out, max_steps=30), train_dataset=dataset(),
@@ -152,11 +176,11 @@ def test_monitor_state_survives_save_and_resume(tmp_path: Path, sqlite_url: str)
 
     mon = second.monitor
     assert mon.run_id == first.monitor.run_id  # the same run continues in the store
-    assert mon.step == 30 and mon.overrides.lr_scale == 0.5
+    assert mon.step == 31 and mon.overrides.lr_scale == 0.5
     assert mon.state_dict()["hooks"] == {"ema_host": pytest.approx(
         _continue_ema(saved["hooks"]["ema_host"], [r.get("grad_norm") for r in mon.records]))}
     steps = sorted(metrics_by_step(sqlite_url, mon.run_id))
-    assert steps == list(range(30))
+    assert steps == list(range(1, 31))
 
 
 def _continue_ema(start: float, norms: list[float | None], decay: float = 0.98) -> float:
@@ -173,7 +197,7 @@ def test_gradient_accumulation_gives_one_record_per_optimizer_step(tmp_path: Pat
     args = make_args(tmp_path / "out", max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2)
     transformers.Trainer(model=tiny_model(), args=args, train_dataset=dataset(), callbacks=[cb]).train()
     records = list(cb.monitor.records)
-    assert [r.step for r in records] == list(range(6))
+    assert [r.step for r in records] == list(range(1, 7))
     assert [r.batch_index for r in records] == [0, 2, 4, 6, 8, 10]
     # the loss of the whole accumulated batch: neither the sum of micro-batch means nor half of it
     assert records[0].get("loss") == pytest.approx(math.log(VOCAB), rel=0.1)
@@ -281,8 +305,8 @@ def test_example_script_runs_monitored_into_sqlite(tmp_path: Path, sqlite_url: s
         store.close()
     assert [(r.name, r.status, r.steps) for r in runs] == [("hf-trainer-example", "finished", 20)]
     by_step = metrics_by_step(sqlite_url, runs[0].id)
-    assert sorted(by_step) == list(range(20))
-    assert by_step[19]["loss"] < by_step[0]["loss"] - 0.5  # it learns
+    assert sorted(by_step) == list(range(1, 21))
+    assert by_step[20]["loss"] < by_step[1]["loss"] - 0.5  # it learns
     assert all(m["clip"] == 1.0 for m in by_step.values())  # the Trainer's max_grad_norm, in the monitor
 
 
@@ -332,10 +356,10 @@ def test_runbook_checkpoint_and_stop_ends_the_unstable_example(tmp_path: Path) -
     ex = load_example("hf_trainer")
     out = tmp_path / "out"
     cb = ex.train(steps=100, unstable=True, runbook=str(runbook), mode="apply", out=str(out))
-    stopped_at = cb.monitor.step
+    stopped_at = cb.monitor.step - 1  # the last step recorded: the Trainer's global_step at the stop
     assert cb.exit_code == STOP_EXIT_CODE and stopped_at < 100
     assert cb.monitor.stop_reason == "recurring spikes: stopped for a human"
     decisions = [e for e in cb.monitor.events if type(e).__name__ == "Decision"]
     assert [d.action for d in decisions] == ["checkpoint_and_stop"]
     saved = torch.load(out / f"checkpoint-{stopped_at}" / STATE_FILE, weights_only=False)
-    assert saved["step"] == stopped_at
+    assert saved["step"] == stopped_at + 1  # resumes at the next step

@@ -110,6 +110,41 @@ def test_fit_records_every_step_and_clips_once(tmp_path: Path, sqlite_url: str, 
     assert cb.exit_code == 0 and not cb.stop_requested
 
 
+class LoggedTiny(Tiny):
+    """Tiny that logs its loss and gradient norm through Lightning's own logging, every step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.parameters()]))
+        self.log("lightning_grad_norm", norm, on_step=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_metric_is_stored_at_the_step_lightning_logs_it(tmp_path: Path, sqlite_url: str, seed: int) -> None:
+    """Lightning's own logger (CSVLogger, every step) and the store agree step for step: the loss and the
+    gradient norm Lightning logs at trainer.global_step N are the monitor's values at step N."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    cb = StabmonCallback(store=sqlite_url, config=MonitorConfig(flush_every=5))
+    t = trainer(tmp_path, [cb], max_steps=12, logger=CSVLogger(str(tmp_path / "logs")), log_every_n_steps=1)
+    t.fit(LoggedTiny(), loader(seed=seed))
+    with open(next((tmp_path / "logs").rglob("metrics.csv"))) as fh:
+        logged = {int(row["step"]): row for row in csv.DictReader(fh)}
+    by_step = metrics_by_step(sqlite_url, cb.monitor.run_id)
+    assert sorted(logged) == sorted(by_step) == list(range(12))  # Lightning numbers from 0, as global_step
+    for step, row in logged.items():
+        assert by_step[step]["loss"] == pytest.approx(float(row["train_loss"]), rel=1e-5), step
+        assert by_step[step]["grad_norm"] == pytest.approx(float(row["lightning_grad_norm"]), rel=1e-4), step
+    losses = [float(logged[s]["train_loss"]) for s in range(12)]  # neighbours differ: the check can fail
+    assert min(abs(a - b) / b for a, b in zip(losses, losses[1:], strict=False)) > 1e-3
+
+
 def test_gradient_accumulation_gives_one_record_per_optimizer_step(tmp_path: Path) -> None:
     cb = StabmonCallback(store=None, config=MonitorConfig(flush_every=3))
     t = trainer(tmp_path, [cb], max_steps=6, accumulate_grad_batches=2)

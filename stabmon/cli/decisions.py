@@ -63,7 +63,8 @@ def approve(run: RunArg, decision: DecisionArg, db: DbOption = None, by: ByOptio
 
 def reject(run: RunArg, decision: DecisionArg, db: DbOption = None, by: ByOption = None,
            as_json: JsonOption = False) -> None:
-    """Reject a proposed decision; the run drops it and its incident closes."""
+    """Reject a proposed decision; the run drops it, its incident closes, and what the incident changed so far
+    is reverted (or kept, with the runbook's approval.on_reject: keep)."""
     _answer(run, decision, False, db, by, as_json)
 
 

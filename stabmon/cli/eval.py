@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from stabmon.cli._common import console, fail, print_json
+from stabmon.cli.importing import PatternOption
 from stabmon.cli.replay import SetOption
 from stabmon.replay.progress import progress_bar, wanted
 
@@ -25,6 +26,7 @@ def eval_command(
     json_output: Annotated[
         bool, typer.Option("--json", help="One JSON object per row, one per line.")
     ] = False,
+    patterns: PatternOption = None,
 ) -> None:
     """Per labelled incident: detected, first alert, lead steps; per run: false alarms; for stabmon and the
     peer rules (LLM Foundry, OLMo-core, ZClip, Lightning, Megatron) side by side."""
@@ -52,6 +54,7 @@ def eval_command(
                 min_severity=severity,
                 peers=peers,
                 progress=advance,
+                patterns=tuple(patterns or ()),
             )
     except ValueError as exc:
         fail(str(exc).splitlines()[0])

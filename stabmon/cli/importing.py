@@ -25,8 +25,6 @@ def check_storable(run: str, result: ImportResult, files: list[Path]) -> None:
     from stabmon.store.limits import name_problem
 
     problem = name_problem("--run", run)
-    if problem is None and not len(result):
-        problem = f"no step records found in {', '.join(map(str, files))} ({result.malformed} malformed line(s))"
     if problem is None:
         names = result.metric_names(keep=lambda n: name_problem("metric name", n) is not None)
         problem = next((name_problem(f"metric name {n[:40]!r}...", n) for n in names), None)
@@ -34,23 +32,56 @@ def check_storable(run: str, result: ImportResult, files: list[Path]) -> None:
         fail(problem)
 
 
+PatternOption = Annotated[
+    list[str] | None,
+    typer.Option("--pattern", help="Regex with a (?P<step>...) group and one named group per metric, for any "
+                 "text log; repeatable (the first that matches a line reads it). Implies --format pattern."),
+]
+
+
 def read_inputs(
-    files: list[Path], fmt: str | None, maps: list[str] | None, step_column: str | None
+    files: list[Path],
+    fmt: str | None,
+    maps: list[str] | None,
+    step_column: str | None,
+    patterns: list[str] | None = None,
 ) -> ImportResult:
-    """Import FILE... (segments of one run, stitched) with the CLI's options; user errors exit 1."""
-    from stabmon.replay.importers.generic import parse_mapping
-    from stabmon.replay.importers.sniff import UnknownFormatError, import_files
+    """Import FILE... (segments of one run, stitched) with the CLI's options; user errors exit 1, and so does
+    an import that found no step, or no metric at all."""
+    from stabmon.replay.importers.sniff import UnknownFormatError, import_files, nothing_read
 
     for f in files:
         if not f.exists():
             fail(f"no such file: {f}")
     try:
-        options: dict[str, Any] = {"mapping": parse_mapping(maps)} if maps else {}
-        if step_column:
-            options["step_column"] = step_column
-        return import_files(files, format=fmt, **options)
+        fmt, options = _options(fmt, maps, step_column, patterns)
+        result = import_files(files, format=fmt, **options)
     except (UnknownFormatError, ValueError) as exc:
         fail(str(exc))
+    problem = nothing_read(result, files)
+    if problem is not None:
+        result.close()
+        fail(problem)
+    return result
+
+
+def _options(fmt: str | None, maps: list[str] | None, step_column: str | None,
+             patterns: list[str] | None) -> tuple[str | None, dict[str, Any]]:
+    """The format and the importer's options the CLI's flags ask for; ValueError on a bad flag."""
+    from stabmon.replay.importers.generic import parse_mapping
+    from stabmon.replay.importers.pattern import FORMAT as PATTERN
+    from stabmon.replay.importers.pattern import compile_patterns
+
+    options: dict[str, Any] = {"mapping": parse_mapping(maps)} if maps else {}
+    if step_column:
+        options["step_column"] = step_column
+    if patterns:
+        if fmt not in (None, PATTERN):
+            raise ValueError(f"--pattern reads the file with your regex; it cannot be combined with --format {fmt}")
+        fmt, options["patterns"] = PATTERN, compile_patterns(patterns)
+    elif fmt == PATTERN:
+        raise ValueError("--format pattern needs --pattern REGEX")
+    return fmt, options
 
 
 def import_command(
@@ -59,12 +90,14 @@ def import_command(
     fmt: Annotated[str | None, typer.Option("--format", help="Format (default: detected).")] = None,
     maps: Annotated[list[str] | None, typer.Option("--map", help="COLUMN=METRIC, repeatable.")] = None,
     step_column: Annotated[str | None, typer.Option("--step-column", help="Column holding the step.")] = None,
+    patterns: PatternOption = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
     db: DbOption = None,
 ) -> None:
     """Import recorded training logs (Megatron, fairseq, llm.c, DeepSpeed, W&B, TensorBoard,
-    CSV/JSONL/Parquet) as a run of kind "import". Malformed lines are counted and reported, never fatal."""
-    with read_inputs(files, fmt, maps, step_column) as result:
+    CSV/JSONL/Parquet, nanoGPT, any text log with --pattern) as a run of kind "import". Malformed lines are
+    counted and reported, never fatal; an import that found no metric at all is an error."""
+    with read_inputs(files, fmt, maps, step_column, patterns) as result:
         check_storable(run, result, files)
         run_id = _store_run(run, result, files, db, progress=wanted(json_output))
         summary = {

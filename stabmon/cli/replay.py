@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from stabmon.cli._common import DbOption, console, db_url, fail, print_json
+from stabmon.cli.importing import PatternOption
 from stabmon.replay.progress import progress_bar, wanted
 
 SetOption = Annotated[
@@ -78,6 +79,7 @@ def replay_command(
     approve: Annotated[bool, typer.Option("--approve", help="Approve every proposal (apply-mode view).")] = False,
     fmt: Annotated[str | None, typer.Option("--format", help="Format of FILE (default: detected).")] = None,
     maps: Annotated[list[str] | None, typer.Option("--map", help="COLUMN=METRIC for FILE, repeatable.")] = None,
+    patterns: PatternOption = None,
     flush_every: Annotated[
         int | None,
         typer.Option("--flush-every", help="Live flush cadence to mimic (default: the stored run's, else 1)."),
@@ -112,9 +114,12 @@ def replay_command(
         fail(f"no such file: {', '.join(missing)} (name one stored run or several existing files)")
     if not missing:
         pipeline, target = _pipeline(runbook, sets, mode)  # a bad runbook or --set fails before the import
-        imported = read_inputs([Path(s) for s in source], fmt, maps, None)
+        imported = read_inputs([Path(s) for s in source], fmt, maps, None, patterns)
         records, label, restarts = imported.records, ", ".join(source), imported.restarts
     else:
+        if fmt or maps or patterns:
+            fail(f"--format, --map and --pattern read a FILE; {source[0]!r} is not a file (a stored run is "
+                 "replayed as stored)")
         records, parent_id, label, config = _from_store(source[0], url)
         stored_mode = config.get("mode") if config.get("mode") in MODES else None
         pipeline, target = _pipeline(runbook, sets, mode or stored_mode, _live_checkpoints(config))

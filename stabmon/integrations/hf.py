@@ -11,8 +11,9 @@ What the callback does at each Trainer event:
   clipping (below); on a resume, reloads the monitor state saved in the checkpoint and continues the same run
   in the store.
 - each optimizer step is one monitor step (``on_step_begin`` .. ``on_step_end``; with gradient accumulation,
-  one record per optimizer step); the monitor's optimizer hooks measure, clip and apply overrides as in a
-  plain loop.
+  one record per optimizer step), numbered as the Trainer numbers it: the step that takes ``state.global_step``
+  from N-1 to N is recorded at step N, the step at which the Trainer logs its ``loss`` and ``grad_norm``
+  (so the first step is 1). The monitor's optimizer hooks measure, clip and apply overrides as in a plain loop.
 - the loss: a forward hook on the model keeps ``output.loss`` of each training forward as a detached device
   tensor (no ``.item()``); ``on_pre_optimizer_step`` hands their mean to the monitor (their sum when the Trainer
   passed ``num_items_in_batch``, because the model then normalised by the whole accumulated batch). A custom
@@ -64,6 +65,17 @@ STATE_FILE = "stabmon_monitor.pt"
 """File name of the monitor state inside a Trainer ``checkpoint-N`` folder."""
 
 __all__ = ["STATE_FILE", "StabmonCallback"]
+
+
+def trainer_step(state: Any) -> int:
+    """The number the Trainer gives the optimizer step about to run: ``global_step`` counts the steps done,
+    and the Trainer logs a step's values under the count after it (``state.global_step + 1``).
+
+    >>> from types import SimpleNamespace
+    >>> trainer_step(SimpleNamespace(global_step=0))
+    1
+    """
+    return int(state.global_step) + 1
 
 
 class StabmonCallback(TrainerCallback):
@@ -142,7 +154,7 @@ class StabmonCallback(TrainerCallback):
         )
         if saved is not None:
             self.monitor.load_state_dict(saved)
-        self.monitor.sync_step(state.global_step)
+        self.monitor.sync_step(trainer_step(state))
         self.stop_requested = False
         self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
 
@@ -165,7 +177,7 @@ class StabmonCallback(TrainerCallback):
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None:
             return
-        self.monitor.sync_step(state.global_step)
+        self.monitor.sync_step(trainer_step(state))
         self.monitor.begin_step(batch_index=state.global_step * args.gradient_accumulation_steps)
         self._losses = []
 

@@ -44,7 +44,7 @@ class OverrideIntervention(Intervention):
         except ValueError:
             setattr(overrides, self.field, old)
             raise
-        self._undo = {"value": old}
+        self._undo = {"value": old, "in_force": in_force}
         before, after = {self.field: old}, {self.field: new}
         if self.hparam != self.field:  # the value in force beside the override
             before[self.hparam], after[self.hparam] = in_force, self._expected(in_force, old, new)
@@ -68,10 +68,19 @@ class OverrideIntervention(Intervention):
         return new
 
     def _revert(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """Restore the previous override; the record shows the value in force beside it, as ``_apply``'s."""
         overrides = self.target.overrides
-        current = getattr(overrides, self.field)
-        setattr(overrides, self.field, self._undo["value"])
-        return {self.field: current}, {self.field: self._undo["value"]}
+        current, restored = getattr(overrides, self.field), self._undo["value"]
+        in_force = self._in_force()
+        setattr(overrides, self.field, restored)
+        # no override to go back to: the value in force before the change is in force again
+        back = self._undo.get("in_force") if restored is None else self._expected(in_force, current, restored)
+        before, after = {self.field: current}, {self.field: restored}
+        if self.hparam != self.field:
+            before[self.hparam], after[self.hparam] = in_force, back
+        elif in_force is not None and back is not None:
+            before[self.field], after[self.field] = in_force, back
+        return before, after
 
 
 def _fmt(value: float) -> str:

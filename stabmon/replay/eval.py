@@ -41,7 +41,8 @@ from typing import Any
 from stabmon.events import Anomaly, Decision, Severity, StepRecord
 from stabmon.pipeline import Pipeline
 from stabmon.replay.baselines import peer_rules
-from stabmon.replay.importers.sniff import import_files
+from stabmon.replay.importers.pattern import compile_patterns
+from stabmon.replay.importers.sniff import import_files, nothing_read
 from stabmon.replay.labels import Label, read_labels, run_files
 from stabmon.replay.replay import replay, simulated_pipeline
 
@@ -108,12 +109,16 @@ def alerts_for(
 
 
 def _run_one(
-    run: str, files: Sequence[Path], factory: PipelineFactory | None, min_severity: Severity, peers: bool
+    run: str, files: Sequence[Path], factory: PipelineFactory | None, min_severity: Severity, peers: bool,
+    patterns: Sequence[str] = (),
 ) -> RunAlerts:
     try:
-        imported = import_files(files)
+        imported = import_files(files, format="pattern" if patterns else None, patterns=patterns)
     except Exception as exc:  # noqa: BLE001 - one unreadable run is reported, the others are still evaluated
         return RunAlerts(run=run, error=f"{type(exc).__name__}: {exc}")
+    empty = nothing_read(imported, files)
+    if empty is not None:
+        return RunAlerts(run=run, error=empty)
     try:
         out = alerts_for(
             imported.records,
@@ -185,7 +190,8 @@ def score(
     """Turn per-run alerts into the per-incident and per-run rows (see the module docstring)."""
     incidents: list[dict[str, Any]] = []
     files: list[dict[str, Any]] = []
-    methods = sorted({m for r in runs.values() for m in r.alerts}, key=lambda m: (m != STABMON, m))
+    methods = sorted({m for r in runs.values() for m in r.alerts}, key=lambda m: (m != STABMON, m)) or [STABMON]
+    # (every run unreadable: its error is still reported, under stabmon)
     for i, lb in enumerate(labels):
         ra = runs[label_runs[i]]
         for m in methods:
@@ -303,8 +309,13 @@ def evaluate(
     jobs: int = 1,
     peers: bool = True,
     progress: Callable[[int], None] | None = None,
+    patterns: Sequence[str] = (),
 ) -> EvalReport:
-    """Evaluate every method on every labelled run; ``jobs > 1`` runs the runs in parallel processes."""
+    """Evaluate every method on every labelled run; ``jobs > 1`` runs the runs in parallel processes. With
+    ``patterns`` every labelled file is read as a text log with them (see ``importers/pattern.py``), else its
+    format is sniffed."""
+    if patterns:
+        compile_patterns(patterns)  # a bad pattern is one error here, not one per run
     labels_path = Path(labels_path)
     labels = read_labels(labels_path)
     base = labels_path.parent
@@ -326,14 +337,14 @@ def evaluate(
     todo = [(n, p) for n, p in todo if p]
     if jobs > 1 and len(todo) > 1:
         with ProcessPoolExecutor(max_workers=jobs, mp_context=_spawn()) as pool:
-            futures = {n: pool.submit(_run_one, n, p, factory, min_severity, peers) for n, p in todo}
+            futures = {n: pool.submit(_run_one, n, p, factory, min_severity, peers, patterns) for n, p in todo}
             for n, fut in futures.items():
                 runs[n] = fut.result()
                 if progress:
                     progress(1)
     else:
         for n, p in todo:
-            runs[n] = _run_one(n, p, factory, min_severity, peers)
+            runs[n] = _run_one(n, p, factory, min_severity, peers, patterns)
             if progress:
                 progress(1)
     return score(labels, runs, label_runs, pre=pre)

@@ -4,7 +4,7 @@ For each StepRecord (with the anomalies the detectors found in it) the engine mo
 
     idle --(a rule's condition holds)--> proposed (propose mode) --(approved / auto-applied)--> observing
     idle --(a rule's condition holds, apply mode)--------------------------------------------> observing
-    observing --(window over)--> judge --> resolved: idle (cooldown)
+    observing --(window over, see judging.py)--> judge --> resolved: idle (cooldown)
                                        --> next rung: observing again  | revert, then next rung | stop
 
 It never makes a second change while one is being observed, so every outcome is attributable to one change.
@@ -37,7 +37,7 @@ from stabmon.events import (
     Verdict,
     new_id,
 )
-from stabmon.runbook import verdicts
+from stabmon.runbook import judging, rejection, verdicts
 from stabmon.runbook.schema import Rule, Runbook
 from stabmon.runbook.state import Incident, Sighting, WindowRow, incident_from_state, incident_state
 
@@ -116,11 +116,26 @@ class Engine:
             return []  # stale: already expired, answered, or not ours
         decision = inc.current
         if not approved:
-            self._close()
-            return [dataclasses.replace(decision, status=DecisionStatus.REJECTED, step=step)]
+            return self._reject(decision, step)
         approved_decision = dataclasses.replace(decision, status=DecisionStatus.APPROVED, step=step)
         self._start(approved_decision)
         return [approved_decision]
+
+    def _reject(self, decision: Decision, step: int) -> list[Decision | Outcome]:
+        """Close the incident; revert (or keep) what it changed so far, as ``approval.on_reject`` says."""
+        inc = self._incident
+        assert inc is not None
+        note, undo = rejection.plan(inc, step=step, policy=self.runbook.approval.on_reject)
+        out: list[Decision | Outcome] = [dataclasses.replace(decision, status=DecisionStatus.REJECTED, step=step,
+                                                             reason=f"{decision.reason}; {note}")]
+        for change in undo:
+            params = {"intervention_id": change.intervention_id, "decision_id": change.decision_id,
+                      "rejected": decision.id}
+            reason = f"{decision.action} proposal rejected: revert rung {change.rung + 1} ({change.action})"
+            revert = self._decision("revert", params, DecisionStatus.APPLY, step, reason)
+            out.append(dataclasses.replace(revert, rung=change.rung))
+        self._close()
+        return out
 
     def hold(self, ticks: int) -> None:
         """Propose mode: the next ``ticks`` records do not count against a waiting proposal's approval
@@ -134,6 +149,8 @@ class Engine:
         if decision.action == "checkpoint_and_stop" and "error" not in record.after:
             self.stopped = True
         inc = self._incident
+        if inc is not None and decision.incident_id == inc.id:
+            rejection.track(inc, decision, record)
         if inc is None or inc.current.id != decision.id:
             return
         inc.intervention_id = record.id
@@ -143,10 +160,13 @@ class Engine:
             # the change acts from the target's step at application; records of earlier steps still to come
             # (the rest of a live monitor's flush) were measured before it and are not part of its window
             inc.effective_step = record.step
-        elif "error" not in record.after and not record.after.get("simulated"):
-            # a live rollback rewound the step counter: records still to come from the abandoned timeline (the
-            # rest of the flush) are not part of its window, which starts at the restored step
-            inc.await_step = record.step
+        elif "error" not in record.after:
+            # its window lasts until the run has trained past the step it rolled back from (see judging)
+            inc.until_step = int(record.before.get("step", record.step))
+            if not record.after.get("simulated"):
+                # a live rollback rewound the step counter: records still to come from the abandoned timeline
+                # (the rest of the flush) are not part of its window, which starts at the restored step
+                inc.await_step = record.step
         if "error" in record.after:
             inc.error = str(record.after["error"])
         if "not_applied" in record.after:  # nothing changed: no window to wait for, no budget spent
@@ -223,7 +243,7 @@ class Engine:
         matched = sum(1 for a in anomalies if rule.when.matches(a))
         signal = record.get(inc.metric)
         inc.window.append(WindowRow(record.step, _num(record.get(Metric.LOSS)), _num(signal), matched))
-        if inc.error is None and inc.skipped is None and len(inc.window) < self._rung(inc).observe:
+        if inc.error is None and inc.skipped is None and not judging.window_over(inc, self._rung(inc).observe):
             return []
         return self._judge(record.step)
 
@@ -292,7 +312,7 @@ class Engine:
         inc = self._incident
         assert inc is not None
         rung = self._rung(inc)
-        ok, evidence = self._criteria(inc, rung)
+        ok, evidence = judging.criteria(inc, rung)
         rule = self.runbook.rule(inc.rule)
         decision_id = inc.current.id
 
@@ -331,35 +351,6 @@ class Engine:
             return out + self._issue_rung(step)
         self._close()
         return out
-
-    def _criteria(self, inc: Incident, rung: Any) -> tuple[bool, dict[str, Any]]:
-        window = inc.window
-        k = rung.success.quiet_steps or rung.observe
-        tail = window[-k:]
-        matched = sum(w.matched for w in tail)
-        ev: dict[str, Any] = {"observed_steps": len(window), "judged_steps": len(tail),
-                              "matching_anomalies": matched, "metric": inc.metric}
-        ok = matched == 0 and len(window) >= rung.observe
-        if inc.error is not None:
-            ev["error"] = inc.error
-            ok = False
-        if rung.success.loss_within is not None:
-            losses = [w.loss for w in tail]
-            finite = [v for v in losses if v is not None and math.isfinite(v)]
-            now = statistics.median(finite) if finite else None
-            ev.update(loss_baseline=inc.baseline, loss_now=now, loss_within=rung.success.loss_within)
-            if now is None or len(finite) < len([v for v in losses if v is not None]):
-                ok = False
-                ev["loss_nonfinite"] = True
-            elif inc.baseline is not None:
-                ev["loss_ratio"] = now / inc.baseline if inc.baseline else None
-                ok = ok and now <= inc.baseline * (1 + rung.success.loss_within)
-        if rung.success.signal_below is not None:
-            values = [w.signal for w in tail if w.signal is not None]
-            peak = max(values, key=lambda v: math.inf if math.isnan(v) else v) if values else None
-            ev.update(signal_max=peak, signal_below=rung.success.signal_below)
-            ok = ok and peak is not None and not math.isnan(peak) and peak < rung.success.signal_below
-        return ok, ev
 
     # -- issuing decisions --
     def _issue_rung(self, step: int) -> list[Decision | Outcome]:
@@ -423,7 +414,7 @@ class Engine:
         if decision.action != "alert_only":
             self._budget.append(self._tick)
         inc.phase, inc.decision, inc.window = "observing", _kept(decision), []
-        inc.intervention_id = inc.error = inc.skipped = inc.effective_step = inc.await_step = None
+        inc.intervention_id = inc.error = inc.skipped = inc.effective_step = inc.await_step = inc.until_step = None
 
     def _decision(self, action: str, params: dict[str, Any], status: DecisionStatus, step: int,
                   reason: str) -> Decision:

@@ -6,7 +6,7 @@ A runbook maps anomalies to ladders of interventions::
     mode: apply                # apply | propose
     cooldown: 100              # steps after an incident closes before a new one may open
     budget: {max_interventions: 6, per_steps: 2000}
-    approval: {timeout: 200, on_timeout: expire}   # propose mode: expire | auto_apply
+    approval: {timeout: 200, on_timeout: expire, on_reject: revert}   # propose mode
     rules:
       - name: grad_spike
         when: {kind: spike, metric: "grad_norm*", severity: warning, persistence: {seen: 2, of: 10}}
@@ -171,6 +171,10 @@ class Approval(_Strict):
 
     timeout: int | str = 500
     on_timeout: Literal["expire", "auto_apply"] = "expire"
+    on_reject: Literal["revert", "keep"] = "revert"
+    """What rejecting a proposal does to the changes its incident already made (earlier rungs): ``revert``
+    undoes every one that can be undone (a rollback cannot), newest first; ``keep`` leaves them in force.
+    Either way the incident closes."""
 
     @field_validator("timeout")
     @classmethod

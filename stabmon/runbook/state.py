@@ -56,6 +56,21 @@ class WindowRow:
 
 
 @dataclass(slots=True)
+class Change:
+    """A change an incident made to training that is still in force (what a rejection reverts or keeps).
+
+    >>> Change(intervention_id="iv1", decision_id="d1", action="set_clip", rung=0, revertible=True).rung
+    0
+    """
+
+    intervention_id: str  #: the record of its application (what a revert decision names)
+    decision_id: str
+    action: str
+    rung: int  #: index of its rung in the ladder of the rule that made it
+    revertible: bool  #: whether the intervention can be undone (a rollback cannot)
+
+
+@dataclass(slots=True)
 class Incident:
     """One episode, from the anomaly that opened it to the outcome that closed it.
 
@@ -85,10 +100,12 @@ class Incident:
     skipped: str | None = None  #: why the current decision was not applied (it would change nothing, or do harm)
     effective_step: int | None = None  #: records of earlier steps predate the change: not observed
     await_step: int | None = None  #: a live rollback: observing starts at the record of this (restored) step
+    until_step: int | None = None  #: a rollback: the step it rolled back from; its window runs past it (judging)
     changed: bool = False  #: a decision of this incident changed training
     alerted: bool = False  #: a decision of this incident was only an alert
     stop: bool = False  #: the pending decision is the runbook's checkpoint-and-stop
     diagnosis: str | None = None  #: the verdict of an applied ``diagnose`` rung, until the engine follows it
+    in_force: list[Change] = field(default_factory=list)  #: changes made and not reverted, oldest first
 
     @property
     def current(self) -> Decision:
@@ -125,6 +142,7 @@ def incident_from_state(d: Mapping[str, Any], *, version: int = 2) -> Incident:
     values = dict(d)
     rows = d.get("window", ())
     values["window"] = [WindowRow(*w) for w in rows] if version == 1 else [WindowRow(**w) for w in rows]
+    values["in_force"] = [Change(**c) for c in d.get("in_force", ())]
     decision = d.get("decision")
     values["decision"] = None if decision is None else decision_from_state(decision)
     unknown = sorted(set(values) - _INCIDENT_FIELDS)

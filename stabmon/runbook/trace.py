@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from stabmon.events import Anomaly, Decision, InterventionRecord, Outcome, to_dict
+from stabmon.runbook.rejection import NOT_CHANGES
 
 
 def build_trace(events: Iterable[Any], positions: Sequence[tuple[int, int | None]] = ()) -> dict[str, Any]:
@@ -101,6 +102,8 @@ def format_trace(trace: dict[str, Any]) -> list[str]:
             elif iv:
                 label = "revert" if iv["reverted"] else "intervention"
                 lines.append(f"  {label:<13}step {iv['step']}: {_changes(iv)}")
+            if d["status"] == "rejected":
+                lines.append(f"  rejected     {_rejection(s, inc['steps'])}")
             o = s["outcome"]
             if o:
                 ev = ", ".join(f"{k}={_short(v)}" for k, v in o["evidence"].items())
@@ -108,6 +111,37 @@ def format_trace(trace: dict[str, Any]) -> list[str]:
     lines.append(f"{len(trace['incidents'])} incident(s); {trace['unhandled_anomalies']} anomaly(ies) "
                  "without an incident")
     return lines
+
+
+def _rejection(step: dict[str, Any], steps: list[dict[str, Any]]) -> str:
+    """What a rejection did to the incident's earlier changes: the values its reverts restored, or the
+    changes left in force (``approval.on_reject: keep``, or a change that cannot be undone).
+
+    >>> iv = {"before": {"clip": 1.5}, "after": {"clip": 1.0}, "action": "set_clip", "reverted": True, "step": 45}
+    >>> rejected = {"decision": {"id": "d2", "step": 40, "action": "scale_lr", "params": {}}, "intervention": None,
+    ...             "statuses": [["proposed", 40], ["rejected", 45]]}
+    >>> revert = {"decision": {"id": "d3", "step": 45, "action": "revert", "params": {"rejected": "d2"}},
+    ...           "intervention": iv}
+    >>> _rejection(rejected, [rejected, revert])
+    'at step 45: reverted clip 1.5 -> 1; nothing of this incident is left in force'
+    """
+    when = step["statuses"][-1][1]  # a stored decision keeps the step it was proposed at, its answer's is here
+    d = step["decision"]
+    reverts = [s for s in steps if s["decision"]["action"] == "revert" and s["intervention"]
+               and "error" not in s["intervention"]["after"]]
+    undone = {str(s["decision"]["params"].get("intervention_id")) for s in reverts}
+    mine = [s["intervention"] for s in reverts if s["decision"]["params"].get("rejected") == d["id"]]
+    kept = [s["intervention"] for s in steps if _in_force(s) and s["intervention"]["id"] not in undone]
+    parts = [f"reverted {'; '.join(_changes(iv) for iv in mine)}"] if mine else []
+    listed = "; ".join(f"{iv['action']} {_changes(iv)}" for iv in kept)
+    parts.append(f"kept in force {listed}" if kept else "nothing of this incident is left in force")
+    return f"at step {mine[0]['step'] if mine else when}: {'; '.join(parts)}"
+
+
+def _in_force(step: dict[str, Any]) -> bool:
+    iv = step["intervention"]
+    return (iv is not None and step["decision"]["action"] not in ("revert", *NOT_CHANGES) and not iv["reverted"]
+            and "error" not in iv["after"] and "not_applied" not in iv["after"])
 
 
 def diagnosis_lines(iv: dict[str, Any]) -> list[str]:

@@ -102,3 +102,16 @@ def import_files(paths: Sequence[str | Path], *, format: str | None = None, **op
     if len(results) == 1:
         return results[0]
     return stitch(results, [Path(p).name for p in paths])
+
+
+def nothing_read(result: ImportResult, files: Sequence[str | Path]) -> str | None:
+    """Why an import holds nothing to monitor (no step, or steps without a single metric value), or None."""
+    where = ", ".join(map(str, files))
+    if not len(result) and result.format == "pattern":
+        return f"no line of {where} matched --pattern ({result.malformed} matched with a value that is not a number)"
+    if not len(result):
+        return f"no step records found in {where} (format {result.format}, {result.malformed} malformed line(s))"
+    if not any(r.metrics for batch in result.batches(4096) for r in batch):
+        return (f"no metric found in {where}: {len(result)} step(s) read as {result.format}, none with a value "
+                "(for a text log pass --pattern with named groups; for a table, --map COLUMN=METRIC)")
+    return None

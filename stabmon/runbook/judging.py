@@ -1,0 +1,91 @@
+"""How long a change is observed, and whether it resolved its incident (kept apart from the engine).
+
+A rung's window is the next ``observe`` records after its change lands, judged on its last
+``success.quiet_steps`` (default: all of them): no anomaly the rule matches, and the success tests the rung
+names (``loss_within`` the baseline, the signal ``signal_below`` a bound).
+
+A **rollback** is judged over the steps that caused it. Rolling back from step S to a checkpoint C re-trains
+C..S, and whatever broke the run at S (a learning-rate schedule's peak, a bad stretch of data not skipped) comes
+back only as the run reaches S again. So a rollback's window runs from the restored step until ``observe``
+records at or past S have been seen (``Incident.until_step`` = S, the step the run was about to train when it
+rolled back: steps up to S-1 had been trained). It is judged on every record from the incident's onset step on
+(the re-trained steps that went wrong the first time, and the new ground after them), besides the usual last
+``quiet_steps``: a matching anomaly there fails the rollback at once, and the same incident goes on to its next
+rung (no new incident opens while it is observed). The re-trained steps before the onset are treated like the
+start of any window: a transient there counts only if it falls in the last ``quiet_steps``. In replay a
+simulated rollback does not rewind the steps, so its window is the usual one.
+
+>>> from stabmon.runbook.state import Incident, WindowRow
+>>> inc = Incident(id="i", rule="r", anomaly_id=None, metric="loss", onset_step=38, baseline=None, trigger="t")
+>>> inc.until_step = 41  # rolled back to 30 after step 40
+>>> inc.window = [WindowRow(step=s, loss=2.0, signal=1.0, matched=0) for s in range(30, 43)]
+>>> window_over(inc, observe=5)  # 13 records, only 2 of them (41, 42) new ground
+False
+>>> inc.window.append(WindowRow(step=43, loss=2.0, signal=9.0, matched=1))
+>>> window_over(inc, observe=5)  # the trouble came back: judged now
+True
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from stabmon.runbook.state import Incident
+
+
+def window_over(incident: Incident, observe: int) -> bool:
+    """Whether the current change has been observed long enough to be judged."""
+    window = incident.window
+    if incident.until_step is None:
+        return len(window) >= observe
+    if window and window[-1].matched and window[-1].step >= incident.onset_step:  # it did not hold: judge now
+        return True
+    return sum(1 for w in window if w.step >= incident.until_step) >= observe
+
+
+def criteria(incident: Incident, rung: Any) -> tuple[bool, dict[str, Any]]:
+    """(resolved?, the evidence of the judgement) for the current change over its window."""
+    window = incident.window
+    k = rung.success.quiet_steps or rung.observe
+    tail = window[-k:]
+    scope = tail if incident.until_step is None else _from_onset(window, incident.onset_step, k)
+    matched = sum(w.matched for w in scope)
+    ev: dict[str, Any] = {"observed_steps": len(window), "judged_steps": len(scope),
+                          "matching_anomalies": matched, "metric": incident.metric}
+    if incident.until_step is not None:
+        ev["rolled_back_from"] = incident.until_step
+    ok = matched == 0 and len(window) >= rung.observe
+    if incident.error is not None:
+        ev["error"] = incident.error
+        ok = False
+    if rung.success.loss_within is not None:
+        ok = _loss_within(incident, rung, tail, ev) and ok
+    if rung.success.signal_below is not None:
+        values = [w.signal for w in tail if w.signal is not None]
+        peak = max(values, key=lambda v: math.inf if math.isnan(v) else v) if values else None
+        ev.update(signal_max=peak, signal_below=rung.success.signal_below)
+        ok = ok and peak is not None and not math.isnan(peak) and peak < rung.success.signal_below
+    return ok, ev
+
+
+def _from_onset(window: list[Any], onset: int, k: int) -> list[Any]:
+    """A rollback's judged records: those from the incident's onset step on, and the last ``k``."""
+    first = len(window) - k
+    return [w for i, w in enumerate(window) if w.step >= onset or i >= first]
+
+
+def _loss_within(incident: Incident, rung: Any, tail: list[Any], ev: dict[str, Any]) -> bool:
+    """The median loss of the judged rows is within ``loss_within`` of the baseline (and finite)."""
+    losses = [w.loss for w in tail]
+    finite = [v for v in losses if v is not None and math.isfinite(v)]
+    now = statistics.median(finite) if finite else None
+    ev.update(loss_baseline=incident.baseline, loss_now=now, loss_within=rung.success.loss_within)
+    if now is None or len(finite) < len([v for v in losses if v is not None]):
+        ev["loss_nonfinite"] = True
+        return False
+    if incident.baseline is None:
+        return True
+    ev["loss_ratio"] = now / incident.baseline if incident.baseline else None
+    return now <= incident.baseline * (1 + rung.success.loss_within)
