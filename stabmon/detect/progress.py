@@ -170,7 +170,7 @@ class NoProgressConfig(DetectorConfig):
     by_step: int = param(100, at_least_one, "training step by which the loss must have fallen")
     min_drop: float = param(0.1, open_unit, "relative fall of the loss from its first steps that counts as progress")
     ceiling: float = param(0.2, positive, "relative rise of a loss over the run's first loss that is an error "
-                           "at any step: the model is worse than untrained")
+                           "before by_step: the model is worse than untrained")
     min_first: float = param(1.0, positive, "smallest first loss the ceiling judges against (an untrained "
                              "model's cross-entropy is ln(vocabulary size); smaller: no untrained model)")
 
@@ -178,7 +178,7 @@ class NoProgressConfig(DetectorConfig):
 class NoProgress(Detector):
     """A run that starts from scratch and is not learning. ``error``, in two ways:
 
-    - **worse than untrained**: at any step, a loss more than ``ceiling`` (20%) above the first loss - the
+    - **worse than untrained**: before ``by_step``, a loss more than ``ceiling`` (20%) above the first loss - the
       loss of the untrained model (for a language model about the log of the vocabulary size, the entropy of
       a uniform guess). Gradient descent that works never takes a model there; a learning rate far too high
       with no warm-up does, within its first steps, inside every spike detector's grace period: the tiny GPT
@@ -186,6 +186,8 @@ class NoProgress(Detector):
       settles on a plateau near the loss of predicting character frequencies (2.3) that its healthy twin
       passes through by step 40, and ends 20-40% worse. Its healthy twins stay within a few percent of the
       first loss. The blow-up lasts 1-3 steps, so one value decides. Reported once per excursion above it.
+      Later blow-ups (a corrupted data shard at step 150) are the spike and regression detectors' to report:
+      the runbook answers those by skipping data, which a run that never learned does not need.
       Only for a likelihood: the first loss must be at least ``min_first`` (1 nat; an untrained model over
       10+ tokens starts at 2.3 or more) and the loss must never have been zero or negative. An RL objective
       (DeepSpeed-Chat's actor loss: 0.21 at step 0, then -0.3..2.2) has no "untrained" level to exceed.
@@ -249,12 +251,12 @@ class NoProgress(Detector):
         recent.append((step, v))
         self._evidence.append((step, v))
         self.n_learned += 1
-        found = self._above_ceiling(step, v)
         if step < self.config.by_step:
+            found = self._above_ceiling(step, v)
             self._judged = False  # back before by_step (a rollback): judge again when it is passed
             return found
-        if self._judged or found is not None:
-            return found
+        if self._judged:
+            return None
         self._judged = True
         score = self._score(v, x)
         if score < self.threshold:
