@@ -41,8 +41,10 @@ def test_events_table_and_json(sqlite_url: str) -> None:
     data = json.loads(out.output)
     assert data["run_id"] == run_id
     got = [(a["step"], a["kind"], a["severity"]) for a in data["anomalies"]]
-    assert got == [(5, "spike", "error"), (6, "nonfinite", "critical")]
-    assert data["anomalies"][0]["evidence"][-1] == [5, 200.0]
+    # step 4 (30.0 against a 0.25 baseline: 120x) is an error by its size alone (spike.error_ratio, 100x);
+    # step 5 by its size and as the third flagged step in a row
+    assert got == [(4, "spike", "error"), (5, "spike", "error"), (6, "nonfinite", "critical")]
+    assert data["anomalies"][1]["evidence"][-1] == [5, 200.0]
 
     out = runner.invoke(app, ["events", run_id, "--db", sqlite_url, "--kind", "spike", "--evidence"])
     assert out.exit_code == 0 and "evidence: 0:0.25" in out.output

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from stabmon.detect import EWSpike, RobustSpike
 from stabmon.detect.spike import SpikeConfig
+from stabmon.events import Severity
 
 
 def _feed(det, start, values):
@@ -31,7 +32,10 @@ def test_explicit_grace_is_counted_in_observations_even_mid_run() -> None:
     assert not any(_feed(det, 7000, [1.0, 50.0, 1.0]))
     assert _feed(det, 7003, [1e4])[0] is not None
     det.enter_grace(2)
-    assert not any(_feed(det, 7004, [1e6, 1e7]))
+    assert not any(_feed(det, 7004, [40.0]))  # in grace: a 10-40x excursion is learned, not scored
+    # ... except the prior that holds during grace: two orders of magnitude over the baseline is an error
+    [prior] = _feed(det, 7005, [1e6])
+    assert prior is not None and prior.severity is Severity.ERROR
 
 
 def test_grace_state_round_trips() -> None:

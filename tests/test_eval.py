@@ -163,15 +163,20 @@ def test_evaluate_real_runs_every_file_is_read(real_runs: Path) -> None:
     assert set(report.summary) == {STABMON, "llm_foundry", "olmo_core", "zclip", "lightning", "megatron"}
 
 
-def test_cli_eval_json(tmp_path: Path, real_runs: Path) -> None:
-    from stabmon.cli import app
-
+def _fairseq_labels(tmp_path: Path, real_runs: Path) -> None:
+    """A LABELS.csv in ``tmp_path`` naming one real fairseq log (its loss-scale drop at update 3)."""
     (tmp_path / "real").symlink_to(real_runs)
     (tmp_path / "LABELS.csv").write_text(
         "file,step_start,step_end,kind,label_source,note\n"
         "real/fairseq-fsdp-13b-readme/gpt3-13b_1xV100_cpu-offload.log,3,5,loss_scale_drop_and_loss_jump,"
         "observed_by_us,x\n"
     )
+
+
+def test_cli_eval_json(tmp_path: Path, real_runs: Path) -> None:
+    from stabmon.cli import app
+
+    _fairseq_labels(tmp_path, real_runs)
     res = CliRunner().invoke(app, ["eval", "--labels", str(tmp_path / "LABELS.csv"), "--json"])
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in res.output.splitlines()]
@@ -221,3 +226,42 @@ def test_false_alarms_count_episodes_for_every_method_and_stabmon_reports_its_er
     assert files[STABMON]["false_alarms_at_error"] == 1
     assert report.summary[STABMON]["recall_at_error"] == 1.0
     assert report.summary[STABMON]["false_alarms_at_error"] == 1
+
+
+def test_sent_columns_count_what_each_default_channel_would_have_been_sent() -> None:
+    from stabmon.events import Anomaly, Severity
+    from stabmon.replay.eval import sent_steps
+
+    def anomaly(step: int, severity: Severity) -> Anomaly:
+        return Anomaly(kind="spike", metric="grad_norm", step=step, score=9.0, severity=severity,
+                       detector="spike", evidence=(), threshold=6.0)
+
+    events = [anomaly(100, Severity.INFO), anomaly(200, Severity.WARNING), anomaly(201, Severity.WARNING),
+              anomaly(505, Severity.ERROR), anomaly(800, Severity.CRITICAL)]
+    sent = sent_steps(events, run="r")
+    assert sent == {"slack": [200, 201, 505, 800], "pagerduty": [505, 800]}  # info is sent nowhere
+    labels = [Label("r", 500, 510, "loss_spike", "author")]
+    alerts = RunAlerts(run="r", steps=1000, alerts={STABMON: [200, 201, 505, 800]},
+                       severities={200: "warning", 201: "warning", 505: "error", 800: "critical"}, sent=sent)
+    report = score(labels, {"r": alerts}, {0: "r"})
+    row = next(r for r in report.files if r["method"] == STABMON)
+    assert (row["sent_slack"], row["false_sent_slack"]) == (3, 2)  # 200-201 is one episode
+    assert (row["sent_pagerduty"], row["false_sent_pagerduty"]) == (2, 1)
+    incident = next(r for r in report.incidents if r["method"] == STABMON)
+    assert incident["first_sent_slack"] == 505 and incident["first_sent_pagerduty"] == 505
+    summary = report.summary[STABMON]
+    assert summary["recall_sent_slack"] == 1.0 and summary["sent_slack"] == 3 and summary["false_sent_pagerduty"] == 1
+
+
+def test_cli_eval_prints_what_default_routing_sends(tmp_path: Path, real_runs: Path) -> None:
+    from stabmon.cli import app
+
+    _fairseq_labels(tmp_path, real_runs)
+    res = CliRunner().invoke(app, ["eval", "--labels", str(tmp_path / "LABELS.csv"), "--no-peers"],
+                             env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "sent to slack" in res.output and "sent to pagerduty" in res.output
+    # the loss-scale collapse at update 3 is critical: Slack and PagerDuty both hear it, in its window
+    assert ("stabmon under default routing - slack: recall 1.0 (1/1), 1 alert episode(s) sent, 0 outside "
+            "incident windows; pagerduty: recall 1.0 (1/1), 1 alert episode(s) sent, 0 outside incident "
+            "windows") in " ".join(res.output.split())

@@ -197,3 +197,23 @@ def test_cli_tune_checks_options_and_out_before_searching(
         assert res.exit_code == 1 and len(lines) == 1 and message in lines[0], (extra, res.output)
     assert "x.yaml" in CliRunner().invoke(app, base + cases[0][0]).output
     assert not (tmp_path / "o.yaml").exists()
+
+
+def test_leave_one_out_holds_out_each_run_once_and_sums_the_held_out_folds(labelled: Path, tmp_path: Path) -> None:
+    from stabmon.cli import app
+    from stabmon.replay.tune import held_out
+
+    res = tune(labelled, space=SPACE, leave_one_out=True)
+    assert len(res.folds) == 4
+    assert sorted(r for f in res.folds for r in f["test_runs"]) == [f"runs/r{i}.csv" for i in range(4)]
+    assert all(len(f["test_runs"]) == 1 and len(f["train_runs"]) == 3 for f in res.folds)
+    total = held_out(res.folds)
+    assert (total["numeric_incidents"], total["detected"], total["recall"], total["steps"]) == (4, 4, 1.0, 1200)
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE))
+    out = CliRunner().invoke(app, ["tune", "--labels", str(labelled), "--space", str(space), "--leave-one-out",
+                                   "--out", str(tmp_path / "o.yaml")])
+    assert out.exit_code == 0, out.output
+    assert (f"held out, all folds: 4/4 incidents detected (recall 1.0), {total['false_alarms']} false alarms in "
+            "1200 steps") in out.output
+    assert out.output.count("  fold ") == 4

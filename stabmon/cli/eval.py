@@ -102,11 +102,15 @@ def _print(report: Any) -> None:
                 cells.append("error" if r["error"] else (f"lead {r['lead_steps']}" if r["detected"] else "-"))
             table.add_row(key[0][-48:], f"{key[1]}-{key[2]}", key[3][:28], *cells)
         out.print(table)
-    fa = Table("run", "steps", *methods, title="false alarms (alert episodes outside incident windows)")
+    channels = _channels(report)
+    fa = Table("run", "steps", *methods, *(f"sent to {ch}" for ch in channels),
+               title="false alarms (alert episodes outside incident windows); episodes sent under default routing")
     for run in dict.fromkeys(r["file"] for r in report.files):
         by_method = {r["method"]: r for r in report.files if r["file"] == run}
         first = next(iter(by_method.values()))
-        fa.add_row(run[-48:], str(first["steps"]), *(str(by_method[m]["false_alarms"]) for m in methods))
+        stab = by_method.get("stabmon", {})
+        fa.add_row(run[-48:], str(first["steps"]), *(str(by_method[m]["false_alarms"]) for m in methods),
+                   *(str(stab.get(f"sent_{ch}", "-")) for ch in channels))
     out.print(fa)
     summary = Table(
         "method",
@@ -132,12 +136,32 @@ def _print(report: Any) -> None:
             summary.add_row(f"{m} (error+)", str(s["recall_at_error"]), "-", "-",
                             str(s["false_alarms_at_error"]), str(per10k))
     out.print(summary)
+    for m, s in report.summary.items():
+        if channels and s.get("numeric_incidents"):
+            out.print(_routing_line(m, s, channels))
     stab = [r for r in report.files if r["method"] == "stabmon" and r.get("intervention_decisions")]
     for r in stab:
         out.print(f"stabmon would have intervened {r['intervention_decisions']} time(s) on {r['file']}")
     errors = {r["file"]: r["error"] for r in report.files if r["error"]}
     for run, err in errors.items():
         out.print(f"[yellow]not evaluated[/yellow] {run}: {err}")
+
+
+def _channels(report: Any) -> list[str]:
+    """The default channels the report has ``sent_*`` columns for (stabmon rows only)."""
+    row: dict[str, Any] = next((r for r in report.files if r["method"] == "stabmon"), {})
+    return [k[len("sent_"):] for k in row if k.startswith("sent_")]
+
+
+def _routing_line(method: str, s: dict[str, Any], channels: list[str]) -> str:
+    """One line: per default channel, recall of what is sent and how many episodes are sent."""
+    n = s["numeric_incidents"]
+    parts = [
+        f"{ch}: recall {s[f'recall_sent_{ch}']} ({s[f'detected_sent_{ch}']}/{n}), {s[f'sent_{ch}']} alert "
+        f"episode(s) sent, {s[f'false_sent_{ch}']} outside incident windows"
+        for ch in channels
+    ]
+    return f"{method} under default routing - " + "; ".join(parts)
 
 
 def register(app: typer.Typer) -> None:

@@ -23,6 +23,9 @@ def tune_command(
     ] = None,
     jobs: Annotated[int, typer.Option("--jobs", help="Candidates scored in parallel processes.")] = 1,
     folds: Annotated[int, typer.Option("--folds", help="Cross-validation folds over the runs.")] = 2,
+    leave_one_out: Annotated[
+        bool, typer.Option("--leave-one-out", help="One fold per run (overrides --folds).")
+    ] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of --random.")] = 0,
     runbook: Annotated[
         str | None, typer.Option("--runbook", help="Runbook to replay with (default: none).")
@@ -31,7 +34,7 @@ def tune_command(
 ) -> None:
     """Search detector parameters (grid or random, in parallel), objective recall and lead time penalised by
     false alarms, cross-validated over runs; write the winner as a file a runbook can `include:`."""
-    from stabmon.replay.tune import count_candidates, tune
+    from stabmon.replay.tune import count_candidates, held_out, tune
 
     if n_random is not None and n_random < 1:
         fail(f"--random must be >= 1, got {n_random}")
@@ -54,6 +57,7 @@ def tune_command(
                 n_random=n_random,
                 seed=seed,
                 folds=folds,
+                leave_one_out=leave_one_out,
                 jobs=jobs,
                 runbook=runbook,
                 progress=advance,
@@ -70,6 +74,7 @@ def tune_command(
                 "best": result.best,
                 "metrics": result.best_metrics,
                 "folds": result.folds,
+                "held_out": held_out(result.folds),
                 "candidates": result.candidates,
                 "out": str(out),
             }
@@ -85,6 +90,10 @@ def tune_command(
             f"{', '.join(f['test_runs'])}: recall {tm.get('recall')}, "
             f"false alarms/10k {tm.get('false_alarms_per_10k')}"
         )
+    if result.folds:
+        h = held_out(result.folds)
+        typer.echo(f"  held out, all folds: {h['detected']}/{h['numeric_incidents']} incidents detected "
+                   f"(recall {h['recall']}), {h['false_alarms']} false alarms in {h['steps']} steps")
     typer.echo(f"wrote {out} (use it with `include: {out}` in a runbook)")
 
 

@@ -9,6 +9,7 @@ speak only after the condition has held for many steps.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import statistics
 from collections import deque
@@ -17,7 +18,7 @@ from typing import Any
 
 from stabmon.detect import window
 from stabmon.detect.base import Detector, X
-from stabmon.detect.config import DetectorConfig, at_least_one, non_empty, open_unit, param
+from stabmon.detect.config import DetectorConfig, at_least_one, non_empty, open_unit, param, positive
 from stabmon.events import Anomaly, Metric, Severity
 
 
@@ -30,27 +31,35 @@ class RegressionConfig(DetectorConfig):
     """
 
     metrics: tuple[str, ...] = param((Metric.LOSS,), non_empty, "loss-like metrics (lower is better)")
-    window: int = param(20, at_least_one, "steps in the rolling median compared with the best one")
+    window: int = param(20, at_least_one, "training steps in the rolling median compared with the best one")
     rise: float = param(0.1, open_unit, "relative rise of the rolling median over its best that counts")
-    patience: int = param(20, at_least_one, "consecutive steps above best x (1 + rise) before reporting")
+    patience: int = param(20, at_least_one, "training steps above best x (1 + rise) before reporting")
     evidence: int = param(48, at_least_one, "length of the (step, value) evidence window")
 
 
 class LossRegression(Detector):
     """The loss's rolling median stays more than ``rise`` above the best rolling median the run has reached,
-    for ``patience`` steps in a row: the run has got worse and is not coming back by itself. ``error``, reported
-    once per excursion (again once the loss has come back, or after a rollback). Silent for a loss that has
-    been zero or negative (an RL objective, not a likelihood).
+    for ``patience`` training steps: the run has got worse and is not coming back by itself. ``error``,
+    reported once per excursion (again once the loss has come back, or after a rollback). Silent for a loss
+    that has been zero or negative (an RL objective, not a likelihood).
 
     A healthy run's smoothed loss does not climb 10% above its best and stay there; a diverging run, a model
     wrecked by corrupted data or weights, or a learning rate that has crept past the edge of stability does.
     The evidence reaches back before the rise, so its first step is a usable onset for a rollback.
+
+    ``window`` and ``patience`` are counted in training steps, not records: a loss logged every 10 steps that
+    jumps 1.5x and stays there is reported 20 steps later, as one logged every step is (counted in records it
+    took 200-300 steps, and a steep early learning curve hid it from the spike detectors).
 
     >>> d = LossRegression("loss", RegressionConfig(window=5, patience=5))
     >>> losses = [3.0 - 0.01 * s for s in range(100)] + [2.6] * 30
     >>> found = [d.update(s, {"loss": v}) for s, v in enumerate(losses)]
     >>> first = next(a for a in found if a); first.step, first.severity.value
     (106, 'error')
+    >>> d = LossRegression("loss")  # logged every 10 steps: a 1.5x jump at step 500 that stays
+    >>> found = [d.update(s, {"loss": 2 + 3 * 0.99 ** s if s < 500 else 3.0}) for s in range(0, 800, 10)]
+    >>> [a.step for a in found if a]
+    [520]
     """
 
     name = "regression"
@@ -59,21 +68,26 @@ class LossRegression(Detector):
     config: RegressionConfig
     grace_exempt = "it compares the loss with the run's own best, which no warm-up can fake"
     learns_flagged = "its rolling median must see every loss, flagged or not"
-    _state_attrs = ("_recent", "_best", "_above", "_last_step", "_positive")
+    _state_attrs = ("_recent", "_steps", "_best", "_since", "_above_since", "_reported", "_last_step",
+                    "_positive")
 
     def _reset(self) -> None:
-        self._recent: deque[float] = deque(maxlen=self.config.window)
+        self._recent: deque[float] = deque()
+        self._steps: deque[int] = deque()  # the training step of each value in _recent
         self._sorted: list[float] = []  # the same values, sorted (derived, not saved)
         self._best = float("inf")
-        self._above = 0
+        self._since: int | None = None  # first step of this timeline (the window is full ``window`` steps on)
+        self._above_since: int | None = None
+        self._reported = False
         self._last_step = -1
         self._positive = True  # a loss that has been <= 0 is no likelihood: a relative rise means nothing
 
     def update(self, step: int, x: X) -> Anomaly | None:
         if step <= self._last_step:  # the step counter went back (a rollback): a new timeline, same best
             self._recent.clear()
+            self._steps.clear()
             self._sorted.clear()
-            self._above = 0
+            self._since, self._above_since, self._reported = None, None, False
         self._last_step = step
         raw = x.get(self.metric)
         if raw is not None:
@@ -84,28 +98,44 @@ class LossRegression(Detector):
         if v <= 0:
             self._positive = False
             return None
-        window.push(self._recent, self._sorted, v)
+        self._push(step, v)
         self.n_learned += 1
-        if len(self._recent) < self._recent.maxlen:  # type: ignore[operator]
+        if self._since is None:
+            self._since = step
+        if step - self._since < self.config.window - 1:
             return None
         median = window.median(self._sorted)
         if median <= self._best * (1 + self.config.rise):
-            self._best, self._above = min(self._best, median), 0
+            self._best, self._above_since, self._reported = min(self._best, median), None, False
             return None
-        self._above += 1
-        if self._above != self.config.patience:  # reported once per excursion, when it has lasted long enough
-            return None
+        if self._above_since is None:
+            self._above_since = step
+        if self._reported or step - self._above_since + 1 < self.config.patience:
+            return None  # reported once per excursion, when it has lasted long enough
+        self._reported = True
         return self._flag(step, raw, median / self._best)
 
-    def _learn(self, v: float, x: X) -> None:  # river-shaped API: the window update() keeps
-        window.push(self._recent, self._sorted, v)
+    def _push(self, step: int, v: float) -> None:
+        """Add a value; drop those older than ``window`` steps."""
+        oldest = step - self.config.window
+        recent, steps, ordered = self._recent, self._steps, self._sorted
+        while steps and steps[0] <= oldest:
+            steps.popleft()
+            del ordered[bisect.bisect_left(ordered, recent.popleft())]
+        recent.append(v)
+        steps.append(step)
+        bisect.insort(ordered, v)
+
+    def _learn(self, v: float, x: X) -> None:  # river-shaped API: one observation, one step
+        self._push(self._last_step + 1, v)
+        self._last_step += 1
 
     def load_state_dict(self, state: Any) -> None:
         super().load_state_dict(state)
         self._sorted = sorted(self._recent)
 
     def _score(self, v: float, x: X) -> float:
-        if len(self._recent) < self._recent.maxlen or self._best == float("inf"):  # type: ignore[operator]
+        if len(self._recent) < self.config.window or self._best == float("inf"):
             return 0.0
         return statistics.median([*self._recent, v][1:]) / self._best
 
@@ -117,8 +147,9 @@ class LossRegression(Detector):
         return Severity.ERROR
 
     def _message(self, v: float | None, score: float) -> str:
+        above = self._last_step - (self._above_since if self._above_since is not None else self._last_step) + 1
         return (f"{self.metric} has stayed {score - 1:.0%} above its best (median {self._best:.4g}) for "
-                f"{self._above} steps")
+                f"{above} steps")
 
     @classmethod
     def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:
@@ -130,32 +161,56 @@ class LossRegression(Detector):
 class NoProgressConfig(DetectorConfig):
     """Parameters of :class:`NoProgress` (config key ``no_progress``).
 
-    >>> NoProgressConfig().by_step, NoProgressConfig().min_drop
-    (100, 0.1)
+    >>> NoProgressConfig().by_step, NoProgressConfig().min_drop, NoProgressConfig().ceiling
+    (100, 0.1, 0.2)
     """
 
     metrics: tuple[str, ...] = param((Metric.LOSS,), non_empty, "loss-like metrics (lower is better)")
-    window: int = param(10, at_least_one, "steps in the rolling medians compared (the first ones, the last ones)")
+    window: int = param(10, at_least_one, "training steps in the medians compared (the first ones, the last ones)")
     by_step: int = param(100, at_least_one, "training step by which the loss must have fallen")
     min_drop: float = param(0.1, open_unit, "relative fall of the loss from its first steps that counts as progress")
+    ceiling: float = param(0.2, positive, "relative rise of a loss over the run's first loss that is an error "
+                           "before by_step: the model is worse than untrained")
+    min_first: float = param(1.0, positive, "smallest first loss the ceiling judges against (an untrained "
+                             "model's cross-entropy is ln(vocabulary size); smaller: no untrained model)")
 
 
 class NoProgress(Detector):
-    """A run that starts from scratch and has not learned: by training step ``by_step``, the rolling median of
-    the loss is still within ``min_drop`` of the median of its first ``window`` steps. ``error``.
+    """A run that starts from scratch and is not learning. ``error``, in two ways:
 
-    A model wrecked in its first steps (a learning rate far too high, no warm-up) sits at the loss of
-    predicting token frequencies and never flags a spike: there was never a baseline to spike against. A
-    healthy pre-training run falls by far more than 10% in its first hundred steps. It judges only a stream
-    that begins at the start of training (its first step below ``window``), and it reports each time
-    ``by_step`` is passed without progress (again after a rollback to before it). Fine-tuning a
-    pre-trained model can fall more slowly: raise ``by_step`` or turn it off there (``enabled: false``).
-    The evidence starts at the run's first step, which is where a rollback must go.
+    - **worse than untrained**: before ``by_step``, a loss more than ``ceiling`` (20%) above the first loss - the
+      loss of the untrained model (for a language model about the log of the vocabulary size, the entropy of
+      a uniform guess). Gradient descent that works never takes a model there; a learning rate far too high
+      with no warm-up does, within its first steps, inside every spike detector's grace period: the tiny GPT
+      at LR 1e-1 peaks at 1.37-2.06x its first loss in steps 1-4 on each of 14 seeds (1-6, 22-29), then
+      settles on a plateau near the loss of predicting character frequencies (2.3) that its healthy twin
+      passes through by step 40, and ends 20-40% worse. Its healthy twins stay within a few percent of the
+      first loss. The blow-up lasts 1-3 steps, so one value decides. Reported once per excursion above it.
+      Later blow-ups (a corrupted data shard at step 150) are the spike and regression detectors' to report:
+      the runbook answers those by skipping data, which a run that never learned does not need.
+      Only for a likelihood: the first loss must be at least ``min_first`` (1 nat; an untrained model over
+      10+ tokens starts at 2.3 or more) and the loss must never have been zero or negative. An RL objective
+      (DeepSpeed-Chat's actor loss: 0.21 at step 0, then -0.3..2.2) has no "untrained" level to exceed.
+    - **not learning**: by training step ``by_step``, the rolling median of the loss is still within
+      ``min_drop`` of where it started: the smaller of the first loss and the median of the first
+      ``window`` losses (a blow-up in the first steps must not raise the bar a damaged run is judged
+      against). A healthy pre-training run falls by far more than 10% in its first hundred steps.
+
+    A model wrecked in its first steps sits near the loss of predicting token frequencies and never flags a
+    spike: there was never a baseline to spike against. It judges only a stream that begins at the start of
+    training (its first step below ``window``), and reports each time ``by_step`` is passed without progress
+    (again after a rollback to before it). Fine-tuning a pre-trained model can fall more slowly: raise
+    ``by_step`` or turn it off there (``enabled: false``). The evidence starts at the run's first step, which
+    is where a rollback must go.
 
     >>> d = NoProgress("loss")
     >>> found = [d.update(s, {"loss": 2.6 - 0.001 * s}) for s in range(120)]
     >>> [a.step for a in found if a], found[100].severity.value
     ([100], 'error')
+    >>> d = NoProgress("loss")   # blown up at step 2 (worse than untrained), then a plateau (not learning)
+    >>> found = [d.update(s, {"loss": [2.7, 2.9, 4.3, 3.3, 3.0][s] if s < 5 else 2.35}) for s in range(120)]
+    >>> [(a.step, a.severity.value) for a in found if a]
+    [(2, 'error'), (100, 'error')]
     """
 
     name = "no_progress"
@@ -164,13 +219,18 @@ class NoProgress(Detector):
     config: NoProgressConfig
     grace_exempt = "it judges the warm-up itself"
     learns_flagged = "its rolling median must see every loss, flagged or not"
-    _state_attrs = ("_first", "_recent", "_judged", "_start")
+    _state_attrs = ("_first", "_recent", "_judged", "_start", "_over", "_likelihood", "_last_step")
 
     def _reset(self) -> None:
         self._first: list[tuple[int, float]] = []
-        self._recent: deque[float] = deque(maxlen=self.config.window)
+        # (step, loss) of the last ``window`` training steps (a sparse log has fewer values in them)
+        self._recent: deque[tuple[int, float]] = deque(maxlen=self.config.window)
         self._judged = False
         self._start: int | None = None
+        self._over = False  # above the ceiling, reported
+        self._likelihood = True  # False once the loss has been <= 0 (no likelihood: the ceiling is off)
+        self._last_step = -1
+        self._verdict = ""  # which judgement the anomaly being reported is (for its message)
 
     def update(self, step: int, x: X) -> Anomaly | None:
         v = self._value(x)
@@ -180,31 +240,57 @@ class NoProgress(Detector):
             self._start = step
         if self._start >= self.config.window:
             return None  # a stream cut from the middle of a run: its start is not ours to judge
-        if len(self._first) < self.config.window:
+        if step <= self._last_step:
+            self._over = False  # a rollback: a new timeline
+        self._last_step = step
+        if step < self._start + self.config.window and len(self._first) < self.config.window:
             self._first.append((step, v))
-        self._recent.append(v)
+        recent = self._recent
+        while recent and recent[0][0] <= step - self.config.window:
+            recent.popleft()
+        recent.append((step, v))
         self._evidence.append((step, v))
         self.n_learned += 1
         if step < self.config.by_step:
+            found = self._above_ceiling(step, v)
             self._judged = False  # back before by_step (a rollback): judge again when it is passed
-            return None
+            return found
         if self._judged:
             return None
         self._judged = True
         score = self._score(v, x)
         if score < self.threshold:
             return None
+        return self._report(step, v, score, "not_learning")
+
+    def _above_ceiling(self, step: int, v: float) -> Anomaly | None:
+        first = self._first[0][1]
+        if v <= 0:
+            self._likelihood = False
+        if first < self.config.min_first or not self._likelihood:
+            return None
+        ratio = v / first
+        if ratio <= 1.0 + self.config.ceiling:
+            self._over = False
+            return None
+        if self._over:
+            return None
+        self._over = True
+        return self._report(step, v, ratio, "above_ceiling")
+
+    def _report(self, step: int, v: float, score: float, verdict: str) -> Anomaly:
+        self._verdict = verdict
         anomaly = self._flag(step, v, score)
         return dataclasses.replace(anomaly, evidence=(self._first[0], *anomaly.evidence))
 
     def _learn(self, v: float, x: X) -> None:
-        self._recent.append(v)
+        self._recent.append((self.n_learned, v))
 
     def _score(self, v: float, x: X) -> float:
         if not self._first:
             return 0.0
-        first = statistics.median(value for _, value in self._first)
-        return statistics.median(self._recent) / first if first > 0 else 0.0
+        start = min(self._first[0][1], statistics.median(value for _, value in self._first))
+        return statistics.median(value for _, value in self._recent) / start if start > 0 else 0.0
 
     @property
     def threshold(self) -> float:
@@ -214,6 +300,9 @@ class NoProgress(Detector):
         return Severity.ERROR
 
     def _message(self, v: float | None, score: float) -> str:
+        if self._verdict == "above_ceiling":
+            return (f"{self.metric} is {score - 1:.0%} above its first value {self._first[0][1]:.4g} (ceiling "
+                    f"{self.config.ceiling:.0%}): the model is worse than untrained")
         return (f"{self.metric} has fallen only {1 - score:.0%} from its first steps by step "
                 f"{self.config.by_step} (needs {self.config.min_drop:.0%}): the run is not learning")
 

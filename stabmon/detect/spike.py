@@ -13,9 +13,17 @@ Defaults, and why:
 - ``min_std = 0.05``: a floor on the standard deviation in log units (about 5 % relative noise), so a
   perfectly quiet history (variance 0, or only a few points) does not make every wobble infinite; with it, the
   smallest jump that can ever be flagged is ``exp(6 * 0.05) = 1.35`` times the baseline.
-- ``persist = 3``: one flagged step is a ``warning`` (healthy runs have isolated one-step blips that recover
-  on their own); three consecutive flagged steps are an ``error`` - the grad norm is climbing and the run
-  needs an intervention (BLOOM tr11-176B it31215-31218: four rising steps before the loss spike).
+- Severity scales with the size of the excursion, judged against what the run has already survived (see
+  docs/detectors.md, "Severity"): a flagged point is ``info`` while it is no larger than ``tolerance`` (4x) its
+  baseline *and* no larger than the largest excursion this detector has already seen the run come back from
+  on its own - for the metrics in ``tolerated`` only (the grad norm and activations: signals the loss may or
+  may not follow; a loss spike is never tolerated). Beyond that it is a ``warning``. It is an ``error`` when
+  it lasts ``persist = 3`` consecutive flagged steps (the grad norm is climbing: BLOOM tr11-176B
+  it31215-31218, four rising steps before the loss spike) or reaches ``error_ratio`` (100x, two orders of
+  magnitude) its baseline - at any step, during grace too, where the baseline is the run's first values.
+  A grad-norm spike that the loss follows is raised to ``error`` by the suite (:mod:`stabmon.detect.suite`).
+  The healthy 19.5k-step llm.c GPT-2 run has 56 flagged grad-norm steps, 1.35x-15.3x, none followed by the
+  loss: with this rule one (the 15.3x blip at 8715, its largest) is a warning and the rest are info.
 - ``grace_period = 10`` training steps at the start of training (LR warm-up: the baseline of the first steps
   means little), or 10 observations after ``enter_grace`` (an intervention, rollback or resume). A stream that
   starts mid-run (a log fragment from step 31214) is past the start of training and scores from its second
@@ -26,6 +34,7 @@ Defaults, and why:
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass
 
@@ -42,7 +51,7 @@ from stabmon.detect.config import (
     param,
     positive,
 )
-from stabmon.events import Metric, Severity
+from stabmon.events import Anomaly, Metric, Severity
 
 _INF = math.inf
 
@@ -58,6 +67,15 @@ class _LogSpikeConfig(DetectorConfig):
     min_std: float = param(0.05, positive, "floor on the std of the log-value")
     persist: int = param(3, at_least_one, "consecutive flagged steps that make a spike an error")
     relearn_after: int = param(50, non_negative, "flags in a row that restart the baseline (0: never)")
+    tolerance: float = param(4.0, at_least_one, "multiple of the baseline up to which a flagged point of a "
+                             "tolerated metric is info (1: every flag is at least a warning)")
+    tolerated: tuple[str, ...] = param((Metric.GRAD_NORM, "grad_norm/*", Metric.ACT_RMS_PREFIX + "*"),
+                                       doc="metrics (globs) whose excursions are judged against tolerance and "
+                                       "the run's own history; the loss never is")
+    error_ratio: float = param(100.0, at_least_one, "multiple of the baseline that is an error at any step, "
+                               "grace included (then the baseline is the run's first values)")
+    corroborate_within: int = param(10, non_negative, "steps after a grad-norm spike in which a loss spike is "
+                                    "an error (the loss followed: corroborated), read by the detector suite")
 
 
 @dataclass(frozen=True)
@@ -95,13 +113,44 @@ class _LogSpike(Detector):
     def threshold(self) -> float:
         return float(self.config.z_threshold)
 
+    def _reset(self) -> None:
+        self._min_std = float(self.config.min_std)
+        self._log_error_ratio = math.log(self.config.error_ratio)
+        self._tolerates = any(fnmatch.fnmatchcase(self.metric, p) for p in self.config.tolerated)
+        #: log of the largest excursion (value / baseline) that the run came back from without an error
+        self._survived = 0.0
+        self._peak = 0.0  # log-ratio of the current (or last) excursion's largest point
+        self._peak_error = False  # whether that excursion was an error
+        self._log_ratio = 0.0  # of the point being flagged
+
+    def _flag(self, step: int, raw: float | None, score: float) -> Anomaly:
+        if self._streak == 0:  # a new excursion: the previous one is over and, unless it was an error, survived
+            if not self._peak_error:
+                self._survived = max(self._survived, self._peak)
+            self._peak, self._peak_error = 0.0, False
+        self._log_ratio = math.log(raw) - self._centre() if raw is not None and raw > 0 else 0.0
+        self._peak = max(self._peak, self._log_ratio)
+        return super()._flag(step, raw, score)
+
     def _severity(self, score: float, streak: int) -> Severity:
-        return Severity.ERROR if streak >= self.config.persist else Severity.WARNING
+        r = self._log_ratio
+        if r >= self._log_error_ratio or streak >= self.config.persist:
+            self._peak_error = True
+            return Severity.ERROR
+        if self._tolerates and r <= max(math.log(self.config.tolerance), self._survived):
+            return Severity.INFO
+        return Severity.WARNING
 
     def _message(self, v: float | None, score: float) -> str:
         base = math.exp(self._centre())
         ratio = f" ({v / base:.3g}x its baseline {base:.3g})" if v is not None and base > 0 else ""
         return f"{self.metric} spike: {v}{ratio}, z={score:.3g} for {self._streak} step(s)"
+
+    def _grace_score(self, v: float, x: X) -> float:
+        """During grace only an excursion of ``error_ratio`` over the first values counts (the prior)."""
+        if not self.n_learned or v - self._centre() < self._log_error_ratio:
+            return 0.0
+        return max(self._z(v), self._threshold)
 
     def _on_flag(self) -> None:
         relearn = self.config.relearn_after
@@ -123,7 +172,10 @@ class _LogSpike(Detector):
         if raw is None or not 0.0 < raw < _INF:
             return None
         v = math.log(raw)
-        score = self._z(v) if scoring and self.n_learned else 0.0
+        if scoring:
+            score = self._z(v) if self.n_learned else 0.0
+        else:
+            score = self._grace_score(v, x)
         if score < self._threshold:
             self._learn(v, x)
         return score
@@ -150,10 +202,10 @@ class EWSpike(_LogSpike):
     name = "spike"
     Config = SpikeConfig
     config: SpikeConfig
-    _state_attrs = ("_mean", "_var")
+    _state_attrs = ("_mean", "_var", "_survived", "_peak", "_peak_error")
 
     def _reset(self) -> None:
-        self._min_std = float(self.config.min_std)
+        super()._reset()
         self._mean = stats.EWMean(fading_factor=self.config.alpha)
         self._var = stats.EWVar(fading_factor=self.config.alpha)
 
@@ -189,10 +241,10 @@ class RobustSpike(_LogSpike):
     name = "robust_spike"
     Config = RobustSpikeConfig
     config: RobustSpikeConfig
-    _state_attrs = ("_median", "_iqr")
+    _state_attrs = ("_median", "_iqr", "_survived", "_peak", "_peak_error")
 
     def _reset(self) -> None:
-        self._min_std = float(self.config.min_std)
+        super()._reset()
         self._median = stats.RollingQuantile(q=0.5, window_size=self.config.window)
         self._iqr = stats.RollingIQR(window_size=self.config.window, q_inf=0.25, q_sup=0.75)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -13,7 +14,7 @@ from stabmon.detect.progress import PROGRESS_DETECTORS
 from stabmon.detect.rules import RULE_DETECTORS
 from stabmon.detect.spike import SPIKE_DETECTORS
 from stabmon.detect.trends import TREND_DETECTORS
-from stabmon.events import Anomaly, StepRecord
+from stabmon.events import Anomaly, Metric, Severity, StepRecord
 
 DETECTORS: dict[str, type[Detector]] = {
     c.name: c for c in (*SPIKE_DETECTORS, *RULE_DETECTORS, *TREND_DETECTORS, *PROGRESS_DETECTORS, *FLEET_DETECTORS)
@@ -21,6 +22,8 @@ DETECTORS: dict[str, type[Detector]] = {
 ROOT = "detectors"
 _Update = Callable[[int, X], "Anomaly | None"]  # a detector's bound update method
 _MAX_PLANS = 256  # distinct metric-name sets remembered (a stream rarely has more than a handful)
+_LEAD = ("spike", Metric.GRAD_NORM)  # corroboration: a grad-norm spike, then
+_FOLLOW = ("spike", Metric.LOSS)  # a loss spike within ``spike.corroborate_within`` steps: an error
 
 
 def _is_glob(pattern: str) -> bool:
@@ -53,6 +56,11 @@ class DetectorSuite:
     Exact metric names get their detector up front; glob patterns (``act_rms/*``, ``emb_update/*``) get one
     detector per matching metric the first time it appears. When two detectors report the same kind of event
     on the same metric and step (``spike`` and ``robust_spike``), the more severe report is kept.
+
+    Corroboration across signals: a loss spike at most ``spike.corroborate_within`` steps after a grad-norm
+    spike (or at the same step) is an ``error`` whatever its own severity - the grad norm led and the loss
+    followed (BigScience tr8-104B it11447-11448, tr11-176B it31215-31219). A grad-norm spike that the loss
+    does not follow keeps the severity its size earns (often ``info``: see :mod:`stabmon.detect.spike`).
     Deterministic, pickleable, and ``state_dict`` / ``load_state_dict`` round-trip.
 
     >>> suite = DetectorSuite.from_config(overrides={"spike.grace_period": 2, "robust_spike.grace_period": 2})
@@ -72,6 +80,9 @@ class DetectorSuite:
         # once per new set of names, so the per-record path does no glob matching, no membership tests and no
         # method lookups per detector
         self._plans: dict[tuple[str, ...], list[_Update]] = {}
+        self._lead_step: int | None = None  # the step of the last grad-norm spike (corroboration)
+        spike = self.configs.get("spike")
+        self._corroborate_within = spike.corroborate_within if spike is not None else 0
         for name, config in self.configs.items():
             if not config.enabled:
                 continue
@@ -138,7 +149,24 @@ class DetectorSuite:
             old = best.get(key)
             if old is None or _rank(found) > _rank(old):
                 best[key] = found
-        return [] if best is None else list(best.values())
+        if best is None:
+            return []
+        self._corroborate(step, best)
+        return list(best.values())
+
+    def _corroborate(self, step: int, best: dict[tuple[str, str], Anomaly]) -> None:
+        """Raise a loss spike that follows a grad-norm spike to ``error`` (see the class docstring)."""
+        if _LEAD in best:
+            self._lead_step = step
+        follow = best.get(_FOLLOW)
+        lead = self._lead_step
+        if follow is None or lead is None or follow.severity >= Severity.ERROR:
+            return
+        if 0 <= step - lead <= self._corroborate_within:
+            best[_FOLLOW] = dataclasses.replace(
+                follow, severity=Severity.ERROR,
+                message=f"{follow.message}; the grad norm spiked first (step {lead}): corroborated",
+            )
 
     def enter_grace(self, steps: int | None = None) -> None:
         """Every detector re-enters its grace period (after an intervention, rollback, resume or LR
@@ -150,6 +178,7 @@ class DetectorSuite:
         return {
             "version": 1,
             "seen": sorted(self._seen),
+            "lead_step": self._lead_step,
             "detectors": {f"{n}|{m}": det.state_dict() for (n, m), det in self._detectors.items()},
         }
 
@@ -163,6 +192,7 @@ class DetectorSuite:
             det = self._detectors.get((name, metric)) or self._add(name, metric)
             det.load_state_dict(det_state)
         self._seen = set(state.get("seen", ()))
+        self._lead_step = state.get("lead_step")
         self._plans = {}
 
 

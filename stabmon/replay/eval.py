@@ -25,6 +25,16 @@ stabmon's anomalies carry a severity, which gives it a second operating point fo
 severity, and what the default runbook acts on). The summary reports both: ``recall`` / ``false_alarms`` at
 ``min_severity`` and ``recall_at_error`` / ``false_alarms_at_error`` (the same replay, alerts filtered by
 severity; nothing is re-run or re-fitted).
+
+What a person hears is a third view: the alerts that the default routing would have *sent*. stabmon's events
+are composed into alerts exactly as the live notifier composes them (:class:`stabmon.alerts.message.Composer`:
+a decision carries its anomaly, an intervention is at least ``error``, an ``info`` anomaly stays ``info``), and
+each default channel keeps those its own filter admits (:data:`DEFAULT_CHANNELS`: Slack hears ``warning`` and
+worse, PagerDuty ``error`` and worse; resolutions, which follow an alert already sent, are not counted). Per
+run, ``sent_<channel>`` counts the episodes of sent alerts (all of them: on a healthy control every one is a
+false page) and ``false_sent_<channel>`` those outside incident windows; per incident, ``first_sent_<channel>``
+is the first sent alert in its window; the summary gives ``recall_sent_<channel>`` beside them. Rate limits and
+time-based deduplication are not simulated (a replay has no wall clock); episodes stand in for them.
 """
 
 from __future__ import annotations
@@ -38,7 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stabmon.events import Anomaly, Decision, Severity, StepRecord
+from stabmon.alerts.config import ChannelConfig
+from stabmon.alerts.message import Composer
+from stabmon.events import Anomaly, Decision, Event, Severity, StepRecord
 from stabmon.pipeline import Pipeline
 from stabmon.replay.baselines import peer_rules
 from stabmon.replay.importers.pattern import compile_patterns
@@ -51,6 +63,12 @@ log = logging.getLogger(__name__)
 STABMON = "stabmon"
 PEERS = ("llm_foundry", "olmo_core", "zclip", "lightning", "megatron")
 PipelineFactory = Callable[[], Pipeline]
+DEFAULT_CHANNELS: dict[str, ChannelConfig] = {
+    "slack": ChannelConfig(url="slack://T000/B000/XXXX"),
+    "pagerduty": ChannelConfig(url="pagerduty://integration@routing"),
+}
+"""The default routing the ``sent_*`` columns simulate: each channel with its default filter (no events
+filter; ``min_severity`` warning for Slack, error for PagerDuty)."""
 
 
 @dataclass
@@ -62,6 +80,7 @@ class RunAlerts:
     alerts: dict[str, list[int]] = field(default_factory=dict)  # method -> sorted alert steps
     severities: dict[int, str] = field(default_factory=dict)  # stabmon: step -> highest severity
     decisions: list[tuple[int, str]] = field(default_factory=list)  # stabmon: (step, action)
+    sent: dict[str, list[int]] = field(default_factory=dict)  # stabmon: channel -> steps of alerts sent there
     restarts: list[int] = field(default_factory=list)
     malformed: int = 0
     error: str | None = None
@@ -97,6 +116,7 @@ def alerts_for(
             elif isinstance(ev, Decision):
                 out.decisions.append((ev.step, ev.action))
         out.alerts[STABMON] = sorted(steps)
+        out.sent = sent_steps(result.events, run=run)
     if peers:
         rules = peer_rules(total_steps=len(records))
         fired: dict[str, list[int]] = {r.name: [] for r in rules}
@@ -106,6 +126,45 @@ def alerts_for(
                     fired[rule.name].append(rec.step)
         out.alerts.update(fired)
     return out
+
+
+def sent_steps(
+    events: Sequence[Event], *, run: str, channels: dict[str, ChannelConfig] | None = None
+) -> dict[str, list[int]]:
+    """The steps of the alerts each channel would have been sent (module docstring), composed from the events
+    one step at a time, as the notifier composes one flush.
+
+    >>> from stabmon.events import Anomaly, Severity
+    >>> def a(step, sev):
+    ...     return Anomaly(kind="spike", metric="grad_norm", step=step, score=9.0, severity=sev, detector="spike",
+    ...                    evidence=(), threshold=6.0)
+    >>> sent_steps([a(5, Severity.INFO), a(9, Severity.WARNING), a(12, Severity.ERROR)], run="r")
+    {'slack': [9, 12], 'pagerduty': [12]}
+    """
+    channels = DEFAULT_CHANNELS if channels is None else channels
+    composer = Composer()
+    out: dict[str, list[int]] = {name: [] for name in channels}
+    for group in _by_step(events):
+        for alert in composer.compose(run_id=run, run_name=run, events=group):
+            if alert.resolves or alert.step is None:
+                continue
+            for name, channel in channels.items():
+                if channel.accepts(alert.kind) and alert.severity >= channel.effective_min_severity():
+                    out[name].append(alert.step)
+    return {name: sorted(set(steps)) for name, steps in out.items()}
+
+
+def _by_step(events: Sequence[Event]) -> list[list[Event]]:
+    """Events grouped by consecutive equal ``step`` (the unit the notifier composes)."""
+    groups: list[list[Event]] = []
+    last: object = object()
+    for ev in events:
+        step = getattr(ev, "step", None)
+        if not groups or step != last:
+            groups.append([])
+            last = step
+        groups[-1].append(ev)
+    return groups
 
 
 def _run_one(
@@ -201,6 +260,9 @@ def score(
             if m == STABMON:
                 errs = [s for s in _at_error(ra) if lb.step_start - pre <= s <= lb.step_end]
                 extra = {"first_error_step": errs[0] if errs else None}
+                for ch, sent in ra.sent.items():
+                    hit = [s for s in sent if lb.step_start - pre <= s <= lb.step_end]
+                    extra[f"first_sent_{ch}"] = hit[0] if hit else None
             sev = None
             if m == STABMON and steps:
                 sev = max(
@@ -246,6 +308,10 @@ def score(
                 err_fa = [s for s in _at_error(ra) if not any(a <= s <= b for a, b in wins)]
                 row["false_alarms_at_error"] = len(episodes(err_fa, episode_gap))
                 row["decisions"] = len(ra.decisions)
+                for ch, sent in ra.sent.items():
+                    row[f"sent_{ch}"] = len(episodes(sent, episode_gap))
+                    outside = [s for s in sent if not any(a <= s <= b for a, b in wins)]
+                    row[f"false_sent_{ch}"] = len(episodes(outside, episode_gap))
                 row["intervention_decisions"] = sum(1 for _, a in ra.decisions if a != "alert_only")
             files.append(row)
     return EvalReport(incidents, files, summarize(incidents, files, methods))
@@ -281,6 +347,12 @@ def summarize(
                 "recall_at_error": round(len(at_err) / len(num), 3) if num else None,
                 "false_alarms_at_error": sum(r.get("false_alarms_at_error", 0) for r in rows),
             }
+            for ch in DEFAULT_CHANNELS:
+                hit = sum(1 for r in num if r.get(f"first_sent_{ch}") is not None)
+                extra[f"detected_sent_{ch}"] = hit
+                extra[f"recall_sent_{ch}"] = round(hit / len(num), 3) if num else None
+                extra[f"sent_{ch}"] = sum(r.get(f"sent_{ch}", 0) for r in rows)
+                extra[f"false_sent_{ch}"] = sum(r.get(f"false_sent_{ch}", 0) for r in rows)
         else:
             extra = {}
         out[m] = {

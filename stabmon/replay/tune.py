@@ -5,8 +5,9 @@ Every candidate is a set of ``detector.param=value`` overrides. It is scored on 
 replaying them through stabmon (the same detectors and, when given, runbook as
 :func:`stabmon.replay.eval.evaluate`) and applying :func:`objective`: recall on the numeric incidents, plus a
 small reward for lead time, minus a penalty per false alarm per 10k steps. Runs are split into ``folds``
-groups; for each fold the best candidate on the other runs is reported on the held-out one (so the figures are
-not fitted to the runs they describe), and the candidate best over all runs is the one written. Candidates are
+groups (``leave_one_out``: one group per run); for each fold the best candidate on the other runs is reported on
+the held-out one (so the figures are not fitted to the runs they describe), and the candidate best over all
+runs is the one written. :func:`held_out` sums the held-out folds into one figure. Candidates are
 scored in parallel processes (``jobs``); each worker imports the runs once.
 
 The output is a YAML mapping ``{"detectors": {name: {param: value}}}`` that a runbook merges with
@@ -173,6 +174,7 @@ def tune(
     n_random: int | None = None,
     seed: int = 0,
     folds: int = 2,
+    leave_one_out: bool = False,
     jobs: int = 1,
     runbook: Any = None,
     score_fn: Callable[[Mapping[str, Any]], float] = objective,
@@ -207,7 +209,7 @@ def tune(
         m = metrics_for(runs, alerts)
         rows.append({"overrides": cand, "objective": score_fn(m), "metrics": m})
     best_i = max(range(len(rows)), key=lambda i: (rows[i]["objective"], -i))
-    k = min(folds, len(runs))
+    k = len(runs) if leave_one_out else min(folds, len(runs))
     fold_rows = []
     if k >= 2:
         for f in range(k):
@@ -230,6 +232,22 @@ def tune(
     return TuneResult(
         best=candidates[best_i], best_metrics=rows[best_i]["metrics"], candidates=rows, folds=fold_rows
     )
+
+
+def held_out(folds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The held-out folds together: incidents detected / numeric incidents, false alarms and steps, summed
+    over the folds' test runs (each run is held out exactly once).
+
+    >>> held_out([{"test_metrics": {"numeric_incidents": 2, "detected": 1, "false_alarms": 3, "steps": 100}},
+    ...           {"test_metrics": {"numeric_incidents": 0, "detected": 0, "false_alarms": 0, "steps": 50}}])
+    {'numeric_incidents': 2, 'detected': 1, 'recall': 0.5, 'false_alarms': 3, 'steps': 150}
+    """
+    total = {k: sum(int(f["test_metrics"].get(k) or 0) for f in folds)
+             for k in ("numeric_incidents", "detected", "false_alarms", "steps")}
+    n = total["numeric_incidents"]
+    return {"numeric_incidents": n, "detected": total["detected"],
+            "recall": round(total["detected"] / n, 3) if n else None,
+            "false_alarms": total["false_alarms"], "steps": total["steps"]}
 
 
 def count_candidates(space: Mapping[str, Sequence[Any]] | None, n_random: int | None) -> int:

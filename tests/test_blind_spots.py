@@ -1,0 +1,150 @@
+"""Runs wrecked where the spike detectors cannot see, and healthy runs that must stay quiet.
+
+- A learning rate far past the edge with no warm-up (the tiny char-level GPT of examples/tiny_gpt.py at LR 1e-1,
+  warm-up 0, the scenarios' BASE otherwise): the loss blows up within the first 1-4 steps, inside every spike
+  detector's grace period, then settles on a plateau the damaged run never leaves. The sweep (300 steps, 1
+  thread, unmonitored; held-out loss; peak of the first 5 losses over the first):
+
+  ====  ===========  ========  =====  ====  ===========  ========  =====
+  seed  healthy val  1e-1 val  peak   seed  healthy val  1e-1 val  peak
+  ====  ===========  ========  =====  ====  ===========  ========  =====
+  1     1.612        1.952     1.70x  22    -            2.029     1.37x
+  2     1.628        2.256     1.52x  23    -            2.154     1.79x
+  3     1.626        2.109     1.59x  24    -            2.176     2.01x
+  4     1.610        2.240     1.60x  25    -            2.163     1.37x
+  5     1.624        2.273     2.06x  26    -            2.232     1.56x
+  6     1.607        2.271     1.84x  27-29 -            2.08-2.15 1.54-1.70x
+  ====  ===========  ========  =====  ====  ===========  ========  =====
+
+  Every seed ends 20-40% worse than a healthy run (1.61-1.63), and every seed's loss passes 1.37x its first
+  value within 4 steps, past the ``no_progress`` ceiling (1.2x): an ``error`` incident opens at once.
+- A loss logged every 10 steps that jumps 1.5x and stays there after a steep early learning curve: the curve
+  inflates the spread the spike detectors measure, so the regression detector (counted in steps) reports it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import random
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from stabmon.detect import DetectorSuite
+from stabmon.events import Metric, Severity, StepRecord
+
+REPO = Path(__file__).resolve().parent.parent
+FIRST = int(os.environ.get("STABMON_TEST_SEED", "21"))
+THREADS = int(os.environ.get("STABMON_TEST_THREADS", "1"))
+# a shared CPU's step time measures the machine, not the run: left out of what must stay quiet here
+QUIET = ["step_time.enabled=false"]
+
+
+@cache
+def scenarios() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("scenarios_blind", REPO / "examples" / "scenarios.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["scenarios_blind"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class Events:
+    """Sink double: keeps the anomalies a live monitor reports."""
+
+    def __init__(self) -> None:
+        self.anomalies: list[Any] = []
+
+    def handle(self, *, run_id: str, run_name: str, events: Any) -> None:
+        self.anomalies += [e for e in events if type(e).__name__ == "Anomaly"]
+
+    def close(self, timeout: float | None = None) -> None:
+        pass
+
+
+def _train(seed: int, **changes: Any) -> tuple[Any, list[Any]]:
+    from stabmon import Monitor
+
+    sc = scenarios()
+    events = Events()
+
+    def factory(model: Any, opt: Any, sched: Any, scaler: Any = None) -> Monitor:
+        return Monitor(model, opt, scheduler=sched, scaler=scaler, store=None, runbook=None, mode="observe",
+                       notifier=events, detectors={"step_time": {"enabled": False}})
+
+    config = sc.tiny_gpt.TrainConfig(**{**sc.BASE, **changes}, seed=seed, threads=THREADS)
+    return sc.tiny_gpt.train(config, monitor=factory), events.anomalies
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [FIRST, FIRST + 1])
+def test_lr_far_too_high_without_warmup_opens_an_error_within_50_steps(seed: int) -> None:
+    result, anomalies = _train(seed, lr=0.1, warmup=0)
+    healthy, quiet = _train(seed)
+    assert result.val_loss > 1.1 * healthy.val_loss  # damaged, as on every seed of the sweep
+    errors = [a for a in anomalies if a.severity >= Severity.ERROR]
+    assert errors and errors[0].step <= 50 and errors[0].kind == "no_progress", anomalies
+    # the healthy twin: nothing anyone would be sent (info anomalies are allowed: they are for the trace)
+    assert not [a for a in quiet if a.severity >= Severity.WARNING], quiet
+
+
+@pytest.mark.slow
+def test_nanogpt_style_loop_at_lr_1e_1_is_flagged_and_at_3e_3_is_quiet() -> None:
+    """A hand-written loop in nanoGPT's train.py shape (AdamW, constant LR, clip 1.0, the monitor owning the
+    step counter), on the tiny GPT model and its character corpus."""
+    import torch
+
+    from stabmon import Monitor
+
+    tg = scenarios().tiny_gpt
+    torch.set_num_threads(THREADS)
+
+    def run(lr: float) -> list[Any]:
+        config = tg.TrainConfig(**{**scenarios().BASE, "steps": 80}, seed=FIRST + 7, threads=THREADS)
+        model, _, _, batches = tg.build(config)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+        events = Events()
+        mon = Monitor(model, opt, store=None, runbook=None, mode="observe", notifier=events,
+                      detectors={"step_time": {"enabled": False}})
+        for _step, (x, y) in mon.steps(batches, max_steps=80):
+            loss = model(x, y)
+            loss.backward()
+            mon.observe(loss=loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        mon.close()
+        return events.anomalies
+
+    wrecked = [a for a in run(0.1) if a.severity >= Severity.ERROR]
+    assert wrecked and wrecked[0].step <= 50, wrecked
+    assert not [a for a in run(3e-4) if a.severity >= Severity.WARNING]
+
+
+def _steep_then_jump(seed: int, jump_at: int) -> list[StepRecord]:
+    """A loss logged every 10 steps: 6 -> 2 over the first 500 steps, then 1.5x from ``jump_at`` on."""
+    rng = random.Random(seed)
+    out = []
+    for step in range(0, 1500, 10):
+        loss = 2.0 + 4.0 * math.exp(-step / 120) + rng.gauss(0.0, 0.02)
+        out.append(StepRecord(step, {Metric.LOSS: loss * (1.5 if step >= jump_at else 1.0),
+                                     Metric.GRAD_NORM: 1.0 + rng.random() * 0.1}))
+    return out
+
+
+@pytest.mark.parametrize("seed", [FIRST, FIRST + 1, FIRST + 2])
+def test_loss_jump_logged_every_10_steps_opens_an_error_within_50_steps(seed: int) -> None:
+    suite = DetectorSuite.from_config(overrides=QUIET)
+    found = [a for r in _steep_then_jump(seed, 700) for a in suite.update(r)]
+    errors = [a for a in found if a.severity >= Severity.ERROR]
+    assert errors and 700 <= errors[0].step <= 750, found
+    assert not [a for a in found if a.step < 700 and a.severity >= Severity.WARNING]
+    # and the same curve without the jump is quiet
+    calm = DetectorSuite.from_config(overrides=QUIET)
+    assert not [a for r in _steep_then_jump(seed, 10**9) for a in calm.update(r) if a.severity >= Severity.WARNING]
