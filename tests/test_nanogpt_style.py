@@ -59,10 +59,10 @@ def test_a_healthy_run_is_quiet(tmp_path: Path, seed: int, threads: int) -> None
     db = tmp_path / "s.db"
     assert query(db, "select status from runs") == [("finished",)]
     assert query(db, "select count(*), count(distinct step), max(step) from steps") == [(150, 150, 149)]
-    # no error-level anomaly and nothing that changed training; the grad-norm drift detector may still warn on
-    # this healthy loop (its norm rises slowly as the LR decays): a warning is an alert_only incident
-    assert query(db, "select kind, metric, message from anomalies where severity != 'warning'") == []
-    assert query(db, "select action from decisions where action != 'alert_only'") == []
+    # nothing at warning or above and no decision; an `info` anomaly may be recorded for the trace (the grad
+    # norm drifts upward slowly as the LR decays: drift is info)
+    assert query(db, "select kind, metric, message from anomalies where severity != 'info'") == []
+    assert query(db, "select action from decisions") == []
     assert query(db, "select count(*) from alerts") == [(0,)]
     assert final_val(out) < 2.0  # it learned (from 2.6)
 

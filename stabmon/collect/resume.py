@@ -10,7 +10,7 @@ Loading a state or calling ``monitor.sync_step(n)`` settles it: the loop then sa
 >>> try:
 ...     check.first_step(0)
 ... except ValueError as exc:
-...     print(str(exc)[:86])
+...     print(str(exc).split(";")[0])
 resume_run_id='r-1': the run already holds steps up to 599 but the monitor starts at step 0
 >>> check = ResumeCheck("r-1", last_step=599); check.settle(); check.first_step(0)  # the loop said where it is
 """

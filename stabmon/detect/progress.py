@@ -186,8 +186,10 @@ class NoProgress(Detector):
       settles on a plateau near the loss of predicting character frequencies (2.3) that its healthy twin
       passes through by step 40, and ends 20-40% worse. Its healthy twins stay within a few percent of the
       first loss. The blow-up lasts 1-3 steps, so one value decides. Reported once per excursion above it.
-      Later blow-ups (a corrupted data shard at step 150) are the spike and regression detectors' to report:
-      the runbook answers those by skipping data, which a run that never learned does not need.
+      Later blow-ups, and any blow-up of a run that has already learned (its rolling median fell ``min_drop``
+      below the first loss: an LR jump at step 60, a corrupted data shard at step 150) are the spike and
+      regression detectors' to report: the runbook answers those by rolling back to a recent checkpoint and
+      skipping data, where a run that never learned goes back to its start.
       Only for a likelihood: the first loss must be at least ``min_first`` (1 nat; an untrained model over
       10+ tokens starts at 2.3 or more) and the loss must never have been zero or negative. An RL objective
       (DeepSpeed-Chat's actor loss: 0.21 at step 0, then -0.3..2.2) has no "untrained" level to exceed.
@@ -211,6 +213,9 @@ class NoProgress(Detector):
     >>> found = [d.update(s, {"loss": [2.7, 2.9, 4.3, 3.3, 3.0][s] if s < 5 else 2.35}) for s in range(120)]
     >>> [(a.step, a.severity.value) for a in found if a]
     [(2, 'error'), (100, 'error')]
+    >>> d = NoProgress("loss")   # learned (2.7 -> 1.8), then an LR jump at step 60: a spike, not no-progress
+    >>> [d.update(s, {"loss": 40.0 if s == 60 else max(1.8, 2.7 - 0.03 * s)}) for s in range(80)].count(None)
+    80
     """
 
     name = "no_progress"
@@ -219,7 +224,7 @@ class NoProgress(Detector):
     config: NoProgressConfig
     grace_exempt = "it judges the warm-up itself"
     learns_flagged = "its rolling median must see every loss, flagged or not"
-    _state_attrs = ("_first", "_recent", "_judged", "_start", "_over", "_likelihood", "_last_step")
+    _state_attrs = ("_first", "_recent", "_judged", "_start", "_over", "_likelihood", "_last_step", "_learned")
 
     def _reset(self) -> None:
         self._first: list[tuple[int, float]] = []
@@ -229,6 +234,7 @@ class NoProgress(Detector):
         self._start: int | None = None
         self._over = False  # above the ceiling, reported
         self._likelihood = True  # False once the loss has been <= 0 (no likelihood: the ceiling is off)
+        self._learned = False  # the run has made progress: its rolling median fell min_drop below the first loss
         self._last_step = -1
         self._verdict = ""  # which judgement the anomaly being reported is (for its message)
 
@@ -242,6 +248,7 @@ class NoProgress(Detector):
             return None  # a stream cut from the middle of a run: its start is not ours to judge
         if step <= self._last_step:
             self._over = False  # a rollback: a new timeline
+            self._learned = self._learned and step >= self.config.window  # back to the start: prove it again
         self._last_step = step
         if step < self._start + self.config.window and len(self._first) < self.config.window:
             self._first.append((step, v))
@@ -252,7 +259,8 @@ class NoProgress(Detector):
         self._evidence.append((step, v))
         self.n_learned += 1
         if step < self.config.by_step:
-            found = self._above_ceiling(step, v)
+            found = None if self._learned else self._above_ceiling(step, v)
+            self._learned = self._learned or self._score(v, x) < self.threshold
             self._judged = False  # back before by_step (a rollback): judge again when it is passed
             return found
         if self._judged:
