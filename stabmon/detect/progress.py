@@ -245,8 +245,8 @@ class NoProgress(Detector):
     >>> d = NoProgress("loss")   # down 30% to a plateau by step 15, the gradient dead: stalled
     >>> found = [d.update(s, {"loss": max(3.8 - 0.1 * s, 2.7), "grad_norm": 3.0 if s < 15 else 0.1})
     ...          for s in range(120)]
-    >>> [(a.step, round(a.score), a.threshold) for a in found if a]   # the gradient fell 30x (10x counts)
-    [(26, 30, 10.0)]
+    >>> [(a.step, round(a.score), a.threshold) for a in found if a]   # the gradient fell 30x (7x counts)
+    [(26, 30, 7.0)]
     """
 
     name = "no_progress"
