@@ -18,6 +18,10 @@
 
   Every seed ends 20-40% worse than a healthy run (1.61-1.63), and every seed's loss passes 1.37x its first
   value within 4 steps, past the ``no_progress`` ceiling (1.2x): an ``error`` incident opens at once.
+- A Hugging Face ``Trainer`` on a tiny GPT-2 at LR 1e-1: wrecked in its first steps, it still learns the
+  character frequencies (28% below the untrained loss) and sits there with a dead gradient; on 3 of 12 seeds
+  its blow-up stays under the ceiling. ``no_progress``'s stall judgement reports all 12 at step 29-44 (the
+  sweep is in docs/detectors.md); its LR 1e-3 twin stays quiet.
 - A loss logged every 10 steps that jumps 1.5x and stays there after a steep early learning curve: the curve
   inflates the spread the spike detectors measure, so the regression detector (counted in steps) reports it.
 """
@@ -148,3 +152,83 @@ def test_loss_jump_logged_every_10_steps_opens_an_error_within_50_steps(seed: in
     # and the same curve without the jump is quiet
     calm = DetectorSuite.from_config(overrides=QUIET)
     assert not [a for r in _steep_then_jump(seed, 10**9) for a in calm.update(r) if a.severity >= Severity.WARNING]
+
+
+# -- a Hugging Face Trainer at LR 1e-1 ------------------------------------------------------------------------
+WORDS = (
+    "the of and to a in is it you that he was for on are with as his they be at one have this from or had by not "
+    "word but what some we can out other were all there when up use your how said an each she which do their time "
+    "if will way about many then them write would like so these her long make thing see him two has look more day "
+    "could go come did number sound no most people my over know water than call first who may down side been now"
+).split()
+
+
+def word_corpus(n_chars: int, seed: int) -> str:
+    """Sentences of words drawn with Zipf frequencies: about 40 characters whose frequencies alone (the unigram
+    entropy, 2.74 nats) take the loss 28% below an untrained model's ln(40); a model that learns words goes far
+    below that."""
+    rng = random.Random(seed)
+    weights = [1 / (i + 1) for i in range(len(WORDS))]
+    parts: list[str] = []
+    while sum(map(len, parts)) < n_chars:
+        words = " ".join(rng.choices(WORDS, weights, k=rng.randint(4, 12)))
+        parts.append(words[0].upper() + words[1:] + rng.choice([". ", ". ", "? ", ", "]))
+    return "".join(parts)[:n_chars]
+
+
+def hf_train(lr: float, seed: int, steps: int = 60, seq: int = 64) -> tuple[list[Any], list[Any]]:
+    """A real ``transformers.Trainer`` on a tiny random-init GPT-2 over :func:`word_corpus` (character-level,
+    nothing downloaded): AdamW at a constant ``lr`` with no warm-up and the Trainer's default clip 1.0. Returns
+    the monitor's records and the anomalies it reported."""
+    import tempfile
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from stabmon.integrations.hf import StabmonCallback
+    from stabmon.monitor import MonitorConfig
+
+    torch.set_num_threads(THREADS)
+    text = word_corpus(100_000, seed)
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text])
+    starts = torch.randint(0, len(data) - seq, (steps * 16,), generator=torch.Generator().manual_seed(seed))
+    rows = [{"input_ids": data[s:s + seq], "labels": data[s:s + seq].clone()} for s in starts.tolist()]
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(chars), n_positions=seq, n_embd=48, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))
+    events = Events()
+    callback = StabmonCallback(store=None, runbook=None, mode="observe", notifier=events,
+                               detectors={"step_time": {"enabled": False}},
+                               config=MonitorConfig(flush_every=10, hang_timeout=None))
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=16, learning_rate=lr,
+                                 lr_scheduler_type="constant", warmup_steps=0, logging_steps=10**6,
+                                 save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=seed,
+                                 dataloader_num_workers=0)
+        Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback]).train()
+    return list(callback.monitor.records), events.anomalies
+
+
+def _median_loss(records: list[Any], last: int = 10) -> float:
+    return sorted(r.get(Metric.LOSS) for r in records[-last:])[last // 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [FIRST, FIRST + 1])
+def test_hf_trainer_at_lr_1e_1_opens_an_error_within_50_steps_and_its_healthy_twin_is_quiet(seed: int) -> None:
+    """Wrecked in its first steps, the run still learns the character frequencies (its loss falls 28%, so
+    "not learning by step 100" would pass it) and then sits there with a dead gradient: the ``no_progress``
+    stall judgement reports it, whether or not the first steps' blow-up crossed the ceiling."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    records, anomalies = hf_train(0.1, seed)
+    healthy, quiet = hf_train(1e-3, seed)
+    first = records[0].get(Metric.LOSS)
+    assert _median_loss(records) < 0.9 * first  # it learned something: more than no_progress's 10%
+    assert _median_loss(records) > 1.1 * _median_loss(healthy)  # and it is damaged
+    errors = [a for a in anomalies if a.severity >= Severity.ERROR]
+    assert errors and errors[0].step <= 50, anomalies  # the damage is done from step 1
+    stalled = [a for a in errors if a.kind == "no_progress" and "stopped falling" in a.message]
+    assert stalled and stalled[0].step <= 50 and stalled[0].score >= stalled[0].threshold, errors
+    assert not [a for a in quiet if a.severity >= Severity.WARNING], quiet

@@ -33,6 +33,7 @@ positive: Check = (lambda v: v > 0, "must be > 0")
 non_negative: Check = (lambda v: v >= 0, "must be >= 0")
 at_least_one: Check = (lambda v: v >= 1, "must be >= 1")
 at_least_two: Check = (lambda v: v >= 2, "must be >= 2")
+above_one: Check = (lambda v: v > 1.0, "must be > 1")
 any_value: Check = (lambda v: True, "")
 non_empty: Check = (lambda v: len(v) > 0, "must not be empty")
 

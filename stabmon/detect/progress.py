@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -18,8 +19,19 @@ from typing import Any
 
 from stabmon.detect import window
 from stabmon.detect.base import Detector, X
-from stabmon.detect.config import DetectorConfig, at_least_one, non_empty, open_unit, param, positive
+from stabmon.detect.config import (
+    DetectorConfig,
+    above_one,
+    at_least_one,
+    non_empty,
+    open_unit,
+    param,
+    positive,
+)
 from stabmon.events import Anomaly, Metric, Severity
+
+_STALL_MIN_VALUES = 3
+"""Values each window of the stall judgement needs (a log every 5+ steps is too sparse to call a stall)."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +185,12 @@ class NoProgressConfig(DetectorConfig):
                            "before by_step: the model is worse than untrained")
     min_first: float = param(1.0, positive, "smallest first loss the ceiling judges against (an untrained "
                              "model's cross-entropy is ln(vocabulary size); smaller: no untrained model)")
+    grad_metric: str = param(Metric.GRAD_NORM, non_empty, "gradient norm whose collapse, with a loss that has "
+                             "stopped falling, means the run is stuck before by_step")
+    grad_fall: float = param(7.0, above_one, "fall of the gradient norm (the median of its first window over the "
+                             "median of the last window) that counts as collapsed")
+    stall: float = param(0.01, open_unit, "relative fall of the loss's rolling median over its previous "
+                         "window below which the loss has stopped falling")
 
 
 class NoProgress(Detector):
@@ -193,6 +211,19 @@ class NoProgress(Detector):
       Only for a likelihood: the first loss must be at least ``min_first`` (1 nat; an untrained model over
       10+ tokens starts at 2.3 or more) and the loss must never have been zero or negative. An RL objective
       (DeepSpeed-Chat's actor loss: 0.21 at step 0, then -0.3..2.2) has no "untrained" level to exceed.
+    - **stalled**: before ``by_step``, the loss has stopped falling (its median over the last ``window`` steps
+      is less than ``stall``, 1%, below the median of the ``window`` steps before) *and* the gradient norm has
+      collapsed (the median of its first ``window`` values is ``grad_fall``, 7x, or more the median of the
+      last ``window``). A model wrecked in its first steps that still learns a little - the token frequencies,
+      which can take the loss 28% below the untrained one - sits on that plateau with a dead gradient: a
+      Hugging Face ``Trainer`` on a tiny GPT-2 at LR 1e-1 (no warm-up, clip 1.0) reaches it within 15 steps,
+      its gradient norm falls 8.8-32x below its first values while the loss moves less than 1%, and it is
+      reported at step 29-44 on each of 20 runs (seeds 1-8 with a linear decay, 21-32 constant), including
+      those whose blow-up stayed under the ceiling. Its healthy twins (LR 3e-4 to 3e-3) keep a stalled
+      gradient within 3.8x of the first one (5.2x at LR 1e-2), and the llm.c GPT-2 124M run, whose gradient
+      falls 10x during its warm-up, keeps its loss falling 2.5% or more per 10 steps until step 100. Either
+      condition alone is common in healthy runs; both together, that early, are not.
+      Reported once per timeline; silent without a gradient norm or where a window holds fewer than 3 values.
     - **not learning**: by training step ``by_step``, the rolling median of the loss is still within
       ``min_drop`` of where it started: the smaller of the first loss and the median of the first
       ``window`` losses (a blow-up in the first steps must not raise the bar a damaged run is judged
@@ -216,6 +247,11 @@ class NoProgress(Detector):
     >>> d = NoProgress("loss")   # learned (2.7 -> 1.8), then an LR jump at step 60: a spike, not no-progress
     >>> [d.update(s, {"loss": 40.0 if s == 60 else max(1.8, 2.7 - 0.03 * s)}) for s in range(80)].count(None)
     80
+    >>> d = NoProgress("loss")   # down 30% to a plateau by step 15, the gradient dead: stalled
+    >>> found = [d.update(s, {"loss": max(3.8 - 0.1 * s, 2.7), "grad_norm": 3.0 if s < 15 else 0.1})
+    ...          for s in range(120)]
+    >>> [(a.step, round(a.score), a.threshold) for a in found if a]   # the gradient fell 30x (7x counts)
+    [(26, 30, 7.0)]
     """
 
     name = "no_progress"
@@ -224,7 +260,8 @@ class NoProgress(Detector):
     config: NoProgressConfig
     grace_exempt = "it judges the warm-up itself"
     learns_flagged = "its rolling median must see every loss, flagged or not"
-    _state_attrs = ("_first", "_recent", "_judged", "_start", "_over", "_likelihood", "_last_step", "_learned")
+    _state_attrs = ("_first", "_recent", "_judged", "_start", "_over", "_likelihood", "_last_step", "_learned",
+                    "_first_grads", "_history", "_stall_reported")
 
     def _reset(self) -> None:
         self._first: list[tuple[int, float]] = []
@@ -237,6 +274,11 @@ class NoProgress(Detector):
         self._learned = False  # the run has made progress: its rolling median fell min_drop below the first loss
         self._last_step = -1
         self._verdict = ""  # which judgement the anomaly being reported is (for its message)
+        self._first_grads: list[float] = []  # the gradient norms of the first ``window`` training steps
+        # (step, loss, gradient norm or None) of the last 2 x ``window`` training steps: the stall judgement
+        self._history: deque[tuple[int, float, float | None]] = deque()
+        self._stall_reported = False
+        self._stall_fall = 0.0  # the loss's fall over the last window when the stall was reported (its message)
 
     def update(self, step: int, x: X) -> Anomaly | None:
         v = self._value(x)
@@ -246,12 +288,16 @@ class NoProgress(Detector):
             self._start = step
         if self._start >= self.config.window:
             return None  # a stream cut from the middle of a run: its start is not ours to judge
-        if step <= self._last_step:
-            self._over = False  # a rollback: a new timeline
+        if step <= self._last_step:  # a rollback: a new timeline
+            self._over, self._stall_reported = False, False
+            self._history.clear()
             self._learned = self._learned and step >= self.config.window  # back to the start: prove it again
         self._last_step = step
+        grad = self._grad(x)
         if step < self._start + self.config.window and len(self._first) < self.config.window:
             self._first.append((step, v))
+            if grad is not None:
+                self._first_grads.append(grad)
         recent = self._recent
         while recent and recent[0][0] <= step - self.config.window:
             recent.popleft()
@@ -259,10 +305,11 @@ class NoProgress(Detector):
         self._evidence.append((step, v))
         self.n_learned += 1
         if step < self.config.by_step:
-            found = None if self._learned else self._above_ceiling(step, v)
+            ceiling = None if self._learned else self._above_ceiling(step, v)
             self._learned = self._learned or self._score(v, x) < self.threshold
+            stalled = self._stalled(step, v, grad)
             self._judged = False  # back before by_step (a rollback): judge again when it is passed
-            return found
+            return ceiling or stalled
         if self._judged:
             return None
         self._judged = True
@@ -286,10 +333,37 @@ class NoProgress(Detector):
         self._over = True
         return self._report(step, v, ratio, "above_ceiling")
 
-    def _report(self, step: int, v: float, score: float, verdict: str) -> Anomaly:
+    def _grad(self, x: X) -> float | None:
+        g = x.get(self.config.grad_metric)
+        return float(g) if g is not None and math.isfinite(g) and g > 0 else None
+
+    def _stalled(self, step: int, v: float, grad: float | None) -> Anomaly | None:
+        """The loss has stopped falling and the gradient has collapsed, long before ``by_step``."""
+        w = self.config.window
+        history = self._history
+        while history and history[0][0] <= step - 2 * w:
+            history.popleft()
+        history.append((step, v, grad))
+        if self._stall_reported or not self._likelihood or not self._first_grads:
+            return None
+        last = [(loss, g) for s, loss, g in history if s > step - w]
+        before = [loss for s, loss, _ in history if s <= step - w]
+        grads = [g for _, g in last if g is not None]
+        if min(len(before), len(last), len(grads)) < _STALL_MIN_VALUES:
+            return None  # too few values in one of the windows (a sparse log) to call a stall
+        fall = 1.0 - statistics.median(loss for loss, _ in last) / statistics.median(before)
+        collapse = statistics.median(self._first_grads) / statistics.median(grads)
+        if fall >= self.config.stall or collapse < self.config.grad_fall:
+            return None
+        self._stall_reported = True
+        self._stall_fall = fall
+        return self._report(step, v, collapse, "stalled", threshold=self.config.grad_fall)
+
+    def _report(self, step: int, v: float, score: float, verdict: str, threshold: float | None = None) -> Anomaly:
         self._verdict = verdict
         anomaly = self._flag(step, v, score)
-        return dataclasses.replace(anomaly, evidence=(self._first[0], *anomaly.evidence))
+        return dataclasses.replace(anomaly, evidence=(self._first[0], *anomaly.evidence),
+                                   threshold=anomaly.threshold if threshold is None else threshold)
 
     def _learn(self, v: float, x: X) -> None:
         self._recent.append((self.n_learned, v))
@@ -308,6 +382,11 @@ class NoProgress(Detector):
         return Severity.ERROR
 
     def _message(self, v: float | None, score: float) -> str:
+        if self._verdict == "stalled":
+            return (f"{self.metric} has stopped falling ({-self._stall_fall:+.1%} over {self.config.window} steps) "
+                    f"and {self.config.grad_metric} has collapsed to 1/{score:.0f} of its first values "
+                    f"(collapse 1/{self.config.grad_fall:.0f}): the run is stuck, likely wrecked in its first "
+                    f"steps (a model that only predicts token frequencies)")
         if self._verdict == "above_ceiling":
             return (f"{self.metric} is {score - 1:.0%} above its first value {self._first[0][1]:.4g} (ceiling "
                     f"{self.config.ceiling:.0%}): the model is worse than untrained")
