@@ -239,3 +239,25 @@ def test_eval_reads_labelled_text_logs_with_pattern(tmp_path: Path) -> None:
     assert code == 0 and incident["error"] is None and incident["detected"], out
     code, out = invoke("eval", "--labels", str(labels), "--pattern", r"it=(\d+)")
     assert code == 1 and "no (?P<step>...) group" in out and out.strip().count("\n") == 0, out
+
+
+def test_tune_reads_labelled_text_logs_with_pattern(tmp_path: Path) -> None:
+    """tune takes --pattern as eval does: without it the unknown format leaves no run to tune on."""
+    for name, jump in (("a.log", 300), ("b.log", 200)):
+        lines = [f"it={i} | lm={2.0 + (30.0 if jump <= i < jump + 5 else 0.0):.4f}" for i in range(400)]
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    labels = tmp_path / "LABELS.csv"
+    labels.write_text("file,step_start,step_end,kind,label_source,note\n"
+                      "a.log,300,305,loss_spike,author,x\nb.log,200,205,loss_spike,author,x\n")
+    space = tmp_path / "space.yaml"
+    space.write_text("spike.z_threshold: [6.0, 8.0]\n")
+    out_file = tmp_path / "tuned.yaml"
+    base = ("tune", "--labels", str(labels), "--out", str(out_file), "--space", str(space), "--json")
+    code, out = invoke(*base)
+    assert code == 1 and "no labelled run could be imported" in out, out
+    code, out = invoke(*base, "--pattern", r"it=(?P<step>\d+) \| lm=(?P<loss>\S+)")
+    assert code == 0, out
+    result = json.loads(out)
+    assert result["metrics"]["recall"] == 1.0 and result["held_out"]["detected"] == 2, result
+    code, out = invoke(*base, "--pattern", r"it=(\d+)")
+    assert code == 1 and "no (?P<step>...) group" in out and out.strip().count("\n") == 0, out

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from stabmon.cli._common import fail, print_json
+from stabmon.cli.importing import PatternOption
 from stabmon.replay.progress import progress_bar, wanted
 
 
@@ -31,6 +32,7 @@ def tune_command(
         str | None, typer.Option("--runbook", help="Runbook to replay with (default: none).")
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    patterns: PatternOption = None,
 ) -> None:
     """Search detector parameters (grid or random, in parallel), objective recall and lead time penalised by
     false alarms, cross-validated over runs; write the winner as a file a runbook can `include:`."""
@@ -61,6 +63,7 @@ def tune_command(
                 jobs=jobs,
                 runbook=runbook,
                 progress=advance,
+                patterns=tuple(patterns or ()),
             )
     except (ValueError, OSError) as exc:
         fail(str(exc).splitlines()[0])

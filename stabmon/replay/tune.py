@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from stabmon.replay.eval import RunAlerts, _spawn, alerts_for, default_factory, score
+from stabmon.replay.importers.pattern import compile_patterns
 from stabmon.replay.importers.sniff import import_files
 from stabmon.replay.labels import Label, read_labels, run_files
 
@@ -97,9 +98,12 @@ class LabelledRun:
     labels: list[Label]
 
 
-def load_runs(labels_path: str | Path) -> list[LabelledRun]:
-    """Every run with at least one numeric or control label, imported (segments stitched), in name order."""
+def load_runs(labels_path: str | Path, patterns: Sequence[str] = ()) -> list[LabelledRun]:
+    """Every run with at least one numeric or control label, imported (segments stitched), in name order;
+    with ``patterns`` every file is read as a text log with them (``importers/pattern.py``)."""
     labels_path = Path(labels_path)
+    if patterns:
+        compile_patterns(patterns)  # a bad pattern is one error here, not every run silently left out
     runs: dict[str, LabelledRun] = {}
     for lb in read_labels(labels_path):
         name, files = run_files(lb, labels_path.parent)
@@ -107,7 +111,7 @@ def load_runs(labels_path: str | Path) -> list[LabelledRun]:
             continue
         if name not in runs:
             try:
-                imported = import_files(files)
+                imported = import_files(files, format="pattern" if patterns else None, patterns=patterns)
             except Exception:  # noqa: BLE001 - a run no importer reads is left out of tuning
                 continue
             runs[name] = LabelledRun(name, imported.records, imported.restarts, [])
@@ -131,9 +135,9 @@ def metrics_for(runs: Sequence[LabelledRun], alerts: Mapping[str, RunAlerts]) ->
 _RUNS: list[LabelledRun] = []
 
 
-def _init_worker(labels_path: str) -> None:
+def _init_worker(labels_path: str, patterns: Sequence[str]) -> None:
     global _RUNS
-    _RUNS = load_runs(labels_path)
+    _RUNS = load_runs(labels_path, patterns)
 
 
 def _candidate_alerts(
@@ -179,6 +183,7 @@ def tune(
     runbook: Any = None,
     score_fn: Callable[[Mapping[str, Any]], float] = objective,
     progress: Callable[[int], None] | None = None,
+    patterns: Sequence[str] = (),
 ) -> TuneResult:
     """Search, cross-validate and pick the winner; see the module docstring."""
     space = validate_space(space if space is not None else DEFAULT_SPACE)
@@ -187,14 +192,14 @@ def tune(
     if jobs < 1:
         raise ValueError(f"tune.jobs must be >= 1, got {jobs}")
     candidates = random_candidates(space, n_random, seed=seed) if n_random else grid(space)
-    runs = load_runs(labels_path)
+    runs = load_runs(labels_path, patterns)
     if not runs:
         raise ValueError(f"{labels_path}: no labelled run could be imported")
     per_candidate: list[dict[str, RunAlerts]] = []
     if jobs > 1:
-        with ProcessPoolExecutor(
-            max_workers=jobs, mp_context=_spawn(), initializer=_init_worker, initargs=(str(labels_path),)
-        ) as pool:
+        init = (str(labels_path), tuple(patterns))
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=_spawn(), initializer=_init_worker,
+                                 initargs=init) as pool:
             for res in pool.map(functools.partial(_candidate_alerts, runbook=runbook), candidates):
                 per_candidate.append(res)
                 if progress:
