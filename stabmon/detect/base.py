@@ -100,6 +100,9 @@ class Detector:
         self._warming = False
         self._grace_entered = False
         self._streak = 0
+        #: the step from which :meth:`update` takes its common case: set once the detector has passed warm-up
+        #: and grace with no flagged streak running; unset (infinite) by a flag, a grace period or a reload
+        self._settled_from: float = _INF
         self.n_learned = 0
         self._reset()
         self._threshold = float(self.threshold)  # config is frozen: the threshold never changes
@@ -189,6 +192,7 @@ class Detector:
         self._grace_left = self.config.grace_period if steps is None else int(steps)
         self._grace_entered = True
         self._streak = 0
+        self._settled_from = _INF
 
     def _rebaseline(self) -> None:
         """Forget the statistics and learn a new baseline, in grace (a shift that has lasted is a new regime)."""
@@ -219,14 +223,28 @@ class Detector:
 
         The per-record hot path: the value is computed once (by :meth:`_observe`), shared by scoring and
         learning, and the evidence window is only copied into a tuple when a point is flagged."""
-        warmup = self._warmup_until
-        if warmup is None:
-            warmup = self._begin(step)
         raw = x.get(self.metric)
         if raw is not None and self._fills_evidence:
             self._evidence.append((step, raw))
+        if step >= self._settled_from:  # the common case: past warm-up and grace, no flagged streak running
+            score = self._observe(raw, x, True)
+            if score is None:
+                return None
+            if score < self._threshold:  # not flagged (a flag, or a NaN, takes the general path below)
+                self.n_learned += 1
+                return None
+            return self._judge(step, raw, score)
+        warmup = self._warmup_until
+        if warmup is None:
+            warmup = self._begin(step)
         warming = self._warming = step < warmup
-        score = self._observe(raw, x, not warming and self._grace_left <= 0)
+        found = self._judge(step, raw, self._observe(raw, x, not warming and self._grace_left <= 0))
+        if found is None and not warming and self._grace_left <= 0:
+            self._settled_from = warmup  # settled: later records of steps from warmup on take the common case
+        return found
+
+    def _judge(self, step: int, raw: float | None, score: float | None) -> Anomaly | None:
+        """Report the point if its score flags it, else count it as learned (None: nothing was observed)."""
         if score is None:
             self._streak = 0
             return None
@@ -241,6 +259,7 @@ class Detector:
     def _flag(self, step: int, raw: float | None, score: float) -> Anomaly:
         """Report a flagged point (not learned: the protect filter)."""
         self._streak += 1
+        self._settled_from = _INF
         anomaly = Anomaly(
             kind=self.kind,
             metric=self.metric,
@@ -286,6 +305,7 @@ class Detector:
         self._grace_entered = bool(state.get("grace_entered", False))
         self._warming = bool(state.get("warming", False))
         self._streak = int(state["streak"])
+        self._settled_from = _INF
         self.n_learned = int(state["n_learned"])
         evidence = [(int(s), float(v)) for s, v in state["evidence"]]
         if self._fills_evidence:
@@ -304,9 +324,14 @@ class Detector:
         """An independent copy; one of a suite's detectors gets its own evidence window, which it fills."""
         twin = copy.deepcopy(self)
         if not self._fills_evidence:
-            twin._fills_evidence = True
-            twin._evidence = deque(self._recent_evidence(), maxlen=self.config.evidence)
+            twin.keep_evidence(self._recent_evidence())
         return twin
+
+    def keep_evidence(self, pairs: Iterable[tuple[int, float]]) -> None:
+        """Keep (and fill) an evidence window of its own, starting with ``pairs``: for a detector taken out of
+        the suite that shared its metric's window."""
+        self._fills_evidence = True
+        self._evidence = deque(pairs, maxlen=self.config.evidence)
 
     # --- contract examples (used by the contract test suite and the docs) -----------------------------------
     @classmethod
