@@ -9,7 +9,8 @@ A detector watches one metric (``self.metric``) of the metric mapping ``x`` of e
 
 :meth:`Detector.update` is the public method the suite calls once per record, and the one update path of every
 detector. It owns the bookkeeping that every detector shares: the evidence window of recent ``(step, value)``
-pairs, the grace period, the *protect filter* (a point whose score reaches the threshold is reported and NOT
+pairs (one window per metric when a suite shares it among the detectors of that metric, see
+``evidence=``), the grace period, the *protect filter* (a point whose score reaches the threshold is reported and NOT
 learned, so a spike never becomes the new baseline, as in river's ``anomaly.ThresholdFilter``) and the count of
 consecutive flagged points that drives severity. Subclasses implement ``_value``, ``_score``, ``_learn``,
 ``_severity`` and ``_message``, and list their statistics in ``_state_attrs`` for ``state_dict``.
@@ -23,11 +24,12 @@ and the default give the same anomalies and the same state.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import pickle
 import types
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any, ClassVar
 
@@ -64,6 +66,9 @@ class Detector:
     #: why (if at all) this detector learns the points it flags: a rolling window that must hold every value
     #: (the progress detectors compare the loss with its own history) cannot protect its baseline.
     learns_flagged: ClassVar[str] = ""
+    #: whether this detector's evidence is the metric's recent ``(step, raw value)`` pairs, which a suite keeps
+    #: once per metric for all its detectors (``evidence=``); False for one that keeps other pairs
+    shares_evidence: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Give each detector class its own copy of the code of :meth:`update` and of the ``_observe`` it
@@ -78,10 +83,16 @@ class Detector:
         if "_observe" not in cls.__dict__:
             cls._observe = _own_copy(cls._observe)  # type: ignore[method-assign]
 
-    def __init__(self, metric: str, config: Any = None) -> None:
+    def __init__(self, metric: str, config: Any = None, *, evidence: deque[tuple[int, float]] | None = None) -> None:
+        """``evidence``: the metric's ``(step, raw value)`` window, shared with the other detectors of the metric
+        and filled by the caller once per record that has the metric (a :class:`~stabmon.detect.DetectorSuite`
+        does), at least ``config.evidence`` long; None: the detector keeps and fills its own."""
         self.metric = metric
         self.config = config if config is not None else self.Config()
-        self._evidence: deque[tuple[int, float]] = deque(maxlen=self.config.evidence)
+        self._fills_evidence = evidence is None
+        self._evidence: deque[tuple[int, float]] = (
+            deque(maxlen=self.config.evidence) if evidence is None else evidence
+        )
         self._grace_left = self.config.grace_period
         #: the training step from which a detector that starts with the run scores (set by the first
         #: :meth:`update`; None until then); see :meth:`_begin`
@@ -89,6 +100,9 @@ class Detector:
         self._warming = False
         self._grace_entered = False
         self._streak = 0
+        #: the step from which :meth:`update` takes its common case: set once the detector has passed warm-up
+        #: and grace with no flagged streak running; unset (infinite) by a flag, a grace period or a reload
+        self._settled_from: float = _INF
         self.n_learned = 0
         self._reset()
         self._threshold = float(self.threshold)  # config is frozen: the threshold never changes
@@ -178,6 +192,7 @@ class Detector:
         self._grace_left = self.config.grace_period if steps is None else int(steps)
         self._grace_entered = True
         self._streak = 0
+        self._settled_from = _INF
 
     def _rebaseline(self) -> None:
         """Forget the statistics and learn a new baseline, in grace (a shift that has lasted is a new regime)."""
@@ -208,14 +223,28 @@ class Detector:
 
         The per-record hot path: the value is computed once (by :meth:`_observe`), shared by scoring and
         learning, and the evidence window is only copied into a tuple when a point is flagged."""
+        raw = x.get(self.metric)
+        if raw is not None and self._fills_evidence:
+            self._evidence.append((step, raw))
+        if step >= self._settled_from:  # the common case: past warm-up and grace, no flagged streak running
+            score = self._observe(raw, x, True)
+            if score is None:
+                return None
+            if score < self._threshold:  # not flagged (a flag, or a NaN, takes the general path below)
+                self.n_learned += 1
+                return None
+            return self._judge(step, raw, score)
         warmup = self._warmup_until
         if warmup is None:
             warmup = self._begin(step)
-        raw = x.get(self.metric)
-        if raw is not None:
-            self._evidence.append((step, raw))
         warming = self._warming = step < warmup
-        score = self._observe(raw, x, not warming and self._grace_left <= 0)
+        found = self._judge(step, raw, self._observe(raw, x, not warming and self._grace_left <= 0))
+        if found is None and not warming and self._grace_left <= 0:
+            self._settled_from = warmup  # settled: later records of steps from warmup on take the common case
+        return found
+
+    def _judge(self, step: int, raw: float | None, score: float | None) -> Anomaly | None:
+        """Report the point if its score flags it, else count it as learned (None: nothing was observed)."""
         if score is None:
             self._streak = 0
             return None
@@ -230,6 +259,7 @@ class Detector:
     def _flag(self, step: int, raw: float | None, score: float) -> Anomaly:
         """Report a flagged point (not learned: the protect filter)."""
         self._streak += 1
+        self._settled_from = _INF
         anomaly = Anomaly(
             kind=self.kind,
             metric=self.metric,
@@ -237,12 +267,17 @@ class Detector:
             score=float(score),
             severity=self._severity(score, self._streak),
             detector=self.name,
-            evidence=tuple((s, float(v)) for s, v in self._evidence),
+            evidence=tuple((s, float(v)) for s, v in self._recent_evidence()),
             threshold=self._threshold,
             message=self._message(None if raw is None else float(raw), score),
         )
         self._on_flag()
         return anomaly
+
+    def _recent_evidence(self) -> Iterable[tuple[int, float]]:
+        """The last ``config.evidence`` pairs of the evidence window (a shared one may be longer)."""
+        window = self._evidence
+        return itertools.islice(window, max(0, len(window) - self.config.evidence), None)
 
     # --- state ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -256,7 +291,7 @@ class Detector:
             "grace_entered": self._grace_entered,
             "streak": self._streak,
             "n_learned": self.n_learned,
-            "evidence": [list(e) for e in self._evidence],
+            "evidence": [list(e) for e in self._recent_evidence()],
             "stats": {a: pickle.dumps(getattr(self, a)) for a in self._state_attrs},
         }
 
@@ -270,9 +305,14 @@ class Detector:
         self._grace_entered = bool(state.get("grace_entered", False))
         self._warming = bool(state.get("warming", False))
         self._streak = int(state["streak"])
+        self._settled_from = _INF
         self.n_learned = int(state["n_learned"])
-        evidence = ((int(s), float(v)) for s, v in state["evidence"])
-        self._evidence = deque(evidence, maxlen=self._evidence.maxlen)
+        evidence = [(int(s), float(v)) for s, v in state["evidence"]]
+        if self._fills_evidence:
+            self._evidence = deque(evidence, maxlen=self._evidence.maxlen)
+        elif len(evidence) > len(self._evidence):  # shared: every detector of the metric saved a part of it
+            self._evidence.clear()
+            self._evidence.extend(evidence)
         for a, blob in state["stats"].items():
             setattr(self, a, pickle.loads(blob))
 
@@ -281,7 +321,17 @@ class Detector:
         return Detector.update(self, step, x)
 
     def clone(self) -> Detector:
-        return copy.deepcopy(self)
+        """An independent copy; one of a suite's detectors gets its own evidence window, which it fills."""
+        twin = copy.deepcopy(self)
+        if not self._fills_evidence:
+            twin.keep_evidence(self._recent_evidence())
+        return twin
+
+    def keep_evidence(self, pairs: Iterable[tuple[int, float]]) -> None:
+        """Keep (and fill) an evidence window of its own, starting with ``pairs``: for a detector taken out of
+        the suite that shared its metric's window."""
+        self._fills_evidence = True
+        self._evidence = deque(pairs, maxlen=self.config.evidence)
 
     # --- contract examples (used by the contract test suite and the docs) -----------------------------------
     @classmethod

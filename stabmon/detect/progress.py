@@ -102,7 +102,7 @@ class LossRegression(Detector):
             self._since, self._above_since, self._reported = None, None, False
         self._last_step = step
         raw = x.get(self.metric)
-        if raw is not None:
+        if raw is not None and self._fills_evidence:
             self._evidence.append((step, raw))
         v = self._value(x)
         if v is None or not self._positive:
@@ -260,6 +260,7 @@ class NoProgress(Detector):
     config: NoProgressConfig
     grace_exempt = "it judges the warm-up itself"
     learns_flagged = "its rolling median must see every loss, flagged or not"
+    shares_evidence = False  # its evidence holds the finite losses it judged, not every raw value
     _state_attrs = ("_first", "_recent", "_judged", "_start", "_over", "_likelihood", "_last_step", "_learned",
                     "_first_grads", "_history", "_stall_reported")
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from stabmon.detect.base import Detector, X
@@ -21,9 +23,18 @@ DETECTORS: dict[str, type[Detector]] = {
 }
 ROOT = "detectors"
 _Update = Callable[[int, X], "Anomaly | None"]  # a detector's bound update method
+_Window = deque[tuple[int, float]]  # a metric's recent (step, raw value) pairs: the evidence of its detectors
 _MAX_PLANS = 256  # distinct metric-name sets remembered (a stream rarely has more than a handful)
 _LEAD = ("spike", Metric.GRAD_NORM)  # corroboration: a grad-norm spike, then
 _FOLLOW = ("spike", Metric.LOSS)  # a loss spike within ``spike.corroborate_within`` steps: an error
+
+
+@dataclass
+class _Plan:
+    """What a record with a given set of metric names goes through."""
+
+    windows: list[tuple[str, _Window]]  # the evidence windows of its metrics, filled before the detectors run
+    updates: list[_Update]  # the bound ``update`` methods of the detectors that watch it
 
 
 def _is_glob(pattern: str) -> bool:
@@ -76,10 +87,14 @@ class DetectorSuite:
         self._detectors: dict[tuple[str, str], Detector] = {}
         self._patterns: dict[str, list[str]] = {}
         self._seen: set[str] = set()
-        # metric-name set of a record -> the bound ``update`` methods of the detectors that must see it; built
+        # metric-name set of a record -> the evidence windows to fill and the detectors that must see it; built
         # once per new set of names, so the per-record path does no glob matching, no membership tests and no
         # method lookups per detector
-        self._plans: dict[tuple[str, ...], list[_Update]] = {}
+        self._plans: dict[tuple[str, ...], _Plan] = {}
+        # metric -> its (step, raw value) window, shared by the detectors of the metric (one append per record
+        # instead of one per detector); as long as the longest evidence any detector reports
+        self._windows: dict[str, _Window] = {}
+        self._window_len = max((c.evidence for c in self.configs.values() if c.enabled), default=1)
         self._lead_step: int | None = None  # the step of the last grad-norm spike (corroboration)
         spike = self.configs.get("spike")
         self._corroborate_within = spike.corroborate_within if spike is not None else 0
@@ -101,7 +116,13 @@ class DetectorSuite:
         return cls(parse_config(raw))
 
     def _add(self, name: str, metric: str) -> Detector:
-        det = DETECTORS[name](metric, self.configs[name])
+        cls = DETECTORS[name]
+        window = None
+        if cls.shares_evidence:
+            window = self._windows.get(metric)
+            if window is None:
+                window = self._windows[metric] = deque(maxlen=self._window_len)
+        det = cls(metric, self.configs[name], evidence=window)
         self._detectors[(name, metric)] = det
         self._plans = {}
         return det
@@ -120,10 +141,13 @@ class DetectorSuite:
     def detectors(self) -> list[Detector]:
         return list(self._detectors.values())
 
-    def _plan(self, names: tuple[str, ...]) -> list[_Update]:
+    def _plan(self, names: tuple[str, ...]) -> _Plan:
         self._discover(names)
         present = set(names)
-        plan: list[_Update] = [d.update for d in self._detectors.values() if d.watches(present)]
+        plan = _Plan(
+            windows=[(metric, window) for metric, window in self._windows.items() if metric in present],
+            updates=[d.update for d in self._detectors.values() if d.watches(present)],
+        )
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[names] = plan
@@ -138,8 +162,10 @@ class DetectorSuite:
         if plan is None:
             plan = self._plan(names)
         step = record.step
+        for metric, window in plan.windows:
+            window.append((step, metrics[metric]))
         best: dict[tuple[str, str], Anomaly] | None = None
-        for update in plan:
+        for update in plan.updates:
             found = update(step, metrics)
             if found is None:
                 continue
