@@ -177,7 +177,7 @@ class Engine:
 
     # -- idle: does a rule fire? --
     def _maybe_open(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
-        if not anomalies and not any(self._history.values()):
+        if not anomalies and not self._history:
             return []  # the idle path: nothing new, nothing remembered to expire
         fresh: dict[str, Anomaly] = {}
         for a in anomalies:
@@ -190,16 +190,24 @@ class Engine:
             if best is None or a.severity > best.severity or (a.severity == best.severity and a.score >
             best.score):
                 fresh[rule.name] = a
-        for rule in self.runbook.rules:
-            hist = self._history.get(rule.name, [])
-            horizon = self._tick - rule.when.persistence.of
-            self._history[rule.name] = [h for h in hist if h.tick > horizon]
+        self._history = self._within_horizons()
         if self._tick <= self._cooldown_until:
             return []
         for rule in self.runbook.rules:
             if rule.name in fresh and self._persistent(rule):
                 return self._open(rule, fresh[rule.name], record)
         return []
+
+    def _within_horizons(self) -> dict[str, list[Sighting]]:
+        """Each rule's sightings still within its persistence horizon; a rule with none is left out, so an
+        emptied history does not keep later records from the idle path."""
+        kept: dict[str, list[Sighting]] = {}
+        for rule in self.runbook.rules:
+            horizon = self._tick - rule.when.persistence.of
+            recent = [h for h in self._history.get(rule.name, ()) if h.tick > horizon]
+            if recent:
+                kept[rule.name] = recent
+        return kept
 
     def _rule_for(self, anomaly: Anomaly) -> Rule | None:
         return next((r for r in self.runbook.rules if verdicts.opens_incidents(r) and r.when.matches(anomaly)),
