@@ -8,6 +8,7 @@ import math
 import pickle
 import random
 import types
+from collections import deque
 
 import pytest
 
@@ -220,3 +221,22 @@ def test_the_fast_observe_hook_equals_the_general_path(cls: type[Detector], seed
             general.enter_grace(steps)
         assert _strip(fast.update(step, x)) == _strip(general.update(step, x)), (step, x)
         assert fast.state_dict() == general.state_dict(), (step, x)
+
+
+@pytest.mark.parametrize("cls", [c for c in DETECTORS if c.skips_finite], ids=lambda c: c.name)
+@pytest.mark.parametrize("seed", range(4))
+def test_a_detector_that_skips_finite_values_reports_the_same_without_them(cls: type[Detector], seed: int) -> None:
+    """``skips_finite``: fed only the records whose value of its metric is not finite (what a suite does), the
+    detector reports what it reports when it sees every record, and nothing on the records it skipped. Both
+    share the metric's evidence window, filled on every record that has the metric, as in a suite."""
+    metric = cls.example()[0]
+    window: deque[tuple[int, float]] = deque(maxlen=cls.Config().evidence)
+    every, skipping = cls(metric, evidence=window), cls(metric, evidence=window)
+    for step, x in _random_stream(cls, seed):
+        if metric in x:
+            window.append((step, x[metric]))
+        found = _strip(every.update(step, x))
+        if metric in x and not math.isfinite(x[metric]):
+            assert _strip(skipping.update(step, x)) == found, (step, x)
+        else:
+            assert found is None, (step, x)

@@ -66,6 +66,10 @@ class Detector:
     #: why (if at all) this detector learns the points it flags: a rolling window that must hold every value
     #: (the progress detectors compare the loss with its own history) cannot protect its baseline.
     learns_flagged: ClassVar[str] = ""
+    #: why (if at all) this detector may skip the records whose value of its metric is finite: one such value
+    #: can neither flag it nor teach it anything that changes a later report, so a suite calls its
+    #: :meth:`update` only for a record whose value is not finite (the contract suite checks the claim)
+    skips_finite: ClassVar[str] = ""
     #: whether this detector's evidence is the metric's recent ``(step, raw value)`` pairs, which a suite keeps
     #: once per metric for all its detectors (``evidence=``); False for one that keeps other pairs
     shares_evidence: ClassVar[bool] = True

@@ -58,6 +58,7 @@ class NonFinite(Detector):
     Config = NonFiniteConfig
     config: NonFiniteConfig
     grace_exempt = "a non-finite loss is critical whenever it happens"
+    skips_finite = "a finite value scores 0 and there is nothing to learn"
 
     def _value(self, x: X) -> float | None:
         v = x.get(self.metric)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ class _Plan:
 
     windows: list[tuple[str, _Window]]  # the evidence windows of its metrics, filled before the detectors run
     updates: list[_Update]  # the bound ``update`` methods of the detectors that watch it
+    # the metrics whose detectors skip finite values (Detector.skips_finite), and the updates without those
+    # detectors: what a record whose values of these metrics are all finite goes through (the same order)
+    guarded: list[str]
+    finite_updates: list[_Update]
 
 
 def _is_glob(pattern: str) -> bool:
@@ -144,9 +149,12 @@ class DetectorSuite:
     def _plan(self, names: tuple[str, ...]) -> _Plan:
         self._discover(names)
         present = set(names)
+        watching = [d for d in self._detectors.values() if d.watches(present)]
         plan = _Plan(
             windows=[(metric, window) for metric, window in self._windows.items() if metric in present],
-            updates=[d.update for d in self._detectors.values() if d.watches(present)],
+            updates=[d.update for d in watching],
+            guarded=sorted({d.metric for d in watching if d.skips_finite and d.metric in present}),
+            finite_updates=[d.update for d in watching if not (d.skips_finite and d.metric in present)],
         )
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
@@ -164,8 +172,13 @@ class DetectorSuite:
         step = record.step
         for metric, window in plan.windows:
             window.append((step, metrics[metric]))
+        updates = plan.finite_updates
+        for metric in plan.guarded:
+            if not math.isfinite(metrics[metric]):
+                updates = plan.updates
+                break
         best: dict[tuple[str, str], Anomaly] | None = None
-        for update in plan.updates:
+        for update in updates:
             found = update(step, metrics)
             if found is None:
                 continue
