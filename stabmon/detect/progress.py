@@ -102,27 +102,32 @@ class LossRegression(Detector):
             self._since, self._above_since, self._reported = None, None, False
         self._last_step = step
         raw = x.get(self.metric)
-        if raw is not None and self._fills_evidence:
-            self._evidence.append((step, raw))
-        v = self._value(x)
-        if v is None or not self._positive:
+        if raw is None:
             return None
+        if self._fills_evidence:
+            self._evidence.append((step, raw))
+        if not self._positive or not math.isfinite(raw):  # no usable value (see _value), or no likelihood
+            return None
+        v = float(raw)
         if v <= 0:
             self._positive = False
             return None
+        config = self.config
         self._push(step, v)
         self.n_learned += 1
         if self._since is None:
             self._since = step
-        if step - self._since < self.config.window - 1:
+        if step - self._since < config.window - 1:
             return None
         median = window.median(self._sorted)
-        if median <= self._best * (1 + self.config.rise):
-            self._best, self._above_since, self._reported = min(self._best, median), None, False
+        best = self._best
+        if median <= best * (1 + config.rise):
+            if median < best or self._above_since is not None or self._reported:
+                self._best, self._above_since, self._reported = min(best, median), None, False
             return None
         if self._above_since is None:
             self._above_since = step
-        if self._reported or step - self._above_since + 1 < self.config.patience:
+        if self._reported or step - self._above_since + 1 < config.patience:
             return None  # reported once per excursion, when it has lasted long enough
         self._reported = True
         return self._flag(step, raw, median / self._best)
@@ -294,18 +299,21 @@ class NoProgress(Detector):
             self._history.clear()
             self._learned = self._learned and step >= self.config.window  # back to the start: prove it again
         self._last_step = step
-        grad = self._grad(x)
-        if step < self._start + self.config.window and len(self._first) < self.config.window:
+        config = self.config
+        w = config.window
+        early = step < self._start + w  # the first window: its losses and gradient norms are the reference
+        grad = self._grad(x) if early or step < config.by_step else None  # past both: not needed
+        if early and len(self._first) < w:
             self._first.append((step, v))
             if grad is not None:
                 self._first_grads.append(grad)
         recent = self._recent
-        while recent and recent[0][0] <= step - self.config.window:
+        while recent and recent[0][0] <= step - w:
             recent.popleft()
         recent.append((step, v))
         self._evidence.append((step, v))
         self.n_learned += 1
-        if step < self.config.by_step:
+        if step < config.by_step:
             ceiling = None if self._learned else self._above_ceiling(step, v)
             self._learned = self._learned or self._score(v, x) < self.threshold
             stalled = self._stalled(step, v, grad)
