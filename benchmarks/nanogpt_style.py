@@ -14,25 +14,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_example() -> Any:
-    spec = importlib.util.spec_from_file_location("nanogpt_style", ROOT / "examples" / "nanogpt_style.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["nanogpt_style"] = module
-    spec.loader.exec_module(module)
-    return module
+from stabmon.cli.demo import load_example
 
 
 def timed(example: Any, args: list[str]) -> tuple[float, float]:
@@ -51,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=100)
     a = p.parse_args(argv)
-    example = load_example()
+    example = load_example("nanogpt_style")
     common = ["--max-iters", str(a.iters), "--seed", "1337"]
     for arm in (["--no-monitor"], []):  # warm-up: imports (stabmon's store, migrations), allocator
         timed(example, [*common, "--max-iters", "10", *arm])

@@ -28,22 +28,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import random
-import sys
 from functools import cache
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from stabmon.cli.demo import load_example
 from stabmon.detect import DetectorSuite
 from stabmon.events import Metric, Severity, StepRecord
 
-REPO = Path(__file__).resolve().parent.parent
 FIRST = int(os.environ.get("STABMON_TEST_SEED", "21"))
 THREADS = int(os.environ.get("STABMON_TEST_THREADS", "1"))
 # a shared CPU's step time measures the machine, not the run: left out of what must stay quiet here
@@ -52,12 +49,7 @@ QUIET = ["step_time.enabled=false"]
 
 @cache
 def scenarios() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("scenarios_blind", REPO / "examples" / "scenarios.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["scenarios_blind"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("scenarios")
 
 
 class Events:
