@@ -30,6 +30,7 @@ from stabmon.pipeline import DetectorSuiteLike, Pipeline
         ({"spike": {"grace_period": 2.5}}, "detectors.spike.grace_period must be an integer, got 2.5"),
         ({"spike": {"enabled": "maybe"}}, "detectors.spike.enabled must be true or false, got 'maybe'"),
         ({"drift": {"metrics": []}}, "detectors.drift.metrics must not be empty"),
+        ({"no_progress": {"grad_fall": 1}}, "detectors.no_progress.grad_fall must be > 1, got 1.0"),
         ({"nonfinite": {"metrics": [1]}}, "detectors.nonfinite.metrics must be a list of metric names"),
         ({"spike": 5}, "detectors.spike must be a mapping of settings, got 5"),
         ({"detectors": ["spike"]}, "detectors must be a mapping of detector names"),

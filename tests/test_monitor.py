@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from stabmon.collect.config import ActivationConfig, EmbeddingConfig, GradConfig, MonitorConfig
+from stabmon.collect.config import ActivationConfig, DiagnoseConfig, EmbeddingConfig, GradConfig, MonitorConfig
 from stabmon.events import Metric, StepRecord
 from stabmon.monitor import Monitor
 
@@ -669,6 +669,7 @@ def test_bad_input_is_one_line_naming_the_argument(tmp_path: Any) -> None:
         (dict(checkpoint_keep=0), "config.checkpoint_keep must be >= 1, got 0"),
         (dict(hang_timeout=0.0), "config.hang_timeout must be > 0 or None, got 0.0"),
         (dict(history=-1), "config.history must be >= 0, got -1"),
+        (dict(diagnose=DiagnoseConfig(timeout=0)), "config.diagnose.timeout must be > 0 seconds, got 0"),
     ],
 )
 def test_config_errors_name_the_dotted_path(kwargs: dict[str, Any], message: str) -> None:
