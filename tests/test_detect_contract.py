@@ -223,6 +223,41 @@ def test_the_fast_observe_hook_equals_the_general_path(cls: type[Detector], seed
         assert fast.state_dict() == general.state_dict(), (step, x)
 
 
+@pytest.mark.parametrize("cls", [c for c in DETECTORS if c.fast_update], ids=lambda c: c.name)
+@pytest.mark.parametrize("seed", range(4))
+def test_the_fast_update_equals_the_general_path(cls: type[Detector], seed: int) -> None:
+    """``fast_update``: a detector's own ``update`` gives the anomalies and the state that the general path
+    (:meth:`Detector.update`) gives, record by record, as a suite runs it (the metric's evidence window shared
+    and filled by the caller), through grace, re-entered grace and rewinds; and it does take its shortcut."""
+    assert cls.update.__code__.co_code != Detector.update.__code__.co_code, "its update is the general path"
+    metric = cls.example()[0]
+    windows = [deque(maxlen=cls.Config().evidence) for _ in range(2)]
+    fast, general = (cls(metric, evidence=window) for window in windows)
+    general.update = general._update_path  # type: ignore[method-assign]
+    general_calls = 0
+
+    def counted(step: int, x: dict[str, float]) -> Anomaly | None:
+        nonlocal general_calls
+        general_calls += 1
+        return type(fast)._update_path(fast, step, x)
+
+    fast._update_path = counted  # type: ignore[method-assign]
+    rng = random.Random(seed)
+    stream = _random_stream(cls, seed)
+    for step, x in stream:
+        if rng.random() < 0.02:
+            steps = rng.choice([None, 0, rng.randint(1, 20)])
+            fast.enter_grace(steps)
+            general.enter_grace(steps)
+        if metric in x:
+            for window in windows:
+                window.append((step, x[metric]))
+        assert _strip(fast.update(step, x)) == _strip(general.update(step, x)), (step, x)
+        assert fast.state_dict() == general.state_dict(), (step, x)
+    shortcuts = len(stream) - general_calls
+    assert shortcuts >= 40, f"the shortcut served only {shortcuts} records: the test checks too little"
+
+
 @pytest.mark.parametrize("cls", [c for c in DETECTORS if c.skips_finite], ids=lambda c: c.name)
 @pytest.mark.parametrize("seed", range(4))
 def test_a_detector_that_skips_finite_values_reports_the_same_without_them(cls: type[Detector], seed: int) -> None:

@@ -70,6 +70,10 @@ class Detector:
     #: can neither flag it nor teach it anything that changes a later report, so a suite calls its
     #: :meth:`update` only for a record whose value is not finite (the contract suite checks the claim)
     skips_finite: ClassVar[str] = ""
+    #: why (if at all) this class has an ``update`` of its own that takes the common case of a settled detector in
+    #: a suite inline (no call per statistic) and hands every other record to :meth:`_update_path`; it must
+    #: report, learn and keep exactly what the general path does (the contract suite checks the claim)
+    fast_update: ClassVar[str] = ""
     #: whether this detector's evidence is the metric's recent ``(step, raw value)`` pairs, which a suite keeps
     #: once per metric for all its detectors (``evidence=``); False for one that keeps other pairs
     shares_evidence: ClassVar[bool] = True
@@ -79,11 +83,12 @@ class Detector:
         inherits: CPython (3.11+) specialises attribute loads and calls per code object for one class at a
         time, so one copy shared by the dozen detectors of a suite runs about a fifth slower than a copy per
         class (``benchmarks/replay.py --clock cpu``). The code is the same; only its caches are per class. A
-        subclass that wraps ``update`` calls the general path as ``self._update_path``."""
+        subclass that wraps ``update``, or takes a shortcut in it, calls the general path as
+        ``self._update_path``."""
         super().__init_subclass__(**kwargs)
         cls._update_path = _own_copy(Detector.update)  # type: ignore[method-assign]
-        if "update" not in cls.__dict__:
-            cls.update = cls._update_path  # type: ignore[method-assign]
+        if "update" not in cls.__dict__:  # the general path, or a base class's fast path (``fast_update``)
+            cls.update = _own_copy(cls.update)  # type: ignore[method-assign]
         if "_observe" not in cls.__dict__:
             cls._observe = _own_copy(cls._observe)  # type: ignore[method-assign]
 

@@ -17,7 +17,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from stabmon.detect import window
 from stabmon.detect.base import Detector, X
 from stabmon.detect.config import (
     DetectorConfig,
@@ -93,6 +92,8 @@ class LossRegression(Detector):
         self._reported = False
         self._last_step = -1
         self._positive = True  # a loss that has been <= 0 is no likelihood: a relative rise means nothing
+        self._full_after = self.config.window - 1  # steps after the first one at which the window is full
+        self._rise = 1 + self.config.rise  # the multiple of the best median that is a regression
 
     def update(self, step: int, x: X) -> Anomaly | None:
         if step <= self._last_step:  # the step counter went back (a rollback): a new timeline, same best
@@ -112,28 +113,28 @@ class LossRegression(Detector):
         if v <= 0:
             self._positive = False
             return None
-        config = self.config
-        self._push(step, v)
+        ordered = self._push(step, v)
         self.n_learned += 1
         if self._since is None:
             self._since = step
-        if step - self._since < config.window - 1:
+        if step - self._since < self._full_after:
             return None
-        median = window.median(self._sorted)
+        n = len(ordered)  # window.median, inline (this runs on every record)
+        median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
         best = self._best
-        if median <= best * (1 + config.rise):
+        if median <= best * self._rise:
             if median < best or self._above_since is not None or self._reported:
                 self._best, self._above_since, self._reported = min(best, median), None, False
             return None
         if self._above_since is None:
             self._above_since = step
-        if self._reported or step - self._above_since + 1 < config.patience:
+        if self._reported or step - self._above_since + 1 < self.config.patience:
             return None  # reported once per excursion, when it has lasted long enough
         self._reported = True
         return self._flag(step, raw, median / self._best)
 
-    def _push(self, step: int, v: float) -> None:
-        """Add a value; drop those older than ``window`` steps."""
+    def _push(self, step: int, v: float) -> list[float]:
+        """Add a value; drop those older than ``window`` steps. Return the window's values, sorted."""
         oldest = step - self.config.window
         recent, steps, ordered = self._recent, self._steps, self._sorted
         while steps and steps[0] <= oldest:
@@ -142,6 +143,7 @@ class LossRegression(Detector):
         recent.append(v)
         steps.append(step)
         bisect.insort(ordered, v)
+        return ordered
 
     def _learn(self, v: float, x: X) -> None:  # river-shaped API: one observation, one step
         self._push(self._last_step + 1, v)
@@ -287,9 +289,10 @@ class NoProgress(Detector):
         self._stall_fall = 0.0  # the loss's fall over the last window when the stall was reported (its message)
 
     def update(self, step: int, x: X) -> Anomaly | None:
-        v = self._value(x)
-        if v is None:
+        v = x.get(self.metric)  # self._value(x), inline (this runs on every record)
+        if v is None or not math.isfinite(v):
             return None
+        v = float(v)
         if self._start is None:
             self._start = step
         if self._start >= self.config.window:

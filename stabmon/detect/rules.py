@@ -133,6 +133,7 @@ class MissingMetric(Detector):
     name = "missing"
     kind = "missing"
     Config = MissingConfig
+    fast_update = "it judges every record, and a metric that arrived needs only a count"
     config: MissingConfig
     _state_attrs = ("_present",)
 
@@ -158,6 +159,15 @@ class MissingMetric(Detector):
             self._present += 1
             return 0.0
         return super()._observe(raw, x, scoring)
+
+    def update(self, step: int, x: X) -> Anomaly | None:
+        # the common case of a settled detector in a suite (which fills the evidence): the metric arrived, which
+        # the general path scores 0 and learns; anything else takes it
+        if step >= self._settled_from and self.metric in x and not self._fills_evidence:
+            self._present += 1
+            self.n_learned += 1
+            return None
+        return self._update_path(step, x)
 
     def _score(self, v: float, x: X) -> float:
         return 1.0 if not v and self._present >= self.config.min_streak else 0.0

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from river import stats
 
@@ -103,6 +105,7 @@ class RobustSpikeConfig(_LogSpikeConfig):
 
 class _LogSpike(Detector):
     kind = "spike"
+    fast_update = "four detectors of two metrics run on every record of a replay"
     config: _LogSpikeConfig
 
     def _value(self, x: X) -> float | None:
@@ -157,15 +160,59 @@ class _LogSpike(Detector):
         if relearn and self._streak >= relearn:
             self._rebaseline()
 
-    def _centre(self) -> float:
+    def _bind(self) -> None:
+        """Set ``_centre_core`` and ``_spread_core``: river's compiled statistics of the baseline's centre and
+        spread (see :func:`_core`); again after a reload replaced them."""
         raise NotImplementedError
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._bind()
+
+    #: the spread statistic is a variance (its square root is the std), else an inter-quartile range
+    _spread_is_variance = True
+
+    def _centre(self) -> float:
+        return float(self._centre_core.get()) if self.n_learned else 0.0
+
+    def _std(self) -> float:
+        """The std of the learned log-values, floored at ``min_std``."""
+        s = self._spread_core.get() if self.n_learned else 0.0
+        std = (math.sqrt(s) if s > 0.0 else 0.0) if self._spread_is_variance else s / 1.349
+        return std if std > self._min_std else self._min_std
 
     def _score(self, v: float, x: X) -> float:
         return 0.0 if self.n_learned == 0 else self._z(v)
 
     def _z(self, v: float) -> float:
         """The upward z-score of the log-value ``v`` against the learned baseline (0 at or below it)."""
-        raise NotImplementedError
+        d = v - self._centre()
+        return d / self._std() if d > 0.0 else 0.0  # at or below the centre: no spike, whatever the spread
+
+    def _learn(self, v: float, x: X) -> None:
+        self._centre_core.update(v)
+        self._spread_core.update(v)
+
+    def update(self, step: int, x: X) -> Anomaly | None:
+        # the common case of a settled detector in a suite, inline (no call per statistic): a value that does
+        # not flag is learned; anything else (grace, a flag, no usable value, a detector that fills its own
+        # evidence) takes the general path, which computes the same score
+        if step >= self._settled_from and self.n_learned and not self._fills_evidence:
+            raw = x.get(self.metric)
+            if raw is not None and 0.0 < raw < _INF:
+                v = math.log(raw)
+                centre = self._centre_core
+                d = v - centre.get()
+                if d > 0.0:
+                    s = self._spread_core.get()
+                    std = (math.sqrt(s) if s > 0.0 else 0.0) if self._spread_is_variance else s / 1.349
+                    if d / (std if std > self._min_std else self._min_std) >= self._threshold:
+                        return self._update_path(step, x)
+                centre.update(v)
+                self._spread_core.update(v)
+                self.n_learned += 1
+                return None
+        return self._update_path(step, x)
 
     def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
         # the general path with the value read from ``raw`` and the score known to be finite and >= 0
@@ -208,21 +255,10 @@ class EWSpike(_LogSpike):
         super()._reset()
         self._mean = stats.EWMean(fading_factor=self.config.alpha)
         self._var = stats.EWVar(fading_factor=self.config.alpha)
+        self._bind()
 
-    def _learn(self, v: float, x: X) -> None:
-        self._mean.update(v)
-        self._var.update(v)
-
-    def _centre(self) -> float:
-        return float(self._mean.get() or 0.0)
-
-    def _z(self, v: float) -> float:
-        d = v - self._mean.get()
-        if not d > 0.0:
-            return 0.0  # at or below the mean: not a spike, whatever the spread
-        var = self._var.get()
-        std = math.sqrt(var) if var > 0.0 else 0.0
-        return d / (std if std > self._min_std else self._min_std)
+    def _bind(self) -> None:
+        self._centre_core, self._spread_core = _core(self._mean, "_ewmean"), _core(self._var, "_ewvar")
 
 
 class RobustSpike(_LogSpike):
@@ -243,24 +279,26 @@ class RobustSpike(_LogSpike):
     config: RobustSpikeConfig
     _state_attrs = ("_median", "_iqr", "_survived", "_peak", "_peak_error")
 
+    _spread_is_variance = False
+
     def _reset(self) -> None:
         super()._reset()
         self._median = stats.RollingQuantile(q=0.5, window_size=self.config.window)
         self._iqr = stats.RollingIQR(window_size=self.config.window, q_inf=0.25, q_sup=0.75)
+        self._bind()
 
-    def _learn(self, v: float, x: X) -> None:
-        self._median.update(v)
-        self._iqr.update(v)
+    def _bind(self) -> None:
+        self._centre_core = _core(self._median, "_rolling_quantile")
+        self._spread_core = _core(self._iqr, "_rolling_iqr")
 
-    def _centre(self) -> float:
-        return float(self._median.get() or 0.0)
 
-    def _z(self, v: float) -> float:
-        d = v - (self._median.get() or 0.0)
-        if d <= 0.0:
-            return 0.0  # at or below the median: not a spike, whatever the spread
-        std = (self._iqr.get() or 0.0) / 1.349
-        return d / (std if std > self._min_std else self._min_std)
+def _core(statistic: Any, attribute: str) -> Any:
+    """The compiled statistic inside one of river's ``stats`` objects (river keeps it in ``attribute``), which
+    has the same ``update`` and ``get`` without a Python call around each; the statistic itself where a river
+    version has none. Its ``get`` must not be called before its first ``update``: river's compiled rolling
+    quantiles abort there, where the Python wrapper returns None, so a detector reads it only once
+    ``n_learned`` is positive."""
+    return getattr(statistic, attribute, statistic)
 
 
 SPIKE_DETECTORS: tuple[type[Detector], ...] = (EWSpike, RobustSpike)

@@ -33,7 +33,7 @@ from typing import Any
 from stabmon.events import Metric, StepRecord
 from stabmon.overrides import Overrides
 
-_HPARAMS = (Metric.LR, Metric.BETA2, Metric.WEIGHT_DECAY, Metric.CLIP)
+_HPARAMS = frozenset((Metric.LR, Metric.BETA2, Metric.WEIGHT_DECAY, Metric.CLIP))
 NOT_DIAGNOSED = ("not run: a replay has no model to re-run steps on or batches to replay, so no verdict; the "
                  "diagnose rung counts as failed and its rule's next rung follows (a live run follows its verdict)")
 """The ``summary`` of every ``diagnose`` in a replay (the table and ``stabmon trace`` show it)."""
@@ -64,11 +64,9 @@ class SimulatedTarget:
         """A flush block is about to go through the pipeline: stand where a live monitor stands at that flush
         (after the block's last step, with the values recorded up to then)."""
         recorded = self._recorded
-        for record in records:
-            metrics = record.metrics
-            for name in _HPARAMS:
-                value = metrics.get(name)
-                if value is not None and math.isfinite(value):
+        for record in records:  # in the record's own order (a record has few metrics: one pass, no lookups)
+            for name, value in record.metrics.items():
+                if name in _HPARAMS and math.isfinite(value):
                     recorded[name] = value
         if records:
             last = records[-1]

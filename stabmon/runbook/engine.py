@@ -41,6 +41,7 @@ from stabmon.runbook import judging, rejection, verdicts
 from stabmon.runbook.schema import Rule, Runbook
 from stabmon.runbook.state import Incident, Sighting, WindowRow, incident_from_state, incident_state
 
+_LOSS, _LR = Metric.LOSS, Metric.LR  # read on every record: module constants, not class attributes
 _HISTORY_MARGIN = 256  # loss history kept beyond baseline_steps, to reach back before a persistent onset
 _STATE_VERSION = 2  # 1: the incident a dict, sightings and window rows lists
 
@@ -96,12 +97,13 @@ class Engine:
     def process(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
         self._tick += 1
         self._now = record.time
-        loss = record.metrics.get(Metric.LOSS)  # remember the recent losses (inline: this runs on every record)
+        metrics, step = record.metrics, record.step
+        loss = metrics.get(_LOSS)  # remember the recent losses (inline: this runs on every record)
         if loss is not None and math.isfinite(loss):
-            self._losses.append((record.step, loss))
-        lr = record.metrics.get(Metric.LR)
+            self._losses.append((step, loss))
+        lr = metrics.get(_LR)
         if lr is not None:
-            self._lrs.append((record.step, lr))
+            self._lrs.append((step, lr))
         if self.stopped:
             return []
         if self._incident is not None:
