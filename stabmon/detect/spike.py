@@ -107,6 +107,8 @@ class _LogSpike(Detector):
     kind = "spike"
     fast_update = "four detectors of two metrics run on every record of a replay"
     config: _LogSpikeConfig
+    _centre_core: Any  # set by _bind
+    _spread_core: Any
 
     def _value(self, x: X) -> float | None:
         v = x.get(self.metric)
