@@ -258,6 +258,19 @@ def test_the_fast_update_equals_the_general_path(cls: type[Detector], seed: int)
     assert shortcuts >= 40, f"the shortcut served only {shortcuts} records: the test checks too little"
 
 
+@pytest.mark.parametrize("cls", [c for c in DETECTORS if c.fast_update], ids=lambda c: c.name)
+def test_a_detector_outside_a_suite_takes_the_general_path_also_when_copied(cls: type[Detector]) -> None:
+    """The fast update is for a suite (which fills the evidence window); a detector that fills its own keeps
+    the general path through pickle, deepcopy and ``clone``, and a suite's detector taken out of it switches."""
+    metric = cls.example()[0]
+    alone = cls(metric)
+    for twin in (alone, pickle.loads(pickle.dumps(alone)), alone.clone()):
+        assert twin.update.__func__ is type(twin)._update_path
+    shared = cls(metric, evidence=deque(maxlen=cls.Config().evidence))
+    assert shared.update.__func__ is cls.update
+    assert shared.clone().update.__func__ is cls._update_path
+
+
 @pytest.mark.parametrize("cls", [c for c in DETECTORS if c.skips_finite], ids=lambda c: c.name)
 @pytest.mark.parametrize("seed", range(4))
 def test_a_detector_that_skips_finite_values_reports_the_same_without_them(cls: type[Detector], seed: int) -> None:

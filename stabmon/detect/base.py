@@ -72,7 +72,8 @@ class Detector:
     skips_finite: ClassVar[str] = ""
     #: why (if at all) this class has an ``update`` of its own that takes the common case of a settled detector in
     #: a suite inline (no call per statistic) and hands every other record to :meth:`_update_path`; it must
-    #: report, learn and keep exactly what the general path does (the contract suite checks the claim)
+    #: report, learn and keep exactly what the general path does (the contract suite checks the claim). A
+    #: detector that fills its own evidence window (not in a suite) always takes the general path.
     fast_update: ClassVar[str] = ""
     #: whether this detector's evidence is the metric's recent ``(step, raw value)`` pairs, which a suite keeps
     #: once per metric for all its detectors (``evidence=``); False for one that keeps other pairs
@@ -86,7 +87,8 @@ class Detector:
         subclass that wraps ``update``, or takes a shortcut in it, calls the general path as
         ``self._update_path``."""
         super().__init_subclass__(**kwargs)
-        cls._update_path = _own_copy(Detector.update)  # type: ignore[method-assign]
+        # named for itself: a detector that keeps it as its ``update`` (see _bind_update) pickles it by name
+        cls._update_path = _own_copy(Detector.update, "_update_path")  # type: ignore[method-assign]
         if "update" not in cls.__dict__:  # the general path, or a base class's fast path (``fast_update``)
             cls.update = _own_copy(cls.update)  # type: ignore[method-assign]
         if "_observe" not in cls.__dict__:
@@ -102,6 +104,7 @@ class Detector:
         self._evidence: deque[tuple[int, float]] = (
             deque(maxlen=self.config.evidence) if evidence is None else evidence
         )
+        self._bind_update()
         self._grace_left = self.config.grace_period
         #: the training step from which a detector that starts with the run scores (set by the first
         #: :meth:`update`; None until then); see :meth:`_begin`
@@ -248,7 +251,7 @@ class Detector:
             warmup = self._begin(step)
         warming = self._warming = step < warmup
         found = self._judge(step, raw, self._observe(raw, x, not warming and self._grace_left <= 0))
-        if found is None and not warming and self._grace_left <= 0:
+        if found is None and not warming and self._grace_left <= 0 and self.n_learned:
             self._settled_from = warmup  # settled: later records of steps from warmup on take the common case
         return found
 
@@ -341,6 +344,13 @@ class Detector:
         the suite that shared its metric's window."""
         self._fills_evidence = True
         self._evidence = deque(pairs, maxlen=self.config.evidence)
+        self._bind_update()
+
+    def _bind_update(self) -> None:
+        """A class's fast ``update`` (``fast_update``) is for a detector in a suite, whose caller fills the
+        evidence window; one that fills its own takes the general path."""
+        if self.fast_update and self._fills_evidence:
+            self.update = self._update_path  # type: ignore[method-assign]
 
     # --- contract examples (used by the contract test suite and the docs) -----------------------------------
     @classmethod
@@ -353,9 +363,11 @@ class Detector:
         return f"{type(self).__name__}(metric={self.metric!r}, config={self.config!r})"
 
 
-def _own_copy(f: Callable[..., Any]) -> Any:
-    """A new function with a new code object equal to ``f``'s (new code objects do not share caches)."""
-    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-    g.__qualname__, g.__doc__, g.__module__ = f.__qualname__, f.__doc__, f.__module__
+def _own_copy(f: Callable[..., Any], name: str | None = None) -> Any:
+    """A new function with a new code object equal to ``f``'s (new code objects do not share caches), named
+    ``name`` (default: ``f``'s name)."""
+    g = types.FunctionType(f.__code__.replace(), f.__globals__, name or f.__name__, f.__defaults__, f.__closure__)
+    g.__qualname__ = f.__qualname__ if name is None else f"{f.__qualname__.rpartition('.')[0]}.{name}"
+    g.__doc__, g.__module__ = f.__doc__, f.__module__
     g.__kwdefaults__, g.__annotations__ = f.__kwdefaults__, f.__annotations__
     return g

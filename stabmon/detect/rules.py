@@ -161,9 +161,9 @@ class MissingMetric(Detector):
         return super()._observe(raw, x, scoring)
 
     def update(self, step: int, x: X) -> Anomaly | None:
-        # the common case of a settled detector in a suite (which fills the evidence): the metric arrived, which
-        # the general path scores 0 and learns; anything else takes it
-        if step >= self._settled_from and self.metric in x and not self._fills_evidence:
+        # the common case of a settled detector in a suite: the metric arrived, which the general path scores 0
+        # and learns; anything else takes it
+        if step >= self._settled_from and self.metric in x:
             self._present += 1
             self.n_learned += 1
             return None

@@ -196,12 +196,13 @@ class _LogSpike(Detector):
         self._spread_core.update(v)
 
     def update(self, step: int, x: X) -> Anomaly | None:
-        # the common case of a settled detector in a suite, inline (no call per statistic): a value that does
-        # not flag is learned; anything else (grace, a flag, no usable value, a detector that fills its own
-        # evidence) takes the general path, which computes the same score
-        if step >= self._settled_from and self.n_learned and not self._fills_evidence:
-            raw = x.get(self.metric)
-            if raw is not None and 0.0 < raw < _INF:
+        # the common case of a settled detector (which has learned a value) in a suite, inline (no call per
+        # statistic): a value that does not flag is learned; anything else (grace, a flag, an absent, NaN or
+        # non-positive value) takes the general path, which computes the same score. An infinite value gets
+        # there too: its score is infinite, which the general path does not learn or report.
+        if step >= self._settled_from:
+            raw = x.get(self.metric, 0.0)
+            if raw > 0.0:
                 v = math.log(raw)
                 centre = self._centre_core
                 d = v - centre.get()

@@ -26,7 +26,7 @@ random event ids; :func:`canonical` replaces those by ordinals so two replays co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,10 +171,12 @@ def replay(
 
 
 def _blocks(records: Iterable[StepRecord], size: int) -> Iterable[Sequence[StepRecord]]:
-    if size == 1:  # the common case: one record per flush, no list to build
-        for record in records:
-            yield (record,)
-        return
+    if size == 1:  # the common case: one record per flush, as 1-tuples made in C (no generator to resume)
+        return zip(records)
+    return _chunks(records, size)
+
+
+def _chunks(records: Iterable[StepRecord], size: int) -> Iterator[list[StepRecord]]:
     block: list[StepRecord] = []
     for record in records:
         block.append(record)

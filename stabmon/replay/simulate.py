@@ -64,12 +64,12 @@ class SimulatedTarget:
         """A flush block is about to go through the pipeline: stand where a live monitor stands at that flush
         (after the block's last step, with the values recorded up to then)."""
         recorded = self._recorded
-        for record in records:  # in the record's own order (a record has few metrics: one pass, no lookups)
-            for name, value in record.metrics.items():
+        last = None
+        for last in records:  # in the record's own order (a record has few metrics: one pass, no lookups)
+            for name, value in last.metrics.items():
                 if name in _HPARAMS and math.isfinite(value):
                     recorded[name] = value
-        if records:
-            last = records[-1]
+        if last is not None:
             self._step = last.step + 1
             self._batch_index = None if last.batch_index is None else last.batch_index + 1
 
