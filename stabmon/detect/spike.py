@@ -15,8 +15,8 @@ Defaults, and why:
   smallest jump that can ever be flagged is ``exp(6 * 0.05) = 1.35`` times the baseline.
 - Severity scales with the size of the excursion, judged against what the run has already survived (see
   docs/detectors.md, "Severity"): a flagged point is ``info`` while it is no larger than ``tolerance`` (4x) its
-  baseline *and* no larger than the largest excursion this detector has already seen the run come back from
-  on its own - for the metrics in ``tolerated`` only (the grad norm and activations: signals the loss may or
+  baseline, or no larger than the largest excursion this detector has already seen the run come back from on
+  its own - for the metrics in ``tolerated`` only (the grad norm and activations: signals the loss may or
   may not follow; a loss spike is never tolerated). Beyond that it is a ``warning``. It is an ``error`` when
   it lasts ``persist = 3`` consecutive flagged steps (the grad norm is climbing: BLOOM tr11-176B
   it31215-31218, four rising steps before the loss spike) or reaches ``error_ratio`` (100x, two orders of
