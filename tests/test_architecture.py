@@ -25,8 +25,14 @@ ALLOWED: tuple[tuple[str, str], ...] = (
     (r"os", r"_exit"),
     # torch.amp.GradScaler keeps its scale tensor and per-optimizer stage private; get_scale() would sync the host
     (r"scaler", r"_scale|_per_optimizer_states"),
-    # river's PageHinkley keeps its running statistics private; the drift detector reads its test statistic
-    (r"ph|ph\._x_mean", r"_x_mean|_sum_increase|_min_increase"),
+    # river's PageHinkley keeps its running statistics private; the drift detector reads its test statistic, and
+    # in a suite runs PageHinkley.update (with Mean.update) inline: six Python calls fewer per record, checked
+    # bit for bit against river's own update by the contract suite, river's update where these are missing
+    (r"ph|mean|drift\.PageHinkley\(\)|drift\.PageHinkley\(\)\._x_mean",
+     r"_x_mean|_sum_increase|_min_increase|_sum_decrease|_max_decrease|_drift_detected|_mean"),
+    # river's stats wrap a compiled statistic in a Python object whose update/get only forward to it; the spike
+    # detectors call it directly (no Python call around each), the wrapper itself where a release has none
+    (r"self\._(mean|var|median|iqr)", r"_ewmean|_ewvar|_rolling_quantile|_rolling_iqr"),
 )
 
 OWN = {"self", "cls"}

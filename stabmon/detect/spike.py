@@ -164,8 +164,11 @@ class _LogSpike(Detector):
             self._rebaseline()
 
     def _bind(self) -> None:
-        """Set ``_centre_core`` and ``_spread_core``: river's compiled statistics of the baseline's centre and
-        spread (see :func:`_core`); again after a reload replaced them."""
+        """Set ``_centre_core`` and ``_spread_core``: the compiled statistics of the baseline's centre and spread
+        inside river's ``stats`` objects, which have the same ``update`` and ``get`` without a Python call
+        around each (the ``stats`` object itself where a river release has none); again after a reload
+        replaced them. A compiled rolling quantile aborts when read before its first ``update`` (the Python
+        wrapper returns None), so the detector reads them only once ``n_learned`` is positive."""
         raise NotImplementedError
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -262,7 +265,8 @@ class EWSpike(_LogSpike):
         self._bind()
 
     def _bind(self) -> None:
-        self._centre_core, self._spread_core = _core(self._mean, "_ewmean"), _core(self._var, "_ewvar")
+        self._centre_core = getattr(self._mean, "_ewmean", self._mean)  # see _LogSpike._bind
+        self._spread_core = getattr(self._var, "_ewvar", self._var)
 
 
 class RobustSpike(_LogSpike):
@@ -292,17 +296,8 @@ class RobustSpike(_LogSpike):
         self._bind()
 
     def _bind(self) -> None:
-        self._centre_core = _core(self._median, "_rolling_quantile")
-        self._spread_core = _core(self._iqr, "_rolling_iqr")
-
-
-def _core(statistic: Any, attribute: str) -> Any:
-    """The compiled statistic inside one of river's ``stats`` objects (river keeps it in ``attribute``), which
-    has the same ``update`` and ``get`` without a Python call around each; the statistic itself where a river
-    version has none. Its ``get`` must not be called before its first ``update``: river's compiled rolling
-    quantiles abort there, where the Python wrapper returns None, so a detector reads it only once
-    ``n_learned`` is positive."""
-    return getattr(statistic, attribute, statistic)
+        self._centre_core = getattr(self._median, "_rolling_quantile", self._median)  # see _LogSpike._bind
+        self._spread_core = getattr(self._iqr, "_rolling_iqr", self._iqr)
 
 
 SPIKE_DETECTORS: tuple[type[Detector], ...] = (EWSpike, RobustSpike)
