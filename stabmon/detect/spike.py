@@ -56,7 +56,6 @@ from stabmon.detect.config import (
 from stabmon.events import Anomaly, Metric, Severity
 
 _INF = math.inf
-_log = math.log  # one global load on the hot path instead of two loads
 
 
 @dataclass(frozen=True)
@@ -207,7 +206,7 @@ class _LogSpike(Detector):
         if step >= self._settled_from:
             raw = x.get(self.metric, 0.0)
             if raw > 0.0:
-                v = _log(raw)
+                v = math.log(raw)
                 centre = self._centre_core
                 d = v - centre.get()
                 if d > 0.0:

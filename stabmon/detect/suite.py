@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -41,9 +40,6 @@ class _Plan:
     # detectors: what a record whose values of these metrics are all finite goes through (the same order)
     guarded: list[str]
     finite_updates: list[_Update]
-    # the values of the guarded metrics (the first one twice, so that one metric also gives a tuple): their sum
-    # is finite when they all are (an overflow to inf only sends a finite record the long way); None: no guard
-    guarded_values: Callable[[Mapping[str, float]], tuple[float, ...]] | None
 
 
 def _is_glob(pattern: str) -> bool:
@@ -159,10 +155,7 @@ class DetectorSuite:
             updates=[d.update for d in watching],
             guarded=sorted({d.metric for d in watching if d.skips_finite and d.metric in present}),
             finite_updates=[d.update for d in watching if not (d.skips_finite and d.metric in present)],
-            guarded_values=None,
         )
-        if plan.guarded:
-            plan.guarded_values = operator.itemgetter(*plan.guarded, plan.guarded[0])
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[names] = plan
@@ -180,9 +173,10 @@ class DetectorSuite:
         for metric, window in plan.windows:
             window.append((step, metrics[metric]))
         updates = plan.finite_updates
-        guarded_values = plan.guarded_values
-        if guarded_values is not None and not math.isfinite(sum(guarded_values(metrics))):
-            updates = plan.updates
+        for metric in plan.guarded:
+            if not math.isfinite(metrics[metric]):
+                updates = plan.updates
+                break
         best: dict[tuple[str, str], Anomaly] | None = None
         for update in updates:
             found = update(step, metrics)
