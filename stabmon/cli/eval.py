@@ -137,7 +137,7 @@ def _print(report: Any) -> None:
                             str(s["false_alarms_at_error"]), str(per10k))
     out.print(summary)
     for m, s in report.summary.items():
-        if channels and s.get("numeric_incidents"):
+        if channels and all(f"recall_sent_{ch}" in s for ch in channels):  # stabmon's rows: the peers send nothing
             out.print(_routing_line(m, s, channels))
     stab = [r for r in report.files if r["method"] == "stabmon" and r.get("intervention_decisions")]
     for r in stab:

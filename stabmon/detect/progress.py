@@ -17,11 +17,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from stabmon.detect import window
 from stabmon.detect.base import Detector, X
 from stabmon.detect.config import (
     DetectorConfig,
     above_one,
     at_least_one,
+    at_least_two,
     non_empty,
     open_unit,
     param,
@@ -37,40 +39,64 @@ _STALL_MIN_VALUES = 3
 class RegressionConfig(DetectorConfig):
     """Parameters of :class:`LossRegression` (config key ``regression``).
 
-    >>> RegressionConfig().rise, RegressionConfig().patience
-    (0.1, 20)
+    >>> c = RegressionConfig(); c.rise, c.z, c.records, c.patience, c.patience_records
+    (0.1, 8.0, 12, 20, 6)
     """
 
     metrics: tuple[str, ...] = param((Metric.LOSS,), non_empty, "loss-like metrics (lower is better)")
     window: int = param(20, at_least_one, "training steps in the rolling median compared with the best one")
-    rise: float = param(0.1, open_unit, "relative rise of the rolling median over its best that counts")
-    patience: int = param(20, at_least_one, "training steps above best x (1 + rise) before reporting")
+    records: int = param(12, at_least_two, "fewest records in the rolling median, whatever the logging interval "
+                         "(the window is the longer of window steps and this many records), and fewest noise "
+                         "samples before any judgement")
+    rise: float = param(0.1, open_unit, "smallest relative rise of the rolling median over its best that counts")
+    z: float = param(8.0, positive, "the rise must also exceed z standard errors of the rolling median, measured "
+                     "from the run's own record-to-record noise")
+    patience: int = param(20, at_least_one, "training steps above the threshold before reporting")
+    patience_records: int = param(6, at_least_one, "records above the threshold before reporting (patience is the "
+                                  "longer of the two)")
+    lr_metric: str = param(Metric.LR, non_empty, "learning rate whose restart (a rise after it decayed below half "
+                           "its peak) starts a new baseline")
     evidence: int = param(48, at_least_one, "length of the (step, value) evidence window")
 
 
 class LossRegression(Detector):
-    """The loss's rolling median stays more than ``rise`` above the best rolling median the run has reached,
-    for ``patience`` training steps: the run has got worse and is not coming back by itself. ``error``,
-    reported once per excursion (again once the loss has come back, or after a rollback). Silent for a loss
-    that has been zero or negative (an RL objective, not a likelihood).
+    """The loss's rolling median stays above the best rolling median the run has reached, by more than ``rise``
+    (10%) *and* by more than ``z`` (8) standard errors of that median measured from the run's own noise, for
+    ``patience``: the run has got worse and is not coming back by itself. ``error``, reported once per
+    excursion (again once the loss has come back, or after a rollback). Silent for a loss that has been zero or
+    negative (an RL objective, not a likelihood).
 
-    A healthy run's smoothed loss does not climb 10% above its best and stay there; a diverging run, a model
-    wrecked by corrupted data or weights, or a learning rate that has crept past the edge of stability does.
+    **Sampling.** The rolling median covers the longer of ``window`` training steps and ``records`` records
+    at the stream's own logging interval (:class:`~stabmon.detect.window.Cadence`), and the patience the longer
+    of ``patience`` steps and ``patience_records`` records: a loss logged every 10 steps is judged on 12-record
+    medians over 120 steps, not on 2-record ones. Nothing is judged before the window holds ``records`` values
+    and the noise has been measured on as many.
+
+    **Noise.** A fine-tune logged per step with short, varied sequences moves +-30% from one record to the next;
+    a pre-training loss averaged over millions of tokens, +-1%. The run's record-to-record noise
+    (:class:`~stabmon.detect.window.Noise`: median absolute log-difference, at least half a rounding step)
+    gives the standard error of an ``n``-record median, ``1.2533 sigma / sqrt(n)``; the threshold is the larger
+    of ``rise`` and ``z`` of those (the best median, a minimum over the run, sits a few standard errors below
+    the typical one, hence 8). On the 40 healthy Hugging Face fine-tunes of ``real-finetunes`` the largest
+    excursion of a 12-record median over its best is 0-10 standard errors with no patience; the labelled
+    divergences reach 17 and 42 (docs/detectors.md).
+
+    **Restarts.** A learning rate that rises again after decaying below half its peak (a cyclic or restarted
+    schedule) starts a new baseline: the loss is expected to rise with it. An evaluation entry is its own metric
+    (``val_loss``) and never enters this window.
+
     The evidence reaches back before the rise, so its first step is a usable onset for a rollback.
 
-    ``window`` and ``patience`` are counted in training steps, not records: a loss logged every 10 steps that
-    jumps 1.5x and stays there is reported 20 steps later, as one logged every step is (counted in records it
-    took 200-300 steps, and a steep early learning curve hid it from the spike detectors).
-
-    >>> d = LossRegression("loss", RegressionConfig(window=5, patience=5))
-    >>> losses = [3.0 - 0.01 * s for s in range(100)] + [2.6] * 30
+    >>> d = LossRegression("loss", RegressionConfig(window=5, records=5, patience=5, patience_records=2))
+    >>> losses = [3.0 - 0.01 * s + 0.01 * (s % 2) for s in range(100)] + [2.6] * 30
     >>> found = [d.update(s, {"loss": v}) for s, v in enumerate(losses)]
     >>> first = next(a for a in found if a); first.step, first.severity.value
     (106, 'error')
     >>> d = LossRegression("loss")  # logged every 10 steps: a 1.5x jump at step 500 that stays
-    >>> found = [d.update(s, {"loss": 2 + 3 * 0.99 ** s if s < 500 else 3.0}) for s in range(0, 800, 10)]
-    >>> [a.step for a in found if a]
-    [520]
+    >>> found = [d.update(s, {"loss": 2 + 3 * 0.99 ** s + 0.01 * (s % 20) if s < 500 else 3.0})
+    ...          for s in range(0, 900, 10)]
+    >>> [a.step for a in found if a]   # 6 records above (patience), the median over 12 records up first
+    [610]
     """
 
     name = "regression"
@@ -79,8 +105,8 @@ class LossRegression(Detector):
     config: RegressionConfig
     grace_exempt = "it compares the loss with the run's own best, which no warm-up can fake"
     learns_flagged = "its rolling median must see every loss, flagged or not"
-    _state_attrs = ("_recent", "_steps", "_best", "_since", "_above_since", "_reported", "_last_step",
-                    "_positive")
+    _state_attrs = ("_recent", "_steps", "_best", "_since", "_above_since", "_above_n", "_reported", "_last_step",
+                    "_positive", "_cadence", "_noise", "_lr_peak", "_lr_last")
 
     def _reset(self) -> None:
         self._recent: deque[float] = deque()
@@ -89,19 +115,41 @@ class LossRegression(Detector):
         self._best = float("inf")
         self._since: int | None = None  # first step of this timeline (the window is full ``window`` steps on)
         self._above_since: int | None = None
+        self._above_n = 0  # records above the threshold in the current excursion
         self._reported = False
         self._last_step = -1
         self._positive = True  # a loss that has been <= 0 is no likelihood: a relative rise means nothing
-        self._full_after = self.config.window - 1  # steps after the first one at which the window is full
-        self._rise = 1 + self.config.rise  # the multiple of the best median that is a regression
+        self._cadence = window.Cadence()
+        self._noise = window.Noise()
+        self._lr_peak = 0.0
+        self._lr_last: float | None = None
+        self._threshold_now = 1 + self.config.rise  # the multiple of the best median that is a regression now
+        self._sigma_now = 0.0
+
+    def _new_timeline(self) -> None:
+        self._recent.clear()
+        self._steps.clear()
+        self._sorted.clear()
+        self._since, self._above_since, self._above_n, self._reported = None, None, 0, False
+        self._noise.restart()
+
+    def _lr_restarted(self, x: X) -> bool:
+        """Has the learning rate risen again after decaying below half its peak (a restarted schedule)?"""
+        lr = x.get(self.config.lr_metric)
+        if lr is None or not math.isfinite(lr) or lr <= 0:
+            return False
+        last, self._lr_last = self._lr_last, lr
+        restarted = last is not None and last < 0.5 * self._lr_peak and lr > 1.5 * last
+        self._lr_peak = lr if restarted else max(self._lr_peak, lr)
+        return restarted
 
     def update(self, step: int, x: X) -> Anomaly | None:
         if step <= self._last_step:  # the step counter went back (a rollback): a new timeline, same best
-            self._recent.clear()
-            self._steps.clear()
-            self._sorted.clear()
-            self._since, self._above_since, self._reported = None, None, False
+            self._new_timeline()
         self._last_step = step
+        if self._lr_restarted(x):  # a new schedule cycle: a new baseline too
+            self._new_timeline()
+            self._best = float("inf")
         raw = x.get(self.metric)
         if raw is None:
             return None
@@ -113,29 +161,39 @@ class LossRegression(Detector):
         if v <= 0:
             self._positive = False
             return None
+        self._cadence.see(step)
+        self._noise.see(v)
         ordered = self._push(step, v)
         self.n_learned += 1
         if self._since is None:
             self._since = step
-        if step - self._since < self._full_after:
+        c = self.config
+        n = len(ordered)
+        if n < c.records or self._noise.count < c.records or step - self._since < c.window - 1:
             return None
-        n = len(ordered)  # window.median, inline (this runs on every record)
-        median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+        median = window.median(ordered)
         best = self._best
-        if median <= best * self._rise:
+        sigma = self._noise.sigma(median)
+        needed = max(math.log1p(c.rise), c.z * 1.2533 * sigma / math.sqrt(n))
+        if best == math.inf or math.log(median / best) <= needed:
             if median < best or self._above_since is not None or self._reported:
-                self._best, self._above_since, self._reported = min(best, median), None, False
+                self._best, self._above_since, self._above_n, self._reported = min(best, median), None, 0, False
             return None
         if self._above_since is None:
             self._above_since = step
-        if self._reported or step - self._above_since + 1 < self.config.patience:
+        self._above_n += 1
+        patience = self._cadence.span(steps=c.patience, records=c.patience_records)
+        if self._reported or self._above_n < c.patience_records or step - self._above_since + 1 < patience:
             return None  # reported once per excursion, when it has lasted long enough
         self._reported = True
-        return self._flag(step, raw, median / self._best)
+        self._threshold_now, self._sigma_now = math.exp(needed), sigma
+        anomaly = self._flag(step, raw, median / best)
+        return dataclasses.replace(anomaly, threshold=self._threshold_now)
 
     def _push(self, step: int, v: float) -> list[float]:
-        """Add a value; drop those older than ``window`` steps. Return the window's values, sorted."""
-        oldest = step - self.config.window
+        """Add a value; drop those older than the window (in steps and records). Return its values, sorted."""
+        c = self.config
+        oldest = step - self._cadence.span(steps=c.window, records=c.records)
         recent, steps, ordered = self._recent, self._steps, self._sorted
         while steps and steps[0] <= oldest:
             steps.popleft()
@@ -154,7 +212,7 @@ class LossRegression(Detector):
         self._sorted = sorted(self._recent)
 
     def _score(self, v: float, x: X) -> float:
-        if len(self._recent) < self.config.window or self._best == float("inf"):
+        if len(self._recent) < self.config.records or self._best == float("inf"):
             return 0.0
         return statistics.median([*self._recent, v][1:]) / self._best
 
@@ -168,7 +226,8 @@ class LossRegression(Detector):
     def _message(self, v: float | None, score: float) -> str:
         above = self._last_step - (self._above_since if self._above_since is not None else self._last_step) + 1
         return (f"{self.metric} has stayed {score - 1:.0%} above its best (median {self._best:.4g}) for "
-                f"{above} steps")
+                f"{above} steps ({self._above_n} records); the threshold is {self._threshold_now - 1:.0%} "
+                f"(the run's record-to-record noise is {self._sigma_now:.1%})")
 
     @classmethod
     def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:

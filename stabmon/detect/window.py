@@ -12,6 +12,7 @@ costs a binary search per value instead of a sort per record.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 
 
@@ -28,3 +29,82 @@ def median(ordered: list[float]) -> float:
     n = len(ordered)
     i = n // 2
     return ordered[i] if n % 2 else (ordered[i - 1] + ordered[i]) / 2
+
+
+class Cadence:
+    """How often a metric arrives, in training steps: the median gap between the steps of its last ``n``
+    records (1 until two have arrived). A log written every ``logging_steps`` (Hugging Face Trainer: 10 by
+    default, 500 in old examples) has records that far apart; a live monitor, one per step.
+
+    Detectors count their windows and their patience in steps *and* records, whichever is longer
+    (:meth:`span`): 20 steps are 20 records of a per-step log but only 2 of a log written every 10 steps, too
+    few to judge; 12 records of that log are 120 steps.
+
+    >>> c = Cadence()
+    >>> for s in (0, 10, 20, 30, 45):
+    ...     c.see(s)
+    >>> c.interval, c.span(steps=20, records=12)
+    (10, 120)
+    >>> c.see(5); c.interval      # the step counter went back (a rollback): not a gap
+    10
+    """
+
+    def __init__(self, n: int = 15) -> None:
+        self._gaps: deque[float] = deque(maxlen=n)
+        self._sorted: list[float] = []
+        self._last: int | None = None
+        self.interval = 1
+
+    def see(self, step: int) -> None:
+        last, self._last = self._last, step
+        if last is None or step <= last:
+            return
+        push(self._gaps, self._sorted, float(step - last))
+        self.interval = max(1, int(median(self._sorted)))
+
+    def span(self, *, steps: int, records: int) -> int:
+        """The longer of ``steps`` training steps and ``records`` records at this cadence, in steps."""
+        return max(steps, records * self.interval)
+
+
+class Noise:
+    """A run's own record-to-record variation of a positive metric, in log units, robustly: the median absolute
+    difference between consecutive log-values over the last ``n`` records, scaled to a standard deviation
+    (x 1.0484: for Gaussian noise the difference of two values has sigma*sqrt(2) and its median absolute value is
+    0.6745 of that). A log that rounds its values (the Trainer writes 4 decimals: 0.0001 and 0.0002 are
+    neighbours) has at least half a rounding step of noise: ``quantum`` is the smallest change seen.
+
+    >>> n = Noise()
+    >>> for v in (2.0, 2.1, 2.0, 2.1, 2.0, 2.1):
+    ...     n.see(v)
+    >>> round(n.sigma(2.0), 4), n.count
+    (0.0512, 5)
+    """
+
+    SCALE = 1.0484
+
+    def __init__(self, n: int = 128) -> None:
+        self._diffs: deque[float] = deque(maxlen=n)
+        self._sorted: list[float] = []
+        self._prev: float | None = None
+        self.quantum = math.inf
+        self.count = 0
+
+    def see(self, v: float) -> None:
+        prev, self._prev = self._prev, v
+        if prev is None:
+            return
+        if v != prev:
+            self.quantum = min(self.quantum, abs(v - prev))
+        push(self._diffs, self._sorted, abs(math.log(v / prev)))
+        self.count = len(self._diffs)
+
+    def restart(self) -> None:
+        """The next value follows no previous one (a rollback or a new timeline); the statistics stay."""
+        self._prev = None
+
+    def sigma(self, level: float) -> float:
+        """The standard deviation of one record's log-value, at least half a rounding step at ``level``."""
+        spread = self.SCALE * median(self._sorted) if self._sorted else 0.0
+        floor = 0.5 * math.log1p(self.quantum / level) if math.isfinite(self.quantum) and level > 0 else 0.0
+        return max(spread, floor)
