@@ -246,6 +246,9 @@ class Composer:
             lines.append("judged on: " + ", ".join(f"{k}={fmt(v)}" for k, v in sorted(o.evidence.items())))
         lines.append(f"trace: stabmon trace {run_id}")
         severity = _OUTCOME_SEVERITY.get(o.verdict, Severity.WARNING)
+        if decision is not None and decision.action == _ALERT_ONLY:  # nothing was changed: no worse than what
+            base = anomaly.severity if anomaly is not None else Severity.WARNING  # it told people already
+            severity = min(severity, base, key=lambda s: s.rank)
         if resolved:
             self._close(run_id, key)
         title = f"[stabmon] {o.verdict.value.upper()}: incident {key} at step {o.step} ({run_name})"

@@ -257,57 +257,70 @@ class NoProgressConfig(DetectorConfig):
                              "median of the last window) that counts as collapsed")
     stall: float = param(0.01, open_unit, "relative fall of the loss's rolling median over its previous "
                          "window below which the loss has stopped falling")
+    records: int = param(5, at_least_one, "fewest records in each window (a window is the longer of window steps "
+                         "and this many records at the stream's logging interval)")
+    by_records: int = param(20, at_least_one, "fewest records by the judgement (by_step is the longer of by_step "
+                            "steps and this many records)")
+    max_fall: float = param(0.4, open_unit, "a loss that has fallen this much below its first value has learned: "
+                            "a stall after it is a plateau, not a run wrecked from its first steps")
+    update_metric: str = param(Metric.UPDATE_RATIO, non_empty, "relative update size per step (||dtheta|| / "
+                               "||theta||) that corroborates 'worse than untrained' and 'not learning'")
+    thrash: float = param(0.02, positive, "median relative update per step, over the last window, at or above "
+                          "which the weights are thrashing: a loss worse than at the start or not falling, while "
+                          "2% of the weights' norm changes every step, is damage (the healthy scenarios: "
+                          "0.003-0.005; 100x the stable LR: 0.03-0.06)")
 
 
 class NoProgress(Detector):
-    """A run that starts from scratch and is not learning. ``error``, in two ways:
+    """A run that starts from scratch and is not learning, reported in three ways. Each is an ``error`` only
+    when a second signal shows damage; otherwise it is ``info`` (in the trace, sent to nobody, acted on by no
+    runbook), because the loss alone cannot tell a wrecked run from a fine-tune of a trained model that falls
+    slowly or stays flat:
 
     - **worse than untrained**: before ``by_step``, a loss more than ``ceiling`` (20%) above the first loss - the
       loss of the untrained model (for a language model about the log of the vocabulary size, the entropy of
-      a uniform guess). Gradient descent that works never takes a model there; a learning rate far too high
-      with no warm-up does, within its first steps, inside every spike detector's grace period: the tiny GPT
-      at LR 1e-1 peaks at 1.37-2.06x its first loss in steps 1-4 on each of 14 seeds (1-6, 22-29), then
-      settles on a plateau near the loss of predicting character frequencies (2.3) that its healthy twin
-      passes through by step 40, and ends 20-40% worse. Its healthy twins stay within a few percent of the
-      first loss. The blow-up lasts 1-3 steps, so one value decides. Reported once per excursion above it.
-      Later blow-ups, and any blow-up of a run that has already learned (its rolling median fell ``min_drop``
-      below the first loss: an LR jump at step 60, a corrupted data shard at step 150) are the spike and
-      regression detectors' to report: the runbook answers those by rolling back to a recent checkpoint and
-      skipping data, where a run that never learned goes back to its start.
-      Only for a likelihood: the first loss must be at least ``min_first`` (1 nat; an untrained model over
-      10+ tokens starts at 2.3 or more) and the loss must never have been zero or negative. An RL objective
-      (DeepSpeed-Chat's actor loss: 0.21 at step 0, then -0.3..2.2) has no "untrained" level to exceed.
-    - **stalled**: before ``by_step``, the loss has stopped falling (its median over the last ``window`` steps
-      is less than ``stall``, 1%, below the median of the ``window`` steps before) *and* the gradient norm has
-      collapsed (the median of its first ``window`` values is ``grad_fall``, 7x, or more the median of the
-      last ``window``). A model wrecked in its first steps that still learns a little - the token frequencies,
-      which can take the loss 28% below the untrained one - sits on that plateau with a dead gradient: a
-      Hugging Face ``Trainer`` on a tiny GPT-2 at LR 1e-1 (no warm-up, clip 1.0) reaches it within 15 steps,
-      its gradient norm falls 8.8-32x below its first values while the loss moves less than 1%, and it is
-      reported at step 29-44 on each of 20 runs (seeds 1-8 with a linear decay, 21-32 constant), including
-      those whose blow-up stayed under the ceiling. Its healthy twins (LR 3e-4 to 3e-3) keep a stalled
-      gradient within 3.8x of the first one (5.2x at LR 1e-2), and the llm.c GPT-2 124M run, whose gradient
-      falls 10x during its warm-up, keeps its loss falling 2.5% or more per 10 steps until step 100. Either
-      condition alone is common in healthy runs; both together, that early, are not.
-      Reported once per timeline; silent without a gradient norm or where a window holds fewer than 3 values.
-    - **not learning**: by training step ``by_step``, the rolling median of the loss is still within
-      ``min_drop`` of where it started: the smaller of the first loss and the median of the first
-      ``window`` losses (a blow-up in the first steps must not raise the bar a damaged run is judged
-      against). A healthy pre-training run falls by far more than 10% in its first hundred steps.
+      a uniform guess). A learning rate far too high with no warm-up takes a model there within its first
+      steps, inside every spike detector's grace period: the tiny GPT at LR 1e-1 peaks at 1.37-2.06x its first
+      loss in steps 1-4 on each of 14 seeds (1-6, 22-29), then settles on a plateau near the loss of predicting
+      character frequencies and ends 20-40% worse. A fine-tune logged per step with small batches goes there by
+      noise alone: 4 of the 40 healthy ``real-finetunes`` runs pass 1.2x their first loss in their first 30
+      steps (per-step SFT losses move +-30%).
+    - **not learning**: by ``by_step``, the rolling median of the loss is still within ``min_drop`` (10%) of
+      where it started: the smaller of the first loss and the median of the first ``window`` losses. A healthy
+      pre-training run falls by far more; a low-LR fine-tune of a trained model may not fall at all.
+    - For those two, the damage signal is the size of the updates: the median relative update
+      ``||dtheta|| / ||theta||`` (``update_ratio``, measured by the live monitor) over the last window at or above
+      ``thrash`` (2% of the weights' norm per step). The tiny GPT's healthy runs move 0.3-0.5% per step; at 100x
+      the stable LR (``lr-too-high``) they move 3-6% while the loss sits at the frequency baseline; a LoRA or
+      low-LR fine-tune moves far less than 1%. An imported log has no update sizes: these two are ``info``
+      there.
+    - **stalled** (its own corroboration): before ``by_step``, the loss has stopped falling (its median over the
+      last window is less than ``stall``, 1%, below the median of the window before) *and* the gradient norm has
+      collapsed (the median of its first values is ``grad_fall``, 7x, or more the median of the last window)
+      *and* the loss has not fallen ``max_fall`` (40%) below its first value. A model wrecked in its first
+      steps still learns the token frequencies (28% below the untrained loss) and sits there with a dead
+      gradient: a Hugging Face ``Trainer`` on a tiny GPT-2 at LR 1e-1 (no warm-up, clip 1.0) is reported at step
+      29-44 on each of 20 runs. Its healthy twins (LR 3e-4 to 3e-3) keep a stalled gradient within 3.8x of the
+      first one. A QLoRA fine-tune whose loss fell 80% in 70 steps while its gradient norm fell 10x
+      (``real-finetunes``, TANGHULU6) learned: ``max_fall`` keeps it quiet.
 
-    A model wrecked in its first steps sits near the loss of predicting token frequencies and never flags a
-    spike: there was never a baseline to spike against. It judges only a stream that begins at the start of
-    training (its first step below ``window``), and reports each time ``by_step`` is passed without progress
-    (again after a rollback to before it). Fine-tuning a pre-trained model can fall more slowly: raise
-    ``by_step`` or turn it off there (``enabled: false``). The evidence starts at the run's first step, which
-    is where a rollback must go.
+    **Sampling.** Windows are the longer of ``window`` steps and ``records`` records, and ``by_step`` the longer of
+    ``by_step`` steps and ``by_records`` records, at the stream's own logging interval
+    (:class:`~stabmon.detect.window.Cadence`): a Trainer log written every 10 steps is judged at step 200 on
+    5-record windows, not at step 100 on one record. A stall needs 3 values in each window.
 
-    >>> d = NoProgress("loss")
-    >>> found = [d.update(s, {"loss": 2.6 - 0.001 * s}) for s in range(120)]
-    >>> [a.step for a in found if a], found[100].severity.value
-    ([100], 'error')
-    >>> d = NoProgress("loss")   # blown up at step 2 (worse than untrained), then a plateau (not learning)
-    >>> found = [d.update(s, {"loss": [2.7, 2.9, 4.3, 3.3, 3.0][s] if s < 5 else 2.35}) for s in range(120)]
+    It judges only a stream that begins at the start of training (its first step below ``window``), and reports
+    each time ``by_step`` is passed without progress (again after a rollback to before it). The evidence starts
+    at the run's first step, which is where a rollback must go. Only for a likelihood: the first loss must be at
+    least ``min_first`` (1 nat) for the ceiling, and the loss must never have been zero or negative.
+
+    >>> d = NoProgress("loss")   # flat from the start, small updates (a low-LR fine-tune): info only
+    >>> found = [d.update(s, {"loss": 2.6 - 0.001 * s, "update_ratio": 0.001}) for s in range(120)]
+    >>> [(a.step, a.severity.value) for a in found if a]
+    [(100, 'info')]
+    >>> d = NoProgress("loss")   # blown up at step 2, then a plateau, the weights thrashing: errors
+    >>> found = [d.update(s, {"loss": [2.7, 2.9, 4.3, 3.3, 3.0][s] if s < 5 else 2.35, "update_ratio": 0.05})
+    ...          for s in range(120)]
     >>> [(a.step, a.severity.value) for a in found if a]
     [(2, 'error'), (100, 'error')]
     >>> d = NoProgress("loss")   # learned (2.7 -> 1.8), then an LR jump at step 60: a spike, not no-progress
@@ -316,8 +329,8 @@ class NoProgress(Detector):
     >>> d = NoProgress("loss")   # down 30% to a plateau by step 15, the gradient dead: stalled
     >>> found = [d.update(s, {"loss": max(3.8 - 0.1 * s, 2.7), "grad_norm": 3.0 if s < 15 else 0.1})
     ...          for s in range(120)]
-    >>> [(a.step, round(a.score), a.threshold) for a in found if a]   # the gradient fell 30x (7x counts)
-    [(26, 30, 7.0)]
+    >>> [(a.step, round(a.score), a.threshold, a.severity.value) for a in found if a]   # fell 30x (7x counts)
+    [(26, 30, 7.0, 'error')]
     """
 
     name = "no_progress"
@@ -328,7 +341,7 @@ class NoProgress(Detector):
     learns_flagged = "its rolling median must see every loss, flagged or not"
     shares_evidence = False  # its evidence holds the finite losses it judged, not every raw value
     _state_attrs = ("_first", "_recent", "_judged", "_start", "_over", "_likelihood", "_last_step", "_learned",
-                    "_first_grads", "_history", "_stall_reported")
+                    "_first_grads", "_history", "_stall_reported", "_cadence", "_updates")
 
     def _reset(self) -> None:
         self._first: list[tuple[int, float]] = []
@@ -346,9 +359,13 @@ class NoProgress(Detector):
         self._history: deque[tuple[int, float, float | None]] = deque()
         self._stall_reported = False
         self._stall_fall = 0.0  # the loss's fall over the last window when the stall was reported (its message)
+        self._cadence = window.Cadence()
+        self._updates: deque[tuple[int, float]] = deque()  # (step, relative update) of the last window
+        self._corroborated = False  # whether the anomaly being reported is corroborated (its severity)
 
     def update(self, step: int, x: X) -> Anomaly | None:
         v = x.get(self.metric)  # self._value(x), inline (this runs on every record)
+        self._see_update(step, x)
         if v is None or not math.isfinite(v):
             return None
         v = float(v)
@@ -361,11 +378,13 @@ class NoProgress(Detector):
             self._history.clear()
             self._learned = self._learned and step >= self.config.window  # back to the start: prove it again
         self._last_step = step
+        self._cadence.see(step)
         config = self.config
-        w = config.window
+        w = self._cadence.span(steps=config.window, records=config.records)
+        by_step = self._cadence.span(steps=config.by_step, records=config.by_records)
         early = step < self._start + w  # the first window: its losses and gradient norms are the reference
-        grad = self._grad(x) if early or step < config.by_step else None  # past both: not needed
-        if early and len(self._first) < w:
+        grad = self._grad(x) if early or step < by_step else None  # past both: not needed
+        if early and len(self._first) < max(config.window, config.records):
             self._first.append((step, v))
             if grad is not None:
                 self._first_grads.append(grad)
@@ -375,10 +394,10 @@ class NoProgress(Detector):
         recent.append((step, v))
         self._evidence.append((step, v))
         self.n_learned += 1
-        if step < config.by_step:
+        if step < by_step:
             ceiling = None if self._learned else self._above_ceiling(step, v)
             self._learned = self._learned or self._score(v, x) < self.threshold
-            stalled = self._stalled(step, v, grad)
+            stalled = self._stalled(step, v, grad, w)
             self._judged = False  # back before by_step (a rollback): judge again when it is passed
             return ceiling or stalled
         if self._judged:
@@ -388,6 +407,28 @@ class NoProgress(Detector):
         if score < self.threshold:
             return None
         return self._report(step, v, score, "not_learning")
+
+    def _see_update(self, step: int, x: X) -> None:
+        """Keep the relative update sizes of the last window (sampled: a live monitor measures them every few
+        steps; an imported log has none)."""
+        u = x.get(self.config.update_metric)
+        if u is None or not math.isfinite(u):
+            return
+        updates = self._updates
+        if updates and updates[-1][0] >= step:  # a rollback: a new timeline
+            updates.clear()
+        updates.append((step, float(u)))
+        span = self._cadence.span(steps=self.config.window, records=self.config.records)
+        while len(updates) > 3 and updates[0][0] <= step - span:
+            updates.popleft()
+
+    def _thrashing(self) -> float | None:
+        """The median relative update of the last window when it reaches ``thrash`` (the weights move fast), else
+        None (they do not, or nothing measured them)."""
+        if not self._updates:
+            return None
+        median = statistics.median(u for _, u in self._updates)
+        return median if median >= self.config.thrash else None
 
     def _above_ceiling(self, step: int, v: float) -> Anomaly | None:
         first = self._first[0][1]
@@ -402,15 +443,15 @@ class NoProgress(Detector):
         if self._over:
             return None
         self._over = True
-        return self._report(step, v, ratio, "above_ceiling")
+        return self._report(step, v, ratio, "above_ceiling", corroborated=self._thrashing() is not None)
 
     def _grad(self, x: X) -> float | None:
         g = x.get(self.config.grad_metric)
         return float(g) if g is not None and math.isfinite(g) and g > 0 else None
 
-    def _stalled(self, step: int, v: float, grad: float | None) -> Anomaly | None:
-        """The loss has stopped falling and the gradient has collapsed, long before ``by_step``."""
-        w = self.config.window
+    def _stalled(self, step: int, v: float, grad: float | None, w: int) -> Anomaly | None:
+        """The loss has stopped falling and the gradient has collapsed, long before ``by_step``, without having
+        learned much (a run that fell ``max_fall`` below its first loss is on a plateau, not stuck)."""
         history = self._history
         while history and history[0][0] <= step - 2 * w:
             history.popleft()
@@ -421,17 +462,23 @@ class NoProgress(Detector):
         before = [loss for s, loss, _ in history if s <= step - w]
         grads = [g for _, g in last if g is not None]
         if min(len(before), len(last), len(grads)) < _STALL_MIN_VALUES:
-            return None  # too few values in one of the windows (a sparse log) to call a stall
-        fall = 1.0 - statistics.median(loss for loss, _ in last) / statistics.median(before)
+            return None  # too few values in one of the windows to call a stall
+        level = statistics.median(loss for loss, _ in last)
+        if level < (1.0 - self.config.max_fall) * self._first[0][1]:
+            return None  # it learned: a plateau far below where it started
+        fall = 1.0 - level / statistics.median(before)
         collapse = statistics.median(self._first_grads) / statistics.median(grads)
         if fall >= self.config.stall or collapse < self.config.grad_fall:
             return None
         self._stall_reported = True
         self._stall_fall = fall
-        return self._report(step, v, collapse, "stalled", threshold=self.config.grad_fall)
+        return self._report(step, v, collapse, "stalled", threshold=self.config.grad_fall, corroborated=True)
 
-    def _report(self, step: int, v: float, score: float, verdict: str, threshold: float | None = None) -> Anomaly:
+    def _report(self, step: int, v: float, score: float, verdict: str, threshold: float | None = None,
+                corroborated: bool | None = None) -> Anomaly:
+        """``corroborated``: whether a second signal shows damage (an error); None: judge the update size."""
         self._verdict = verdict
+        self._corroborated = self._thrashing() is not None if corroborated is None else corroborated
         anomaly = self._flag(step, v, score)
         return dataclasses.replace(anomaly, evidence=(self._first[0], *anomaly.evidence),
                                    threshold=anomaly.threshold if threshold is None else threshold)
@@ -450,9 +497,21 @@ class NoProgress(Detector):
         return 1.0 - self.config.min_drop
 
     def _severity(self, score: float, streak: int) -> Severity:
-        return Severity.ERROR
+        return Severity.ERROR if self._corroborated else Severity.INFO
 
     def _message(self, v: float | None, score: float) -> str:
+        return self._verdict_message(score) + self._corroboration_message()
+
+    def _corroboration_message(self) -> str:
+        if self._verdict == "stalled":
+            return ""
+        thrash = self._thrashing()
+        if thrash is not None:
+            return f"; the weights move {thrash:.1%} of their norm per step (thrash {self.config.thrash:.0%}): damage"
+        return (f"; not corroborated: the weights do not move fast ({self.config.update_metric} below "
+                f"{self.config.thrash:.0%} or not measured), as in a slow or flat fine-tune: info only")
+
+    def _verdict_message(self, score: float) -> str:
         if self._verdict == "stalled":
             return (f"{self.metric} has stopped falling ({-self._stall_fall:+.1%} over {self.config.window} steps) "
                     f"and {self.config.grad_metric} has collapsed to 1/{score:.0f} of its first values "

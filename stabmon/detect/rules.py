@@ -35,10 +35,23 @@ class NonFiniteConfig(DetectorConfig):
     """
 
     metrics: tuple[str, ...] = param((Metric.LOSS, Metric.GRAD_NORM), non_empty, "must stay finite")
+    persist: int = param(3, at_least_one, "non-finite values among the metric's last `of` records that make it "
+                         "critical (it persists)")
+    of: int = param(20, at_least_one, "records of the metric over which persistence is counted")
+    evidence: int = param(20, at_least_one, "length of the (step, value) evidence window (at least `of`)")
+
+    def validate(self, path: str) -> None:
+        if self.evidence < self.of:
+            raise ValueError(f"{path}.evidence must be >= {path}.of ({self.of}), got {self.evidence}")
 
 
 class NonFinite(Detector):
-    """NaN or Inf in the loss or the gradient norm: always ``critical``, no grace period.
+    """NaN or Inf in the loss or the gradient norm, no grace period. ``critical`` when it persists: on
+    ``persist`` (3) of the metric's last ``of`` (20) records, counted in records so that a log written every 10
+    or 500 steps persists as a per-step one does. Before that a non-finite loss is a ``warning`` and a
+    non-finite gradient norm beside a finite loss is ``info``: an fp16 step that overflowed and was skipped
+    (Hugging Face Trainer logs its ``grad_norm`` as NaN and goes on; two healthy ``real-finetunes`` runs have
+    one each) is routine, a run whose every step is NaN is not.
 
     An fp16 step the loss scaler skipped (``overflow == 1``) has an infinite *gradient norm* by design; that
     is healthy dynamic loss scaling (judged by :class:`LossScaleCollapse`), not a non-finite training state. A
@@ -47,8 +60,10 @@ class NonFinite(Detector):
     >>> d = NonFinite("loss")
     >>> d.update(1, {"loss": 2.0}) is None
     True
-    >>> d.update(2, {"loss": float("nan")}).severity.value
-    'critical'
+    >>> [d.update(s, {"loss": float("nan")}).severity.value for s in (2, 3, 4)]
+    ['warning', 'warning', 'critical']
+    >>> NonFinite("grad_norm").update(3, {"grad_norm": float("nan"), "loss": 2.0}).severity.value
+    'info'
     >>> NonFinite("grad_norm").update(3, {"grad_norm": float("inf"), "overflow": 1.0}) is None
     True
     """
@@ -59,6 +74,7 @@ class NonFinite(Detector):
     config: NonFiniteConfig
     grace_exempt = "a non-finite loss is critical whenever it happens"
     skips_finite = "a finite value scores 0 and there is nothing to learn"
+    _state_attrs = ("_flagged",)
 
     def _value(self, x: X) -> float | None:
         v = x.get(self.metric)
@@ -87,11 +103,34 @@ class NonFinite(Detector):
     def threshold(self) -> float:
         return 1.0
 
+    def _reset(self) -> None:
+        self._flagged: deque[int] = deque(maxlen=self.config.persist)  # steps of the last flagged values
+        self._persisting = 0  # flagged values among the last ``of`` records, at the last flag
+        self._loss_finite = False  # whether the record being flagged has a finite loss (its severity)
+
+    def update(self, step: int, x: X) -> Anomaly | None:
+        loss = x.get(Metric.LOSS)
+        self._loss_finite = loss is not None and math.isfinite(loss)
+        return self._update_path(step, x)
+
+    def _flag(self, step: int, raw: float | None, score: float) -> Anomaly:
+        """Count the flagged values among the metric's last ``of`` records, then report (its severity)."""
+        window = self._evidence  # the metric's recent (step, value) pairs, this record included
+        self._flagged.append(step)
+        horizon = window[-self.config.of][0] if len(window) >= self.config.of else -math.inf
+        self._persisting = sum(1 for s in self._flagged if s >= horizon)
+        return super()._flag(step, raw, score)
+
     def _severity(self, score: float, streak: int) -> Severity:
-        return Severity.CRITICAL
+        if self._persisting >= self.config.persist:
+            return Severity.CRITICAL
+        if self.metric != Metric.LOSS and self._loss_finite:
+            return Severity.INFO
+        return Severity.WARNING
 
     def _message(self, v: float | None, score: float) -> str:
-        return f"{self.metric} is {v}"
+        return (f"{self.metric} is {v} ({self._persisting} of its last {self.config.of} records; "
+                f"{self.config.persist} persist)")
 
     @classmethod
     def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:

@@ -138,10 +138,11 @@ class _LogSpike(Detector):
         return super()._flag(step, raw, score)
 
     def _severity(self, score: float, streak: int) -> Severity:
+        """At most a warning: one signal is not evidence of damage (the suite raises a corroborated one)."""
         r = self._log_ratio
         if r >= self._log_error_ratio or streak >= self.config.persist:
-            self._peak_error = True
-            return Severity.ERROR
+            self._peak_error = True  # not an excursion the run survived on its own
+            return Severity.WARNING
         if self._tolerates and r <= max(math.log(self.config.tolerance), self._survived):
             return Severity.INFO
         return Severity.WARNING
