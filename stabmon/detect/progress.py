@@ -185,6 +185,8 @@ class LossRegression(Detector):
         patience = self._cadence.span(steps=c.patience, records=c.patience_records)
         if self._reported or self._above_n < c.patience_records or step - self._above_since + 1 < patience:
             return None  # reported once per excursion, when it has lasted long enough
+        if math.log(v / best) <= needed:
+            return None  # the latest loss is back under the threshold: the median lags a recovery
         self._reported = True
         self._threshold_now, self._sigma_now = math.exp(needed), sigma
         anomaly = self._flag(step, raw, median / best)

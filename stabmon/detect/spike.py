@@ -78,6 +78,9 @@ class _LogSpikeConfig(DetectorConfig):
                                "grace included (then the baseline is the run's first values)")
     corroborate_within: int = param(10, non_negative, "steps after a grad-norm spike in which a loss spike is "
                                     "an error (the loss followed: corroborated), read by the detector suite")
+    corroborate_records: int = param(2, at_least_one, "consecutive records on which the loss must be flagged "
+                                     "before a corroborated loss spike is an error (one that is back at the next "
+                                     "record did no lasting damage), read by the detector suite")
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,7 @@ class _LogSpike(Detector):
         #: log of the largest excursion (value / baseline) that the run came back from without an error
         self._survived = 0.0
         self._peak = 0.0  # log-ratio of the current (or last) excursion's largest point
-        self._peak_error = False  # whether that excursion was an error
+        self._peak_error = False  # whether that excursion lasted `persist` records (not shrugged off)
         self._log_ratio = 0.0  # of the point being flagged
 
     def _flag(self, step: int, raw: float | None, score: float) -> Anomaly:
@@ -140,11 +143,13 @@ class _LogSpike(Detector):
     def _severity(self, score: float, streak: int) -> Severity:
         """At most a warning: one signal is not evidence of damage (the suite raises a corroborated one)."""
         r = self._log_ratio
-        if r >= self._log_error_ratio or streak >= self.config.persist:
-            self._peak_error = True  # not an excursion the run survived on its own
+        if streak >= self.config.persist and not self._tolerates:
+            self._peak_error = True  # a lasting excursion is not one the run shrugged off: it raises no bar
             return Severity.WARNING
-        if self._tolerates and r <= max(math.log(self.config.tolerance), self._survived):
-            return Severity.INFO
+        if r <= self._survived:
+            return Severity.INFO  # no larger than an excursion the run already came back from on its own
+        if self._tolerates and r <= math.log(self.config.tolerance):
+            return Severity.INFO  # persistence alone does not lift it: a slow climb is a drift (info)
         return Severity.WARNING
 
     def _message(self, v: float | None, score: float) -> str:

@@ -101,8 +101,10 @@ class DetectorSuite:
         self._windows: dict[str, _Window] = {}
         self._window_len = max((c.evidence for c in self.configs.values() if c.enabled), default=1)
         self._lead_step: int | None = None  # the step of the last grad-norm spike (corroboration)
+        self._follow_streak = 0  # consecutive records with a loss whose loss was flagged as a spike
         spike = self.configs.get("spike")
         self._corroborate_within = spike.corroborate_within if spike is not None else 0
+        self._corroborate_records = spike.corroborate_records if spike is not None else 1
         for name, config in self.configs.items():
             if not config.enabled:
                 continue
@@ -189,7 +191,11 @@ class DetectorSuite:
             if old is None or _rank(found) > _rank(old):
                 best[key] = found
         if best is None:
+            if self._follow_streak and Metric.LOSS in metrics:
+                self._follow_streak = 0
             return []
+        if Metric.LOSS in metrics:
+            self._follow_streak = self._follow_streak + 1 if _FOLLOW in best else 0
         self._corroborate(step, best)
         return list(best.values())
 
@@ -201,10 +207,11 @@ class DetectorSuite:
         lead = self._lead_step
         if follow is None or lead is None or follow.severity >= Severity.ERROR:
             return
-        if 0 <= step - lead <= self._corroborate_within:
+        if 0 <= step - lead <= self._corroborate_within and self._follow_streak >= self._corroborate_records:
             best[_FOLLOW] = dataclasses.replace(
                 follow, severity=Severity.ERROR,
-                message=f"{follow.message}; the grad norm spiked first (step {lead}): corroborated",
+                message=f"{follow.message}; the grad norm spiked first (step {lead}) and the loss has stayed up "
+                        f"for {self._follow_streak} records: corroborated",
             )
 
     def enter_grace(self, steps: int | None = None) -> None:
@@ -218,6 +225,7 @@ class DetectorSuite:
             "version": 1,
             "seen": sorted(self._seen),
             "lead_step": self._lead_step,
+            "follow_streak": self._follow_streak,
             "detectors": {f"{n}|{m}": det.state_dict() for (n, m), det in self._detectors.items()},
         }
 
@@ -232,6 +240,7 @@ class DetectorSuite:
             det.load_state_dict(det_state)
         self._seen = set(state.get("seen", ()))
         self._lead_step = state.get("lead_step")
+        self._follow_streak = int(state.get("follow_streak", 0))
         self._plans = {}
 
 
