@@ -97,6 +97,8 @@ def test_protect_filter_does_not_learn_flagged_points(cls: type[Detector]) -> No
                 assert after["_baseline"] == state["_baseline"]
             elif cls.name == "loss_scale":  # at-floor flag tracks the scale; overflow window protected
                 assert after["_overflows"] == state["_overflows"]
+            elif cls.name == "nonfinite":  # it learns nothing; it counts the flagged steps (persistence)
+                assert set(after) == {"_flagged"} and len(pickle.loads(after["_flagged"])) == 1
             elif cls.name in {"spike", "robust_spike"}:  # the excursion's size is recorded (it sets the severity
                 # of the next one); the baseline statistics are protected
                 history = {"_survived", "_peak", "_peak_error"}

@@ -26,7 +26,11 @@ def test_bloom_spike_flagged_on_grad_norm_before_the_loss_spike(real_runs: Path)
     found = _replay(result, DetectorSuite.from_config())
     grad = [a for a in found if a.metric == Metric.GRAD_NORM and a.kind == "spike"]
     assert grad and grad[0].step < loss_spike
-    assert any(a.severity >= Severity.ERROR and a.step < loss_spike for a in grad)
+    assert any(a.severity >= Severity.WARNING and a.step < loss_spike for a in grad)  # alerted before the loss
+    # one signal is not damage: the first error is the loss staying up after the grad norm led (corroborated)
+    first_error = next(a for a in found if a.severity >= Severity.ERROR)
+    assert first_error.metric == Metric.LOSS and first_error.step == loss_spike + 1
+    assert "corroborated" in first_error.message
     assert grad[0].evidence[-1] == (grad[0].step, result.records[1].metrics[Metric.GRAD_NORM])
     assert not [a for a in found if a.metric == Metric.LOSS and a.step < grad[0].step]
 
@@ -41,8 +45,9 @@ def test_bloom_spike_after_an_explicit_grace_stays_quiet_until_it_has_a_baseline
     values = {r.step: r.metrics.get(Metric.GRAD_NORM) for r in result.records}
     in_grace = [a for a in found if a.kind == "spike" and a.step <= result.records[9].step]
     # in grace only the prior speaks: a grad norm two orders of magnitude over the first values (145 and 960
-    # at it31218-31219 against 0.242) is an error at any step; the 3.9-66x of it31215-31217 is learned
-    assert in_grace and all(a.metric == Metric.GRAD_NORM and a.severity is Severity.ERROR for a in in_grace)
+    # at it31218-31219 against 0.242) is flagged at any step (a warning: one signal); the 3.9-66x of
+    # it31215-31217 is learned
+    assert in_grace and all(a.metric == Metric.GRAD_NORM and a.severity is Severity.WARNING for a in in_grace)
     assert all(values[a.step] >= 100 * first for a in in_grace)
 
 
@@ -98,8 +103,11 @@ def test_polypythias_collapse_after_resume_and_stable_control(real_runs: Path) -
     suite = DetectorSuite.from_config()
     found = [a for r in outlier.records for a in suite.update(r)]
     collapse = 75002  # LABELS.csv: loss 2.21 -> 11.08 right after the resume at 75001
+    first_alert = next(a for a in found if a.severity >= Severity.WARNING)
+    assert first_alert.step == collapse and first_alert.metric == Metric.LOSS
+    # one signal: an error once the loss has stayed up for the regression's patience (20 steps, 6 records)
     first_error = next(a for a in found if a.severity >= Severity.ERROR)
-    assert collapse <= first_error.step <= collapse + 5 and first_error.metric == Metric.LOSS
+    assert collapse + 20 <= first_error.step <= collapse + 40 and first_error.kind == "regression"
     control = import_files(sorted(base.glob("410m-seed2_*.tsv")))
     suite = DetectorSuite.from_config()
     assert not [a for r in control.records for a in suite.update(r)]
