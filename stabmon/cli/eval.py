@@ -139,6 +139,9 @@ def _print(report: Any) -> None:
     for m, s in report.summary.items():
         if channels and all(f"recall_sent_{ch}" in s for ch in channels):  # stabmon's rows: the peers send nothing
             out.print(_routing_line(m, s, channels))
+    for m, s in report.summary.items():
+        if s.get("healthy_runs"):
+            out.print(_healthy_line(m, s, channels))
     stab = [r for r in report.files if r["method"] == "stabmon" and r.get("intervention_decisions")]
     for r in stab:
         out.print(f"stabmon would have intervened {r['intervention_decisions']} time(s) on {r['file']}")
@@ -162,6 +165,14 @@ def _routing_line(method: str, s: dict[str, Any], channels: list[str]) -> str:
         for ch in channels
     ]
     return f"{method} under default routing - " + "; ".join(parts)
+
+
+def _healthy_line(method: str, s: dict[str, Any], channels: list[str]) -> str:
+    """One line on the runs labelled healthy only: how many the runbook would have changed, and how often each
+    default channel would have been messaged (episodes per 10k logged steps of those runs)."""
+    sent = ", ".join(f"{ch} {s.get(f'healthy_sent_{ch}_per_10k')} per 10k steps" for ch in channels)
+    return (f"{method} on the {s['healthy_runs']} healthy run(s): training changed on {s['healthy_runs_changed']}; "
+            f"sent: {sent}")
 
 
 def register(app: typer.Typer) -> None:

@@ -287,7 +287,9 @@ def score(
                 }
             )
     for run, ra in runs.items():
-        wins = _windows([lb for i, lb in enumerate(labels) if label_runs[i] == run], pre)
+        run_labels = [lb for i, lb in enumerate(labels) if label_runs[i] == run]
+        wins = _windows(run_labels, pre)
+        healthy = all(lb.category == "control" for lb in run_labels)
         for m in methods:
             fa_steps = [s for s in ra.alerts.get(m, []) if not any(a <= s <= b for a, b in wins)]
             fa = episodes(fa_steps, episode_gap)
@@ -303,6 +305,7 @@ def score(
                 "restarts": ra.restarts,
                 "malformed": ra.malformed,
                 "error": ra.error,
+                "healthy": healthy,
             }
             if m == STABMON:
                 err_fa = [s for s in _at_error(ra) if not any(a <= s <= b for a, b in wins)]
@@ -347,6 +350,13 @@ def summarize(
                 "recall_at_error": round(len(at_err) / len(num), 3) if num else None,
                 "false_alarms_at_error": sum(r.get("false_alarms_at_error", 0) for r in rows),
             }
+            healthy = [r for r in rows if r["healthy"] and not r["error"]]
+            healthy_steps = sum(r["steps"] for r in healthy)
+            extra["healthy_runs"] = len(healthy)
+            extra["healthy_runs_changed"] = sum(1 for r in healthy if r.get("intervention_decisions"))
+            for ch in DEFAULT_CHANNELS:
+                sent = sum(r.get(f"sent_{ch}", 0) for r in healthy)
+                extra[f"healthy_sent_{ch}_per_10k"] = round(1e4 * sent / healthy_steps, 3) if healthy_steps else None
             for ch in DEFAULT_CHANNELS:
                 hit = sum(1 for r in num if r.get(f"first_sent_{ch}") is not None)
                 extra[f"detected_sent_{ch}"] = hit
