@@ -40,6 +40,16 @@ def real_runs() -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_finetunes() -> Path:
+    """The directory of third-party Hugging Face ``trainer_state.json`` records with LABELS.csv."""
+    path = Path(os.environ.get("STABMON_REAL_FINETUNES", REPO.parent / "shared" / "data" / "real-finetunes"))
+    if not (path / "LABELS.csv").is_file():
+        _skip_or_fail(f"real fine-tune records not found at {path} (set STABMON_REAL_FINETUNES)",
+                      "STABMON_REQUIRE_REAL_RUNS")
+    return path
+
+
+@pytest.fixture(scope="session")
 def pg_admin_url() -> str:
     """URL of a reachable PostgreSQL server, or skip (fail under STABMON_REQUIRE_POSTGRES=1)."""
     url = os.environ.get("STABMON_TEST_PG_URL", DEFAULT_PG_URL)

@@ -37,6 +37,7 @@ Defaults, and why:
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -212,7 +213,7 @@ class _LogSpike(Detector):
         the recent window (a Trainer log writes 4 decimals: near 1e-4, 0.0001 -> 0.0002 is one step, not a
         2x spike). Computed only for a point that the statistics alone would flag."""
         values = [v for _, v in self._recent_evidence()][:-1]  # the point being judged is not its own yardstick
-        steps = [abs(b - a) for a, b in zip(values, values[1:]) if b != a and math.isfinite(b - a)]
+        steps = [abs(b - a) for a, b in itertools.pairwise(values) if b != a and math.isfinite(b - a)]
         if len(steps) < _ROUNDING_SAMPLES:
             return 0.0
         return 0.5 * math.log1p(min(steps) / math.exp(centre))

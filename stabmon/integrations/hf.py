@@ -53,6 +53,7 @@ import torch
 from stabmon.collect.config import MonitorConfig
 from stabmon.collect.wiring import DEFAULT_STORE
 from stabmon.integrations._shared import MonitorSpec
+from stabmon.replay.importers.hf_trainer import eval_names
 
 try:
     from transformers import TrainerCallback
@@ -124,6 +125,7 @@ class StabmonCallback(TrainerCallback):
         self._losses: list[torch.Tensor] = []
         self._loss_sum = False
         self._warned_no_loss = False
+        self._pending_eval: dict[str, float] = {}  # the last evaluation's metrics, recorded with the next step
 
     @property
     def exit_code(self) -> int:
@@ -210,8 +212,11 @@ class StabmonCallback(TrainerCallback):
                 "stabmon: the model returned no 'loss' in training forwards; call "
                 "StabmonCallback.observe_loss(loss) from your compute_loss to record it"
             )
-        self.monitor.observe(loss=loss)  # before optimizer.step(): the GradScaler's scale is this step's
-        self._losses = []
+        # before optimizer.step(): the GradScaler's scale is this step's. The epoch and the last evaluation are
+        # host floats the Trainer already has (no read-back); named as the trainer_state.json importer names them
+        extra = {"epoch": float(state.epoch)} if state.epoch is not None else {}
+        self.monitor.observe(loss=loss, **extra, **self._pending_eval)
+        self._losses, self._pending_eval = [], {}
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None:
@@ -226,6 +231,18 @@ class StabmonCallback(TrainerCallback):
             log.warning(
                 "stabmon: stopping the Trainer at step %d: %s", state.global_step, self.monitor.stop_reason
             )
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None,
+                    **kwargs: Any) -> None:
+        """Keep the evaluation's numbers (``eval_loss`` as ``val_loss``, the other ``eval_*`` under their own
+        names, as in an imported ``trainer_state.json``); the Trainer evaluates after a step has ended, so they
+        are recorded with the next step (an evaluation after the last step is not recorded)."""
+        if self.monitor is None or not metrics:
+            return
+        for key, name in eval_names(metrics).items():
+            value = metrics[key]
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._pending_eval[name] = float(value)
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

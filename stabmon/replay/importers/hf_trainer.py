@@ -12,6 +12,9 @@ what they hold, not by position:
 - the closing summary (``train_loss``, ``train_runtime``, ``total_flos``) is the mean over the whole run and is
   not a step: it is left out.
 
+A training loss of exactly 0.0 beside a non-finite ``grad_norm`` is read as NaN (and listed in ``events``): the
+Trainer's ``logging_nan_inf_filter`` (on by default) logs an interval whose every step had a NaN loss that way.
+
 The Trainer writes a NaN or an infinity as a bare ``NaN`` / ``Infinity`` token (Python's ``json`` reads them);
 a value written as a string (``"nan"``, ``"inf"``, ``"1e-3"``) is read as the number it names. An entry with
 no ``step``, a training entry whose step is not after the previous one (a duplicated log) and a value that is
@@ -107,10 +110,14 @@ def read(path: Path, **options: Any) -> ImportResult:
             metrics = _numbers(entry, TRAIN_KEYS, result, where)
             if Metric.LOSS not in metrics:
                 continue  # its loss was not a number (counted)
+            if _nan_filtered(metrics):
+                metrics[Metric.LOSS] = math.nan
+                result.event(step, f"loss 0.0 with grad_norm {metrics[Metric.GRAD_NORM]}: every step of the "
+                                   "interval had a non-finite loss (the Trainer's logging_nan_inf_filter), read as NaN")
             last_train = step
             steps.merge(step, metrics)
         else:
-            metrics = _numbers(entry, _eval_keys(entry), result, where)
+            metrics = _numbers(entry, eval_names(entry), result, where)
             if metrics:
                 evals += 1
                 steps.merge(step, metrics)
@@ -124,11 +131,24 @@ def read(path: Path, **options: Any) -> ImportResult:
     return result
 
 
-def _eval_keys(entry: Mapping[str, Any]) -> dict[str, str]:
+def eval_names(entry: Mapping[str, Any]) -> dict[str, str]:
+    """The evaluation keys of a Trainer log entry (or ``on_evaluate`` metrics) and the metric each becomes.
+
+    >>> eval_names({"eval_loss": 1.0, "eval_accuracy": 0.5, "eval_runtime": 2.0, "epoch": 1.0})
+    {'eval_loss': 'val_loss', 'eval_accuracy': 'eval_accuracy'}
+    """
     keys = {k: k for k in entry if k.startswith(EVAL_PREFIX) and k not in EVAL_SKIPPED}
     if "eval_loss" in keys:
         keys["eval_loss"] = Metric.VAL_LOSS
     return keys
+
+
+def _nan_filtered(metrics: Mapping[str, float]) -> bool:
+    """Did the Trainer's ``logging_nan_inf_filter`` (on by default) hide a non-finite loss? It replaces each
+    non-finite step's loss by the mean of the interval so far, so an interval whose every step was NaN logs a
+    loss of exactly 0.0 - next to a non-finite gradient norm."""
+    grad = metrics.get(Metric.GRAD_NORM)
+    return metrics[Metric.LOSS] == 0.0 and grad is not None and not math.isfinite(grad)
 
 
 def _step(raw: Any) -> int | None:
