@@ -123,7 +123,8 @@ class LossRegression(Detector):
         self._noise = window.Noise()
         self._lr_peak = 0.0
         self._lr_last: float | None = None
-        self._threshold_now = 1 + self.config.rise  # the multiple of the best median that is a regression now
+        self._rise = 1 + self.config.rise  # the smallest multiple of the best median that can be a regression
+        self._threshold_now = self._rise  # the multiple of the best median that is a regression (last report)
         self._sigma_now = 0.0
 
     def _new_timeline(self) -> None:
@@ -173,9 +174,13 @@ class LossRegression(Detector):
             return None
         median = window.median(ordered)
         best = self._best
+        if median <= best * self._rise:  # under the floor: no regression whatever the noise (the common case)
+            if median < best or self._above_since is not None or self._reported:
+                self._best, self._above_since, self._above_n, self._reported = min(best, median), None, 0, False
+            return None
         sigma = self._noise.sigma(median)
         needed = max(math.log1p(c.rise), c.z * 1.2533 * sigma / math.sqrt(n))
-        if best == math.inf or math.log(median / best) <= needed:
+        if math.log(median / best) <= needed:
             if median < best or self._above_since is not None or self._reported:
                 self._best, self._above_since, self._above_n, self._reported = min(best, median), None, 0, False
             return None
@@ -195,7 +200,7 @@ class LossRegression(Detector):
     def _push(self, step: int, v: float) -> list[float]:
         """Add a value; drop those older than the window (in steps and records). Return its values, sorted."""
         c = self.config
-        oldest = step - self._cadence.span(steps=c.window, records=c.records)
+        oldest = step - max(c.window, c.records * self._cadence.interval)  # Cadence.span, inline (every record)
         recent, steps, ordered = self._recent, self._steps, self._sorted
         while steps and steps[0] <= oldest:
             steps.popleft()

@@ -12,7 +12,9 @@ costs a binary search per value instead of a sort per record.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
+import statistics
 from collections import deque
 
 
@@ -59,7 +61,12 @@ class Cadence:
         last, self._last = self._last, step
         if last is None or step <= last:
             return
-        push(self._gaps, self._sorted, float(step - last))
+        gap = float(step - last)
+        gaps = self._gaps
+        if len(gaps) == gaps.maxlen and gaps[0] == gap:  # the steady case: the window's values do not change
+            gaps.append(gap)
+            return
+        push(gaps, self._sorted, gap)
         self.interval = max(1, int(median(self._sorted)))
 
     def span(self, *, steps: int, records: int) -> int:
@@ -72,7 +79,10 @@ class Noise:
     difference between consecutive log-values over the last ``n`` records, scaled to a standard deviation
     (x 1.0484: for Gaussian noise the difference of two values has sigma*sqrt(2) and its median absolute value is
     0.6745 of that). A log that rounds its values (the Trainer writes 4 decimals: 0.0001 and 0.0002 are
-    neighbours) has at least half a rounding step of noise: ``quantum`` is the smallest change seen.
+    neighbours) has at least half a rounding step of noise: the smallest change between those values.
+
+    Seeing a value costs one append; the statistics are computed only when asked for (:meth:`sigma`), which a
+    detector does only for a point its cheap test could not settle.
 
     >>> n = Noise()
     >>> for v in (2.0, 2.1, 2.0, 2.1, 2.0, 2.1):
@@ -84,27 +94,27 @@ class Noise:
     SCALE = 1.0484
 
     def __init__(self, n: int = 128) -> None:
-        self._diffs: deque[float] = deque(maxlen=n)
-        self._sorted: list[float] = []
-        self._prev: float | None = None
-        self.quantum = math.inf
-        self.count = 0
+        self._values: deque[float] = deque(maxlen=n + 1)
 
     def see(self, v: float) -> None:
-        prev, self._prev = self._prev, v
-        if prev is None:
-            return
-        if v != prev:
-            self.quantum = min(self.quantum, abs(v - prev))
-        push(self._diffs, self._sorted, abs(math.log(v / prev)))
-        self.count = len(self._diffs)
+        self._values.append(v)
 
     def restart(self) -> None:
-        """The next value follows no previous one (a rollback or a new timeline); the statistics stay."""
-        self._prev = None
+        """The next value follows no previous one (a rollback or a new timeline): the window starts again."""
+        self._values.clear()
+
+    @property
+    def count(self) -> int:
+        """How many differences the estimate rests on."""
+        return max(0, len(self._values) - 1)
 
     def sigma(self, level: float) -> float:
         """The standard deviation of one record's log-value, at least half a rounding step at ``level``."""
-        spread = self.SCALE * median(self._sorted) if self._sorted else 0.0
-        floor = 0.5 * math.log1p(self.quantum / level) if math.isfinite(self.quantum) and level > 0 else 0.0
+        values = self._values
+        if len(values) < 2:
+            return 0.0
+        pairs = list(itertools.pairwise(values))
+        spread = self.SCALE * statistics.median(abs(math.log(b / a)) for a, b in pairs)
+        steps = [abs(b - a) for a, b in pairs if b != a]
+        floor = 0.5 * math.log1p(min(steps) / level) if steps and level > 0 else 0.0
         return max(spread, floor)
