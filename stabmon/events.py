@@ -65,6 +65,7 @@ class Metric:
     EMB_UPDATE_PREFIX = "emb_update/"  # ||W_t - W_{t-1}|| / ||W_t||
     UPDATE_RATIO = "update_ratio"  # ||Δθ|| / ||θ|| of the step applied (after clipping, overrides, skips)
     UPDATE_RATIO_PREFIX = "update_ratio/"  # the same per layer (the layers of the per-layer grad norms)
+    UNTRAINED_LOSS = "untrained_loss"  # ln(output classes): an untrained model's loss, recorded once (collect/vocab)
 
 
 class Severity(str, Enum):

@@ -58,6 +58,7 @@ from stabmon.collect.resume import ResumeCheck
 from stabmon.collect.sharding import ShardedSquares, embedding_counted, layout_of
 from stabmon.collect.target import LiveTarget
 from stabmon.collect.updates import UpdateNorms
+from stabmon.collect.vocab import untrained_loss
 from stabmon.collect.wiring import (
     DEFAULT_STORE,
     MODES,
@@ -177,6 +178,8 @@ class Monitor:
         )
         self.pipeline, self.executor = build_pipeline(self.target, detectors=detectors, runbook=runbook, mode=mode)
         self.batches = batch_log_for(self.pipeline.engine, sample_ids, capacity=cfg.diagnose.batches)
+        #: ln(output classes), recorded once with the first step observed (None: unknown, or recorded)
+        self._untrained: float | None = untrained_loss(model)
         self._loss_fn = loss_fn  # diagnose's loss of a batch (None: stabmon.collect.rerun.call_model)
         diagnosing = self.batches is not None and self.world_size > 1
         self._channel = RankChannel(rank=self.rank, world_size=self.world_size if diagnosing else 1,
@@ -415,6 +418,9 @@ class Monitor:
         ``tokens`` (a host int: tokens in this step's batch) adds ``tokens_per_sec`` at the end of the step."""
         if not self.buffer.open:
             self.begin_step()
+        if self._untrained is not None:  # a host float, once: what the no_progress detector calls untrained
+            metrics = {**metrics, Metric.UNTRAINED_LOSS: self._untrained}
+            self._untrained = None
         self.recorder.observe((("loss", loss), *metrics.items()), tokens=tokens, step=self._step)
 
     def end_step(self) -> None:

@@ -25,6 +25,7 @@ from stabmon.detect.config import (
     at_least_one,
     at_least_two,
     non_empty,
+    non_negative,
     open_unit,
     param,
     positive,
@@ -272,6 +273,11 @@ class NoProgressConfig(DetectorConfig):
                             "a stall after it is a plateau, not a run wrecked from its first steps")
     update_metric: str = param(Metric.UPDATE_RATIO, non_empty, "relative update size per step (||dtheta|| / "
                                "||theta||) that corroborates 'worse than untrained' and 'not learning'")
+    untrained_loss: float = param(0.0, non_negative, "the loss of an untrained model, ln(number of classes); 0: "
+                                  "read from the stream's untrained_loss metric (the live monitor records it once "
+                                  "from the model's vocabulary), unknown in an imported log without it")
+    untrained_fraction: float = param(0.75, open_unit, "a first loss at least this fraction of the untrained loss "
+                                      "is a run from scratch (a pre-trained model starts a fine-tune far below)")
     thrash: float = param(0.02, positive, "median relative update per step, over the last window, at or above "
                           "which the weights are thrashing: a loss worse than at the start or not falling, while "
                           "2% of the weights' norm changes every step, is damage (the healthy scenarios: "
@@ -295,12 +301,22 @@ class NoProgress(Detector):
     - **not learning**: by ``by_step``, the rolling median of the loss is still within ``min_drop`` (10%) of
       where it started: the smaller of the first loss and the median of the first ``window`` losses. A healthy
       pre-training run falls by far more; a low-LR fine-tune of a trained model may not fall at all.
-    - For those two, the damage signal is the size of the updates: the median relative update
-      ``||dtheta|| / ||theta||`` (``update_ratio``, measured by the live monitor) over the last window at or above
-      ``thrash`` (2% of the weights' norm per step). The tiny GPT's healthy runs move 0.3-0.5% per step; at 100x
-      the stable LR (``lr-too-high``) they move 3-6% while the loss sits at the frequency baseline; a LoRA or
-      low-LR fine-tune moves far less than 1%. An imported log has no update sizes: these two are ``info``
-      there.
+    - For those two, what shows damage is where the run started, or how hard its weights move:
+
+      - **a run from scratch**: its first loss is at least ``untrained_fraction`` (0.75) of an untrained model's
+        loss ``ln V`` (``untrained_loss``; the live monitor records it once from the model's vocabulary, see
+        :mod:`stabmon.collect.vocab`). A random model starts at about ``ln V`` (the tiny GPT 2.7 against 2.56);
+        a pre-trained one starts a fine-tune far below (the tiny GPT pre-trained for 300 steps: 1.6, 0.63 of
+        it; a 7B model's SFT: 1-2 against 10.4). A run from scratch that is worse than untrained, or has not
+        fallen 10% by step 100, is wrecked; a fine-tune that does the same is slow or flat;
+      - **thrashing updates**: the median relative update ``||dtheta|| / ||theta||`` (``update_ratio``, sampled
+        by the live monitor when ``config.updates.every`` is set) over the last window at or above ``thrash``
+        (2% of the weights' norm per step). The tiny GPT's healthy runs move 0.3-0.5% per step; at 100x the
+        stable LR (``lr-too-high``) 3-6% while the loss sits at the frequency baseline; a LoRA or low-LR
+        fine-tune far less than 1%.
+
+      An imported log has neither (unless it carries ``untrained_loss``, or ``--set
+      no_progress.untrained_loss=...``): these two are ``info`` there.
     - **stalled** (its own corroboration): before ``by_step``, the loss has stopped falling (its median over the
       last window is less than ``stall``, 1%, below the median of the window before) *and* the gradient norm has
       collapsed (the median of its first values is ``grad_fall``, 7x, or more the median of the last window)
@@ -330,6 +346,11 @@ class NoProgress(Detector):
     ...          for s in range(120)]
     >>> [(a.step, a.severity.value) for a in found if a]
     [(2, 'error'), (100, 'error')]
+    >>> d = NoProgress("loss")   # a run from scratch (ln 13 = 2.56 untrained) that does not learn: an error
+    >>> found = [d.update(s, {"loss": 2.6 - 0.001 * s, **({"untrained_loss": 2.565} if s == 0 else {})})
+    ...          for s in range(120)]
+    >>> [(a.step, a.severity.value) for a in found if a]
+    [(100, 'error')]
     >>> d = NoProgress("loss")   # learned (2.7 -> 1.8), then an LR jump at step 60: a spike, not no-progress
     >>> [d.update(s, {"loss": 40.0 if s == 60 else max(1.8, 2.7 - 0.03 * s)}) for s in range(80)].count(None)
     80
@@ -348,7 +369,7 @@ class NoProgress(Detector):
     learns_flagged = "its rolling median must see every loss, flagged or not"
     shares_evidence = False  # its evidence holds the finite losses it judged, not every raw value
     _state_attrs = ("_first", "_recent", "_judged", "_start", "_over", "_likelihood", "_last_step", "_learned",
-                    "_first_grads", "_history", "_stall_reported", "_cadence", "_updates")
+                    "_first_grads", "_history", "_stall_reported", "_cadence", "_updates", "_untrained")
 
     def _reset(self) -> None:
         self._first: list[tuple[int, float]] = []
@@ -369,10 +390,14 @@ class NoProgress(Detector):
         self._cadence = window.Cadence()
         self._updates: deque[tuple[int, float]] = deque()  # (step, relative update) of the last window
         self._corroborated = False  # whether the anomaly being reported is corroborated (its severity)
+        self._untrained = 0.0  # the untrained loss the stream recorded (see NoProgressConfig.untrained_loss)
 
     def update(self, step: int, x: X) -> Anomaly | None:
         v = x.get(self.metric)  # self._value(x), inline (this runs on every record)
         self._see_update(step, x)
+        untrained = x.get(Metric.UNTRAINED_LOSS)
+        if untrained is not None and math.isfinite(untrained) and untrained > 0 and not self.config.untrained_loss:
+            self._untrained = float(untrained)
         if v is None or not math.isfinite(v):
             return None
         v = float(v)
@@ -428,6 +453,12 @@ class NoProgress(Detector):
         span = self._cadence.span(steps=self.config.window, records=self.config.records)
         while len(updates) > 3 and updates[0][0] <= step - span:
             updates.popleft()
+
+    def _from_scratch(self) -> bool:
+        """Did the run start from an untrained model: its first loss at least ``untrained_fraction`` of the
+        untrained loss (ln of the number of classes), when that is known?"""
+        untrained = self.config.untrained_loss or self._untrained
+        return bool(untrained and self._first and self._first[0][1] >= self.config.untrained_fraction * untrained)
 
     def _thrashing(self) -> float | None:
         """The median relative update of the last window when it reaches ``thrash`` (the weights move fast), else
@@ -485,7 +516,9 @@ class NoProgress(Detector):
                 corroborated: bool | None = None) -> Anomaly:
         """``corroborated``: whether a second signal shows damage (an error); None: judge the update size."""
         self._verdict = verdict
-        self._corroborated = self._thrashing() is not None if corroborated is None else corroborated
+        if corroborated is None:
+            corroborated = self._from_scratch() or self._thrashing() is not None
+        self._corroborated = corroborated
         anomaly = self._flag(step, v, score)
         return dataclasses.replace(anomaly, evidence=(self._first[0], *anomaly.evidence),
                                    threshold=anomaly.threshold if threshold is None else threshold)
@@ -512,11 +545,16 @@ class NoProgress(Detector):
     def _corroboration_message(self) -> str:
         if self._verdict == "stalled":
             return ""
+        if self._from_scratch():
+            untrained = self.config.untrained_loss or self._untrained
+            return (f"; the run started untrained (first loss {self._first[0][1]:.4g}, an untrained model's "
+                    f"{untrained:.4g}): damage")
         thrash = self._thrashing()
         if thrash is not None:
             return f"; the weights move {thrash:.1%} of their norm per step (thrash {self.config.thrash:.0%}): damage"
-        return (f"; not corroborated: the weights do not move fast ({self.config.update_metric} below "
-                f"{self.config.thrash:.0%} or not measured), as in a slow or flat fine-tune: info only")
+        return (f"; not corroborated: not a run from scratch (or its untrained loss unknown) and the weights do not "
+                f"move fast ({self.config.update_metric} below {self.config.thrash:.0%} or not measured), as in "
+                f"a slow or flat fine-tune: info only")
 
     def _verdict_message(self, score: float) -> str:
         if self._verdict == "stalled":
