@@ -23,7 +23,8 @@
   its blow-up stays under the ceiling. ``no_progress``'s stall judgement reports all 12 at step 29-44 (the
   sweep is in docs/detectors.md); its LR 1e-3 twin stays quiet.
 - A loss logged every 10 steps that jumps 1.5x and stays there after a steep early learning curve: the curve
-  inflates the spread the spike detectors measure, so the regression detector (counted in steps) reports it.
+  inflates the spread the spike detectors measure, so the regression detector (counted in records and steps)
+  reports it within 7 records.
 """
 
 from __future__ import annotations
@@ -135,11 +136,13 @@ def _steep_then_jump(seed: int, jump_at: int) -> list[StepRecord]:
 
 
 @pytest.mark.parametrize("seed", [FIRST, FIRST + 1, FIRST + 2])
-def test_loss_jump_logged_every_10_steps_opens_an_error_within_50_steps(seed: int) -> None:
+def test_loss_jump_logged_every_10_steps_opens_an_error_within_7_records(seed: int) -> None:
+    # windows count records as well as steps: the regression's median of 12 records is up once 6 of them are,
+    # and its patience is 6 records; a per-step log would be judged on 20 steps
     suite = DetectorSuite.from_config(overrides=QUIET)
     found = [a for r in _steep_then_jump(seed, 700) for a in suite.update(r)]
     errors = [a for a in found if a.severity >= Severity.ERROR]
-    assert errors and 700 <= errors[0].step <= 750, found
+    assert errors and 700 <= errors[0].step <= 770, found
     assert not [a for a in found if a.step < 700 and a.severity >= Severity.WARNING]
     # and the same curve without the jump is quiet
     calm = DetectorSuite.from_config(overrides=QUIET)

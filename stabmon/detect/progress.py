@@ -92,12 +92,12 @@ class LossRegression(Detector):
     >>> losses = [3.0 - 0.01 * s + 0.01 * (s % 2) for s in range(100)] + [2.6] * 30
     >>> found = [d.update(s, {"loss": v}) for s, v in enumerate(losses)]
     >>> first = next(a for a in found if a); first.step, first.severity.value
-    (106, 'error')
+    (104, 'error')
     >>> d = LossRegression("loss")  # logged every 10 steps: a 1.5x jump at step 500 that stays
     >>> found = [d.update(s, {"loss": 2 + 3 * 0.99 ** s + 0.01 * (s % 20) if s < 500 else 3.0})
     ...          for s in range(0, 900, 10)]
-    >>> [a.step for a in found if a]   # 6 records above (patience), the median over 12 records up first
-    [610]
+    >>> [a.step for a in found if a]   # the median of 12 records is up once 6 are: 6 records above, 60 steps
+    [560]
     """
 
     name = "regression"
@@ -185,9 +185,10 @@ class LossRegression(Detector):
             if median < best or self._above_since is not None or self._reported:
                 self._best, self._above_since, self._above_n, self._reported = min(best, median), None, 0, False
             return None
-        if self._above_since is None:
-            self._above_since = step
-        self._above_n += 1
+        if self._above_since is None:  # the excursion began with the run of raw values above the threshold
+            self._above_since, self._above_n = self._excursion_start(best * math.exp(needed), step)
+        else:
+            self._above_n += 1
         patience = self._cadence.span(steps=c.patience, records=c.patience_records)
         if self._reported or self._above_n < c.patience_records or step - self._above_since + 1 < patience:
             return None  # reported once per excursion, when it has lasted long enough
@@ -197,6 +198,16 @@ class LossRegression(Detector):
         self._threshold_now, self._sigma_now = math.exp(needed), sigma
         anomaly = self._flag(step, raw, median / best)
         return dataclasses.replace(anomaly, threshold=self._threshold_now)
+
+    def _excursion_start(self, level: float, step: int) -> tuple[int, int]:
+        """The first step, and the number of records, of the unbroken run of recent values above ``level`` that
+        ends with this record (the median crosses only once half its window is up: the excursion began before)."""
+        start, n = step, 0
+        for s, value in zip(reversed(self._steps), reversed(self._recent), strict=True):
+            if value <= level:
+                break
+            start, n = s, n + 1
+        return start, max(n, 1)
 
     def _push(self, step: int, v: float) -> list[float]:
         """Add a value; drop those older than the window (in steps and records). Return its values, sorted."""
@@ -481,7 +492,7 @@ class NoProgress(Detector):
         if self._over:
             return None
         self._over = True
-        return self._report(step, v, ratio, "above_ceiling", corroborated=self._thrashing() is not None)
+        return self._report(step, v, ratio, "above_ceiling")
 
     def _grad(self, x: X) -> float | None:
         g = x.get(self.config.grad_metric)
