@@ -282,7 +282,8 @@ def test_a_replay_does_not_diagnose_and_says_so() -> None:
     records = []
     for s in range(400):
         loss = 3.0 + 2.0 * math.exp(-s / 80) + 0.01 * math.sin(s * 0.7) + (3.0 if 300 <= s < 304 else 0.0)
-        records.append(StepRecord(step=s, metrics={"loss": loss, "grad_norm": 0.5, "lr": 3e-4}))
+        grad = 0.5 * (20.0 if 299 <= s < 304 else 1.0)  # the grad norm leads, the loss follows and stays up
+        records.append(StepRecord(step=s, metrics={"loss": loss, "grad_norm": grad, "lr": 3e-4}))
     pipeline, target = simulated_pipeline(runbook="diagnose-first", mode="apply", target=None)
     result = replay(records, pipeline=pipeline, target=target)
     (d,) = [e for e in result.events if isinstance(e, InterventionRecord) and e.action == "diagnose"]

@@ -48,10 +48,11 @@ class NonFiniteConfig(DetectorConfig):
 class NonFinite(Detector):
     """NaN or Inf in the loss or the gradient norm, no grace period. ``critical`` when it persists: on
     ``persist`` (3) of the metric's last ``of`` (20) records, counted in records so that a log written every 10
-    or 500 steps persists as a per-step one does. Before that a non-finite loss is a ``warning`` and a
-    non-finite gradient norm beside a finite loss is ``info``: an fp16 step that overflowed and was skipped
-    (Hugging Face Trainer logs its ``grad_norm`` as NaN and goes on; two healthy ``real-finetunes`` runs have
-    one each) is routine, a run whose every step is NaN is not.
+    or 500 steps persists as a per-step one does. Before that a non-finite loss is a ``warning``, and so is a
+    non-finite gradient norm that the stream's ``overflow`` marks or loss scale do not explain; one beside a
+    finite loss in a stream without either is ``info``: an fp16 step that overflowed and was skipped (Hugging
+    Face Trainer logs its ``grad_norm`` as NaN and goes on; two healthy ``real-finetunes`` runs have one each)
+    is routine, a run whose every step is NaN is not.
 
     An fp16 step the loss scaler skipped (``overflow == 1``) has an infinite *gradient norm* by design; that
     is healthy dynamic loss scaling (judged by :class:`LossScaleCollapse`), not a non-finite training state. A
@@ -107,10 +108,13 @@ class NonFinite(Detector):
         self._flagged: deque[int] = deque(maxlen=self.config.persist)  # steps of the last flagged values
         self._persisting = 0  # flagged values among the last ``of`` records, at the last flag
         self._loss_finite = False  # whether the record being flagged has a finite loss (its severity)
+        self._overflow_known = False  # whether it says if the loss scaler skipped the step (its severity)
 
     def update(self, step: int, x: X) -> Anomaly | None:
         loss = x.get(Metric.LOSS)
         self._loss_finite = loss is not None and math.isfinite(loss)
+        # the stream says which steps the loss scaler skipped (an overflow mark, or a loss scale whose backoffs do)
+        self._overflow_known = Metric.OVERFLOW in x or Metric.LOSS_SCALE in x
         return self._update_path(step, x)
 
     def _flag(self, step: int, raw: float | None, score: float) -> Anomaly:
@@ -124,8 +128,8 @@ class NonFinite(Detector):
     def _severity(self, score: float, streak: int) -> Severity:
         if self._persisting >= self.config.persist:
             return Severity.CRITICAL
-        if self.metric != Metric.LOSS and self._loss_finite:
-            return Severity.INFO
+        if self.metric != Metric.LOSS and self._loss_finite and not self._overflow_known:
+            return Severity.INFO  # beside a finite loss, in a stream that does not mark skipped fp16 steps
         return Severity.WARNING
 
     def _message(self, v: float | None, score: float) -> str:
