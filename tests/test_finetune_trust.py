@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 from pathlib import Path
@@ -52,6 +53,10 @@ def test_labelled_fine_tune_incidents_are_still_alerted(real_finetunes: Path) ->
     assert recall["stabmon"] >= max(v for m, v in recall.items() if m != "stabmon")
 
 
+SEED = int(os.environ.get("STABMON_TEST_SEED", "3"))
+THREADS = int(os.environ.get("STABMON_TEST_THREADS", "1"))
+
+
 def _records(n: int, loss: Any, *, every: int = 1, seed: int = 0, fp16: bool = False) -> list[StepRecord]:
     rng = random.Random(seed)
     out = []
@@ -87,7 +92,7 @@ def _tiny_gpt() -> Any:
 def _pretrain(tiny: Any, seed: int) -> Any:
     import torch
 
-    config = tiny.TrainConfig(steps=300, block_size=32, n_embd=48, warmup=30, seed=seed)
+    config = tiny.TrainConfig(steps=300, block_size=32, n_embd=48, warmup=30, seed=seed, threads=THREADS)
     model, opt, sched, batches = tiny.build(config)
     for step, (x, y) in enumerate(batches):
         if step >= config.steps:
@@ -108,9 +113,9 @@ def test_pretrained_model_fine_tuned_live_is_left_alone_and_nobody_is_messaged(l
     from stabmon import Monitor, MonitorConfig
 
     tiny = _tiny_gpt()
-    model = _pretrain(tiny, seed=3)
+    model = _pretrain(tiny, seed=SEED)
     # fine-tune on text drawn with another seed: the same language, new examples
-    config = tiny.TrainConfig(steps=300, block_size=32, n_embd=48, seed=11, lr=lr, warmup=10)
+    config = tiny.TrainConfig(steps=300, block_size=32, n_embd=48, seed=SEED + 8, lr=lr, warmup=10)
     batches = tiny.Batches(tiny.make_corpus(config.corpus_chars, config.seed), config)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, tiny.lr_lambda(config))
