@@ -286,21 +286,38 @@ def pending_answers(*, session: Session, run_id: str | None = None) -> list[Pend
 
 
 def answer_decision(*, session: Session, run_id: str, decision_id: str, approved: bool, by: str) -> Decision:
-    """Record a human's answer to a proposed decision; the monitor picks it up at its next flush."""
+    """Record a human's answer to a proposed decision; the monitor picks it up at its next flush.
+
+    The answer is one conditional UPDATE (``WHERE approved IS NULL AND status = 'proposed'``), so of two answers
+    given at the same instant, from any number of processes, exactly one wins; the other gets an
+    :class:`AnswerError` naming the answer that won."""
     row = session.get(DecisionRow, decision_id)
     if row is None or row.run_id != run_id:
         raise AnswerError(f"run {run_id!r} has no decision {decision_id!r}")
+    status = (DecisionStatus.APPROVED if approved else DecisionStatus.REJECTED).value
+    result: sa.CursorResult[Any] = session.execute(  # type: ignore[assignment]
+        sa.update(DecisionRow)
+        .where(
+            DecisionRow.id == decision_id,
+            DecisionRow.approved.is_(None),
+            DecisionRow.status == DecisionStatus.PROPOSED.value,
+        )
+        .values(approved=approved, answered_by=by, answered_at=_now(), status=status)
+        .execution_options(synchronize_session=False)
+    )
+    session.refresh(row)
+    if result.rowcount != 1:
+        raise _not_answerable(row)
+    return event_from_row("decisions", {c.name: getattr(row, c.name) for c in row.__table__.columns})  # type: ignore[return-value]
+
+
+def _not_answerable(row: DecisionRow) -> AnswerError:
+    """Why the decision in ``row`` (as stored now) cannot take an answer: another answer won, or it is not a
+    proposal awaiting one."""
     if row.approved is not None:
         verb = "approved" if row.approved else "rejected"
-        raise AnswerError(
-            f"decision {decision_id!r} was already {verb} by {row.answered_by} at {row.answered_at}"
-        )
-    if row.status != DecisionStatus.PROPOSED.value:
-        raise AnswerError(f"decision {decision_id!r} is not awaiting an answer (status {row.status})")
-    row.approved, row.answered_by, row.answered_at = approved, by, _now()
-    row.status = (DecisionStatus.APPROVED if approved else DecisionStatus.REJECTED).value
-    session.flush()
-    return event_from_row("decisions", {c.name: getattr(row, c.name) for c in row.__table__.columns})  # type: ignore[return-value]
+        return AnswerError(f"decision {row.id!r} was already {verb} by {row.answered_by} at {row.answered_at}")
+    return AnswerError(f"decision {row.id!r} is not awaiting an answer (status {row.status})")
 
 
 def take_answers(*, session: Session, run_id: str) -> list[tuple[str, bool]]:
