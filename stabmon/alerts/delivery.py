@@ -95,6 +95,7 @@ class Channel:
         self, *, title: str, body: str, notify_type: Any, alert: Alert | None = None, action: str = "notify"
     ) -> tuple[bool, str | None]:
         """One delivery attempt: (delivered, scrubbed error)."""
+        install_log_scrubber()  # again: a logger configured after this channel was built must not leak either
         capture = _ThreadCapture()
         apprise_log = logging.getLogger("apprise")
         apprise_log.addHandler(capture)

@@ -11,7 +11,9 @@ any length costs memory for one block of it:
   move a cut into a quoted field, so such a file may be read differently than in one piece;
 - Parquet: ``BATCH_ROWS`` rows at a time through ``pl.scan_parquet(...).slice``;
 - JSON lines: two passes, one line at a time - first the columns (every key, in order of first appearance)
-  and the lines that are not JSON objects, then the rows with every value as text.
+  and the lines that are not JSON objects (nested too deep for the parser included: each costs only itself),
+  then the rows with every value as text. ``Table.line`` is the file line of the row last yielded, so a
+  problem is reported at its own line.
 
 >>> import tempfile, pathlib
 >>> p = pathlib.Path(tempfile.mkdtemp()) / "log.csv"
@@ -43,11 +45,14 @@ BATCH_ROWS = 50_000
 class Table:
     """A table being read: its column names, and the rows as dicts of cell values (read as iterated).
 
-    ``malformed`` lists the rows that were not rows at all (a JSON line that is not an object), by text."""
+    ``malformed`` lists the rows that were not rows at all (a JSON line that is not an object), as (line
+    number, text). ``line`` is the file line (from 1) of the row last yielded, where the format knows it (JSON
+    lines); None where it does not (CSV: a quoted field may span lines)."""
 
     columns: list[str]
     rows: Iterator[dict[str, Any]]
-    malformed: list[str] = field(default_factory=list)
+    malformed: list[tuple[int, str]] = field(default_factory=list)
+    line: int | None = None
 
 
 def open_table(path: Path, *, block_bytes: int = BLOCK_BYTES) -> Table:
@@ -143,30 +148,34 @@ def _parquet(path: Path) -> Table:
 
 def _json_lines(path: Path) -> Table:
     columns: dict[str, None] = {}
-    malformed: list[str] = []
-    for obj, line in _json_objects(path):
+    malformed: list[tuple[int, str]] = []
+    for number, obj, line in _json_objects(path):
         if obj is None:
-            malformed.append(line[:80])
+            malformed.append((number, line[:80]))
         else:
             columns.update(dict.fromkeys(map(str, obj)))
 
     def rows() -> Iterator[dict[str, Any]]:
-        for obj, _ in _json_objects(path):
+        for number, obj, _ in _json_objects(path):
             if obj is not None:
                 values = {str(k): None if v is None else str(v) for k, v in obj.items()}
+                table.line = number
                 yield {c: values.get(c) for c in columns}
 
-    return Table(list(columns), rows(), malformed)
+    table = Table(list(columns), rows(), malformed)
+    return table
 
 
-def _json_objects(path: Path) -> Iterator[tuple[dict[str, Any] | None, str]]:
+def _json_objects(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str]]:
+    """(line number from 1, the line's object or None when it is not a JSON object, the line) of each line
+    with something on it."""
     with open(path, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
+        for number, line in enumerate(fh, 1):
             line = line.strip()
             if not line:
                 continue
             try:
                 obj = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
                 obj = None
-            yield (obj if isinstance(obj, dict) else None), line
+            yield number, (obj if isinstance(obj, dict) else None), line
