@@ -31,10 +31,13 @@ class Failsafe:
         self.step = step
         """The current step, for the log line."""
 
-    def call(self, what: str, fn: Callable[[], T]) -> T | None:
-        """``fn()``, or None after logging the exception and counting it under ``what``."""
+    def call(self, what: str, fn: Callable[[], T], *, let_through: tuple[type[Exception], ...] = ()) -> T | None:
+        """``fn()``, or None after logging the exception and counting it under ``what``. Exceptions of the
+        ``let_through`` types are raised (for the start of a run, before training: a refused run)."""
         try:
             return fn()
+        except let_through:
+            raise
         except Exception:  # noqa: BLE001 - never raise into training
             self.errors[what] += 1
             log.exception("stabmon: %s failed at step %d (continuing)", what, self._current_step())

@@ -43,6 +43,7 @@ from stabmon.store.database import (
     sqlite_path,
     upgrade,
 )
+from stabmon.store.lease import RunInUseError, RunLease
 from stabmon.store.limits import check_name, name_problem
 from stabmon.store.spool import Spool, orphans
 from stabmon.store.writer import StoreStats, Writer
@@ -78,11 +79,14 @@ class StoreConfig:
     fail_fast: bool = False
     """Raise at start-up when the database cannot be reached, instead of starting with the spool and
     connecting when the database comes."""
+    lease_ttl: float = 60.0
+    """Seconds a run's writer lease lasts unless renewed (the writer renews it every ``lease_ttl / 4``): how long
+    a run whose writer died on another host stays refused to a second writer (see :mod:`stabmon.store.lease`)."""
 
     def __post_init__(self) -> None:
         if not self.poll_interval >= 0:
             raise ValueError(f"store.poll_interval must be >= 0, got {self.poll_interval!r}")
-        for name in ("flush_interval", "retry_initial", "retry_max", "close_timeout"):
+        for name in ("flush_interval", "retry_initial", "retry_max", "close_timeout", "lease_ttl"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"store.{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("batch_max_rows", "max_held_rows"):
@@ -129,6 +133,7 @@ class Store:
         writer_engine = self.engine if memory else make_engine(_writer_url(u), pooled=path is None, probe=ready)
         stale = 10 * self.config.flush_interval + self.config.poll_interval + 1.0
         self.answers = AnswerBox(poll_interval=self.config.poll_interval, stale_after=stale)
+        self.lease = RunLease(self.config.lease_ttl)
         self._writer = Writer(
             writer_engine,
             Spool(spool_dir),
@@ -136,6 +141,7 @@ class Store:
             adopted=orphans(spool_dir),
             ready=ready,
             answers=self.answers,
+            lease=self.lease,
         )
         self._seq: dict[str, int] = {}
         self._seq_lock = threading.Lock()
@@ -191,6 +197,8 @@ class Store:
 
         ``environment=None`` records :func:`stabmon.environment.fingerprint` for live runs. ``parent_run_id``
         and ``source`` say what a replay or import came from; ``run_id`` chooses the id (default: a new one).
+        Reopening claims the run's writer lease first and raises :class:`~stabmon.store.lease.RunInUseError`
+        (one line) while another live process writes the run.
         """
         if kind not in repo.RUN_KINDS:
             raise ValueError(f"store.start_run.kind must be one of {sorted(repo.RUN_KINDS)}, got {kind!r}")
@@ -200,6 +208,9 @@ class Store:
 
             environment = fingerprint()
         rid = resume_run_id or run_id or new_id()
+        if resume_run_id:
+            self._claim(rid)
+        self.lease.hold(rid)
         row = {
             "id": rid,
             "name": name,
@@ -211,12 +222,26 @@ class Store:
             "environment": encode(dict(environment or {})),
             "parent_run_id": parent_run_id,
             "source": source,
+            **self.lease.row(),
         }
         self._writer.submit("run", row)
         self._seq[rid] = self._resume_seq(rid) if resume_run_id else 0
         if resume_run_id:
             self._writer.submit("update", rid, {"status": "running", "ended_at": None})
         return rid
+
+    def _claim(self, run_id: str) -> None:
+        """Take a resumed run's lease (raises RunInUseError); a database that cannot be read is let be."""
+        if not self._writer.ready:
+            log.warning("stabmon store: resuming run %s while the database is away: its lease is not checked",
+                        run_id)
+            return
+        try:
+            self.lease.claim(self.engine, run_id)
+        except RunInUseError:
+            raise
+        except Exception:  # noqa: BLE001 - the database may be away at resume; the run goes on
+            log.exception("stabmon store: cannot claim run %s's lease", run_id)
 
     def _resume_seq(self, run_id: str) -> int:
         """The next sequence number of a resumed run: past every row in the database AND in the spools
@@ -316,7 +341,9 @@ class Store:
         return self.answers.live and not self._writer.backlog()
 
     def end_run(self, *, run_id: str, status: str) -> None:
-        self._writer.submit("update", run_id, {"status": status, "ended_at": time.time()})
+        """Record the run's final status and give its lease up."""
+        self.lease.runs.discard(run_id)
+        self._writer.submit("update", run_id, {"status": status, "ended_at": time.time(), **self.lease.released()})
 
     # -- AlertRecorder: the notifier's delivery threads record their attempts through the writer ----------------
     def add_alert(self, *, alert_id: str, **fields: Any) -> None:
@@ -353,7 +380,10 @@ class Store:
         are counted in ``stats.dropped_rows``. Both are logged."""
         if self._closed:
             return
+        for run_id in sorted(self.lease.runs):  # runs left without end_run: free for the next writer
+            self._writer.submit("update", run_id, self.lease.released())
         self._closed = True
+        self.lease.close()
         if not self._writer.stop(self.config.close_timeout):
             kept, dropped = self._writer.park()
             log.error(
