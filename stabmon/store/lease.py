@@ -77,6 +77,14 @@ def _gone(owner: str) -> bool:
     return False
 
 
+def writer_gone(owner: str | None, until: float | None) -> bool:
+    """Whether a run's writer is gone (killed, or its host lost): its lease ran out, or its holder ended on this
+    host. A run without a lease (written before leases existed) is never judged gone."""
+    if owner is None:
+        return False
+    return (until is not None and until < time.time()) or _gone(owner)
+
+
 class RunLease:
     """The leases one store holds. ``claim`` runs on the caller's thread; ``renew`` on the writer's."""
 

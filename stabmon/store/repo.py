@@ -118,7 +118,7 @@ def list_runs(*, session: Session, limit: int | None = None) -> list[RunSummary]
             r.id,
             r.name,
             r.kind,
-            r.status,
+            run_status(r),
             _utc(r.started_at) or r.started_at,
             _utc(r.ended_at),
             n or 0,
@@ -128,6 +128,30 @@ def list_runs(*, session: Session, limit: int | None = None) -> list[RunSummary]
         )
         for r, n, last, na in session.execute(q)
     ]
+
+
+def run_status(run: Run) -> str:
+    """The run's status; ``interrupted`` for one still marked ``running`` whose writer is gone (killed with no
+    chance to say so: its lease ran out, or its process ended on this host)."""
+    from stabmon.store.lease import writer_gone
+
+    if run.status == "running" and writer_gone(run.lease_owner, run.lease_until):
+        return "interrupted"
+    return run.status
+
+
+def delete_run(*, session: Session, run_id: str) -> None:
+    """Delete a run and every row that belongs to it (runs that name it as their parent keep theirs, without
+    the link). Explicit on every table: SQLite does not enforce the foreign keys' cascades."""
+    key = _run_key(session, run_id)
+    for table in ("step_metrics", "steps"):
+        t = Base.metadata.tables[table]
+        session.execute(sa.delete(t).where(t.c.run_key == key))
+    for table in (*_EVENT_MODELS, "alerts", "checkpoints", "skipped_batches"):
+        t = Base.metadata.tables[table]
+        session.execute(sa.delete(t).where(t.c.run_id == run_id))
+    session.execute(sa.update(Run).where(Run.parent_run_id == run_id).values(parent_run_id=None))
+    session.execute(sa.delete(Run).where(Run.id == run_id))
 
 
 def _run_key(session: Session, run_id: str) -> int:
