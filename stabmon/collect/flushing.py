@@ -134,6 +134,12 @@ class Outbox:
                 lambda: store.write_skipped_batches(run_id=self.run_id, step=step, batch_indices=batch_indices),
             )
 
+    def mark(self, status: str) -> None:
+        """Record the run's status now (a hung process about to exit cannot close the run)."""
+        store = self.store
+        if store is not None:
+            self.failsafe.call("store", lambda: store.end_run(run_id=self.run_id, status=status))
+
     def settle(self) -> None:
         """What was sent reaches the database and the alert channels (bounded): before a hang exit."""
         store, notifier = self.store, self.notifier

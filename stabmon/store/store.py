@@ -192,13 +192,16 @@ class Store:
         parent_run_id: str | None = None,
         source: str | None = None,
         run_id: str | None = None,
+        join: bool = False,
     ) -> str:
         """Create (or reopen) a run; the row is queued like everything else.
 
         ``environment=None`` records :func:`stabmon.environment.fingerprint` for live runs. ``parent_run_id``
         and ``source`` say what a replay or import came from; ``run_id`` chooses the id (default: a new one).
         Reopening claims the run's writer lease first and raises :class:`~stabmon.store.lease.RunInUseError`
-        (one line) while another live process writes the run.
+        (one line) while another live process writes the run. ``join=True`` reopens a run another process holds,
+        to add a few events of its own (another rank's hang report): no lease is taken, and its records are
+        numbered by the clock, past the holder's.
         """
         if kind not in repo.RUN_KINDS:
             raise ValueError(f"store.start_run.kind must be one of {sorted(repo.RUN_KINDS)}, got {kind!r}")
@@ -208,9 +211,10 @@ class Store:
 
             environment = fingerprint()
         rid = resume_run_id or run_id or new_id()
-        if resume_run_id:
+        if resume_run_id and not join:
             self._claim(rid)
-        self.lease.hold(rid)
+        if not join:
+            self.lease.hold(rid)
         row = {
             "id": rid,
             "name": name,
@@ -222,11 +226,13 @@ class Store:
             "environment": encode(dict(environment or {})),
             "parent_run_id": parent_run_id,
             "source": source,
-            **self.lease.row(),
+            **(self.lease.row() if not join else {"lease_owner": None, "lease_until": None}),
         }
         self._writer.submit("run", row)
         self._seq[rid] = self._resume_seq(rid) if resume_run_id else 0
-        if resume_run_id:
+        if join:
+            self._seq[rid] = max(self._seq[rid], time.time_ns() // 1000)
+        if resume_run_id and not join:
             self._writer.submit("update", rid, {"status": "running", "ended_at": None})
         return rid
 
