@@ -61,6 +61,16 @@ def test_a_hundred_megabyte_json_line_is_a_counted_skip_in_bounded_memory(tmp_pa
     assert peak < BOUND_MIB, f"peak RSS {peak:.0f} MiB"
 
 
+def test_a_hundred_megabyte_header_is_one_line_in_bounded_memory(tmp_path: Path) -> None:
+    path = tmp_path / "header.csv"
+    with open(path, "wb") as fh:
+        fh.write(b"step," + b"h" * HUGE + b"\n" + b"".join(b"%d,2.5\n" % s for s in range(100)))
+    code, _, err, peak = _import(path, tmp_path / "h.db", "--format", "generic")
+    assert code == 1 and err.strip().count("\n") == 0 and "header line is longer than" in err, err[-2000:]
+    report("CSV with a 100 MB header", exit_code=code, stderr_lines=1, peak_rss_mib=round(peak))
+    assert peak < BOUND_MIB, f"peak RSS {peak:.0f} MiB"  # before: 799 MiB
+
+
 def _steps(url: str) -> int:
     """Steps stored so far (0 while the database or its schema is not there yet)."""
     try:

@@ -110,7 +110,9 @@ def nothing_read(result: ImportResult, files: Sequence[str | Path]) -> str | Non
     if not len(result) and result.format == "pattern":
         return f"no line of {where} matched --pattern ({result.malformed} matched with a value that is not a number)"
     if not len(result):
-        return f"no step records found in {where} (format {result.format}, {result.malformed} malformed line(s))"
+        first = f"; first: {result.problems[0]}" if result.problems else ""
+        return (f"no step records found in {where} (format {result.format}, {result.malformed} malformed line(s)"
+                f"{first})")
     if not any(r.metrics for batch in result.batches(4096) for r in batch):
         return (f"no metric found in {where}: {len(result)} step(s) read as {result.format}, none with a value "
                 "(for a text log pass --pattern with named groups; for a table, --map COLUMN=METRIC)")

@@ -72,7 +72,7 @@ def open_table(path: Path, *, block_bytes: int = BLOCK_BYTES) -> Table:
     if head == b"PAR1":
         return _parquet(path)
     with open(path, encoding="utf-8", errors="replace") as fh:
-        first = fh.readline().lstrip("\ufeff").strip()
+        first = fh.readline(MAX_LINE_BYTES).lstrip("\ufeff").strip()  # enough to tell the format
     if first.startswith("{"):
         return _json_lines(path)
     sep = "\t" if first.count("\t") >= first.count(",") and "\t" in first else ","
