@@ -148,7 +148,8 @@ def _compare(name: str, joined: pl.DataFrame, tol: Tolerance) -> MetricDivergenc
     step, va, vb = bad.row(0)[:3]
     diff = abs(va - vb) if math.isfinite(va) and math.isfinite(vb) else math.inf
     scale = max(abs(va), abs(vb))
-    return MetricDivergence(name, joined.height, int(step), va, vb, diff, diff / scale if scale else math.inf)
+    rel = diff / scale if scale and math.isfinite(scale) else math.inf  # never inf / inf
+    return MetricDivergence(name, joined.height, int(step), va, vb, diff, rel)
 
 
 def _range(df: pl.DataFrame) -> tuple[int, int] | None:

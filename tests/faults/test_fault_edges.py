@@ -45,6 +45,7 @@ def test_diff_compares_infinities_by_identity_under_every_tolerance(sqlite_url: 
             code, out = _diff(sqlite_url, "pinf", other, *tol)
             assert (code, out["first_divergence"], out.get("verdict")) == (0, 1, "diverge"), (tol, other, out)
             assert out["metrics"]["loss"]["b"] == (1.0 if other == "one" else "-inf")
+            assert out["metrics"]["loss"]["rel_diff"] == "inf"  # not inf / inf
         code, out = _diff(sqlite_url, "pinf", "pinf2", *tol)
         assert (code, out["verdict"], out["compared"]) == (0, "agree", 2), (tol, out)
     report("diff infinities", tolerances=len(tolerances), inf_vs_finite="diverge", inf_vs_minus_inf="diverge")
