@@ -517,8 +517,10 @@ class Monitor:
 
     # -- state -------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Any:
-        """Save :meth:`training_state` through the checkpoint manager; failures are logged and counted."""
-        return self.target.save_checkpoint()
+        """Save :meth:`training_state` through the checkpoint manager; failures are logged and counted. A save
+        is a declared pause (:meth:`paused`): a long one is not a hang, and its time is not learned as a step."""
+        with self.paused("checkpoint"):
+            return self.target.save_checkpoint()
 
     def training_state(self) -> dict[str, Any]:
         """Everything a checkpoint holds: model, optimizer, scaler, scheduler and the monitor's own state."""
