@@ -141,10 +141,17 @@ class RunLease:
         now = time.time()
         if not self.runs or now - self._renewed < self.ttl / 4:
             return
+        held = sorted(self.runs)
         with engine.begin() as conn:
-            conn.execute(sa.update(_RUNS).where(_RUNS.c.id.in_(sorted(self.runs)), _RUNS.c.lease_owner == self.owner)
+            conn.execute(sa.update(_RUNS).where(_RUNS.c.id.in_(held), _RUNS.c.lease_owner == self.owner)
                          .values(lease_until=now + self.ttl))
+            lost = conn.execute(sa.select(_RUNS.c.id, _RUNS.c.lease_owner).where(
+                _RUNS.c.id.in_(held), _RUNS.c.lease_owner.is_not(None), _RUNS.c.lease_owner != self.owner)).all()
         self._renewed = now
+        for run_id, holder in lost:  # this store went unrenewed past ttl (stalled) and another took the run
+            self.runs.discard(run_id)
+            log.error("stabmon store: run %s was taken over by %s after this writer's lease ran out; both now write "
+                      "it", run_id, _who(holder))
 
     def released(self) -> dict[str, object]:
         """The column values that give a run's lease up (written with the run's final status)."""

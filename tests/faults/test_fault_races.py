@@ -206,3 +206,18 @@ def test_a_lease_ends_with_its_holder(sqlite_url: str, tmp_path: Path) -> None:
     engine.dispose()
     with open_store(sqlite_url) as store:
         assert store.start_run(name="held", resume_run_id=run, environment={}) == run
+
+
+def test_a_writer_whose_run_was_taken_over_says_so(sqlite_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    import sqlalchemy as sa
+    from fault_support import wait_for
+
+    with open_store(sqlite_url, config=StoreConfig(lease_ttl=0.4, **FAST)) as store:
+        run = store.start_run(name="stalled", environment={})
+        assert store.flush(30)
+        engine = sa.create_engine(sqlite_url)
+        with engine.begin() as conn:  # what another host does once this writer's lease ran out
+            conn.execute(sa.text("update runs set lease_owner = 'elsewhere:7:abc'"))
+        engine.dispose()
+        wait_for(lambda: any("was taken over by elsewhere pid 7" in r.getMessage() for r in caplog.records))
+    assert run not in store.lease.runs
