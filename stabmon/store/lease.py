@@ -2,7 +2,8 @@
 
 A store that creates a run holds its lease from the first row; one that resumes a run claims it first
 (:meth:`RunLease.claim`, at start-up, before anything of the run is queued). The store's background writer
-renews its leases every ``ttl / 4`` seconds and the store releases them at ``end_run`` and ``close()``. A second
+renews its leases every ``ttl / 4`` seconds and the store releases them at ``close()``, once what it queued is
+written (where they are still its own). A second
 process resuming a run whose lease is held gets :class:`RunInUseError`, one line naming the holder, and writes
 nothing: before, both numbered their records from the same sequence number and the database kept only the
 first of each pair (860 of 1,260 steps, nothing counted).
@@ -153,9 +154,14 @@ class RunLease:
             log.error("stabmon store: run %s was taken over by %s after this writer's lease ran out; both now write "
                       "it", run_id, _who(holder))
 
-    def released(self) -> dict[str, object]:
-        """The column values that give a run's lease up (written with the run's final status)."""
-        return {"lease_owner": None, "lease_until": None}
+    def release(self, engine: sa.Engine) -> None:
+        """Give up every lease this store still holds, where it still holds it (one that another writer took
+        over after it ran out stays theirs)."""
+        held, self.runs = sorted(self.runs), set()
+        if held:
+            with engine.begin() as conn:
+                conn.execute(sa.update(_RUNS).where(_RUNS.c.id.in_(held), _RUNS.c.lease_owner == self.owner)
+                             .values(lease_owner=None, lease_until=None))
 
     def close(self) -> None:
         with _OPEN_LOCK:

@@ -347,9 +347,8 @@ class Store:
         return self.answers.live and not self._writer.backlog()
 
     def end_run(self, *, run_id: str, status: str) -> None:
-        """Record the run's final status and give its lease up."""
-        self.lease.runs.discard(run_id)
-        self._writer.submit("update", run_id, {"status": status, "ended_at": time.time(), **self.lease.released()})
+        """Record the run's final status (its lease is given up at close())."""
+        self._writer.submit("update", run_id, {"status": status, "ended_at": time.time()})
 
     # -- AlertRecorder: the notifier's delivery threads record their attempts through the writer ----------------
     def add_alert(self, *, alert_id: str, **fields: Any) -> None:
@@ -386,11 +385,10 @@ class Store:
         are counted in ``stats.dropped_rows``. Both are logged."""
         if self._closed:
             return
-        for run_id in sorted(self.lease.runs):  # runs left without end_run: free for the next writer
-            self._writer.submit("update", run_id, self.lease.released())
         self._closed = True
-        self.lease.close()
-        if not self._writer.stop(self.config.close_timeout):
+        if self._writer.stop(self.config.close_timeout):
+            self._release_leases()
+        else:
             kept, dropped = self._writer.park()
             log.error(
                 "stabmon store: closed with %d rows not in the database: %d kept in %s (written by the next "
@@ -400,9 +398,19 @@ class Store:
                 self._writer.spool.path,
                 dropped,
             )
+        self.lease.close()
         self._writer.spool.close()
         self._writer.engine.dispose()
         self.engine.dispose()
+
+    def _release_leases(self) -> None:
+        """Free this store's runs for the next writer, once what it queued is written. A database that cannot
+        be reached now keeps them until their lease runs out (or, on this host, at once: the process ends)."""
+        try:
+            self.lease.release(self.engine)
+        except Exception:  # noqa: BLE001 - closing must not raise; the lease expires on its own
+            log.warning("stabmon store: could not release the run lease at close (it expires in %g s)",
+                        self.lease.ttl, exc_info=True)
 
     def __enter__(self) -> Store:
         return self
