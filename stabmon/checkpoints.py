@@ -103,6 +103,12 @@ class CheckpointManager:
             raise ValueError(f"checkpoints.keep must be >= 1, got {keep}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.unwritable = unwritable(self.directory)
+        """Why the directory cannot be written (None: it can), found at start and logged as an error: rollbacks
+        will restore but not update the registry, and saves (checkpoint-and-stop's too) will fail."""
+        if self.unwritable is not None:
+            log.error("stabmon: checkpoint directory %s cannot be written (%s): checkpoints will not be saved and "
+                      "a rollback will not be recorded in its registry", self.directory, self.unwritable)
         self.every, self.keep, self.prefix = every, keep, prefix
         self.sink, self.run_id, self.weights_only = sink, run_id, weights_only
         self.store_errors = 0
@@ -127,7 +133,14 @@ class CheckpointManager:
 
     def _write_registry(self) -> None:
         payload = json.dumps({"checkpoints": [asdict(e) for e in self.checkpoints]}, indent=1).encode()
+        self._recreate()
         _atomic_write(self.directory / REGISTRY_NAME, lambda f: f.write(payload))
+
+    def _recreate(self) -> None:
+        """Make the directory again if it was deleted under the run (its registry is rewritten from memory)."""
+        if not self.directory.is_dir():
+            log.error("stabmon: checkpoint directory %s is gone; creating it again", self.directory)
+            self.directory.mkdir(parents=True, exist_ok=True)
 
     def _record(self, info: CheckpointInfo, *, valid: bool = True) -> None:
         if self.sink is None or self.run_id is None:
@@ -180,6 +193,7 @@ class CheckpointManager:
         payload = dict(state() if callable(state) else state)
         tag = f"-t{self.timeline}" if self.timeline else ""
         path = self.directory / f"{self.prefix}-{step:09d}{tag}.pt"
+        self._recreate()
         _atomic_write(path, lambda f: torch.save(payload, f))
         return path
 
@@ -189,15 +203,23 @@ class CheckpointManager:
 
         return torch.load(path, map_location="cpu", weights_only=self.weights_only)
 
-    def rolled_back(self, target: CheckpointInfo) -> None:
+    def rolled_back(self, target: CheckpointInfo) -> str | None:
         """Record a rollback to ``target``: every checkpoint saved after it is abandoned (its training was
-        undone) and later saves belong to a new timeline, so a resume continues the rolled-back line."""
+        undone) and later saves belong to a new timeline, so a resume continues the rolled-back line. Returns
+        why the registry file could not be updated (None: it was); the rollback stands either way, and this
+        manager keeps the new timeline in memory."""
         self.timeline += 1
         self._entries = [
             CheckpointInfo(**{**asdict(e), "abandoned": True}) if e.step > target.step and not e.abandoned else e
             for e in self._entries
         ]
-        self._write_registry()
+        try:
+            self._write_registry()
+        except OSError as exc:
+            log.error("stabmon: rolled back to step %d, but the registry %s could not be updated (%s: %s)",
+                      target.step, self.directory / REGISTRY_NAME, type(exc).__name__, exc)
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def maybe_save(self, state_fn: Callable[[], Mapping[str, Any]], *, step: int) -> CheckpointInfo | None:
         """Save ``state_fn()`` when ``step`` is a positive multiple of ``every``."""
@@ -400,6 +422,23 @@ class KillSwitch:
         except OSError:
             text = ""
         return f"kill switch file {self.path} appeared" + (f": {text}" if text else "")
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why a file cannot be created in ``directory`` (tried, so that it holds for root and read-only mounts
+    too), or None.
+
+    >>> import tempfile
+    >>> unwritable(Path(tempfile.mkdtemp())) is None
+    True
+    """
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".stabmon-probe-", dir=directory)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc.strerror or exc}"
+    os.close(fd)
+    Path(probe).unlink(missing_ok=True)
+    return None
 
 
 def _atomic_write(path: Path, write: Callable[[Any], Any]) -> int:

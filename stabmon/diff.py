@@ -1,10 +1,11 @@
 """Where two runs part: environment-fingerprint differences and the first step at which their metric
 trajectories diverge beyond a tolerance (the OPT lesson: a dependency bump silently changed numerics).
 
-Values ``a`` and ``b`` agree when ``|a - b| <= atol + rtol * max(|a|, |b|)``; NaN agrees with NaN and an
-infinity with the same infinity. Each run's trajectory is what it kept: a step re-trained after a rollback is
-compared by its last value. Timing metrics (step time, tokens per second) differ between any two runs and are
-left out unless named.
+Values ``a`` and ``b`` agree when ``|a - b| <= atol + rtol * max(|a|, |b|)``; non-finite values compare by
+identity under every tolerance: NaN agrees only with NaN, an infinity only with the same infinity. Two runs
+without a shared (metric, step) have nothing to compare: their verdict is ``no-overlap``, not agreement. Each
+run's trajectory is what it kept: a step re-trained after a rollback is compared by its last value. Timing metrics
+(step time, tokens per second) differ between any two runs and are left out unless named.
 
 >>> from stabmon.events import StepRecord
 >>> from stabmon.report.series import records_frame
@@ -13,8 +14,13 @@ left out unless named.
 >>> d = diff_trajectories(a, b, tolerance=TIGHT)
 >>> d.first_divergence, d.metrics["loss"].a, d.metrics["loss"].b
 (3, 1.0, 1.1)
->>> diff_trajectories(a, b, tolerance=Tolerance(rtol=0.2)).first_divergence is None
-True
+>>> diff_trajectories(a, b, tolerance=Tolerance(rtol=0.2)).verdict
+'agree'
+>>> inf = records_frame([StepRecord(step=0, metrics={"loss": float("inf")})])
+>>> diff_trajectories(inf, a, tolerance=Tolerance(rtol=1.0)).verdict
+'diverge'
+>>> diff_trajectories(a, records_frame([StepRecord(step=9, metrics={"loss": 1.0})])).verdict
+'no-overlap'
 >>> [x.path for x in environment_differences({"torch": {"v": "2.1"}}, {"torch": {"v": "2.2"}})]
 ['torch.v']
 """
@@ -89,6 +95,19 @@ class TrajectoryDiff:
         steps = [m.first_divergence for m in self.metrics.values() if m.first_divergence is not None]
         return min(steps) if steps else None
 
+    @property
+    def compared(self) -> int:
+        """(metric, step) pairs both runs have, over every compared metric."""
+        return sum(m.compared for m in self.metrics.values())
+
+    @property
+    def verdict(self) -> str:
+        """``diverge`` (some metric parts), ``agree`` (every shared value agrees) or ``no-overlap`` (the runs share
+        no (metric, step) pair: nothing was compared, which is not agreement)."""
+        if self.first_divergence is not None:
+            return "diverge"
+        return "agree" if self.compared else "no-overlap"
+
 
 def _flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     if isinstance(obj, Mapping) and obj:
@@ -117,7 +136,8 @@ def kept_trajectory(df: pl.DataFrame) -> pl.DataFrame:
 def _disagree(a: pl.Expr, b: pl.Expr, tol: Tolerance) -> pl.Expr:
     both_nan = a.is_nan() & b.is_nan()
     same = (a == b) | both_nan
-    close = (a - b).abs() <= tol.atol + tol.rtol * pl.max_horizontal(a.abs(), b.abs())
+    finite = a.is_finite() & b.is_finite()  # a tolerance scaled by an infinity would be inf or NaN
+    close = finite & ((a - b).abs() <= tol.atol + tol.rtol * pl.max_horizontal(a.abs(), b.abs()))
     return ~(same | close.fill_null(False))
 
 
@@ -128,7 +148,8 @@ def _compare(name: str, joined: pl.DataFrame, tol: Tolerance) -> MetricDivergenc
     step, va, vb = bad.row(0)[:3]
     diff = abs(va - vb) if math.isfinite(va) and math.isfinite(vb) else math.inf
     scale = max(abs(va), abs(vb))
-    return MetricDivergence(name, joined.height, int(step), va, vb, diff, diff / scale if scale else math.inf)
+    rel = diff / scale if scale and math.isfinite(scale) else math.inf  # never inf / inf
+    return MetricDivergence(name, joined.height, int(step), va, vb, diff, rel)
 
 
 def _range(df: pl.DataFrame) -> tuple[int, int] | None:

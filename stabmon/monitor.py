@@ -32,6 +32,7 @@ import operator
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -212,6 +213,8 @@ class Monitor:
         self.records: deque[StepRecord] = deque(maxlen=cfg.history)
         self._closed = False
         self._initial_saved = False
+        self._pauses: list[str] = []  # monitor.paused(...) stretches in progress
+        self._loop_ended = False
         self._watchdog = self._start_watchdog(store) if cfg.hang_timeout is not None else None
         self._hooks.install()
         self._exit_guard = ExitGuard(self.close)  # Ctrl-C, SIGTERM or an exit without close(): run interrupted
@@ -383,6 +386,13 @@ class Monitor:
             passes = 1 if epochs is None else epochs
         if self.should_stop or (max_steps is not None and self._step >= max_steps):
             return
+        self._loop_ended = False
+        try:
+            yield from self._loop(loader, passes, max_steps)
+        finally:
+            self._loop_ended = True  # what follows the loop (a final evaluation, saving, close) is not a hang
+
+    def _loop(self, loader: Iterable[Any], passes: int | None, max_steps: int | None) -> Iterator[tuple[int, Any]]:
         for index, batch in self.cursor.batches(loader, passes):
             self.begin_step(batch_index=index, batch=batch)
             try:
@@ -464,6 +474,8 @@ class Monitor:
             run_id=lambda: outbox.run_id,
             run_name=self.run_name,
             exit_code=self.config.hang.exit_code,
+            quiet=self._hang_quiet,
+            last_words=self._hang_last_words,
         )
         return start_watchdog(self.config, reporter, label=f"rank {self.rank}: " if self.world_size > 1 else "")
 
@@ -473,10 +485,48 @@ class Monitor:
         if self._watchdog is not None:
             self._watchdog.beat(self._step - 1, learn=False)
 
+    @contextmanager
+    def paused(self, reason: str) -> Iterator[None]:
+        """A stretch of the loop that is not a step and may take long (an evaluation, a checkpoint, reloading
+        data): the hang watchdog does not fire inside it, and its time is not learned as a step.
+
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> mon = Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), store=None, detectors=False)
+        >>> with mon.paused("eval"):
+        ...     mon._hang_quiet()
+        "paused for 'eval'"
+        >>> mon.close()
+        """
+        self._pauses.append(reason)
+        try:
+            yield
+        finally:
+            self._pauses.remove(reason)
+            self.heartbeat()
+
+    def _hang_quiet(self) -> str | None:
+        """Why no step for a while is not a hang now (read by the watchdog thread); None: it is."""
+        if self._pauses:
+            return f"paused for {self._pauses[-1]!r}"
+        if self._loop_ended:
+            return "the training loop has ended"
+        return None
+
+    def _hang_last_words(self) -> None:
+        """Before a hang exit, on the watchdog thread (the training thread is stuck): the steps waiting in the
+        buffer go to the store as recorded (the pipeline is not run) and the run is marked ``hung``. The
+        read-back is bounded: a hung device may never answer."""
+        records = self.failsafe.call_within("collect", self.buffer.drain, timeout=10.0) or []
+        self.outbox.write_steps(records)
+        self.outbox.mark("hung")
+
     # -- state -------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Any:
-        """Save :meth:`training_state` through the checkpoint manager; failures are logged and counted."""
-        return self.target.save_checkpoint()
+        """Save :meth:`training_state` through the checkpoint manager; failures are logged and counted. A save
+        is a declared pause (:meth:`paused`): a long one is not a hang, and its time is not learned as a step."""
+        with self.paused("checkpoint"):
+            return self.target.save_checkpoint()
 
     def training_state(self) -> dict[str, Any]:
         """Everything a checkpoint holds: model, optimizer, scaler, scheduler and the monitor's own state."""

@@ -5,7 +5,8 @@ Dependencies are passed in (``store=``, ``notifier=``), never global. Implementa
 method here is called from the training thread. The ones called while training (``write_*``, ``poll_answers``,
 ``handle``) must return at once without waiting on I/O; ``start_run``, ``flush`` and ``close`` come at the edges
 of a run and may wait, bounded (the SQL store's ``start_run`` reads the last sequence number of a resumed run).
-Failures are caught, logged, counted and spooled by the implementation, never raised into training.
+Failures are caught, logged, counted and spooled by the implementation, never raised into training; the one
+exception is :class:`RunRefusedError` from ``start_run``, before training starts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from typing import Any, Protocol, runtime_checkable
 from stabmon.events import Anomaly, Decision, Event, InterventionRecord, Outcome, StepRecord
 
 LowVolumeEvent = Anomaly | Decision | InterventionRecord | Outcome
+
+
+class RunRefusedError(ValueError):
+    """A sink refuses to open a run at all (another live process writes it). The one sink failure that is
+    raised to the user, at start-up, before training: going on would lose rows without counting them."""
 
 
 @runtime_checkable

@@ -101,3 +101,13 @@ def _restore_torch_threads() -> Iterator[None]:
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend_url(request: pytest.FixtureRequest) -> str:
+    """An upgraded store on each backend in turn: a real SQLite file, then a fresh PostgreSQL database."""
+    from stabmon.store.database import upgrade
+
+    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+    upgrade(url)
+    return url

@@ -688,14 +688,19 @@ def test_hang_watchdog_publishes_at_once() -> None:
 
     sink = MemorySink()
     model, opt, mon = make(store=sink, config=MonitorConfig(hang_timeout=0.5))
-    train(mon, model, opt, batches(2))
 
     def hung_after_last_step() -> bool:
         return any(a.kind == "hang" and a.step == 1 for a in mon.anomalies)
 
-    deadline = time.monotonic() + 20
-    while not hung_after_last_step() and time.monotonic() < deadline:
-        time.sleep(0.05)  # training "hangs": no step arrives
+    for step, idx in mon.steps(batches(3)):
+        if step == 2:  # training "hangs" inside its third step: no step arrives (after the loop, none would be one)
+            deadline = time.monotonic() + 20
+            while not hung_after_last_step() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            break
+        loss_of(model, idx).backward()
+        opt.step()
+        opt.zero_grad()
     mon.close()
     assert hung_after_last_step()  # (a slow step on a loaded machine may add an earlier one)
     assert any(getattr(e, "kind", None) == "hang" and e.step == 1 for e in sink.events)

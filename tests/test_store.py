@@ -394,7 +394,8 @@ def shared_sqlite_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[St
     s.close()
 
 
-_names = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=40)
+_names = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",), exclude_characters="\x00"),
+                 min_size=1, max_size=40)  # a NUL is refused by the store (stabmon.store.limits)
 _records = st.lists(
     st.builds(
         StepRecord,

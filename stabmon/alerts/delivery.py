@@ -6,6 +6,12 @@ appends to a deque under a lock the thread holds for a few instructions: the cal
 network. Failed attempts back off exponentially (``backoff_initial * 2**(n-1)``, capped at ``backoff_max``) up
 to ``max_attempts``; every attempt updates the alert's row through the recorder.
 
+Every alert gets exactly one final status (``sent``, ``failed`` or ``abandoned``), recorded before the notifier's
+``close()`` returns, so it lands in the store before the store closes: an attempt still waiting on a hung
+endpoint at the close deadline is recorded ``abandoned`` by ``close()`` itself, and what that attempt reports
+later is only logged (the store may be closed by then; before, its late write was dropped and the alert stayed
+``retrying``).
+
 PagerDuty goes through apprise's ``pagerduty://`` plugin, which speaks Events v2 and accepts ``action`` and
 ``dedup`` URL parameters: each send adds ``action=trigger|resolve``, ``dedup=<incident key>`` and the alert's
 ``severity`` (unless the URL sets one) to the configured URL.
@@ -95,6 +101,7 @@ class Channel:
         self, *, title: str, body: str, notify_type: Any, alert: Alert | None = None, action: str = "notify"
     ) -> tuple[bool, str | None]:
         """One delivery attempt: (delivered, scrubbed error)."""
+        install_log_scrubber()  # again: a logger configured after this channel was built must not leak either
         capture = _ThreadCapture()
         apprise_log = logging.getLogger("apprise")
         apprise_log.addHandler(capture)
@@ -136,6 +143,8 @@ class Job:
     alert_id: str
     attempts: int = 0
     recorded: bool = False
+    settled: bool = False
+    """Its final status is recorded; nothing more is written for it."""
 
 
 class ChannelWorker:
@@ -156,6 +165,7 @@ class ChannelWorker:
         self._count_lock = count_lock
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
+        self._record_lock = threading.Lock()  # one job's status writes in order; never held by submit()
         self._closing = False
         self._abort = False
         # Backoff waits on these events, not on _cond, so that submit() never wakes a retrying thread.
@@ -205,15 +215,18 @@ class ChannelWorker:
             self._abort = True
             self._aborted.set()
             self._close_requested.set()
-            left = list(self._queue)[1:] if thread is not None and thread.is_alive() else list(self._queue)
+            hung = thread is not None and thread.is_alive()
+            inflight = self._queue[0] if hung and self._queue else None
+            left = list(self._queue)[1:] if hung else list(self._queue)
             for job in left:
                 self._queue.remove(job)
             self._cond.notify_all()
+        if inflight is not None:
+            self._settle(inflight, "abandoned", f"notifier closed while attempt {inflight.attempts + 1} was still "
+                         "waiting for the endpoint (it may yet arrive)")
         for job in left:
-            self._record_add(job)
-            self._record_update(job, "abandoned", "notifier closed before delivery")
-            self._count("abandoned")
-        return not left and (thread is None or not thread.is_alive())
+            self._settle(job, "abandoned", "notifier closed before delivery")
+        return not left and not hung
 
     # -- delivery thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -242,23 +255,19 @@ class ChannelWorker:
             ok, error = self.channel.send_alert(job.alert, job.action)
             job.attempts += 1
             if ok:
-                self._record_update(job, "sent", None)
-                self._count("sent")
+                self._settle(job, "sent", None)
                 return
             if job.attempts >= self.config.max_attempts or self._abort:
                 log.warning(
                     "alert to %s failed after %d attempts: %s", self.channel.name, job.attempts, error
                 )
-                status = "abandoned" if self._abort else "failed"
-                self._record_update(job, status, error)
-                self._count(status)
+                self._settle(job, "abandoned" if self._abort else "failed", error)
                 return
-            self._record_update(job, "retrying", error)
-            self._count("retries")
+            if self._record_update(job, "retrying", error):
+                self._count("retries")
             self._backoff(job.attempts)
             if self._abort:  # closed while waiting to retry
-                self._record_update(job, "abandoned", error)
-                self._count("abandoned")
+                self._settle(job, "abandoned", error)
                 return
 
     def _backoff(self, attempts: int) -> None:
@@ -292,16 +301,31 @@ class ChannelWorker:
             self._count("record_errors")
         return job.recorded
 
-    def _record_update(self, job: Job, status: str, error: str | None) -> None:
-        if self.recorder is None or not self._record_add(job):
-            return
-        try:
-            self.recorder.update_alert(
-                alert_id=job.alert_id, status=status, attempts=job.attempts, error=error
-            )
-        except Exception:  # noqa: BLE001 - recording must not stop delivery
-            log.exception("recording alert status for %s failed", self.channel.name)
-            self._count("record_errors")
+    def _settle(self, job: Job, status: str, error: str | None) -> None:
+        """Record and count the job's final status, unless it has one already (close() settled an attempt that
+        then returned: its outcome is only logged)."""
+        if self._record_update(job, status, error, final=True):
+            self._count(status)
+        else:
+            log.warning("alert to %s: %s after close() had recorded it abandoned", self.channel.name, status)
+
+    def _record_update(self, job: Job, status: str, error: str | None, *, final: bool = False) -> bool:
+        """Record the job's status (a ``final`` one once); False when it was settled already. Under a lock of its
+        own (not the queue's, which submit() takes), so a late update can never follow the final one."""
+        with self._record_lock:
+            if job.settled:
+                return False
+            job.settled = final
+            if self.recorder is None or not self._record_add(job):
+                return True
+            try:
+                self.recorder.update_alert(
+                    alert_id=job.alert_id, status=status, attempts=job.attempts, error=error
+                )
+            except Exception:  # noqa: BLE001 - recording must not stop delivery
+                log.exception("recording alert status for %s failed", self.channel.name)
+                self._count("record_errors")
+        return True
 
     def _count(self, name: str) -> None:
         with self._count_lock:

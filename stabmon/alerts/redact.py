@@ -139,9 +139,18 @@ SCRUBBED_LOGGERS = (
 )
 
 
+QUIET_LEVEL = logging.INFO
+"""The lowest level apprise's logger is left at: its DEBUG records show each URL with the first and last
+character of every token (``slack://T...D/B...H/a...x``), fragments no scrubber can recognise."""
+
+
 def install_log_scrubber() -> None:
-    """Attach the scrubbing filter to the loggers in ``SCRUBBED_LOGGERS`` (idempotent)."""
+    """Attach the scrubbing filter to the loggers in ``SCRUBBED_LOGGERS`` and keep apprise's logger at
+    :data:`QUIET_LEVEL` or above, even under a root logger at DEBUG (idempotent)."""
     for name in SCRUBBED_LOGGERS:
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
             logger.addFilter(_FILTER)
+    apprise_log = logging.getLogger("apprise")
+    if apprise_log.getEffectiveLevel() < QUIET_LEVEL:
+        apprise_log.setLevel(QUIET_LEVEL)

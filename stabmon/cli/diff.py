@@ -1,4 +1,7 @@
-"""``stabmon diff RUN_A RUN_B``: where two runs' environments and metric trajectories part."""
+"""``stabmon diff RUN_A RUN_B``: where two runs' environments and metric trajectories part.
+
+Exit status: 0 when the runs were compared (they agree or diverge), 3 when they share no (metric, step) pair and
+so nothing could be compared (an empty run, or step ranges that do not meet), 1 on a user error."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from typing import Annotated, Any
 import typer
 
 from stabmon.cli._common import DbOption, fail, print_json, store_session
+
+NO_OVERLAP_EXIT = 3
 
 PresetOption = Annotated[
     str, typer.Option("--preset", help="tight (bit-identical, the default) | loose (same recipe: 5% or 1e-3).")
@@ -45,9 +50,11 @@ def diff(
     env = environment_differences(envs[0], envs[1])
     if as_json:
         print_json(_as_json(runs, tol, env, result))
-        return
-    for line in _lines(runs, env, result):
-        typer.echo(line)
+    else:
+        for line in _lines(runs, env, result):
+            typer.echo(line)
+    if result.verdict == "no-overlap":
+        raise typer.Exit(code=NO_OVERLAP_EXIT)
 
 
 def _load(db: str | None, refs: list[str]) -> tuple[list[tuple[str, str]], list[dict[str, Any]], list[Any]]:
@@ -71,6 +78,8 @@ def _as_json(runs: list[tuple[str, str]], tol: Any, env: list[Any], result: Any)
         "run_a": {"id": runs[0][0], "name": runs[0][1], "steps": result.steps_a},
         "run_b": {"id": runs[1][0], "name": runs[1][1], "steps": result.steps_b},
         "tolerance": dataclasses.asdict(tol),
+        "verdict": result.verdict,
+        "compared": result.compared,
         "first_divergence": result.first_divergence,
         "metrics": {k: dataclasses.asdict(v) for k, v in result.metrics.items()},
         "only_in_a": result.only_in_a,
@@ -87,7 +96,9 @@ def _lines(runs: list[tuple[str, str]], env: list[Any], result: Any) -> list[str
     out += [f"  {d.path:<40} {d.a!s:<28} -> {d.b!s}" for d in env]
     out.append(f"trajectories ({t.name}: rtol {t.rtol:g}, atol {t.atol:g}):")
     for m in result.metrics.values():
-        if m.first_divergence is None:
+        if not m.compared:
+            out.append(f"  {m.name:<32} no shared step")
+        elif m.first_divergence is None:
             out.append(f"  {m.name:<32} agree over {m.compared} shared steps")
         else:
             out.append(f"  {m.name:<32} diverge at step {m.first_divergence}: {m.a!r} vs {m.b!r} "
@@ -96,6 +107,10 @@ def _lines(runs: list[tuple[str, str]], env: list[Any], result: Any) -> list[str
         if names:
             out.append(f"  only in {side}: {', '.join(names)}")
     first = result.first_divergence
+    if result.verdict == "no-overlap":
+        out.append(f"nothing to compare: the runs share no step of any metric (A: steps {_span(result.steps_a)}, "
+                   f"B: steps {_span(result.steps_b)})")
+        return out
     out.append("first divergence: " + ("none (the trajectories agree)" if first is None else f"step {first}"))
     return out
 

@@ -92,14 +92,17 @@ def import_command(
     step_column: Annotated[str | None, typer.Option("--step-column", help="Column holding the step.")] = None,
     patterns: PatternOption = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
+    replace: Annotated[bool, typer.Option("--replace", help="Replace the run of this name if there is one.")] = False,
     db: DbOption = None,
 ) -> None:
     """Import recorded training logs (Megatron, fairseq, llm.c, DeepSpeed, W&B, TensorBoard,
     CSV/JSONL/Parquet, nanoGPT, any text log with --pattern) as a run of kind "import". Malformed lines are
-    counted and reported, never fatal; an import that found no metric at all is an error."""
+    counted and reported, never fatal; an import that found no metric at all is an error. One run per name: an
+    earlier import of the same name that was interrupted is replaced; any other run of that name is an error
+    unless --replace."""
     with read_inputs(files, fmt, maps, step_column, patterns) as result:
         check_storable(run, result, files)
-        run_id = _store_run(run, result, files, db, progress=wanted(json_output))
+        run_id = _store_run(run, result, files, db, progress=wanted(json_output), replace=replace)
         summary = {
             "run_id": run_id,
             "run": run,
@@ -118,9 +121,33 @@ def import_command(
     _echo_summary(summary, result)
 
 
-def _store_run(run: str, result: ImportResult, files: list[Path], db: str | None, *, progress: bool) -> str:
+def _make_room(store: Any, run: str, *, replace: bool) -> None:
+    """One run per name: delete an earlier run named ``run`` when it is an interrupted (or failed) import or
+    ``replace`` asks; exit 1 naming it otherwise (or when another process is importing it right now)."""
+    from sqlalchemy import select
+
+    from stabmon.store import repo
+    from stabmon.store.models import Run
+
+    with store.session() as s:
+        for found in s.scalars(select(Run).where(Run.name == run)).all():
+            status = repo.run_status(found)
+            if status == "running":
+                fail(f"run {run!r} [{found.id}] is being written right now ({found.kind}); wait for it, or choose "
+                     "another --run")
+            redo = found.kind == "import" and status in ("interrupted", "failed")
+            if not (redo or replace):
+                fail(f"a run named {run!r} exists already [{found.id}, {found.kind}, {status}]; pass --replace to "
+                     "replace it, or choose another --run")
+            repo.delete_run(session=s, run_id=found.id)
+            typer.echo(f"replacing run {run!r} [{found.id}, {found.kind}, {status}]", err=True)
+
+
+def _store_run(run: str, result: ImportResult, files: list[Path], db: str | None, *, progress: bool,
+               replace: bool = False) -> str:
     """Write the records to a new run, a batch at a time, waiting for the database every ``FLUSH_EVERY``
-    records; an import the database did not take in full is marked failed and exits 1."""
+    records; an import the database did not take in full is marked failed and exits 1, one stopped by Ctrl-C
+    is marked interrupted (one killed outright reads as interrupted once its lease is gone)."""
     from stabmon.store import StoreConfig, open_store
 
     try:
@@ -128,6 +155,7 @@ def _store_run(run: str, result: ImportResult, files: list[Path], db: str | None
     except ValueError as exc:
         fail(str(exc))
     with store, progress_bar("import", total=len(result), enabled=progress) as advance:
+        _make_room(store, run, replace=replace)
         run_id = store.start_run(
             name=run,
             kind="import",
@@ -139,16 +167,11 @@ def _store_run(run: str, result: ImportResult, files: list[Path], db: str | None
                 "malformed": result.malformed,
             },
         )
-        queued = 0
-        complete = True
-        for chunk in result.batches(BATCH):
-            store.write_steps(run_id=run_id, records=chunk)
-            advance(len(chunk))
-            queued += len(chunk)
-            if queued >= FLUSH_EVERY:
-                complete, queued = store.flush(IMPORT_FLUSH_TIMEOUT), 0
-                if not complete:
-                    break
+        try:
+            complete = _write_records(store, run_id, result, advance)
+        except BaseException:  # Ctrl-C, SIGTERM turned into SystemExit: say so before the store closes
+            store.end_run(run_id=run_id, status="interrupted")
+            raise
         if complete:
             store.end_run(run_id=run_id, status="completed")
         if not complete or not store.flush(IMPORT_FLUSH_TIMEOUT) or store.stats.rejected_batches:
@@ -156,6 +179,20 @@ def _store_run(run: str, result: ImportResult, files: list[Path], db: str | None
             fail(f"import of run {run!r} [{run_id}] is incomplete: the database did not take every row "
                  f"({store.stats.rejected_batches} batch(es) refused; see the store's log)")
     return run_id
+
+
+def _write_records(store: Any, run_id: str, result: ImportResult, advance: Any) -> bool:
+    """Queue every record, waiting for the database every ``FLUSH_EVERY``; False when it did not take them."""
+    queued = 0
+    for chunk in result.batches(BATCH):
+        store.write_steps(run_id=run_id, records=chunk)
+        advance(len(chunk))
+        queued += len(chunk)
+        if queued >= FLUSH_EVERY:
+            if not store.flush(IMPORT_FLUSH_TIMEOUT):
+                return False
+            queued = 0
+    return True
 
 
 def _echo_summary(summary: dict[str, Any], result: ImportResult) -> None:

@@ -8,6 +8,7 @@ stop (a runbook's checkpoint-and-stop, the kill switch, the hang watchdog's exit
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar
@@ -31,14 +32,35 @@ class Failsafe:
         self.step = step
         """The current step, for the log line."""
 
-    def call(self, what: str, fn: Callable[[], T]) -> T | None:
-        """``fn()``, or None after logging the exception and counting it under ``what``."""
+    def call(self, what: str, fn: Callable[[], T], *, let_through: tuple[type[Exception], ...] = ()) -> T | None:
+        """``fn()``, or None after logging the exception and counting it under ``what``. Exceptions of the
+        ``let_through`` types are raised (for the start of a run, before training: a refused run)."""
         try:
             return fn()
+        except let_through:
+            raise
         except Exception:  # noqa: BLE001 - never raise into training
             self.errors[what] += 1
             log.exception("stabmon: %s failed at step %d (continuing)", what, self._current_step())
             return None
+
+    def call_within(self, what: str, fn: Callable[[], T], timeout: float) -> T | None:
+        """:meth:`call` on a helper thread, given up (None, logged and counted) after ``timeout`` seconds: for
+        work that may never return, like a read-back from a device that hung.
+
+        >>> Failsafe().call_within("collect", lambda: 3, timeout=5.0)
+        3
+        """
+        done: list[T | None] = []
+        worker = threading.Thread(target=lambda: done.append(self.call(what, fn)), name=f"stabmon-{what}",
+                                  daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if not done:
+            self.errors[what] += 1
+            log.error("stabmon: %s did not finish within %.3g s (given up)", what, timeout)
+            return None
+        return done[0]
 
     def _current_step(self) -> int:
         try:

@@ -38,7 +38,7 @@ from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.wiring import environment
 from stabmon.events import Anomaly, Decision, DecisionStatus, Event, StepRecord
 from stabmon.pipeline import Pipeline
-from stabmon.sinks import NotifierLike, Sink
+from stabmon.sinks import NotifierLike, RunRefusedError, Sink
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +74,21 @@ class Outbox:
         run_id = None
         store = self.store
         if store is not None:
-            run_id = self.failsafe.call(
-                "store",
-                lambda: store.start_run(
-                    name=self.run_name,
-                    kind="live",
-                    config=config,
-                    environment=environment(),
-                    resume_run_id=resume_run_id,
-                ),
-            )
+            try:
+                run_id = self.failsafe.call(
+                    "store",
+                    lambda: store.start_run(
+                        name=self.run_name,
+                        kind="live",
+                        config=config,
+                        environment=environment(),
+                        resume_run_id=resume_run_id,
+                    ),
+                    let_through=(RunRefusedError,),
+                )
+            except RunRefusedError:  # another process writes the run: nothing of this one is written
+                self._release()
+                raise
         self.run_id = run_id or resume_run_id or f"local-{time.time_ns():x}"
         return self.run_id
 
@@ -129,6 +134,12 @@ class Outbox:
                 lambda: store.write_skipped_batches(run_id=self.run_id, step=step, batch_indices=batch_indices),
             )
 
+    def mark(self, status: str) -> None:
+        """Record the run's status now (a hung process about to exit cannot close the run)."""
+        store = self.store
+        if store is not None:
+            self.failsafe.call("store", lambda: store.end_run(run_id=self.run_id, status=status))
+
     def settle(self) -> None:
         """What was sent reaches the database and the alert channels (bounded): before a hang exit."""
         store, notifier = self.store, self.notifier
@@ -157,15 +168,19 @@ class Outbox:
             self.failsafe.call("notifier", lambda: load(state))
 
     def close(self, status: str) -> None:
-        """Close the notifier and then the store where this outbox opened them (the notifier's last attempts are
-        written through the store), ending the run in the store."""
-        store, notifier = self.store, self.notifier
-        if notifier is not None and self.owns_notifier:  # first: its last delivery attempts are rows for the store
-            self.failsafe.call("alerts", lambda: notifier.close(timeout=10.0))
-        if store is not None:
+        """End the run in the store, then close the notifier and the store where this outbox opened them."""
+        if self.store is not None:
+            store = self.store
             self.failsafe.call("store", lambda: store.end_run(run_id=self.run_id, status=status))
-            if self.owns_store:  # close() drains within the store's close_timeout and spools the rest
-                self.failsafe.call("store", store.close)
+        self._release()
+
+    def _release(self) -> None:
+        """Close what this outbox opened: the notifier first (its last attempts are rows for the store), then the
+        store (its close() drains within its close_timeout and spools the rest)."""
+        if self.notifier is not None and self.owns_notifier:
+            self.failsafe.call("alerts", partial(self.notifier.close, timeout=10.0))
+        if self.store is not None and self.owns_store:
+            self.failsafe.call("store", self.store.close)
 
 
 class FlushTarget(Protocol):

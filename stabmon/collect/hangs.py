@@ -48,8 +48,16 @@ class HangReporter:
     run_name: str = ""
     exit_code: int | None = None
     exit: Callable[[int], Any] = os._exit
+    quiet: Callable[[], str | None] = field(default=lambda: None)
+    """Why no step for a while is not a hang now (the loop declared a pause, or it has ended); None: it is."""
+    last_words: Callable[[], None] = field(default=lambda: None)
+    """Before a hang exit: store the steps still waiting and mark the run (bounded)."""
 
     def __call__(self, anomaly: Anomaly) -> None:
+        why = self.quiet()
+        if why is not None:
+            log.info("stabmon: rank %d: no step for %.3g s, but %s: not a hang", self.rank, anomaly.score, why)
+            return
         log.error("stabmon: rank %d: %s", self.rank, anomaly.message)
         if self.rank == 0:
             self.publish([anomaly])
@@ -57,6 +65,7 @@ class HangReporter:
             self._write_from_this_rank(anomaly)
         if self.exit_code is None:
             return
+        self.last_words()
         self.settle()
         log.error("stabmon: rank %d is hung; exiting with code %d so the job can be restarted", self.rank,
                   self.exit_code)
@@ -69,7 +78,7 @@ class HangReporter:
             store, owned = self.open_store()
             if store is None:
                 return
-            run_id = store.start_run(name=self.run_name, resume_run_id=self.run_id(), environment={})
+            run_id = store.start_run(name=self.run_name, resume_run_id=self.run_id(), environment={}, join=True)
             store.write_events(run_id=run_id, events=[anomaly])
             store.flush(timeout=30.0)
             if owned:

@@ -110,8 +110,14 @@ class LiveTarget:
         if exit_code is not None:
             self.stop_code = exit_code
         self.request_stop(reason)
+        facts = {"path": getattr(info, "path", None), "step": self.step, "exit_code": self.stop_code, "reason": reason}
+        if self.can_save and info is None:
+            where = getattr(self.checkpoints, "directory", "the checkpoint directory")
+            facts["checkpoint_error"] = f"the stop checkpoint could not be written to {where} (see the log)"
+            log.error("stabmon: STOPPING WITHOUT A CHECKPOINT at step %d: it could not be written to %s; resume "
+                      "from the last checkpoint there, if any", self.step, where)
         log.warning("stabmon: stopping the run at step %d: %s", self.step, reason)
-        return {"path": getattr(info, "path", None), "step": self.step, "exit_code": self.stop_code, "reason": reason}
+        return facts
 
     def diagnose(self, **params: Any) -> dict[str, Any]:
         """The verdict of re-running and replaying an incident's steps (:mod:`stabmon.collect.rerun`)."""
@@ -137,7 +143,7 @@ class LiveTarget:
         skipped = self.cursor.skip_range(start, skip)
         if skipped:
             self.outbox.write_skipped_batches(step=self.step, batch_indices=skipped)
-        self._record_timeline(manager, info)
+        unrecorded = self._record_timeline(manager, info)
         if skip:
             skipping = f"; skipping batches [{start}, {start + skip})"
         elif skip_batches:
@@ -156,7 +162,7 @@ class LiveTarget:
         }
         if skip_batches and not skip:
             facts["skip_not_applied"] = "the loop does not draw its batches through monitor.steps()"
-        return facts
+        return facts | unrecorded
 
     def _manager(self, checkpoint_dir: str | None) -> Any:
         from stabmon.checkpoints import CheckpointManager
@@ -181,12 +187,17 @@ class LiveTarget:
         else:  # a one-shot iterator cannot be rewound: the data keeps flowing forward
             self.cursor.position = from_position
 
-    def _record_timeline(self, manager: Any, target: Any) -> None:
+    def _record_timeline(self, manager: Any, target: Any) -> dict[str, str]:
         """The rollback in the registry: later checkpoints abandoned, and the rolled-back state (skip set in
         force) saved at once on the new timeline, so a resume continues from here and not from undone
-        training."""
+        training. Returns what could not be recorded (a read-only directory): the restore and the skip stand,
+        and the rollback's record says what is missing."""
         if self.rank != 0:
-            return
-        manager.rolled_back(target)
-        if manager is self.checkpoints and self.can_save:
-            self.save_checkpoint()
+            return {}
+        missing = {}
+        problem = manager.rolled_back(target)
+        if problem is not None:
+            missing["registry_not_updated"] = problem
+        if manager is self.checkpoints and self.can_save and self.save_checkpoint() is None:
+            missing["rolled_back_state_not_saved"] = "the checkpoint save failed (see the log)"
+        return missing

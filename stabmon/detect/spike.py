@@ -3,7 +3,10 @@
 Grad norms and losses are multiplicative and heavy-tailed: a jump from 0.25 to 1.0 matters as much as one from
 250 to 1000. Both detectors therefore work on ``log(value)`` and score only upward deviations (a falling loss
 or grad norm is not a spike). Non-positive values (a grad norm printed as ``0.000`` by a run that did not log
-it, a negative RL loss) are not observed.
+it, a negative RL loss) are not observed, with one exception: a finite negative value whose size is at least
+``tolerance`` times the learned positive baseline (``error_ratio`` times during grace) is flagged as a spike and
+not learned - a loss of -230 where it has been 2.3 is as corrupt as +230, and its severity is judged by its
+size the same way. Positive values are scored exactly as without this rule.
 
 Defaults, and why:
 
@@ -121,7 +124,7 @@ class _LogSpike(Detector):
 
     def _value(self, x: X) -> float | None:
         v = x.get(self.metric)
-        return math.log(v) if v is not None and 0.0 < v < _INF else None
+        return math.log(v) if v is not None and 0.0 < v < _INF else self._negative_log(v, not self.in_grace)
 
     @property
     def threshold(self) -> float:
@@ -142,7 +145,8 @@ class _LogSpike(Detector):
             if not self._peak_error:
                 self._survived = max(self._survived, self._peak)
             self._peak, self._peak_error = 0.0, False
-        self._log_ratio = math.log(raw) - self._centre() if raw is not None and raw > 0 else 0.0
+        size = abs(raw) if raw is not None else 0.0  # a negative value is judged by its size
+        self._log_ratio = math.log(size) - self._centre() if size > 0 else 0.0
         self._peak = max(self._peak, self._log_ratio)
         return super()._flag(step, raw, score)
 
@@ -199,7 +203,9 @@ class _LogSpike(Detector):
         return std if std > self._min_std else self._min_std
 
     def _score(self, v: float, x: X) -> float:
-        return 0.0 if self.n_learned == 0 else self._z(v)
+        if self.n_learned == 0:
+            return 0.0
+        return max(self._z(v), self._threshold) if x.get(self.metric, 0.0) < 0.0 else self._z(v)
 
     def _z(self, v: float) -> float:
         """The upward z-score of the log-value ``v`` against the learned baseline (0 at or below it). The
@@ -249,7 +255,8 @@ class _LogSpike(Detector):
     def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
         # the general path with the value read from ``raw`` and the score known to be finite and >= 0
         if raw is None or not 0.0 < raw < _INF:
-            return None
+            neg = self._negative_log(raw, scoring)
+            return None if neg is None else max(self._z(neg), self._threshold)
         v = math.log(raw)
         if scoring:
             score = self._z(v) if self.n_learned else 0.0
@@ -258,6 +265,16 @@ class _LogSpike(Detector):
         if score < self._threshold:
             self._learn(v, x)
         return score
+
+    def _negative_log(self, raw: float | None, scoring: bool) -> float | None:
+        """``log(-raw)`` of a finite negative value at least ``tolerance`` (in grace: ``error_ratio``) times the
+        size of the learned positive baseline, which then scores as a spike (never learned); None for any other
+        non-positive value (not observed)."""
+        if raw is None or not -_INF < raw < 0.0 or not self.n_learned:
+            return None
+        v = math.log(-raw)
+        bound = math.log(self.config.tolerance) if scoring else self._log_error_ratio
+        return v if v - self._centre() >= bound else None
 
     @classmethod
     def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:

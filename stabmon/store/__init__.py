@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from stabmon.sinks import Sink
 from stabmon.store.database import SchemaNotReadyError, StoreError, make_engine, upgrade
+from stabmon.store.lease import RunInUseError
 from stabmon.store.repo import AnswerError, RunNotFoundError
 from stabmon.store.store import Store, StoreConfig, open_store
 from stabmon.store.writer import StoreStats
 
 __all__ = [
     "AnswerError",
+    "RunInUseError",
     "RunNotFoundError",
     "SchemaNotReadyError",
     "Store",

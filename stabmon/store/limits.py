@@ -5,6 +5,13 @@
 Traceback (most recent call last):
 ...
 ValueError: metric name is 300 characters long, more than the store's 255: 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'...
+>>> check_name("run name", "a" + chr(0) + "b")
+Traceback (most recent call last):
+...
+ValueError: run name contains a NUL character at position 1, which the store cannot hold: 'a\\x00b'
+
+The rules are the same on every backend: SQLite would store a NUL, PostgreSQL refuses any text holding one, and
+a name must mean the same run or metric on both.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ def name_problem(what: str, name: object) -> str | None:
         return f"{what} must not be empty"
     if len(name) > MAX_NAME:
         return f"{what} is {len(name)} characters long, more than the store's {MAX_NAME}: {name[:40]!r}..."
+    if "\x00" in name:
+        at = name.index("\x00")
+        return f"{what} contains a NUL character at position {at}, which the store cannot hold: {name[:40]!r}"
     return None
 
 

@@ -75,6 +75,10 @@ class Run(Base):
     environment: Mapped[dict[str, Any] | None]
     parent_run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"), index=True)
     source: Mapped[str | None] = mapped_column(Text)
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    """``host:pid:token`` of the store writing the run (see :mod:`stabmon.store.lease`); None: nobody."""
+    lease_until: Mapped[float | None] = mapped_column(Float)
+    """Unix time the lease lasts until unless its owner renews it."""
 
 
 class MetricName(Base):

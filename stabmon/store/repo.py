@@ -118,7 +118,7 @@ def list_runs(*, session: Session, limit: int | None = None) -> list[RunSummary]
             r.id,
             r.name,
             r.kind,
-            r.status,
+            run_status(r),
             _utc(r.started_at) or r.started_at,
             _utc(r.ended_at),
             n or 0,
@@ -128,6 +128,30 @@ def list_runs(*, session: Session, limit: int | None = None) -> list[RunSummary]
         )
         for r, n, last, na in session.execute(q)
     ]
+
+
+def run_status(run: Run) -> str:
+    """The run's status; ``interrupted`` for one still marked ``running`` whose writer is gone (killed with no
+    chance to say so: its lease ran out, or its process ended on this host)."""
+    from stabmon.store.lease import writer_gone
+
+    if run.status == "running" and writer_gone(run.lease_owner, run.lease_until):
+        return "interrupted"
+    return run.status
+
+
+def delete_run(*, session: Session, run_id: str) -> None:
+    """Delete a run and every row that belongs to it (runs that name it as their parent keep theirs, without
+    the link). Explicit on every table: SQLite does not enforce the foreign keys' cascades."""
+    key = _run_key(session, run_id)
+    for table in ("step_metrics", "steps"):
+        t = Base.metadata.tables[table]
+        session.execute(sa.delete(t).where(t.c.run_key == key))
+    for table in (*_EVENT_MODELS, "alerts", "checkpoints", "skipped_batches"):
+        t = Base.metadata.tables[table]
+        session.execute(sa.delete(t).where(t.c.run_id == run_id))
+    session.execute(sa.update(Run).where(Run.parent_run_id == run_id).values(parent_run_id=None))
+    session.execute(sa.delete(Run).where(Run.id == run_id))
 
 
 def _run_key(session: Session, run_id: str) -> int:
@@ -286,21 +310,38 @@ def pending_answers(*, session: Session, run_id: str | None = None) -> list[Pend
 
 
 def answer_decision(*, session: Session, run_id: str, decision_id: str, approved: bool, by: str) -> Decision:
-    """Record a human's answer to a proposed decision; the monitor picks it up at its next flush."""
+    """Record a human's answer to a proposed decision; the monitor picks it up at its next flush.
+
+    The answer is one conditional UPDATE (``WHERE approved IS NULL AND status = 'proposed'``), so of two answers
+    given at the same instant, from any number of processes, exactly one wins; the other gets an
+    :class:`AnswerError` naming the answer that won."""
     row = session.get(DecisionRow, decision_id)
     if row is None or row.run_id != run_id:
         raise AnswerError(f"run {run_id!r} has no decision {decision_id!r}")
+    status = (DecisionStatus.APPROVED if approved else DecisionStatus.REJECTED).value
+    result: sa.CursorResult[Any] = session.execute(  # type: ignore[assignment]
+        sa.update(DecisionRow)
+        .where(
+            DecisionRow.id == decision_id,
+            DecisionRow.approved.is_(None),
+            DecisionRow.status == DecisionStatus.PROPOSED.value,
+        )
+        .values(approved=approved, answered_by=by, answered_at=_now(), status=status)
+        .execution_options(synchronize_session=False)
+    )
+    session.refresh(row)
+    if result.rowcount != 1:
+        raise _not_answerable(row)
+    return event_from_row("decisions", {c.name: getattr(row, c.name) for c in row.__table__.columns})  # type: ignore[return-value]
+
+
+def _not_answerable(row: DecisionRow) -> AnswerError:
+    """Why the decision in ``row`` (as stored now) cannot take an answer: another answer won, or it is not a
+    proposal awaiting one."""
     if row.approved is not None:
         verb = "approved" if row.approved else "rejected"
-        raise AnswerError(
-            f"decision {decision_id!r} was already {verb} by {row.answered_by} at {row.answered_at}"
-        )
-    if row.status != DecisionStatus.PROPOSED.value:
-        raise AnswerError(f"decision {decision_id!r} is not awaiting an answer (status {row.status})")
-    row.approved, row.answered_by, row.answered_at = approved, by, _now()
-    row.status = (DecisionStatus.APPROVED if approved else DecisionStatus.REJECTED).value
-    session.flush()
-    return event_from_row("decisions", {c.name: getattr(row, c.name) for c in row.__table__.columns})  # type: ignore[return-value]
+        return AnswerError(f"decision {row.id!r} was already {verb} by {row.answered_by} at {row.answered_at}")
+    return AnswerError(f"decision {row.id!r} is not awaiting an answer (status {row.status})")
 
 
 def take_answers(*, session: Session, run_id: str) -> list[tuple[str, bool]]:

@@ -43,6 +43,7 @@ from stabmon.store.database import (
     sqlite_path,
     upgrade,
 )
+from stabmon.store.lease import RunInUseError, RunLease
 from stabmon.store.limits import check_name, name_problem
 from stabmon.store.spool import Spool, orphans
 from stabmon.store.writer import StoreStats, Writer
@@ -78,11 +79,14 @@ class StoreConfig:
     fail_fast: bool = False
     """Raise at start-up when the database cannot be reached, instead of starting with the spool and
     connecting when the database comes."""
+    lease_ttl: float = 60.0
+    """Seconds a run's writer lease lasts unless renewed (the writer renews it every ``lease_ttl / 4``): how long
+    a run whose writer died on another host stays refused to a second writer (see :mod:`stabmon.store.lease`)."""
 
     def __post_init__(self) -> None:
         if not self.poll_interval >= 0:
             raise ValueError(f"store.poll_interval must be >= 0, got {self.poll_interval!r}")
-        for name in ("flush_interval", "retry_initial", "retry_max", "close_timeout"):
+        for name in ("flush_interval", "retry_initial", "retry_max", "close_timeout", "lease_ttl"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"store.{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("batch_max_rows", "max_held_rows"):
@@ -129,6 +133,7 @@ class Store:
         writer_engine = self.engine if memory else make_engine(_writer_url(u), pooled=path is None, probe=ready)
         stale = 10 * self.config.flush_interval + self.config.poll_interval + 1.0
         self.answers = AnswerBox(poll_interval=self.config.poll_interval, stale_after=stale)
+        self.lease = RunLease(self.config.lease_ttl)
         self._writer = Writer(
             writer_engine,
             Spool(spool_dir),
@@ -136,6 +141,7 @@ class Store:
             adopted=orphans(spool_dir),
             ready=ready,
             answers=self.answers,
+            lease=self.lease,
         )
         self._seq: dict[str, int] = {}
         self._seq_lock = threading.Lock()
@@ -186,11 +192,16 @@ class Store:
         parent_run_id: str | None = None,
         source: str | None = None,
         run_id: str | None = None,
+        join: bool = False,
     ) -> str:
         """Create (or reopen) a run; the row is queued like everything else.
 
         ``environment=None`` records :func:`stabmon.environment.fingerprint` for live runs. ``parent_run_id``
         and ``source`` say what a replay or import came from; ``run_id`` chooses the id (default: a new one).
+        Reopening claims the run's writer lease first and raises :class:`~stabmon.store.lease.RunInUseError`
+        (one line) while another live process writes the run. ``join=True`` reopens a run another process holds,
+        to add a few events of its own (another rank's hang report): no lease is taken, and its records are
+        numbered by the clock, past the holder's.
         """
         if kind not in repo.RUN_KINDS:
             raise ValueError(f"store.start_run.kind must be one of {sorted(repo.RUN_KINDS)}, got {kind!r}")
@@ -200,6 +211,10 @@ class Store:
 
             environment = fingerprint()
         rid = resume_run_id or run_id or new_id()
+        if resume_run_id and not join:
+            self._claim(rid)
+        if not join:
+            self.lease.hold(rid)
         row = {
             "id": rid,
             "name": name,
@@ -211,12 +226,28 @@ class Store:
             "environment": encode(dict(environment or {})),
             "parent_run_id": parent_run_id,
             "source": source,
+            **(self.lease.row() if not join else {"lease_owner": None, "lease_until": None}),
         }
         self._writer.submit("run", row)
         self._seq[rid] = self._resume_seq(rid) if resume_run_id else 0
-        if resume_run_id:
+        if join:
+            self._seq[rid] = max(self._seq[rid], time.time_ns() // 1000)
+        if resume_run_id and not join:
             self._writer.submit("update", rid, {"status": "running", "ended_at": None})
         return rid
+
+    def _claim(self, run_id: str) -> None:
+        """Take a resumed run's lease (raises RunInUseError); a database that cannot be read is let be."""
+        if not self._writer.ready:
+            log.warning("stabmon store: resuming run %s while the database is away: its lease is not checked",
+                        run_id)
+            return
+        try:
+            self.lease.claim(self.engine, run_id)
+        except RunInUseError:
+            raise
+        except Exception:  # noqa: BLE001 - the database may be away at resume; the run goes on
+            log.exception("stabmon store: cannot claim run %s's lease", run_id)
 
     def _resume_seq(self, run_id: str) -> int:
         """The next sequence number of a resumed run: past every row in the database AND in the spools
@@ -316,6 +347,7 @@ class Store:
         return self.answers.live and not self._writer.backlog()
 
     def end_run(self, *, run_id: str, status: str) -> None:
+        """Record the run's final status (its lease is given up at close())."""
         self._writer.submit("update", run_id, {"status": status, "ended_at": time.time()})
 
     # -- AlertRecorder: the notifier's delivery threads record their attempts through the writer ----------------
@@ -354,7 +386,9 @@ class Store:
         if self._closed:
             return
         self._closed = True
-        if not self._writer.stop(self.config.close_timeout):
+        if self._writer.stop(self.config.close_timeout):
+            self._release_leases()
+        else:
             kept, dropped = self._writer.park()
             log.error(
                 "stabmon store: closed with %d rows not in the database: %d kept in %s (written by the next "
@@ -364,9 +398,19 @@ class Store:
                 self._writer.spool.path,
                 dropped,
             )
+        self.lease.close()
         self._writer.spool.close()
         self._writer.engine.dispose()
         self.engine.dispose()
+
+    def _release_leases(self) -> None:
+        """Free this store's runs for the next writer, once what it queued is written. A database that cannot
+        be reached now keeps them until their lease runs out (or, on this host, at once: the process ends)."""
+        try:
+            self.lease.release(self.engine)
+        except Exception:  # noqa: BLE001 - closing must not raise; the lease expires on its own
+            log.warning("stabmon store: could not release the run lease at close (it expires in %g s)",
+                        self.lease.ttl, exc_info=True)
 
     def __enter__(self) -> Store:
         return self

@@ -31,6 +31,7 @@ from stabmon.store.answers import AnswerBox
 from stabmon.store.batch import Batch, NameCache, write_batch
 from stabmon.store.codec import EVENT_TABLES, event_row
 from stabmon.store.database import is_unavailable, require_schema
+from stabmon.store.lease import RunLease
 from stabmon.store.spool import Spool
 
 log = logging.getLogger("stabmon.store")
@@ -70,6 +71,7 @@ class Writer(threading.Thread):
         adopted: list[Spool],
         ready: bool = True,
         answers: AnswerBox | None = None,
+        lease: RunLease | None = None,
     ) -> None:
         super().__init__(name="stabmon-store-writer", daemon=True)
         self.engine, self.spool, self.cfg = engine, spool, config
@@ -89,6 +91,7 @@ class Writer(threading.Thread):
         self._backoff = config.retry_initial
         self.ready = ready  # False until the database answered the schema check once
         self.answers = answers
+        self.lease = lease
         self._inflight: Batch | None = None
         self._parked = False
 
@@ -174,6 +177,14 @@ class Writer(threading.Thread):
                 self._write_or_spool(batch)
         if self.answers is not None and not self.backlog() and not self._parked:
             self.answers.poll(self.engine, self.stats)
+        if self.lease is not None and not self.backlog() and not self._parked:
+            self._renew(self.lease)
+
+    def _renew(self, lease: RunLease) -> None:
+        try:
+            lease.renew(self.engine)
+        except Exception:  # noqa: BLE001 - a missed renewal is retried next cycle; the lease lasts ttl
+            log.debug("stabmon store: cannot renew the run lease now", exc_info=True)
 
     def backlog(self) -> bool:
         return bool(not self.ready or self._adopted or self.spool.pending or self._held)

@@ -236,3 +236,30 @@ def report(fault: str, **figures: Any) -> None:
     docs/RELIABILITY.md)."""
     shown = ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items())
     print(f"FAULT {fault}: {shown}")
+
+
+_PEAK = """
+import resource, subprocess, sys
+done = subprocess.run(sys.argv[2:], capture_output=True, text=True)
+open(sys.argv[1], "w").write(f"{done.returncode} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}")
+sys.stdout.write(done.stdout)
+sys.stderr.write(done.stderr)
+"""
+
+
+def peak_run(cmd: list[str], cwd: Any) -> tuple[int, str, str, float]:
+    """``cmd`` in a subprocess: (exit code, stdout, stderr, peak RSS in MiB). It is started by a small Python
+    process in between, because a child's ``ru_maxrss`` starts at its parent's RSS (a test process holds
+    torch)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    figures = Path(cwd) / "peak.txt"
+    done = subprocess.run([sys.executable, "-c", _PEAK, str(figures), *cmd], env=env, cwd=cwd,
+                          capture_output=True, text=True)
+    code, kib = figures.read_text().split()
+    return int(code), done.stdout, done.stderr, int(kib) / 1024

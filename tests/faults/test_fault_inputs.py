@@ -3,9 +3,7 @@ memory should allow for them."""
 
 from __future__ import annotations
 
-import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -95,25 +93,14 @@ def test_an_import_that_cannot_be_stored_leaves_no_run_behind(tmp_path: Path, te
     assert not (tmp_path / "imp.db").exists() or _runs(url) == 0
 
 
-_PEAK = """
-import resource, subprocess, sys
-code = subprocess.run(sys.argv[2:]).returncode
-open(sys.argv[1], "w").write(f"{code} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}")
-"""
-
-
 def _import_peak_mib(path: Path, db: Path) -> float:
-    """Peak RSS of ``stabmon import PATH`` in a subprocess. It is started by a small Python process in between,
-    because a child's ``ru_maxrss`` starts at its parent's RSS (this test process holds torch)."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    """Peak RSS of ``stabmon import PATH`` in a subprocess (:func:`fault_support.peak_run`)."""
+    from fault_support import peak_run
+
     cmd = [sys.executable, "-m", "stabmon", "import", str(path), "--run", "r", "--db", f"sqlite:///{db}", "--json"]
-    figures = db.with_suffix(".peak")
-    done = subprocess.run([sys.executable, "-c", _PEAK, str(figures), *cmd], env=env, cwd=db.parent,
-                          capture_output=True, text=True)
-    code, kib = figures.read_text().split()
-    assert done.returncode == 0 and code == "0", done.stdout[-2000:] + done.stderr[-2000:]
-    return int(kib) / 1024
+    code, out, err, peak = peak_run(cmd, db.parent)
+    assert code == 0, out[-2000:] + err[-2000:]
+    return peak
 
 
 @pytest.mark.slow

@@ -186,16 +186,18 @@ def table_to_result(
     importer."""
     steps = StepTable()
     result = ImportResult(fmt, steps=steps)
-    for text in table.malformed:
-        result.problem(f"{name}:?", f"not a JSON object: {text!r}"[:120])
+    for line, what in table.malformed:
+        result.problem(f"{name}:{line}", what[:120])
     if step_column and step_column not in table.columns:
         result.problem(
             name, f"step column {step_column!r} not found (columns: {', '.join(table.columns)[:200]})"
         )
         return result
     plan = _plan(table.columns, dict(mapping or {}), step_column, keep_unmapped)
-    for row_no, row in enumerate(table.rows, 2):
-        _add_row(row, f"{name}:{row_no}", row_no - 2, plan, steps, result)
+    for row_no, row in enumerate(table.rows, 2):  # a CSV's header is line 1
+        _add_row(row, f"{name}:{table.line or row_no}", row_no - 2, plan, steps, result)
+    for line, what in table.skipped:
+        result.problem(f"{name}:{line}", what)
     mark_table(steps)
     return result
 

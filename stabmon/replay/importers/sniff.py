@@ -58,8 +58,8 @@ def formats() -> list[str]:
 
 
 def _head(path: Path) -> str:
-    if path.is_dir():  # a TensorBoard log folder or a Hugging Face checkpoint folder
-        files = sorted(path.glob("events.out.tfevents.*")) + sorted(path.glob("trainer_state.json"))
+    if path.is_dir():
+        files = sorted(path.glob("events.out.tfevents.*"))
         if not files:
             return ""
         path = files[0]
@@ -110,9 +110,9 @@ def nothing_read(result: ImportResult, files: Sequence[str | Path]) -> str | Non
     if not len(result) and result.format == "pattern":
         return f"no line of {where} matched --pattern ({result.malformed} matched with a value that is not a number)"
     if not len(result):
-        first = f"; {result.problems[0]}" if result.problems else ""
-        return (f"no step records found in {where} (format {result.format}, {result.malformed} malformed "
-                f"line(s)){first}")
+        first = f"; first: {result.problems[0]}" if result.problems else ""
+        return (f"no step records found in {where} (format {result.format}, {result.malformed} malformed line(s)"
+                f"{first})")
     if not any(r.metrics for batch in result.batches(4096) for r in batch):
         return (f"no metric found in {where}: {len(result)} step(s) read as {result.format}, none with a value "
                 "(for a text log pass --pattern with named groups; for a table, --map COLUMN=METRIC)")
