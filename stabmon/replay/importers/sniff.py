@@ -58,8 +58,8 @@ def formats() -> list[str]:
 
 
 def _head(path: Path) -> str:
-    if path.is_dir():
-        files = sorted(path.glob("events.out.tfevents.*"))
+    if path.is_dir():  # a TensorBoard log folder or a Hugging Face checkpoint folder
+        files = sorted(path.glob("events.out.tfevents.*")) + sorted(path.glob("trainer_state.json"))
         if not files:
             return ""
         path = files[0]
