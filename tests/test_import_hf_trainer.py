@@ -50,7 +50,7 @@ def test_a_checkpoint_folder_is_read_through_its_trainer_state(real_finetunes: P
     db = f"sqlite:///{tmp_path / 's.db'}"
     res = runner.invoke(app, ["import", str(folder), "--run", "chess", "--db", db])
     assert res.exit_code == 0, res.output
-    res = runner.invoke(app, ["replay", str(folder), "--runbook", "default"])
+    res = runner.invoke(app, ["replay", str(folder), "--runbook", "default", "--db", db])
     assert res.exit_code == 0, res.output
 
 
