@@ -24,8 +24,7 @@ Defaults, and why:
   may not follow), while it is no larger than ``tolerance`` (8x) its baseline: the 40 healthy fine-tunes of
   ``real-finetunes`` have lone grad-norm blips of up to 6.4x in their first 50 steps (batch size 1-2), the
   healthy llm.c GPT-2 run 1.35-15.3x; BLOOM tr11-176B's grad norm climbs 3.9x, then 9.9x three steps before its
-  loss spike. 8x sits between the two (``stabmon tune --leave-one-out`` over 4/8/10/20 on ``real-finetunes``
-  picks 8-10 in every fold). Beyond that it is a ``warning``, and a loss flagged on ``persist = 3``
+  loss spike. 8x sits between the two (docs/detectors.md has the leave-one-run-out check). Beyond that it is a ``warning``, and a loss flagged on ``persist = 3``
   consecutive records is one too. It becomes an ``error`` only in the suite (:mod:`stabmon.detect.suite`):
   a loss spike that follows a grad-norm spike and is still up on the next record (two signals, and it did
   not come back). A loss that stays up longer is the regression detector's to judge.
