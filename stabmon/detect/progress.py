@@ -107,7 +107,7 @@ class LossRegression(Detector):
     grace_exempt = "it compares the loss with the run's own best, which no warm-up can fake"
     learns_flagged = "its rolling median must see every loss, flagged or not"
     _state_attrs = ("_recent", "_steps", "_best", "_since", "_above_since", "_above_n", "_reported", "_last_step",
-                    "_positive", "_cadence", "_noise", "_lr_peak", "_lr_last")
+                    "_positive", "_cadence", "_noise", "_lr_peak", "_lr_last", "_ready")
 
     def _reset(self) -> None:
         self._recent: deque[float] = deque()
@@ -123,7 +123,9 @@ class LossRegression(Detector):
         self._cadence = window.Cadence()
         self._noise = window.Noise()
         self._lr_peak = 0.0
-        self._lr_last: float | None = None
+        self._lr_last = math.inf  # the last learning rate seen (inf: none yet)
+        self._lr_metric = self.config.lr_metric
+        self._ready = False  # the window holds its records and the noise its samples (until a new timeline)
         self._rise = 1 + self.config.rise  # the smallest multiple of the best median that can be a regression
         self._threshold_now = self._rise  # the multiple of the best median that is a regression (last report)
         self._sigma_now = 0.0
@@ -134,24 +136,21 @@ class LossRegression(Detector):
         self._sorted.clear()
         self._since, self._above_since, self._above_n, self._reported = None, None, 0, False
         self._noise.restart()
-
-    def _lr_restarted(self, x: X) -> bool:
-        """Has the learning rate risen again after decaying below half its peak (a restarted schedule)?"""
-        lr = x.get(self.config.lr_metric)
-        if lr is None or not math.isfinite(lr) or lr <= 0:
-            return False
-        last, self._lr_last = self._lr_last, lr
-        restarted = last is not None and last < 0.5 * self._lr_peak and lr > 1.5 * last
-        self._lr_peak = lr if restarted else max(self._lr_peak, lr)
-        return restarted
+        self._ready = False
 
     def update(self, step: int, x: X) -> Anomaly | None:
         if step <= self._last_step:  # the step counter went back (a rollback): a new timeline, same best
             self._new_timeline()
         self._last_step = step
-        if self._lr_restarted(x):  # a new schedule cycle: a new baseline too
-            self._new_timeline()
-            self._best = float("inf")
+        lr = x.get(self._lr_metric)
+        if lr is not None and 0.0 < lr < math.inf:  # a restart: the LR rises again after decaying below half its peak
+            last, self._lr_last = self._lr_last, lr
+            if lr > 1.5 * last and last < 0.5 * self._lr_peak:
+                self._lr_peak = lr
+                self._new_timeline()  # a new schedule cycle: a new baseline too
+                self._best = float("inf")
+            elif lr > self._lr_peak:
+                self._lr_peak = lr
         raw = x.get(self.metric)
         if raw is None:
             return None
@@ -163,16 +162,22 @@ class LossRegression(Detector):
         if v <= 0:
             self._positive = False
             return None
-        self._cadence.see(step)
-        self._noise.see(v)
+        cadence = self._cadence
+        if cadence.steady and step - cadence.last == cadence.interval:
+            cadence.last = step  # Cadence.see's steady case, inline (every record)
+        else:
+            cadence.see(step)
+        self._noise.values.append(v)  # Noise.see, inline (every record)
         ordered = self._push(step, v)
         self.n_learned += 1
         if self._since is None:
             self._since = step
         c = self.config
         n = len(ordered)
-        if n < c.records or self._noise.count < c.records or step - self._since < c.window - 1:
-            return None
+        if not self._ready:
+            if n < c.records or self._noise.count < c.records or step - self._since < c.window - 1:
+                return None
+            self._ready = True
         median = window.median(ordered)
         best = self._best
         if median <= best * self._rise:  # under the floor: no regression whatever the noise (the common case)
@@ -416,6 +421,9 @@ class NoProgress(Detector):
             self._start = step
         if self._start >= self.config.window:
             return None  # a stream cut from the middle of a run: its start is not ours to judge
+        if self._judged and step > self._last_step:  # judged, no rollback since: nothing left to watch
+            self._last_step = step
+            return None
         if step <= self._last_step:  # a rollback: a new timeline
             self._over, self._stall_reported = False, False
             self._history.clear()

@@ -24,10 +24,11 @@ Defaults, and why:
   may not follow), while it is no larger than ``tolerance`` (8x) its baseline: the 40 healthy fine-tunes of
   ``real-finetunes`` have lone grad-norm blips of up to 6.4x in their first 50 steps (batch size 1-2), the
   healthy llm.c GPT-2 run 1.35-15.3x; BLOOM tr11-176B's grad norm climbs 3.9x, then 9.9x three steps before its
-  loss spike. 8x sits between the two (docs/detectors.md has the leave-one-run-out check). Beyond that it is a ``warning``, and a loss flagged on ``persist = 3``
-  consecutive records is one too. It becomes an ``error`` only in the suite (:mod:`stabmon.detect.suite`):
-  a loss spike that follows a grad-norm spike and is still up on the next record (two signals, and it did
-  not come back). A loss that stays up longer is the regression detector's to judge.
+  loss spike. 8x sits between the two (docs/detectors.md has the leave-one-run-out check). Beyond that it is
+  a ``warning``, and a loss flagged on ``persist = 3`` consecutive records is one too. It becomes an
+  ``error`` only in the suite (:mod:`stabmon.detect.suite`): a loss spike that follows a grad-norm spike and
+  is still up on the next record (two signals, and it did not come back). A loss that stays up longer is the
+  regression detector's to judge.
 - A score is measured against the baseline's spread, floored at ``min_std`` and at half the log's rounding
   step (a Trainer log writes 4 decimals: near 1e-4, 0.0001 -> 0.0002 is one step, not a 2x spike).
 - ``grace_period = 10`` training steps at the start of training (LR warm-up: the baseline of the first steps

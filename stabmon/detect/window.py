@@ -54,20 +54,25 @@ class Cadence:
     def __init__(self, n: int = 15) -> None:
         self._gaps: deque[float] = deque(maxlen=n)
         self._sorted: list[float] = []
-        self._last: int | None = None
+        #: the step of the last record seen (-1: none yet)
+        self.last = -1
         self.interval = 1
+        #: the window is full of gaps equal to ``interval``: a record ``interval`` steps after ``last`` changes
+        #: nothing but ``last`` (a caller on a hot path may then just set ``last``)
+        self.steady = False
 
     def see(self, step: int) -> None:
-        last, self._last = self._last, step
-        if last is None or step <= last:
+        last, self.last = self.last, step
+        if last < 0 or step <= last:
             return
         gap = float(step - last)
         gaps = self._gaps
-        if len(gaps) == gaps.maxlen and gaps[0] == gap:  # the steady case: the window's values do not change
-            gaps.append(gap)
+        if self.steady and gap == self.interval:
             return
         push(gaps, self._sorted, gap)
         self.interval = max(1, int(median(self._sorted)))
+        ordered = self._sorted
+        self.steady = len(gaps) == gaps.maxlen and ordered[0] == ordered[-1] == self.interval
 
     def span(self, *, steps: int, records: int) -> int:
         """The longer of ``steps`` training steps and ``records`` records at this cadence, in steps."""
@@ -94,23 +99,24 @@ class Noise:
     SCALE = 1.0484
 
     def __init__(self, n: int = 128) -> None:
-        self._values: deque[float] = deque(maxlen=n + 1)
+        #: the last ``n + 1`` values; a caller on a hot path may append to it directly (what :meth:`see` does)
+        self.values: deque[float] = deque(maxlen=n + 1)
 
     def see(self, v: float) -> None:
-        self._values.append(v)
+        self.values.append(v)
 
     def restart(self) -> None:
         """The next value follows no previous one (a rollback or a new timeline): the window starts again."""
-        self._values.clear()
+        self.values.clear()
 
     @property
     def count(self) -> int:
         """How many differences the estimate rests on."""
-        return max(0, len(self._values) - 1)
+        return max(0, len(self.values) - 1)
 
     def sigma(self, level: float) -> float:
         """The standard deviation of one record's log-value, at least half a rounding step at ``level``."""
-        values = self._values
+        values = self.values
         if len(values) < 2:
             return 0.0
         pairs = list(itertools.pairwise(values))
