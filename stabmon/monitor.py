@@ -27,6 +27,7 @@ A framework that runs backward inside ``optimizer.step(closure)`` (Lightning) ta
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import time
@@ -118,6 +119,7 @@ class Monitor:
         if not isinstance(self.config, MonitorConfig):
             raise ValueError(f"config: expected a MonitorConfig, got {type(self.config).__name__}")
         self.config.validate()
+        self.config = _with_cadence(self.config, checkpoint_dir=checkpoint_dir, checkpoints=checkpoints)
         check_model_and_optimizer(model, optimizer)
         if run_name is not None:
             check_name("run_name", run_name)
@@ -226,6 +228,11 @@ class Monitor:
 
         for line in fit_warnings(runbook, self.hparams(), checkpoints=self.checkpoints is not None):
             log.warning("stabmon: runbook %s: %s", runbook.name, line)
+        if self.checkpoints is not None and not self.config.checkpoint_every and not self.checkpoints.checkpoints:
+            log.warning(
+                "stabmon: config.checkpoint_every=0 and no checkpoint registered in %s: a rollback fails until "
+                "you save one (monitor.save_checkpoint() or checkpoints.register)", self.checkpoints.directory
+            )
 
     def _open_outbox(self, store: Any, notifier: Any, alerts: Iterable[str] | None) -> Outbox:
         """Rank 0's store and notifier (only rank 0 writes to the store and sends alerts)."""
@@ -557,6 +564,13 @@ class Monitor:
             self.close(status=INTERRUPTED)
         else:
             self.close(status="failed" if exc_type is not None else None)
+
+
+def _with_cadence(config: MonitorConfig, *, checkpoint_dir: str | None, checkpoints: Any) -> MonitorConfig:
+    """``config`` with the checkpoint cadence in force (``checkpoint_every=None`` resolved), the value stored
+    with the run."""
+    can_save = checkpoint_dir is not None or bool(checkpoints is not None and getattr(checkpoints, "can_save", True))
+    return dataclasses.replace(config, checkpoint_every=config.checkpoint_cadence(can_save=can_save))
 
 
 def _kill_switch(path: str | None) -> Any:
