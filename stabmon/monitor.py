@@ -412,7 +412,7 @@ class Monitor:
             # the initial state is known-good, so a rollback can always reach it
             self._initial_saved = True
             if self.checkpoints is not None:
-                self.save_checkpoint()
+                self._timed_save()
         self.recorder.begin(step=self._step, batch_index=batch_index)
         if self.batches is not None and batch is not None:
             self.batches.remember(step=self._step, batch_index=batch_index, batch=batch)
@@ -434,7 +434,7 @@ class Monitor:
             self._watchdog.beat(self._step - 1)
         every = self.config.checkpoint_every
         if every and self.checkpoints is not None and self._step % every == 0:
-            self.save_checkpoint()
+            self._timed_save()
         if len(self.buffer) >= self.config.flush_every:
             self.flush()
         self.recorder.restart_clock()  # flush and checkpoint time stay out of the next step's time
@@ -475,6 +475,12 @@ class Monitor:
             self._watchdog.beat(self._step - 1, learn=False)
 
     # -- state -------------------------------------------------------------------------------------------
+    def _timed_save(self) -> None:
+        """A checkpoint at the cadence, its seconds on the next step's record (the goodput ledger's)."""
+        started = time.perf_counter()
+        self.save_checkpoint()
+        self.recorder.note(Metric.CHECKPOINT_TIME, time.perf_counter() - started)
+
     def save_checkpoint(self) -> Any:
         """Save :meth:`training_state` through the checkpoint manager; failures are logged and counted."""
         return self.target.save_checkpoint()

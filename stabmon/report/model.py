@@ -114,6 +114,8 @@ class ReportData:
     missing: list[str] = field(default_factory=list)
     """Titles of charts with nothing recorded."""
     dropped_marks: int = 0
+    goodput: Any = None
+    """The run's :class:`~stabmon.goodput.Ledger` (a live run's; None for a log without step times)."""
 
 
 def _fmt(v: Any) -> str:
