@@ -32,7 +32,7 @@ import logging
 import operator
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -69,6 +69,7 @@ from stabmon.collect.wiring import (
 )
 from stabmon.events import Anomaly, Event, Metric, StepRecord
 from stabmon.overrides import Overrides
+from stabmon.recipe import check_recipe, run_recipe
 from stabmon.store.limits import check_name
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class Monitor:
         resume: dict[str, Any] | None = None,
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         sample_ids: Callable[[Any], Any] | None = None,
+        recipe: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config if config is not None else MonitorConfig()
         if not isinstance(self.config, MonitorConfig):
@@ -121,6 +123,7 @@ class Monitor:
         self.config.validate()
         self.config = _with_cadence(self.config, checkpoint_dir=checkpoint_dir, checkpoints=checkpoints)
         check_model_and_optimizer(model, optimizer)
+        user_recipe = check_recipe(recipe)
         if run_name is not None:
             check_name("run_name", run_name)
         if mode not in MODES:
@@ -200,7 +203,7 @@ class Monitor:
         self.flusher.joiners["diagnose"] = cross.join
         if resume and resume_run_id is None:  # a saved monitor state names its run: reopen that one
             resume_run_id = resume.get("run_id")
-        run_id = self.outbox.start_run(config={"monitor": cfg.to_dict(), "mode": mode}, resume_run_id=resume_run_id)
+        run_id = self.outbox.start_run(config=self._run_config(user_recipe), resume_run_id=resume_run_id)
         if self.world_size > 1:
             self.outbox.run_id = broadcast(run_id)
         self.target.checkpoints = checkpoints if checkpoints is not None else self._manager(checkpoint_dir)
@@ -218,6 +221,12 @@ class Monitor:
             self.load_state_dict(resume)
         if self.rank == 0:
             self._warn_unfit()
+
+    def _run_config(self, user_recipe: dict[str, Any] | None) -> dict[str, Any]:
+        """What the store keeps as the run's config: the monitor's config, the mode and the recipe."""
+        recipe = run_recipe(optimizer=type(self.optimizer).__name__, hparams=self.hparams(),
+                            runbook=getattr(self.pipeline.engine, "runbook", None), user=user_recipe)
+        return {"monitor": self.config.to_dict(), "mode": self.mode, "recipe": recipe}
 
     def _warn_unfit(self) -> None:
         """Say at start which runbook rungs cannot act on this optimizer (they would be skipped or fail)."""

@@ -99,9 +99,11 @@ class MonitorSpec:
         clip: float | None = None,
         run_name: str | None = None,
         resume_run_id: str | None = None,
+        recipe: Any = None,
     ) -> Any:
         """A Monitor on the framework's objects; ``clip`` (the framework's own max-norm, taken over) applies
-        when the config sets none; ``run_name`` (the framework's) applies when the spec has none."""
+        when the config sets none; ``run_name`` (the framework's) applies when the spec has none; ``recipe``: the
+        framework's own settings (its training arguments), stored with the run for ``stabmon diff``."""
         from stabmon.monitor import Monitor
 
         config = self.config
@@ -122,6 +124,7 @@ class MonitorSpec:
             run_name=self.run_name or run_name,
             checkpoint_dir=self.checkpoint_dir,
             resume_run_id=resume_run_id,
+            recipe=recipe,
         )
 
 

@@ -151,6 +151,7 @@ class StabmonCallback(TrainerCallback):
             clip=clip,
             run_name=getattr(args, "run_name", None),
             resume_run_id=(saved or {}).get("run_id"),
+            recipe=args.to_dict(),  # the TrainingArguments: stabmon diff names the ones two runs differ in
         )
         if saved is not None:
             self.monitor.load_state_dict(saved)
