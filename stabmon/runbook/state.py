@@ -106,6 +106,7 @@ class Incident:
     stop: bool = False  #: the pending decision is the runbook's checkpoint-and-stop
     diagnosis: str | None = None  #: the verdict of an applied ``diagnose`` rung, until the engine follows it
     in_force: list[Change] = field(default_factory=list)  #: changes made and not reverted, oldest first
+    seen: str = ""  #: the first line of the opening anomaly's message: what an ``alert_only`` with no text says
 
     @property
     def current(self) -> Decision:
