@@ -26,7 +26,11 @@ What the callback does at each Trainer event:
 - checkpoint-and-stop (a runbook decision or the kill switch): ``control.should_save`` and
   ``control.should_training_stop`` are set, so the Trainer writes a checkpoint (monitor state included) and
   ends; :attr:`StabmonCallback.exit_code` is then the monitor's stop code.
-- ``on_train_end``: closes the monitor and the store and gives ``args.max_grad_norm`` back.
+- the Trainer's logged ``learning_rate`` is the LR in force: the scheduler's ``get_last_lr()`` reports the
+  monitor's overrides applied (:class:`~stabmon.integrations._shared.EffectiveLR`), so an LR cut or cap shows
+  in the Trainer's logs, TensorBoard and W&B, not only in stabmon's store.
+- ``on_train_end``: closes the monitor and the store and gives ``args.max_grad_norm`` back (and the
+  scheduler's own ``get_last_lr``).
 
 Clipping happens once, in the monitor. The Trainer clips in ``_clip_grad_norm`` between backward and
 ``on_pre_optimizer_step``, before any callback could see the pre-clip gradients, so letting it clip would leave
@@ -52,7 +56,7 @@ import torch
 
 from stabmon.collect.config import MonitorConfig
 from stabmon.collect.wiring import DEFAULT_STORE
-from stabmon.integrations._shared import MonitorSpec
+from stabmon.integrations._shared import EffectiveLR, MonitorSpec
 
 try:
     from transformers import TrainerCallback
@@ -124,6 +128,7 @@ class StabmonCallback(TrainerCallback):
         self._losses: list[torch.Tensor] = []
         self._loss_sum = False
         self._warned_no_loss = False
+        self._effective_lr: EffectiveLR | None = None
 
     @property
     def exit_code(self) -> int:
@@ -155,6 +160,7 @@ class StabmonCallback(TrainerCallback):
         )
         if saved is not None:
             self.monitor.load_state_dict(saved)
+        self._effective_lr = self._report_effective_lr(kwargs.get("lr_scheduler"))
         self.monitor.sync_step(trainer_step(state))
         self.stop_requested = False
         self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
@@ -162,7 +168,19 @@ class StabmonCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._finish(args, status=None)
 
+    def _report_effective_lr(self, scheduler: Any) -> EffectiveLR | None:
+        """The Trainer logs ``learning_rate`` from ``lr_scheduler.get_last_lr()``: make it the LR in force."""
+        if scheduler is None:
+            return None
+        monitor = self.monitor
+        patch = EffectiveLR(scheduler, lambda: monitor.overrides)
+        patch.install()
+        return patch
+
     def _finish(self, args: Any, status: str | None) -> None:
+        if self._effective_lr is not None:
+            self._effective_lr.remove()
+            self._effective_lr = None
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
