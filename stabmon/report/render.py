@@ -103,6 +103,24 @@ def _header(data: ReportData) -> str:
             f"&middot; {', '.join(parts)}{dropped}</div>")
 
 
+def _mark_filter(data: ReportData) -> str:
+    """A choice of the least severity of the anomaly marks drawn, with how many there are of each."""
+    counts: dict[str, int] = {}
+    for m in data.marks:
+        if m.severity is not None:
+            counts[m.severity] = counts.get(m.severity, 0) + 1
+    options = "".join(
+        f"<option value='{rank}'>{label} ({sum(n for s, n in counts.items() if SEVERITY_RANK.get(s, 0) >= rank)})"
+        "</option>"
+        for rank, label in enumerate(("all", "warning and above", "error and above", "critical"))
+    )
+    return (f"<p class='keys'><label>anomaly marks: <select id='mark-filter'>{options}</select></label> "
+            "(decisions, interventions, rollbacks and outcomes are always drawn)</p>")
+
+
+SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2, "critical": 3}
+
+
 def _keys() -> str:
     items = "".join(f"<span><i style='background:{c}'></i>{k}</span>" for k, c in MARK_KEYS)
     return (f"<p class='keys'>{items}<span><i style='background:#f5a623;height:10px;opacity:.4'></i>re-trained "
@@ -164,7 +182,7 @@ def render_html(data: ReportData) -> str:
         f"<title>stabmon report: {html.escape(data.run.name)}</title>"
         "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; "
         "script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:\">"
-        f"<style>{CSS}</style></head><body>{_header(data)}{_keys()}<div id='charts'></div>{missing}"
+        f"<style>{CSS}</style></head><body>{_header(data)}{_keys()}{_mark_filter(data)}<div id='charts'></div>{missing}"
         f"{_trace(data)}{_goodput(data)}{_environment(data)}<div id='tip'></div>"
         f"<script type='application/json' id='stabmon-data'>{_payload(data)}</script>"
         f"<script>{_script()}</script></body></html>"
