@@ -230,6 +230,8 @@ class Engine:
                      f"(score {anomaly.score:.4g}, {anomaly.severity.value}); "
                      f"seen on {seen} of the last {rule.when.persistence.of} steps"),
             seen=anomaly.message.partition("\n")[0][:500],
+            reached=min(before) if before else None,
+            noise=judging.spread(before),
         )
         return self._issue_rung(record.step)
 
