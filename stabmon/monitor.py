@@ -474,8 +474,17 @@ class Monitor:
             run_id=lambda: outbox.run_id,
             run_name=self.run_name,
             exit_code=self.config.hang.exit_code,
+            alarm=self._hang_alarm(),
         )
         return start_watchdog(self.config, reporter, label=f"rank {self.rank}: " if self.world_size > 1 else "")
+
+    def _hang_alarm(self) -> Any:
+        """Under torch.distributed, the alarm that makes every rank report its stacks when one rank hangs."""
+        if self.world_size <= 1:
+            return None
+        from stabmon.collect.hang_alarm import PeerAlarm
+
+        return PeerAlarm.of_default_group(self.world_size)
 
     def heartbeat(self) -> None:
         """A sign of life between steps (inside a long evaluation): re-arms the hang watchdog without

@@ -206,7 +206,14 @@ def trace_rows(events: Sequence[Any]) -> list[TraceRow]:
     from stabmon.runbook.trace import build_trace
 
     rows: list[TraceRow] = []
-    for inc in build_trace(events)["incidents"]:
+    trace = build_trace(events)
+    for r in (trace["hang"] or {}).get("ranks", []):
+        culprit = " (the culprit)" if r["rank"] == trace["hang"]["culprit"] else ""
+        where = r["where"][0] if r["where"] else "no stack recorded"
+        state = "waiting in a collective" if r["in_collective"] else "not in a collective"
+        rows.append(TraceRow("hang", f"rank {r['rank']}{culprit}", r["step"],
+                             f"no step for {_fmt(r['waited'])} s", f"{state}: {where}", f"ev-{r['id']}"))
+    for inc in trace["incidents"]:
         key = inc["incident"]
         a = inc["anomaly"]
         if a:
