@@ -120,3 +120,18 @@ def test_a_log_without_step_times_has_no_ledger() -> None:
     steps = [Timed(seq=s, record=StepRecord(step=s, metrics={Metric.LOSS: 1.0})) for s in range(5)]
     ledger = compute_ledger(LedgerInput(run_id="imported", steps=steps))
     assert ledger.wall_seconds == 0 and all(c.seconds == 0 for c in ledger.causes)
+
+
+def test_a_fleet_run_shows_per_rank_straggler_seconds() -> None:
+    """Rank 1 the slowest by 1.5x of a 0.2 s median in 10 steps, rank 0 by 1.1x in 10: 1.0 s and 0.2 s."""
+    from stabmon.goodput import LedgerInput, Timed
+
+    steps = []
+    for s in range(20):
+        rank, ratio = (1.0, 1.5) if s % 2 else (0.0, 1.1)
+        metrics = {Metric.STEP_TIME: 0.3, Metric.FLEET_STEP_TIME: 0.2, Metric.STRAGGLER_RANK: rank,
+                   Metric.STRAGGLER_RATIO: ratio}
+        steps.append(Timed(seq=s, record=StepRecord(step=s, metrics=metrics, time=0.3 * (s + 1))))
+    ledger = compute_ledger(LedgerInput(run_id="fleet", steps=steps))
+    assert ledger.stragglers == pytest.approx({0: 0.2, 1: 1.0})
+    assert ledger.to_dict()["stragglers"] == pytest.approx({"0": 0.2, "1": 1.0})
