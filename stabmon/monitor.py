@@ -237,7 +237,9 @@ class Monitor:
 
         for line in fit_warnings(runbook, self.hparams(), checkpoints=self.checkpoints is not None):
             log.warning("stabmon: runbook %s: %s", runbook.name, line)
-        if self.checkpoints is not None and not self.config.checkpoint_every and not self.checkpoints.checkpoints:
+        rolls_back = any(rung.action == "rollback" for rule in runbook.rules for rung in rule.ladder)
+        if rolls_back and self.checkpoints is not None and not self.config.checkpoint_every \
+                and not self.checkpoints.checkpoints:
             log.warning(
                 "stabmon: config.checkpoint_every=0 and no checkpoint registered in %s: a rollback fails until "
                 "you save one (monitor.save_checkpoint() or checkpoints.register)", self.checkpoints.directory
