@@ -374,7 +374,8 @@ def test_the_trainers_logs_show_the_effective_lr(tmp_path: Path) -> None:
     def halve() -> None:
         cb.monitor.overrides.lr_scale = 0.5
 
-    args = make_args(tmp_path / "out", max_steps=8, logging_steps=1, lr_scheduler_type="constant")
+    args = make_args(tmp_path / "out", max_steps=8, logging_steps=2, lr_scheduler_type="constant",
+                     save_strategy="steps", save_steps=3)  # saves at steps that log and steps that do not
     trainer = transformers.Trainer(model=tiny_model(), args=args, train_dataset=dataset(),
                                    callbacks=[cb, Recorder(at=4, action=halve)])
     trainer.train()
