@@ -326,6 +326,12 @@ class CheckpointManager:
         self.run_id = run_id
 
 
+DEFAULT_USER_KEEP = 3
+"""How many of the files a :class:`UserCheckpoints` ``save=`` wrote are kept by default (the
+:class:`CheckpointManager`'s own default): a run's disk use stays bounded, and with a checkpoint every N steps a
+rollback can still reach 2N-3N steps back."""
+
+
 class UserCheckpoints(CheckpointManager):
     """Rollback, resume and checkpoint-and-stop through the training loop's own checkpoint files.
 
@@ -338,7 +344,9 @@ class UserCheckpoints(CheckpointManager):
     them) and ``monitor`` entries, so the dict must hold ``monitor.state_dict()`` under ``"monitor"``.
     ``existing() -> [(step, path), ...]``: checkpoints already on disk, registered at start (their byte count
     is taken as it is then); None: only the registry (``registry.json`` in ``directory``) and the monitor's state.
-    ``keep``: how many of the files ``save`` wrote to keep (older ones deleted); None: stabmon deletes nothing.
+    ``keep``: how many of the files ``save`` wrote to keep (older ones deleted; default
+    :data:`DEFAULT_USER_KEEP`); None: stabmon deletes nothing. Files the loop registered itself are never
+    deleted.
 
     Every candidate is checked like the monitor's own: the file exists -> it has the byte count recorded at
     save -> ``load`` reads it -> its tensors are finite -> it fits the model and optimizer.
@@ -361,7 +369,7 @@ class UserCheckpoints(CheckpointManager):
         save: Callable[[int], str | os.PathLike[str]] | None = None,
         load: Callable[[str], Any] | None = None,
         existing: Callable[[], Iterable[tuple[int, str | os.PathLike[str]]]] | None = None,
-        keep: int | None = None,
+        keep: int | None = DEFAULT_USER_KEEP,
         sink: Any = None,
         run_id: str | None = None,
     ) -> None:

@@ -47,6 +47,10 @@ class Metric:
     WEIGHT_DECAY = "weight_decay"
     CLIP = "clip"  # max_norm in force (inf when not clipping)
     TOKENS_PER_SEC = "tokens_per_sec"
+    # where a run's wall time went between steps (host values, only on the steps they concern; stabmon.goodput)
+    SEGMENT_START = "segment_start"  # UNIX time this process's monitor started: on the first step of each process
+    CHECKPOINT_TIME = "checkpoint_time"  # seconds the monitor spent saving a checkpoint just before this step
+    OUTSIDE_TIME = "outside_time"  # seconds the loop spent between the previous step's end and this step's begin
     # under torch.distributed: this rank's own values (gathered per rank, see stabmon.collect.ranks)
     GRAD_NORM_LOCAL = "grad_norm_local"  # norm of this rank's gradient shards (DDP: its reduced gradients)
     BUSY_TIME = "busy_time"  # host seconds from the step's start to the end of the model's forward

@@ -27,11 +27,12 @@ A framework that runs backward inside ``optimizer.step(closure)`` (Lightning) ta
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -70,6 +71,7 @@ from stabmon.collect.wiring import (
 )
 from stabmon.events import Anomaly, Event, Metric, StepRecord
 from stabmon.overrides import Overrides
+from stabmon.recipe import check_recipe, run_recipe
 from stabmon.store.limits import check_name
 
 log = logging.getLogger(__name__)
@@ -115,12 +117,15 @@ class Monitor:
         resume: dict[str, Any] | None = None,
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         sample_ids: Callable[[Any], Any] | None = None,
+        recipe: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config if config is not None else MonitorConfig()
         if not isinstance(self.config, MonitorConfig):
             raise ValueError(f"config: expected a MonitorConfig, got {type(self.config).__name__}")
         self.config.validate()
+        self.config = _with_cadence(self.config, checkpoint_dir=checkpoint_dir, checkpoints=checkpoints)
         check_model_and_optimizer(model, optimizer)
+        user_recipe = check_recipe(recipe)
         if run_name is not None:
             check_name("run_name", run_name)
         if mode not in MODES:
@@ -202,7 +207,7 @@ class Monitor:
         self.flusher.joiners["diagnose"] = cross.join
         if resume and resume_run_id is None:  # a saved monitor state names its run: reopen that one
             resume_run_id = resume.get("run_id")
-        run_id = self.outbox.start_run(config={"monitor": cfg.to_dict(), "mode": mode}, resume_run_id=resume_run_id)
+        run_id = self.outbox.start_run(config=self._run_config(user_recipe), resume_run_id=resume_run_id)
         if self.world_size > 1:
             self.outbox.run_id = broadcast(run_id)
         self.target.checkpoints = checkpoints if checkpoints is not None else self._manager(checkpoint_dir)
@@ -223,6 +228,12 @@ class Monitor:
         if self.rank == 0:
             self._warn_unfit()
 
+    def _run_config(self, user_recipe: dict[str, Any] | None) -> dict[str, Any]:
+        """What the store keeps as the run's config: the monitor's config, the mode and the recipe."""
+        recipe = run_recipe(optimizer=type(self.optimizer).__name__, hparams=self.hparams(),
+                            runbook=getattr(self.pipeline.engine, "runbook", None), user=user_recipe)
+        return {"monitor": self.config.to_dict(), "mode": self.mode, "recipe": recipe}
+
     def _warn_unfit(self) -> None:
         """Say at start which runbook rungs cannot act on this optimizer (they would be skipped or fail)."""
         runbook = getattr(self.pipeline.engine, "runbook", None)
@@ -232,6 +243,13 @@ class Monitor:
 
         for line in fit_warnings(runbook, self.hparams(), checkpoints=self.checkpoints is not None):
             log.warning("stabmon: runbook %s: %s", runbook.name, line)
+        rolls_back = any(rung.action == "rollback" for rule in runbook.rules for rung in rule.ladder)
+        if rolls_back and self.checkpoints is not None and not self.config.checkpoint_every \
+                and not self.checkpoints.checkpoints:
+            log.warning(
+                "stabmon: config.checkpoint_every=0 and no checkpoint registered in %s: a rollback fails until "
+                "you save one (monitor.save_checkpoint() or checkpoints.register)", self.checkpoints.directory
+            )
 
     def _open_outbox(self, store: Any, notifier: Any, alerts: Iterable[str] | None) -> Outbox:
         """Rank 0's store and notifier (only rank 0 writes to the store and sends alerts)."""
@@ -418,7 +436,7 @@ class Monitor:
             # the initial state is known-good, so a rollback can always reach it
             self._initial_saved = True
             if self.checkpoints is not None:
-                self.save_checkpoint()
+                self._timed_save()
         self.recorder.begin(step=self._step, batch_index=batch_index)
         if self.batches is not None and batch is not None:
             self.batches.remember(step=self._step, batch_index=batch_index, batch=batch)
@@ -443,7 +461,7 @@ class Monitor:
             self._watchdog.beat(self._step - 1)
         every = self.config.checkpoint_every
         if every and self.checkpoints is not None and self._step % every == 0:
-            self.save_checkpoint()
+            self._timed_save()
         if len(self.buffer) >= self.config.flush_every:
             self.flush()
         self.recorder.restart_clock()  # flush and checkpoint time stay out of the next step's time
@@ -476,8 +494,17 @@ class Monitor:
             exit_code=self.config.hang.exit_code,
             quiet=self._hang_quiet,
             last_words=self._hang_last_words,
+            alarm=self._hang_alarm(),
         )
         return start_watchdog(self.config, reporter, label=f"rank {self.rank}: " if self.world_size > 1 else "")
+
+    def _hang_alarm(self) -> Any:
+        """Under torch.distributed, the alarm that makes every rank report its stacks when one rank hangs."""
+        if self.world_size <= 1:
+            return None
+        from stabmon.collect.hang_alarm import PeerAlarm
+
+        return PeerAlarm.of_default_group(self.world_size)
 
     def heartbeat(self) -> None:
         """A sign of life between steps (inside a long evaluation): re-arms the hang watchdog without
@@ -522,6 +549,12 @@ class Monitor:
         self.outbox.mark("hung")
 
     # -- state -------------------------------------------------------------------------------------------
+    def _timed_save(self) -> None:
+        """A checkpoint at the cadence, its seconds on the next step's record (the goodput ledger's)."""
+        started = time.perf_counter()
+        self.save_checkpoint()
+        self.recorder.note(Metric.CHECKPOINT_TIME, time.perf_counter() - started)
+
     def save_checkpoint(self) -> Any:
         """Save :meth:`training_state` through the checkpoint manager; failures are logged and counted. A save
         is a declared pause (:meth:`paused`): a long one is not a hang, and its time is not learned as a step."""
@@ -613,6 +646,13 @@ class Monitor:
             self.close(status=INTERRUPTED)
         else:
             self.close(status="failed" if exc_type is not None else None)
+
+
+def _with_cadence(config: MonitorConfig, *, checkpoint_dir: str | None, checkpoints: Any) -> MonitorConfig:
+    """``config`` with the checkpoint cadence in force (``checkpoint_every=None`` resolved), the value stored
+    with the run."""
+    can_save = checkpoint_dir is not None or bool(checkpoints is not None and getattr(checkpoints, "can_save", True))
+    return dataclasses.replace(config, checkpoint_every=config.checkpoint_cadence(can_save=can_save))
 
 
 def _kill_switch(path: str | None) -> Any:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+collect_ignore = ["nanogpt"]  # nanoGPT's train.py runs at import; tests/test_nanogpt_patch.py runs it in a copy
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 

@@ -23,6 +23,9 @@ ALLOWED: tuple[tuple[str, str], ...] = (
     (r"torch", r"_foreach_\w+"),
     # a hung process cannot unwind through its stuck threads: the hang reporter ends it with os._exit
     (r"os", r"_exit"),
+    # the hang alarm needs the store every rank already shares; torch.distributed has no public getter for the
+    # default group's store (a second client from MASTER_ADDR would miss init_method= and file:// jobs)
+    (r"distributed_c10d", r"_get_default_store"),
     # torch.amp.GradScaler keeps its scale tensor and per-optimizer stage private; get_scale() would sync the host
     (r"scaler", r"_scale|_per_optimizer_states"),
     # river's PageHinkley keeps its running statistics private; the drift detector reads its test statistic, and

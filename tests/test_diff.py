@@ -111,3 +111,31 @@ def test_bad_options_are_one_line(sqlite_url: str, tmp_path: Path) -> None:
         assert res.exit_code == 1 and msg in res.output, res.output
     res = runner.invoke(app, ["diff", "x", "missing", "--db", sqlite_url])
     assert res.exit_code == 1 and "no run matches" in res.output
+
+
+def test_the_recipe_is_stored_and_diffed(sqlite_url: str) -> None:
+    """Two runs with another LR, runbook and scenario: `environment: 0 difference(s)` hid it; the recipe shows it."""
+
+    def run(name: str, lr: float, runbook: str, scenario: str) -> None:
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        Monitor(model, opt, store=sqlite_url, run_name=name, runbook=runbook, mode="apply",
+                recipe={"scenario": scenario, "batch_size": 8}).close()
+
+    run("a", 3e-4, "default", "healthy")
+    run("a2", 3e-4, "default", "healthy")
+    run("b", 3e-2, "opt175b", "lr-too-high")
+    paths = {d["path"]: (d["a"], d["b"]) for d in _diff(sqlite_url, "a", "b")["recipe"]}
+    assert paths["recipe.optimizer.lr"] == (3e-4, 3e-2)
+    assert paths["recipe.runbook.name"] == ("default", "opt175b") and "recipe.runbook.digest" in paths
+    assert paths["recipe.user.scenario"] == ("healthy", "lr-too-high")
+    assert "recipe.user.batch_size" not in paths
+    assert _diff(sqlite_url, "a", "a2")["recipe"] == []
+    text = runner.invoke(app, ["diff", "a", "b", "--db", sqlite_url]).output
+    assert "recipe: 4 difference(s):" in text and "recipe.user.scenario" in text, text
+
+
+def test_a_recipe_that_is_not_a_mapping_is_one_line() -> None:
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=r"^recipe: expected a mapping .* got list$"):
+        Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), store=None, recipe=["lr"])

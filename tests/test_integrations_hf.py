@@ -363,3 +363,25 @@ def test_runbook_checkpoint_and_stop_ends_the_unstable_example(tmp_path: Path) -
     assert [d.action for d in decisions] == ["checkpoint_and_stop"]
     saved = torch.load(out / f"checkpoint-{stopped_at}" / STATE_FILE, weights_only=False)
     assert saved["step"] == stopped_at + 1  # resumes at the next step
+
+
+@pytest.mark.slow
+def test_the_trainers_logs_show_the_effective_lr(tmp_path: Path) -> None:
+    """An LR override (a runbook's scale_lr or LR cap) must show in the Trainer's own ``learning_rate`` log,
+    which reads ``lr_scheduler.get_last_lr()``: the schedule's value said 5e-3 while 2.5e-3 was in force."""
+    cb = StabmonCallback(store=None, config=MonitorConfig(flush_every=4))
+
+    def halve() -> None:
+        cb.monitor.overrides.lr_scale = 0.5
+
+    args = make_args(tmp_path / "out", max_steps=8, logging_steps=2, lr_scheduler_type="constant",
+                     save_strategy="steps", save_steps=3)  # saves at steps that log and steps that do not
+    trainer = transformers.Trainer(model=tiny_model(), args=args, train_dataset=dataset(),
+                                   callbacks=[cb, Recorder(at=4, action=halve)])
+    trainer.train()
+    logged = {h["step"]: h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h}
+    assert logged[2] == pytest.approx(5e-3) and logged[8] == pytest.approx(2.5e-3)
+    recorded = [r.get("lr") for r in cb.monitor.records]
+    assert recorded[-1] == pytest.approx(logged[8])  # the Trainer's log and stabmon's record agree
+    scheduler = trainer.lr_scheduler
+    assert "get_last_lr" not in vars(scheduler) and scheduler.get_last_lr()[0] == pytest.approx(5e-3)

@@ -374,7 +374,7 @@ def test_checkpoint_and_stop_and_kill_switch(tmp_path: Any) -> None:
     mon.close()
     assert mon.should_stop and mon.exit_code == STOP_EXIT_CODE and mon.step == 6
     assert "maintenance" in (mon.stop_reason or "")
-    assert [c.step for c in mon.checkpoints.checkpoints] == [6]
+    assert [c.step for c in mon.checkpoints.checkpoints] == [0, 6]  # the initial state (default cadence), the stop
 
 
 def test_rollback_restores_last_known_good_and_skips_batches(tmp_path: Any) -> None:

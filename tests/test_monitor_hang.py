@@ -1,7 +1,8 @@
 """Hangs on real gloo ranks: one rank stuck in a collective that the other never joins, the other stuck in
-Python code. Both are caught within the deadline learned from their step times, each rank's stacks land in
-the run's store and rank 0's in an alert to a real HTTP receiver, and both processes exit with the
-configured code so a scheduler would restart the job."""
+Python code. Rank 0 is caught within the deadline learned from its step times and rings the job's hang alarm;
+rank 1 reports on it, before its own later deadline; each rank's stacks land in the run's store and rank 0's
+in an alert to a real HTTP receiver, and both processes exit with the configured code so a scheduler would
+restart the job."""
 
 from __future__ import annotations
 
@@ -35,11 +36,11 @@ def stuck_in_python() -> None:
         time.sleep(0.01)
 
 
-def _train(rank: int, size: int, url: str, alert_url: str) -> None:
+def _train(rank: int, size: int, url: str, alert_url: str, floors: tuple[float, ...] = FLOORS) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    hang = HangConfig(factor=5.0, floor=FLOORS[rank], learn_after=5, exit_code=HANG_EXIT_CODE)
+    hang = HangConfig(factor=5.0, floor=floors[rank], learn_after=5, exit_code=HANG_EXIT_CODE)
     config = MonitorConfig(flush_every=4, hang_timeout=60.0, hang=hang)
     alerts = [alert_url] if rank == 0 and alert_url else None
     mon = Monitor(model, opt, store=url, alerts=alerts, run_name="hang-test", config=config)
@@ -84,8 +85,10 @@ def test_hung_ranks_are_caught_dumped_alerted_and_exit(tmp_path: Path) -> None:
     for a, floor in zip(hangs, FLOORS, strict=True):
         assert a.step == HANG_AT - 1  # the last step that completed
         assert a.threshold == floor  # learned: 5 x ~0.03 s steps is below the floor, far below 60 s
-        assert a.threshold <= a.score < a.threshold + 1.0  # caught within a poll of the deadline
         assert "stacks of every thread" in a.message and "stabmon-hang-watchdog" not in a.message[:20]
+    assert in_collective.threshold <= in_collective.score < in_collective.threshold + 1.0  # within a poll
+    # rank 1 reports on rank 0's alarm (the job's c10d store), before its own later deadline
+    assert in_python.score < in_python.threshold and "a peer rank is hung" in in_python.message
     assert "all_reduce" in in_collective.message and "_train" in in_collective.message
     assert "stuck_in_python" in in_python.message
     assert any("all_reduce" in b and "hang" in b for b in bodies)  # rank 0's stacks went out with the alert

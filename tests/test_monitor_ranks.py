@@ -76,10 +76,10 @@ def test_a_rank_20_percent_slower_is_named_within_a_few_flushes() -> None:
     stragglers = [a for a in anomalies if a[0] == "straggler"]
     assert stragglers, anomalies
     kind, step, message = stragglers[0]
-    assert message.startswith("rank 2 is ") and "slower than the fleet median" in message
-    ratio = float(message.split(" is ")[1].split("x")[0])
+    assert message.startswith("rank 2 was the slowest in ") and "x the fleet median (+0.0" in message, message
+    ratio = float(message.split(", ")[1].split("x")[0])
     assert 1.1 <= ratio <= 1.35
-    assert step < 6 * FLUSH  # named within six flushes (the detector needs 8 slow steps of 16)
+    assert step < 6 * FLUSH  # named within six flushes (the detector needs 12 slow steps of 16)
     assert [a for a in anomalies if a[0] != "straggler"] == []
 
 
@@ -124,4 +124,5 @@ def test_default_suite_flags_a_fleet_wide_step_time_regression() -> None:
         fleet = 1.0 if step < 120 else 1.1
         found += suite.update(StepRecord(step, {Metric.FLEET_STEP_TIME: fleet, Metric.STEP_TIME: fleet}))
     hits = [a for a in found if a.metric == Metric.FLEET_STEP_TIME]
-    assert [a.kind for a in hits] == ["step_time"] and 120 <= hits[0].step < 135
+    # the recent median (20 steps) is slow from step 130; reported after 20 steps of patience
+    assert [a.kind for a in hits] == ["step_time"] and 120 <= hits[0].step < 155

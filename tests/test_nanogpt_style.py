@@ -125,3 +125,25 @@ def test_ctrl_c_then_resume_stores_every_step_and_decision_once(tmp_path: Path) 
     decisions = query(db, "select step, rule, rung, action, count(*) from decisions group by 1, 2, 3, 4")
     assert decisions and all(n == 1 for *_, n in decisions)
     assert query(db, "select count(*) from interventions where action = 'rollback'") == [(1,)]
+    check_goodput(db, records=len(steps), kept=160)
+
+
+def check_goodput(db: Path, *, records: int, kept: int) -> None:
+    """The ledger of a run with one rollback and one Ctrl-C/resume: the steps the rollback abandoned, two
+    processes with a restart gap between them, checkpoint saves, and causes that add up to the wall time."""
+    from stabmon.goodput import compute_ledger, load_input
+    from stabmon.store import open_store
+
+    store = open_store(f"sqlite:///{db}")
+    with store.session() as s:
+        (run_id,) = [r for (r,) in s.execute(__import__("sqlalchemy").text("select id from runs"))]
+        ledger = compute_ledger(load_input(session=s, run_id=run_id))
+    store.close()
+    by = {c.name: c for c in ledger.causes}
+    assert ledger.segments == 2 and by["restart"].seconds > 0
+    assert by["rollback"].steps == records - kept > 0  # every step trained twice was the rollback's
+    assert by["productive"].steps + by["skipped_update"].steps == kept
+    assert by["checkpoint"].seconds > 0 and by["startup"].seconds > 0
+    # a gap between two clocks (time.time and perf_counter) may come out a few microseconds below zero
+    assert sum(c.seconds for c in ledger.causes) == pytest.approx(ledger.wall_seconds, rel=1e-3)
+    assert 0 < ledger.goodput < 1

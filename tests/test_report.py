@@ -268,3 +268,52 @@ def test_replay_of_a_log_file_writes_its_report_with_the_spike_marked(tmp_path: 
     assert {(m["kind"], m["step"]) for m in payload["marks"]} >= {("anomaly", 200)}
     loss = next(c for c in payload["charts"] if c["id"] == "loss")["series"][0]
     assert loss["steps"] == list(range(300)) and loss["values"][200] == 9.0
+
+
+def _abandoned_blowup() -> tuple[list[StepRecord], list[object]]:
+    """Activations near 0.5 on the kept timeline; an attempt a rollback abandoned went to ~500 (issue 26: the
+    chart's scale followed the abandoned values and flattened the kept curve into a line). Anomaly marks of
+    every severity: 3 info, 2 warning, 1 error."""
+    kept = [StepRecord(step=s, metrics={"act_rms/0": 0.4 + 0.2 * ((s * 7) % 10) / 10}) for s in range(100)]
+    blown = [StepRecord(step=s, metrics={"act_rms/0": 0.5 * 1.15 ** (s - 50)}) for s in range(50, 100)]
+    records = kept[:50] + blown + kept[50:]  # trained 50-99, rolled back to 50, trained 50-99 again
+    severities = [Severity.INFO] * 3 + [Severity.WARNING] * 2 + [Severity.ERROR]
+    events = [Anomaly("drift", "act_rms/0", 55 + i, 1.0, sev, "test", ((55 + i, 1.0),)) for i, sev in
+              enumerate(severities)]
+    return records, events
+
+
+def test_the_y_scale_follows_the_kept_timeline_and_abandoned_values_are_clipped() -> None:
+    records, events = _abandoned_blowup()
+    data = build_report(records_frame(records), events, run=RunInfo("r", "blowup"))
+    (act,) = [c for c in data.charts if c.id == "act_rms"]
+    assert act.y_range is not None and 0.39 < act.y_range[0] and act.y_range[1] < 0.61  # not ~500
+    assert act.off_scale == 48  # the abandoned values above the kept scale (0.5 x 1.15^k, k = 2..49), counted
+    assert [m.severity for m in data.marks] == ["info"] * 3 + ["warning"] * 2 + ["error"]
+    page = render_html(data)
+    assert "<select id='mark-filter'>" in page and "warning and above (3)" in page and "error and above (1)" in page
+
+
+BLOWUP_PROBES = {
+    # the kept curve's drawn height as a share of the plot height (flattened into a line: about 0)
+    "spread": "(() => { const svg = document.querySelector('svg[data-chart=act_rms]');"
+              " const r = svg.querySelector('polyline.series').getBoundingClientRect();"
+              " const f = svg.querySelector('g.axis rect.frame').getBoundingClientRect();"
+              " return r.height / f.height; })()",
+    "off": "document.querySelector('svg[data-chart=act_rms]').parentNode.querySelector('.off-scale').textContent",
+    "visible": "(() => { const s = document.getElementById('mark-filter'); const seen = [];"
+               " for (const v of ['0', '1', '2']) { s.value = v; s.dispatchEvent(new Event('change'));"
+               " seen.push([...document.querySelectorAll('svg[data-chart=act_rms] line.mark-anomaly')]"
+               ".filter(m => m.style.display !== 'none').length); } return JSON.stringify(seen); })()",
+}
+
+
+def test_the_kept_curve_fills_its_chart_and_marks_filter_by_severity(tmp_path: Path) -> None:
+    records, events = _abandoned_blowup()
+    out = tmp_path / "blowup.html"
+    out.write_text(render_html(build_report(records_frame(records), events, run=RunInfo("r", "blowup"))))
+    load = open_page(out, BLOWUP_PROBES)
+    assert load.errors == []
+    assert load.values["spread"] > 0.7, load.values["spread"]
+    assert load.values["off"].startswith("48 abandoned value(s) off the kept scale")  # 0.5 x 1.15^k > 0.6 from k=2
+    assert json.loads(load.values["visible"]) == [6, 3, 1]

@@ -34,6 +34,7 @@ COMMAND_MODULES = [
     "trace",
     "report",
     "diff",
+    "goodput",
     "events",
     "demo",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import statistics
 import sys
@@ -173,6 +174,7 @@ def demo(
                                  updates=UpdateConfig(every=10)),
             checkpoint_dir=str(ckpt_dir),
             run_name=f"demo-tiny-gpt-{scenario}",
+            recipe={"scenario": scenario, **dataclasses.asdict(config)},
         )
         made.append(mon)
         return mon

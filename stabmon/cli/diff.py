@@ -33,6 +33,7 @@ def diff(
 ) -> None:
     """Environment-fingerprint differences and the first step at which the metric trajectories diverge."""
     from stabmon.diff import PRESETS, Tolerance, diff_trajectories, environment_differences
+    from stabmon.recipe import recipe_differences
 
     if preset not in PRESETS:
         fail(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
@@ -42,25 +43,29 @@ def diff(
                         name=base.name if rtol is None and atol is None else "custom")
     except ValueError as exc:
         fail(str(exc).replace("diff.tolerance.", "--"))
-    runs, envs, frames = _load(db, [run_a, run_b])
+    runs, configs, envs, frames = _load(db, [run_a, run_b])
     try:
         result = diff_trajectories(frames[0], frames[1], tolerance=tol, metrics=metrics)
     except ValueError as exc:
         fail(str(exc))
     env = environment_differences(envs[0], envs[1])
+    recipe = recipe_differences(configs[0], configs[1])
     if as_json:
-        print_json(_as_json(runs, tol, env, result))
+        print_json({**_as_json(runs, tol, env, result), "recipe": [dataclasses.asdict(d) for d in recipe]})
     else:
-        for line in _lines(runs, env, result):
+        for line in _lines(runs, env, result, recipe):
             typer.echo(line)
     if result.verdict == "no-overlap":
         raise typer.Exit(code=NO_OVERLAP_EXIT)
 
 
-def _load(db: str | None, refs: list[str]) -> tuple[list[tuple[str, str]], list[dict[str, Any]], list[Any]]:
+def _load(
+    db: str | None, refs: list[str]
+) -> tuple[list[tuple[str, str]], list[dict[str, Any]], list[dict[str, Any]], list[Any]]:
+    """Each run's (id, name), stored config (recipe included), environment and metrics."""
     from stabmon.store import RunNotFoundError, repo
 
-    runs, envs, frames = [], [], []
+    runs, configs, envs, frames = [], [], [], []
     with store_session(db) as s:
         for ref in refs:
             try:
@@ -68,9 +73,11 @@ def _load(db: str | None, refs: list[str]) -> tuple[list[tuple[str, str]], list[
             except RunNotFoundError as exc:
                 fail(str(exc))
             runs.append((run.id, run.name))
-            envs.append(repo.run_config(session=s, run_id=run.id)[1])
+            config, environment = repo.run_config(session=s, run_id=run.id)
+            configs.append(config)
+            envs.append(environment)
             frames.append(repo.get_metrics(session=s, run_id=run.id))
-    return runs, envs, frames
+    return runs, configs, envs, frames
 
 
 def _as_json(runs: list[tuple[str, str]], tol: Any, env: list[Any], result: Any) -> dict[str, Any]:
@@ -88,12 +95,13 @@ def _as_json(runs: list[tuple[str, str]], tol: Any, env: list[Any], result: Any)
     }
 
 
-def _lines(runs: list[tuple[str, str]], env: list[Any], result: Any) -> list[str]:
+def _lines(runs: list[tuple[str, str]], env: list[Any], result: Any, recipe: list[Any]) -> list[str]:
     t = result.tolerance
     out = [f"A: {runs[0][0]} ({runs[0][1]}), steps {_span(result.steps_a)}",
-           f"B: {runs[1][0]} ({runs[1][1]}), steps {_span(result.steps_b)}",
-           f"environment: {len(env)} difference(s)" + (":" if env else "")]
-    out += [f"  {d.path:<40} {d.a!s:<28} -> {d.b!s}" for d in env]
+           f"B: {runs[1][0]} ({runs[1][1]}), steps {_span(result.steps_b)}"]
+    for title, found in (("recipe", recipe), ("environment", env)):
+        out.append(f"{title}: {len(found)} difference(s)" + (":" if found else ""))
+        out += [f"  {d.path:<40} {d.a!s:<28} -> {d.b!s}" for d in found]
     out.append(f"trajectories ({t.name}: rtol {t.rtol:g}, atol {t.atol:g}):")
     for m in result.metrics.values():
         if not m.compared:

@@ -236,7 +236,8 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         if r["type"] == "Decision":
             rung = r.get("rung")
             shown = rung + 1 if isinstance(rung, int) else rung  # 1-based, as in `stabmon trace` and the reasons
-            detail = f"{r.get('status')} {r.get('params')} ({r.get('rule')} rung {shown})"
+            # rule and rung first: a long parameter (an alert's text) must not push them out of the column
+            detail = f"{r.get('status')} ({r.get('rule')} rung {shown}) {r.get('params')}"
         elif r["type"] == "InterventionRecord" and r.get("kind") == "diagnose":
             after = r.get("after") or {}
             detail = f"verdict {after.get('verdict')}: {after.get('summary', '')}"

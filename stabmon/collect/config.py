@@ -28,6 +28,9 @@ EXIT_STOP = STOP_EXIT_CODE
 """Exit code a training script should use when the monitor asked it to stop (checkpoint-and-stop, kill
 switch): the project-wide :data:`stabmon.checkpoints.STOP_EXIT_CODE`, distinct from success (0) and crashes
 (1, signals)."""
+DEFAULT_CHECKPOINT_EVERY = 100
+"""Checkpoint cadence of a monitor given somewhere to save (``checkpoint_dir=``) and no ``checkpoint_every``: a
+rollback then always has a checkpoint at most this many steps (plus a flush) before an incident's onset."""
 
 
 @dataclass
@@ -167,9 +170,11 @@ class MonitorConfig:
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     updates: UpdateConfig = field(default_factory=UpdateConfig)
     diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
-    checkpoint_every: int = 0
+    checkpoint_every: int | None = None
     """Save a checkpoint every N steps through the checkpoint manager, and one of the initial state before the
-    first step (0 = never; rollback needs some)."""
+    first step. None (the default): every :data:`DEFAULT_CHECKPOINT_EVERY` steps when the monitor can save
+    (``checkpoint_dir=``, or ``checkpoints=`` with a ``save=``), else never; 0: never (rollback then needs the
+    checkpoints you save and register yourself)."""
     checkpoint_keep: int = 3
     """How many of its own checkpoints the manager keeps (the CheckpointManager's default). With
     ``checkpoint_every`` it bounds how far back a rollback can reach: PaLM's recipe looks 100-200 steps back, so
@@ -195,7 +200,7 @@ class MonitorConfig:
             raise ValueError(f"config.flush_every must be >= 1, got {self.flush_every}")
         if self.clip is not None and not (self.clip > 0 and not math.isnan(self.clip)):
             raise ValueError(f"config.clip must be > 0 or None, got {self.clip}")
-        if self.checkpoint_every < 0:
+        if self.checkpoint_every is not None and self.checkpoint_every < 0:
             raise ValueError(f"config.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.hang_timeout is not None and not self.hang_timeout > 0:
             raise ValueError(f"config.hang_timeout must be > 0 or None, got {self.hang_timeout}")
@@ -211,6 +216,18 @@ class MonitorConfig:
         self.updates.validate("config.updates")
         self.diagnose.validate("config.diagnose")
         self.hang.validate("config.hang")
+
+    def checkpoint_cadence(self, *, can_save: bool) -> int:
+        """The checkpoint cadence in force for a monitor that can (or cannot) save checkpoints itself.
+
+        >>> MonitorConfig().checkpoint_cadence(can_save=True), MonitorConfig().checkpoint_cadence(can_save=False)
+        (100, 0)
+        >>> MonitorConfig(checkpoint_every=0).checkpoint_cadence(can_save=True)
+        0
+        """
+        if self.checkpoint_every is not None:
+            return self.checkpoint_every
+        return DEFAULT_CHECKPOINT_EVERY if can_save else 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

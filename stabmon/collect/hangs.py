@@ -12,13 +12,16 @@ alerts are sent, then calls ``os._exit``: a hung process cannot be asked to retu
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from stabmon.collect.config import MonitorConfig
+from stabmon.collect.hang_alarm import PeerAlarm
 from stabmon.detect.hang import HangWatchdog
 from stabmon.events import Anomaly
 
@@ -52,6 +55,13 @@ class HangReporter:
     """Why no step for a while is not a hang now (the loop declared a pause, or it has ended); None: it is."""
     last_words: Callable[[], None] = field(default=lambda: None)
     """Before a hang exit: store the steps still waiting and mark the run (bounded)."""
+    alarm: PeerAlarm | None = None
+    """Under torch.distributed: tells every rank to report its own stacks now, and counts the reports."""
+    gather: float = 15.0
+    """Seconds to wait, before exiting, for every rank's report (the first exit makes torchrun stop the rest)."""
+    linger: float = 2.0
+    """Seconds a rank not waiting in a collective waits after every report, so that the others exit first."""
+    exit_at_shutdown: Callable[[int], Any] = field(default=lambda code: atexit.register(os._exit, code))
 
     def __call__(self, anomaly: Anomaly) -> None:
         why = self.quiet()
@@ -59,10 +69,17 @@ class HangReporter:
             log.info("stabmon: rank %d: no step for %.3g s, but %s: not a hang", self.rank, anomaly.score, why)
             return
         log.error("stabmon: rank %d: %s", self.rank, anomaly.message)
+        if self.alarm is not None:
+            self.alarm.ring(rank=self.rank)
+            if self.exit_code is not None:
+                # a peer exiting first breaks this rank's collective: the main thread then raises and the
+                # interpreter shuts down before this thread exits; the exit code must still say "hung"
+                self.exit_at_shutdown(self.exit_code)
         if self.rank == 0:
             self.publish([anomaly])
         else:
             self._write_from_this_rank(anomaly)
+        self._wait_for_peers(anomaly)
         if self.exit_code is None:
             return
         self.last_words()
@@ -72,6 +89,22 @@ class HangReporter:
         for handler in logging.getLogger().handlers:
             handler.flush()
         self.exit(self.exit_code)
+
+    def _wait_for_peers(self, anomaly: Anomaly) -> None:
+        """Count this report; before exiting, give every other rank the time to store its own. A rank whose main
+        thread is not in a collective then lingers a moment: the ranks waiting in one exit first, since any
+        exit breaks their collective (their main thread would raise and end the process with another code)."""
+        if self.alarm is None:
+            return
+        self.alarm.reported()
+        if self.exit_code is None:
+            return
+        if not self.alarm.wait_for_all(timeout=self.gather):
+            log.error("stabmon: rank %d: not every rank reported its hang within %.0f s", self.rank, self.gather)
+        from stabmon.runbook.hangs import in_collective, main_stack
+
+        if not in_collective(main_stack(anomaly.message)):
+            time.sleep(self.linger)
 
     def _write_from_this_rank(self, anomaly: Anomaly) -> None:
         try:
@@ -92,6 +125,7 @@ def start_watchdog(config: MonitorConfig, reporter: HangReporter, *, label: str 
     ``config.hang``, reporting through ``reporter``."""
     h = config.hang
     dog = HangWatchdog(config.hang_timeout or 0.0, reporter, factor=h.factor, floor=h.floor,
-                       learn_after=h.learn_after, window=h.window, stacks=h.stacks, label=label)
+                       learn_after=h.learn_after, window=h.window, stacks=h.stacks, label=label,
+                       peer=reporter.alarm.rung if reporter.alarm is not None else None)
     dog.start()
     return dog

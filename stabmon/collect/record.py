@@ -3,7 +3,9 @@ GradScaler's overflow flag and scale, the hyper-parameters in force, per-rank va
 
 The :class:`~stabmon.monitor.Monitor` opens each step with :meth:`StepRecorder.begin`, hands ``observe()``'s
 values to :meth:`StepRecorder.observe` and closes the step with :meth:`StepRecorder.end`. Values stay on the
-device until the flush; host values (step time, the hyper-parameters) are queued as floats.
+device until the flush; host values (step time, the hyper-parameters; on a process's first step its start,
+``segment_start``; the seconds of a checkpoint saved or of loop work done since the previous step) are queued
+as floats.
 
 >>> import torch
 >>> from stabmon.collect.config import MonitorConfig
@@ -18,7 +20,7 @@ device until the flush; host values (step time, the hyper-parameters) are queued
 >>> recorder.observe([("loss", torch.tensor(2.0)), ("phase", torch.tensor(1j))], tokens=None, step=0)
 >>> recorder.end()
 >>> sorted(buffer.drain()[0].metrics), recorder.failsafe.errors["observe"]
-(['clip', 'loss', 'lr', 'step_time', 'weight_decay'], 1)
+(['clip', 'loss', 'lr', 'segment_start', 'step_time', 'weight_decay'], 1)
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ from stabmon.store.limits import name_problem
 
 log = logging.getLogger(__name__)
 
+OUTSIDE_MIN = 1e-3
+"""Seconds between one step's end and the next step's begin from which the record keeps them as
+``outside_time`` (a loop that calls ``begin_step`` right after ``end_step`` adds no metric)."""
+
 
 class StepRecorder:
     """What a step's record holds besides the hooks' norms; see the module docstring."""
@@ -61,6 +67,9 @@ class StepRecorder:
         self.scaler, self.activations, self.probe = scaler, activations, probe
         self.started: float | None = None
         """When the step being recorded began (``time.perf_counter``); flushes and checkpoints stay out."""
+        self.created = time.time()
+        """UNIX time the recorder (the process's monitor) was made: the next record's ``segment_start``."""
+        self._carry: dict[str, float] = {}
         self._scale_snapshot: torch.Tensor | None = None
         self._hp_snapshot: dict[str, float] | None = None
         self._tokens: int | None = None
@@ -73,7 +82,13 @@ class StepRecorder:
     def begin(self, *, step: int, batch_index: int | None) -> None:
         if self.started is None:
             self.started = time.perf_counter()
+            self._carry[Metric.SEGMENT_START] = self.created
+        elif (outside := time.perf_counter() - self.started) >= OUTSIDE_MIN:
+            self._carry[Metric.OUTSIDE_TIME] = outside  # the loop's own work between steps (an evaluation)
         self.buffer.begin(step=step, batch_index=batch_index)
+        for name, value in self._carry.items():
+            self.buffer.add_host(name, value)
+        self._carry.clear()
         self.hooks.stepped = self.hooks.skip_reported = False
         self._scale_snapshot = None
         self._hp_snapshot = None
@@ -138,6 +153,11 @@ class StepRecorder:
         if self._tokens is not None and elapsed > 0:
             self.buffer.add_host(Metric.TOKENS_PER_SEC, self._tokens / elapsed)
         self.buffer.end(time=time.time())
+
+    def note(self, name: str, seconds: float) -> None:
+        """Add ``seconds`` to the host value ``name`` of the next step's record (a checkpoint saved between
+        steps: :data:`~stabmon.events.Metric.CHECKPOINT_TIME`)."""
+        self._carry[name] = self._carry.get(name, 0.0) + seconds
 
     def restart_clock(self) -> None:
         """The next step's time starts now (after the flush and the checkpoint of the step that ended)."""

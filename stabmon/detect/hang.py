@@ -57,7 +57,8 @@ class HangWatchdog:
 
     def __init__(self, timeout: float, callback: Callable[[Anomaly], None], *, poll: float | None = None,
                  clock: Callable[[], float] = time.monotonic, factor: float = 10.0, floor: float = 300.0,
-                 learn_after: int = 20, window: int = 200, stacks: bool = True, label: str = "") -> None:
+                 learn_after: int = 20, window: int = 200, stacks: bool = True, label: str = "",
+                 peer: Callable[[], bool] | None = None) -> None:
         if not timeout > 0:
             raise ValueError(f"hang timeout must be > 0, got {timeout!r}")
         self.timeout = float(timeout)
@@ -67,6 +68,7 @@ class HangWatchdog:
         self.clock = clock
         self.stacks = stacks
         self.label = label
+        self.peer = peer  # a peer rank is hung (stabmon.collect.hang_alarm): report now, whatever the deadline
         self.errors = 0
         self.fired = threading.Event()
         self._durations: deque[float] = deque(maxlen=max(int(window), 1))
@@ -111,11 +113,20 @@ class HangWatchdog:
         with self._lock:
             waited = self.clock() - self._last
             deadline = self.deadline()
-            if not self._armed or waited < deadline:
+            if not self._armed:
+                return None
+            early = waited < deadline
+        if early and not (self.peer is not None and self.peer()):  # the peer check may touch the network
+            return None
+        with self._lock:
+            if not self._armed:
                 return None
             self._armed = False
             step = self._step
-        message = f"{self.label}no step for {waited:.3g} s after step {step} ({self._how(deadline)})"
+        how = self._how(deadline)
+        if early:
+            how = f"a peer rank is hung: reported before this rank's {how}"
+        message = f"{self.label}no step for {waited:.3g} s after step {step} ({how})"
         if self.stacks:
             message += "\n\nstacks of every thread:\n" + dump_stacks()
         return Anomaly(kind="hang", metric="step", step=step, score=waited, severity=Severity.ERROR,

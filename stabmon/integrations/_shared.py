@@ -99,9 +99,11 @@ class MonitorSpec:
         clip: float | None = None,
         run_name: str | None = None,
         resume_run_id: str | None = None,
+        recipe: Any = None,
     ) -> Any:
         """A Monitor on the framework's objects; ``clip`` (the framework's own max-norm, taken over) applies
-        when the config sets none; ``run_name`` (the framework's) applies when the spec has none."""
+        when the config sets none; ``run_name`` (the framework's) applies when the spec has none; ``recipe``: the
+        framework's own settings (its training arguments), stored with the run for ``stabmon diff``."""
         from stabmon.monitor import Monitor
 
         config = self.config
@@ -122,7 +124,48 @@ class MonitorSpec:
             run_name=self.run_name or run_name,
             checkpoint_dir=self.checkpoint_dir,
             resume_run_id=resume_run_id,
+            recipe=recipe,
         )
+
+
+class EffectiveLR:
+    """Make a scheduler's ``get_last_lr()`` report the learning rates in force, the monitor's overrides applied
+    (``lr_scale``, ``lr_cap``), so that a framework logging the schedule's value (HF Trainer's ``learning_rate``)
+    logs the one training uses. Only this scheduler object is changed, until :meth:`remove`; the schedule itself
+    is untouched (the monitor applies its overrides around ``optimizer.step()``).
+
+    >>> import torch
+    >>> from stabmon.overrides import Overrides
+    >>> opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.4)
+    >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    >>> o = Overrides(lr_scale=0.5, lr_cap=0.1)
+    >>> patch = EffectiveLR(sched, lambda: o); patch.install()
+    >>> sched.get_last_lr()
+    [0.1]
+    >>> patch.remove(); sched.get_last_lr()
+    [0.4]
+    """
+
+    def __init__(self, scheduler: Any, overrides: Any) -> None:
+        self.scheduler, self.overrides = scheduler, overrides
+        self._installed = False
+
+    def install(self) -> None:
+        original = getattr(self.scheduler, "get_last_lr", None)
+        if original is None or self._installed:
+            return
+
+        def get_last_lr() -> list[float]:
+            in_force = self.overrides()
+            return [float(in_force.scaled_lr(v)) for v in original()]
+
+        self.scheduler.get_last_lr = get_last_lr
+        self._installed = True
+
+    def remove(self) -> None:
+        if self._installed:
+            del self.scheduler.get_last_lr  # the instance attribute: the class's method shows again
+            self._installed = False
 
 
 def state_to_bytes(state: dict[str, Any]) -> bytes:

@@ -26,7 +26,12 @@ What the callback does at each Trainer event:
 - checkpoint-and-stop (a runbook decision or the kill switch): ``control.should_save`` and
   ``control.should_training_stop`` are set, so the Trainer writes a checkpoint (monitor state included) and
   ends; :attr:`StabmonCallback.exit_code` is then the monitor's stop code.
-- ``on_train_end``: closes the monitor and the store and gives ``args.max_grad_norm`` back.
+- the Trainer's logged ``learning_rate`` is the LR in force: at a logging step the scheduler's
+  ``get_last_lr()`` reports the monitor's overrides applied (:class:`~stabmon.integrations._shared.EffectiveLR`,
+  from ``on_optimizer_step`` to ``on_step_end``, or to ``on_log`` when the Trainer logs), so an LR cut or cap
+  shows in the Trainer's logs, TensorBoard and W&B, not only in stabmon's store.
+- ``on_train_end``: closes the monitor and the store and gives ``args.max_grad_norm`` back (and the
+  scheduler's own ``get_last_lr``).
 
 Clipping happens once, in the monitor. The Trainer clips in ``_clip_grad_norm`` between backward and
 ``on_pre_optimizer_step``, before any callback could see the pre-clip gradients, so letting it clip would leave
@@ -52,7 +57,7 @@ import torch
 
 from stabmon.collect.config import MonitorConfig
 from stabmon.collect.wiring import DEFAULT_STORE
-from stabmon.integrations._shared import MonitorSpec
+from stabmon.integrations._shared import EffectiveLR, MonitorSpec
 from stabmon.replay.importers.hf_trainer import eval_names
 
 try:
@@ -126,6 +131,7 @@ class StabmonCallback(TrainerCallback):
         self._loss_sum = False
         self._warned_no_loss = False
         self._pending_eval: dict[str, float] = {}  # the last evaluation's metrics, recorded with the next step
+        self._effective_lr: EffectiveLR | None = None
 
     @property
     def exit_code(self) -> int:
@@ -153,9 +159,11 @@ class StabmonCallback(TrainerCallback):
             clip=clip,
             run_name=getattr(args, "run_name", None),
             resume_run_id=(saved or {}).get("run_id"),
+            recipe=args.to_dict(),  # the TrainingArguments: stabmon diff names the ones two runs differ in
         )
         if saved is not None:
             self.monitor.load_state_dict(saved)
+        self._effective_lr = self._report_effective_lr(kwargs.get("lr_scheduler"))
         self.monitor.sync_step(trainer_step(state))
         self.stop_requested = False
         self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
@@ -163,7 +171,29 @@ class StabmonCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._finish(args, status=None)
 
+    def _report_effective_lr(self, scheduler: Any) -> EffectiveLR | None:
+        """The Trainer logs ``learning_rate`` from ``lr_scheduler.get_last_lr()``: make it the LR in force while
+        the Trainer reads it (installed in :meth:`on_optimizer_step`; transformers 5 reads it right after the
+        optimizer step, 4.x in the log), and only then: the Trainer also saves the scheduler's ``state_dict``,
+        which must not hold the patch, so it is removed in :meth:`on_step_end` unless a log follows, and in
+        :meth:`on_log` (a save comes after the log)."""
+        if scheduler is None:
+            return None
+        monitor = self.monitor
+        return EffectiveLR(scheduler, lambda: monitor.overrides)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._effective_lr is not None:
+            self._effective_lr.install()
+
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._effective_lr is not None:
+            self._effective_lr.remove()
+
     def _finish(self, args: Any, status: str | None) -> None:
+        if self._effective_lr is not None:
+            self._effective_lr.remove()
+            self._effective_lr = None
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -224,6 +254,8 @@ class StabmonCallback(TrainerCallback):
         if getattr(kwargs.get("optimizer"), "step_was_skipped", False) is True:
             self.monitor.after_optimizer_step(skipped=True)  # the loss scaler skipped it: an overflow step
         self.monitor.end_step()
+        if not control.should_log and self._effective_lr is not None:
+            self._effective_lr.remove()  # no log follows at this step; a checkpoint save may
         if self.monitor.should_stop and not self.stop_requested:
             self.stop_requested = True
             control.should_save = True  # checkpoint (with monitor state, through on_save) ...

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from sqlalchemy.orm import Session
 
 from stabmon.report.model import ReportData, RunInfo, build_report
@@ -21,4 +24,13 @@ def load_report(*, session: Session, run_id: str, buckets: int = 1000) -> Report
                    parent_run_id=run.parent_run_id)
     metrics = repo.get_metrics(session=session, run_id=run_id)
     events = repo.load_events(session=session, run_id=run_id)
-    return build_report(metrics, events, run=info, environment=environment, buckets=buckets)
+    data = build_report(metrics, events, run=info, environment=environment, buckets=buckets)
+    return dataclasses.replace(data, goodput=_ledger(session, run_id))
+
+
+def _ledger(session: Session, run_id: str) -> Any:
+    """The run's goodput ledger, or None when its steps carry no times (an imported log)."""
+    from stabmon.goodput import compute_ledger, load_input
+
+    ledger = compute_ledger(load_input(session=session, run_id=run_id))
+    return ledger if ledger.wall_seconds > 0 else None

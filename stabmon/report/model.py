@@ -59,6 +59,11 @@ class Chart:
     title: str
     series: list[Series]
     log: bool = False
+    y_range: tuple[float, float] | None = None
+    """The y axis: the kept trajectory's smallest and largest finite value (positive ones on a log axis), so
+    the values of an attempt a rollback abandoned do not flatten the curve the run kept. None: nothing kept."""
+    off_scale: int = 0
+    """Abandoned points outside ``y_range``: drawn at its edge (clipped) and counted in the legend."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,8 @@ class Mark:
     label: str
     detail: list[tuple[str, str]]
     row: str
+    severity: str | None = None
+    """An anomaly's severity (the reader can hide the marks below a severity); None for the runbook's acts."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,8 @@ class ReportData:
     missing: list[str] = field(default_factory=list)
     """Titles of charts with nothing recorded."""
     dropped_marks: int = 0
+    goodput: Any = None
+    """The run's :class:`~stabmon.goodput.Ledger` (a live run's; None for a log without step times)."""
 
 
 def _fmt(v: Any) -> str:
@@ -136,7 +145,7 @@ def _anomaly_mark(a: Anomaly) -> Mark:
               ("detector", a.detector), ("evidence", _evidence(a.evidence))]
     if a.message:
         detail.append(("message", a.message))
-    return Mark("anomaly", a.step, f"{a.kind} on {a.metric}", detail, f"ev-{a.id}")
+    return Mark("anomaly", a.step, f"{a.kind} on {a.metric}", detail, f"ev-{a.id}", a.severity.value)
 
 
 def _decision_mark(d: Decision) -> Mark:
@@ -197,7 +206,14 @@ def trace_rows(events: Sequence[Any]) -> list[TraceRow]:
     from stabmon.runbook.trace import build_trace
 
     rows: list[TraceRow] = []
-    for inc in build_trace(events)["incidents"]:
+    trace = build_trace(events)
+    for r in (trace["hang"] or {}).get("ranks", []):
+        culprit = " (the culprit)" if r["rank"] == trace["hang"]["culprit"] else ""
+        where = r["where"][0] if r["where"] else "no stack recorded"
+        state = "waiting in a collective" if r["in_collective"] else "not in a collective"
+        rows.append(TraceRow("hang", f"rank {r['rank']}{culprit}", r["step"],
+                             f"no step for {_fmt(r['waited'])} s", f"{state}: {where}", f"ev-{r['id']}"))
+    for inc in trace["incidents"]:
         key = inc["incident"]
         a = inc["anomaly"]
         if a:
@@ -238,8 +254,29 @@ def build_charts(df: pl.DataFrame, *, buckets: int) -> tuple[list[Chart], list[s
             continue
         per_series = buckets if len(wanted) <= 4 else max(100, 4 * buckets // len(wanted))  # a few MB at most
         series = [_no_clip_as_infinity(s) for s in build_series(df, buckets=per_series, names=wanted)]
-        charts.append(Chart(spec.id, spec.title, [s for s in series if s.steps or s.nonfinite], spec.log))
+        series = [s for s in series if s.steps or s.nonfinite]
+        y_range = kept_range(series, log=spec.log)
+        charts.append(Chart(spec.id, spec.title, series, spec.log, y_range, off_scale(series, y_range)))
     return charts, missing
+
+
+def kept_range(series: Sequence[Series], *, log: bool = False) -> tuple[float, float] | None:
+    """Smallest and largest finite value the run kept (positive ones on a log axis); None when it kept none.
+
+    >>> s = Series("act", steps=[0, 1], values=[0.4, 0.6], abandoned=([1], [500.0]))
+    >>> kept_range([s])
+    (0.4, 0.6)
+    """
+    values = [v for s in series for v in s.values if math.isfinite(v) and (v > 0 or not log)]
+    return (min(values), max(values)) if values else None
+
+
+def off_scale(series: Sequence[Series], y_range: tuple[float, float] | None) -> int:
+    """Abandoned points outside ``y_range`` (drawn clipped at its edge)."""
+    if y_range is None:
+        return 0
+    lo, hi = y_range
+    return sum(1 for s in series for v in s.abandoned[1] if v < lo or v > hi)
 
 
 def _no_clip_as_infinity(s: Series) -> Series:

@@ -26,6 +26,7 @@ CSS = """
 body{font:14px/1.4 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 24px 40px;color:#222;background:#fff}
 h1{font-size:20px;margin:18px 0 4px}h2{font-size:17px;margin:26px 0 8px}h3{font-size:14px;margin:14px 0 2px}
 .meta{color:#555}.meta b{color:#222}
+.goodput-bar{display:flex;height:14px;max-width:900px;border:1px solid #ccc}.goodput-bar i{display:block;height:100%}
 .chart svg{display:block;background:#fff}
 .legend span{margin-right:12px;font-size:12px;white-space:nowrap}.legend i{display:inline-block;width:10px;
 height:10px;margin-right:4px;vertical-align:middle}
@@ -102,6 +103,24 @@ def _header(data: ReportData) -> str:
             f"&middot; {', '.join(parts)}{dropped}</div>")
 
 
+def _mark_filter(data: ReportData) -> str:
+    """A choice of the least severity of the anomaly marks drawn, with how many there are of each."""
+    counts: dict[str, int] = {}
+    for m in data.marks:
+        if m.severity is not None:
+            counts[m.severity] = counts.get(m.severity, 0) + 1
+    options = "".join(
+        f"<option value='{rank}'>{label} ({sum(n for s, n in counts.items() if SEVERITY_RANK.get(s, 0) >= rank)})"
+        "</option>"
+        for rank, label in enumerate(("all", "warning and above", "error and above", "critical"))
+    )
+    return (f"<p class='keys'><label>anomaly marks: <select id='mark-filter'>{options}</select></label> "
+            "(decisions, interventions, rollbacks and outcomes are always drawn)</p>")
+
+
+SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2, "critical": 3}
+
+
 def _keys() -> str:
     items = "".join(f"<span><i style='background:{c}'></i>{k}</span>" for k, c in MARK_KEYS)
     return (f"<p class='keys'>{items}<span><i style='background:#f5a623;height:10px;opacity:.4'></i>re-trained "
@@ -123,6 +142,29 @@ def _trace(data: ReportData) -> str:
             f"<th>what</th><th>detail</th></tr>{rows}</table>")
 
 
+def _goodput(data: ReportData) -> str:
+    """Where the wall time went: one bar split by cause, then the ledger's table (``stabmon goodput``)."""
+    ledger = data.goodput
+    if ledger is None:
+        return ""
+    e = html.escape
+    shown = [c for c in ledger.causes if c.seconds > 0]
+    bar = "".join(f"<i title='{e(c.name)} {c.percent:.1f}%' style='width:{c.percent:.3f}%;"
+                  f"background:{GOODPUT_COLOURS.get(c.name, '#999')}'></i>" for c in shown)
+    rows = "".join(f"<tr data-cause='{e(c.name)}'><td>{e(c.name)}</td><td>{c.seconds:.1f}</td><td>{c.steps}</td>"
+                   f"<td>{c.percent:.1f}%</td><td>{e(c.description)}</td></tr>" for c in ledger.causes)
+    return (f"<h2 id='goodput'>Goodput</h2><p class='meta'>wall {ledger.wall_seconds:.1f} s &middot; goodput "
+            f"<b>{100 * ledger.goodput:.1f}%</b> &middot; {ledger.segments} process(es) &middot; "
+            f"{ledger.skipped_batches} batch(es) skipped</p><div class='goodput-bar'>{bar}</div>"
+            "<table class='rows' id='goodput-table'><tr><th>cause</th><th>seconds</th><th>steps</th>"
+            f"<th>percent</th><th>what</th></tr>{rows}</table>")
+
+
+GOODPUT_COLOURS = {"productive": "#2ca02c", "rollback": "#f5a623", "skipped_update": "#9467bd",
+                   "checkpoint": "#1f77b4", "outside_steps": "#17becf", "hang": "#d62728", "restart": "#8c564b",
+                   "startup": "#7f7f7f", "monitor": "#bcbd22"}
+
+
 def _environment(data: ReportData) -> str:
     e = html.escape
     rows = "".join(f"<tr><td class='k'>{e(k)}</td><td>{e(v)}</td></tr>" for k, v in _flatten(data.environment))
@@ -140,8 +182,8 @@ def render_html(data: ReportData) -> str:
         f"<title>stabmon report: {html.escape(data.run.name)}</title>"
         "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; "
         "script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:\">"
-        f"<style>{CSS}</style></head><body>{_header(data)}{_keys()}<div id='charts'></div>{missing}"
-        f"{_trace(data)}{_environment(data)}<div id='tip'></div>"
+        f"<style>{CSS}</style></head><body>{_header(data)}{_keys()}{_mark_filter(data)}<div id='charts'></div>{missing}"
+        f"{_trace(data)}{_goodput(data)}{_environment(data)}<div id='tip'></div>"
         f"<script type='application/json' id='stabmon-data'>{_payload(data)}</script>"
         f"<script>{_script()}</script></body></html>"
     )

@@ -229,6 +229,9 @@ class Engine:
             trigger=(f"{anomaly.kind} on {anomaly.metric} at step {anomaly.step} "
                      f"(score {anomaly.score:.4g}, {anomaly.severity.value}); "
                      f"seen on {seen} of the last {rule.when.persistence.of} steps"),
+            seen=anomaly.message.partition("\n")[0][:500],
+            reached=min(before) if before else None,
+            noise=judging.spread(before),
         )
         return self._issue_rung(record.step)
 
@@ -377,6 +380,8 @@ class Engine:
             return [alert]
         params = rung.params.model_dump(exclude_none=True)
         params.update(verdicts.diagnose_params(rung.action, inc, step))
+        if rung.action == "alert_only" and not params.get("message") and inc.seen:
+            params["message"] = inc.seen  # the alert says what the detector saw
         if rung.action == "rollback":
             params["onset_step"] = inc.onset_step
             onset_lr = next((v for st, v in reversed(self._lrs) if st <= inc.onset_step), None)

@@ -1,8 +1,12 @@
 """How long a change is observed, and whether it resolved its incident (kept apart from the engine).
 
 A rung's window is the next ``observe`` records after its change lands, judged on its last
-``success.quiet_steps`` (default: all of them): no anomaly the rule matches, and the success tests the rung
-names (``loss_within`` the baseline, the signal ``signal_below`` a bound).
+``success.quiet_steps`` (default: all of them): no anomaly the rule matches, the success tests the rung
+names (``loss_within`` the baseline, the signal ``signal_below`` a bound), and, whatever the rung names, a loss
+not clearly worse than the run's own pre-incident trajectory (the median of the ``baseline_steps`` losses
+before the onset, plus ``CLEARLY_WORSE_NOISE`` of their spreads and at least ``CLEARLY_WORSE_REL`` of it): an
+incident is not "resolved" while the run stays clearly worse than it was, so the ladder goes on. Every judgement
+records the comparison (``pre_incident``: the median before, the lowest loss reached, the spread, the loss now).
 
 A **rollback** is judged over the steps that caused it. Rolling back from step S to a checkpoint C re-trains
 C..S, and whatever broke the run at S (a learning-rate schedule's peak, a bad stretch of data not skipped) comes
@@ -62,12 +66,50 @@ def criteria(incident: Incident, rung: Any) -> tuple[bool, dict[str, Any]]:
         ok = False
     if rung.success.loss_within is not None:
         ok = _loss_within(incident, rung, tail, ev) and ok
+    if _clearly_worse(incident, tail, ev):
+        ok = False  # the run has not come back to where it was: the ladder goes on
     if rung.success.signal_below is not None:
         values = [w.signal for w in tail if w.signal is not None]
         peak = max(values, key=lambda v: math.inf if math.isnan(v) else v) if values else None
         ev.update(signal_max=peak, signal_below=rung.success.signal_below)
         ok = ok and peak is not None and not math.isnan(peak) and peak < rung.success.signal_below
     return ok, ev
+
+
+CLEARLY_WORSE_NOISE = 4.0
+"""How many of the pre-incident losses' spreads (1.4826 x MAD) above their median the judged loss must be to
+count as clearly worse than before the incident."""
+CLEARLY_WORSE_REL = 0.1
+"""... and at least this fraction of that median: a run whose loss barely moved before is not judged on noise."""
+
+
+def spread(losses: list[float]) -> float | None:
+    """1.4826 x the median absolute deviation of ``losses`` (None: fewer than 5 finite ones).
+
+    >>> round(spread([2.0, 2.1, 1.9, 2.0, 2.2]), 5)
+    0.14826
+    """
+    finite = [v for v in losses if math.isfinite(v)]
+    if len(finite) < 5:
+        return None
+    mid = statistics.median(finite)
+    return 1.4826 * statistics.median(abs(v - mid) for v in finite)
+
+
+def _clearly_worse(incident: Incident, tail: list[Any], ev: dict[str, Any]) -> bool:
+    """Compare the judged loss with the run's own pre-incident trajectory (put in ``ev`` as ``pre_incident``);
+    True when it is clearly worse: above the pre-incident median by ``CLEARLY_WORSE_NOISE`` spreads and by
+    ``CLEARLY_WORSE_REL`` of it. Only an incident that is open compares: a healthy run has none."""
+    finite = [w.loss for w in tail if w.loss is not None and math.isfinite(w.loss)]
+    if incident.baseline is None or incident.noise is None or not finite:
+        return False
+    now = statistics.median(finite)
+    bar = max(CLEARLY_WORSE_NOISE * incident.noise, CLEARLY_WORSE_REL * abs(incident.baseline))
+    worse = now - incident.baseline > bar
+    ev["pre_incident"] = {"loss_median": incident.baseline, "loss_reached": incident.reached,
+                          "loss_noise": incident.noise, "loss_now": now, "worse_by": now - incident.baseline,
+                          "clearly_worse": worse}
+    return worse
 
 
 def _from_onset(window: list[Any], onset: int, k: int) -> list[Any]:

@@ -106,6 +106,9 @@ class Incident:
     stop: bool = False  #: the pending decision is the runbook's checkpoint-and-stop
     diagnosis: str | None = None  #: the verdict of an applied ``diagnose`` rung, until the engine follows it
     in_force: list[Change] = field(default_factory=list)  #: changes made and not reverted, oldest first
+    seen: str = ""  #: the first line of the opening anomaly's message: what an ``alert_only`` with no text says
+    reached: float | None = None  #: the lowest loss before the onset (of the baseline's records)
+    noise: float | None = None  #: the pre-incident losses' spread (1.4826 x their MAD; None: under 5 of them)
 
     @property
     def current(self) -> Decision:

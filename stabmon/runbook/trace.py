@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from stabmon.events import Anomaly, Decision, InterventionRecord, Outcome, to_dict
+from stabmon.runbook.hangs import hang_summary
 from stabmon.runbook.rejection import NOT_CHANGES
 
 
@@ -69,7 +70,9 @@ def build_trace(events: Iterable[Any], positions: Sequence[tuple[int, int | None
             entry["outcome"] = _plain(out, ("id", "step", "verdict", "evidence", "intervention_id"))
         inc["steps"].append(entry)
     handled = {i["anomaly"]["id"] for i in incidents.values() if i["anomaly"]}
-    return {"incidents": list(incidents.values()),
+    hang = hang_summary(anomalies.values())
+    handled |= {r["id"] for r in hang["ranks"]} if hang else set()
+    return {"incidents": list(incidents.values()), "hang": hang,
             "unhandled_anomalies": sum(1 for a in anomalies if a not in handled)}
 
 
@@ -108,8 +111,23 @@ def format_trace(trace: dict[str, Any]) -> list[str]:
             if o:
                 ev = ", ".join(f"{k}={_short(v)}" for k, v in o["evidence"].items())
                 lines.append(f"  outcome      {o['verdict']} at step {o['step']}: {ev}")
+    lines.extend(hang_lines(trace.get("hang")))
     lines.append(f"{len(trace['incidents'])} incident(s); {trace['unhandled_anomalies']} anomaly(ies) "
                  "without an incident")
+    return lines
+
+
+def hang_lines(hang: dict[str, Any] | None) -> list[str]:
+    """The hang reports of a run: each rank's last step, wait and where its main thread was; the culprit."""
+    if not hang:
+        return []
+    culprit = hang["culprit"]
+    lines = ["hang  " + (f"culprit rank {culprit}: {hang['why']}" if culprit is not None else hang["why"])]
+    for r in hang["ranks"]:
+        where = r["where"][0] if r["where"] else "no stack recorded"
+        state = "waiting in a collective" if r["in_collective"] else "not in a collective"
+        lines.append(f"  rank {r['rank']:<5} no step for {r['waited']:.3g} s after step {r['step']}; "
+                     f"{state}: {where}")
     return lines
 
 

@@ -168,6 +168,12 @@ def get_run(*, session: Session, run_id: str) -> Run:
     return run
 
 
+def run_ended_at(*, session: Session, run_id: str) -> float | None:
+    """When the run ended (UNIX seconds; None while it runs or after it was cut off)."""
+    ended = _utc(get_run(session=session, run_id=run_id).ended_at)
+    return ended.timestamp() if ended is not None else None
+
+
 def resolve_run(*, session: Session, ref: str) -> Run:
     """The run named by ``ref``: an id, a unique id prefix, a unique name, or ``latest``."""
     if ref == "latest":
@@ -248,6 +254,11 @@ def load_steps(*, session: Session, run_id: str) -> list[StepRecord]:
     """The run's StepRecords exactly as written (NaN and infinities kept), in record order.
 
     Safe while the run is being written: records committed after the first query are left out whole."""
+    return [r for _, r in load_sequenced_steps(session=session, run_id=run_id)]
+
+
+def load_sequenced_steps(*, session: Session, run_id: str) -> list[tuple[int, StepRecord]]:
+    """``(seq, record)`` of every stored step, in record order (``seq`` places them among the events)."""
     key = _run_key(session, run_id)
     steps = session.execute(
         sa.select(Step.seq, Step.step, Step.batch_index, Step.time)
@@ -266,7 +277,7 @@ def load_steps(*, session: Session, run_id: str) -> list[StepRecord]:
     for seq, name, value in session.execute(q):
         if seq in metrics:
             metrics[seq][name] = math.nan if value is None else value
-    return [StepRecord(step=int(s), metrics=metrics[seq], batch_index=b, time=t) for seq, s, b, t in steps]
+    return [(seq, StepRecord(step=int(s), metrics=metrics[seq], batch_index=b, time=t)) for seq, s, b, t in steps]
 
 
 def batch_positions(*, session: Session, run_id: str) -> list[tuple[int, int | None]]:
@@ -279,13 +290,18 @@ def batch_positions(*, session: Session, run_id: str) -> list[tuple[int, int | N
 # -- events --------------------------------------------------------------------------------------------------
 def load_events(*, session: Session, run_id: str) -> list[Any]:
     """Anomalies, decisions, interventions and outcomes of a run, in the causal order they were written."""
+    return [ev for _, ev in load_sequenced_events(session=session, run_id=run_id)]
+
+
+def load_sequenced_events(*, session: Session, run_id: str) -> list[tuple[int, Any]]:
+    """``(seq, event)`` of a run's anomalies, decisions, interventions and outcomes, in record order."""
     found: list[tuple[int, Any]] = []
     for table, model in _EVENT_MODELS.items():
         cols = model.__table__.columns
         for row in session.execute(sa.select(*cols).where(cols.run_id == run_id)).mappings():
             found.append((row["seq"], event_from_row(table, dict(row))))
     found.sort(key=lambda p: p[0])
-    return [ev for _, ev in found]
+    return found
 
 
 @dataclass(frozen=True)

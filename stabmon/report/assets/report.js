@@ -35,6 +35,7 @@
   }
 
   function yExtent(chart) {
+    if (chart.y_range) return padded(chart, chart.y_range[0], chart.y_range[1]);  // the kept trajectory's
     var lo = Infinity, hi = -Infinity;
     chart.series.forEach(function (s) {
       [s.values, s.abandoned[1]].forEach(function (vals) {
@@ -46,6 +47,10 @@
       });
     });
     if (lo === Infinity) { lo = chart.log ? 1 : 0; hi = chart.log ? 10 : 1; }
+    return padded(chart, lo, hi);
+  }
+
+  function padded(chart, lo, hi) {
     if (chart.log) { lo = Math.log10(lo); hi = Math.log10(hi); }
     if (hi === lo) { hi += 0.5; lo -= 0.5; }
     var pad = (hi - lo) * 0.05;
@@ -67,11 +72,12 @@
                 "class": "frame"}, g);
   }
 
-  function line(steps, values, x, y, chart, attrs, svg) {
+  function line(steps, values, x, y, chart, attrs, svg, ext) {
     var pts = [];
     for (var i = 0; i < steps.length; i++) {
       var v = values[i];
       if (chart.log) { if (v <= 0) continue; v = Math.log10(v); }
+      if (ext) v = Math.min(ext[1], Math.max(ext[0], v));  // an abandoned value off the kept scale: at the edge
       pts.push(x(steps[i]).toFixed(1) + "," + y(v).toFixed(1));
     }
     if (pts.length === 1) pts.push(pts[0]);
@@ -90,7 +96,7 @@
       var px = x(m.step);
       var vis = el("line", {x1: px, x2: px, y1: M.top, y2: HEIGHT - M.bottom, stroke: MARK_COLORS[m.kind],
                             "class": "mark mark-" + m.kind, "data-step": m.step, "data-row": m.row,
-                            "data-kind": m.kind, "data-index": i}, g);
+                            "data-kind": m.kind, "data-index": i, "data-severity": m.severity || ""}, g);
       var hit = el("line", {x1: px, x2: px, y1: M.top, y2: HEIGHT - M.bottom, "class": "hit"}, g);
       hit.addEventListener("mousemove", function (ev) { show(ev, markHtml(m)); });
       hit.addEventListener("mouseleave", hide);
@@ -173,6 +179,12 @@
         (s.nonfinite.length ? " <em>(" + s.nonfinite.length + " non-finite)</em>" : "");
       legend.appendChild(span);
     });
+    if (chart.off_scale) {
+      var off = document.createElement("span");
+      off.className = "off-scale";
+      off.textContent = chart.off_scale + " abandoned value(s) off the kept scale, drawn at its edge";
+      legend.appendChild(off);
+    }
     box.appendChild(legend);
     host.appendChild(box);
     var w = Math.max(480, box.clientWidth || 960);
@@ -186,7 +198,7 @@
     axes(svg, w, x, y, ext, chart);
     chart.series.forEach(function (s, k) {
       var color = PALETTE[k % PALETTE.length];
-      line(s.abandoned[0], s.abandoned[1], x, y, chart, {"class": "abandoned", stroke: color}, svg);
+      line(s.abandoned[0], s.abandoned[1], x, y, chart, {"class": "abandoned", stroke: color}, svg, ext);
       line(s.steps, s.values, x, y, chart, {"class": "series", stroke: color, "data-series": s.name}, svg);
       s.nonfinite.forEach(function (st) {
         el("path", {d: "M" + x(st) + "," + (M.top + 1) + "l-4,8h8z", "class": "nonfinite"}, svg);
@@ -196,9 +208,26 @@
     drawMarks(svg, x);
   }
 
+  var SEVERITY = {"info": 0, "warning": 1, "error": 2, "critical": 3};
+
+  function filterMarks(least) {
+    // anomaly marks below the chosen severity are hidden (with their hover target); the runbook's acts stay
+    document.querySelectorAll("line.mark-anomaly").forEach(function (m) {
+      var hidden = SEVERITY[m.getAttribute("data-severity")] < least;
+      m.style.display = hidden ? "none" : "";
+      if (m.nextSibling) m.nextSibling.style.display = hidden ? "none" : "";
+    });
+    document.body.setAttribute("data-mark-filter", String(least));
+  }
+
   function init() {
     var host = document.getElementById("charts");
     DATA.charts.forEach(function (c) { drawChart(c, host); });
+    var select = document.getElementById("mark-filter");
+    if (select) {
+      select.addEventListener("change", function () { filterMarks(Number(select.value)); });
+      filterMarks(Number(select.value));
+    }
     document.querySelectorAll("tr[data-row]").forEach(function (tr) {
       tr.addEventListener("click", function () {
         document.querySelectorAll("line.mark.lit").forEach(function (m) { m.classList.remove("lit"); });
