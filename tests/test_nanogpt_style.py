@@ -147,3 +147,26 @@ def check_goodput(db: Path, *, records: int, kept: int) -> None:
     # a gap between two clocks (time.time and perf_counter) may come out a few microseconds below zero
     assert sum(c.seconds for c in ledger.causes) == pytest.approx(ledger.wall_seconds, rel=1e-3)
     assert 0 < ledger.goodput < 1
+
+
+@pytest.mark.slow
+def test_a_healthy_runs_own_sparse_log_replays_as_quietly_as_it_ran(tmp_path: Path) -> None:
+    """Live and replay agree on a sparse log: the loop's stdout (a loss line every 10 iterations) replayed through
+    the ``default`` runbook raises nothing at warning or above and decides nothing, as the live run did. The
+    replay leaves step time out: the printed times measure the machine the test ran on."""
+    from stabmon.events import Anomaly, Decision, Severity
+    from stabmon.replay.importers.sniff import import_file, sniff_format
+    from stabmon.replay.replay import replay, simulated_pipeline
+
+    out = run_example(tmp_path, "--max-iters", "600", "--seed", str(SEED))
+    db = tmp_path / "s.db"
+    assert query(db, "select count(*) from decisions") == [(0,)]
+    log = tmp_path / "stdout.log"
+    log.write_text(out)
+    assert sniff_format(log).FORMAT == "nanogpt"
+    records = import_file(log).records
+    assert len(records) >= 60 and {r.step % 10 for r in records if r.get("loss") is not None} == {0}
+    pipeline = simulated_pipeline(runbook="default", overrides=("step_time.enabled=false",))[0]
+    events = replay(records, pipeline=pipeline).events
+    loud = [e for e in events if isinstance(e, Anomaly) and e.severity >= Severity.WARNING]
+    assert not loud and not [e for e in events if isinstance(e, Decision)], loud[:3]
