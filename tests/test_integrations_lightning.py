@@ -344,3 +344,28 @@ def test_example_unstable_setting_learns_then_diverges(tmp_path: Path) -> None:
     first_norm_jump = next(i for i, n in enumerate(norm) if i >= 50 and n > 1.5 * calm)
     first_loss_jump = next(i for i, v in enumerate(loss) if i >= 50 and v > 1.5 * best)
     assert first_norm_jump <= first_loss_jump  # the gradient norm moves first
+
+
+def test_the_loggers_get_the_lr_in_force(tmp_path: Path) -> None:
+    """Lightning's LearningRateMonitor logs the param groups' value, which between steps is the schedule's: the
+    callback logs ``stabmon/lr``, the LR in force with the monitor's overrides, to the same loggers."""
+    import csv
+
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    cb = StabmonCallback(store=None, config=MonitorConfig(flush_every=2))
+
+    def halve_lr() -> None:
+        cb.monitor.overrides.lr_scale = 0.5
+
+    t = trainer(tmp_path, [Probe(at=2, action=halve_lr), cb, LearningRateMonitor(logging_interval="step")],
+                max_steps=6, logger=CSVLogger(str(tmp_path), name="logs"), log_every_n_steps=1)
+    t.fit(Tiny(lr=0.1), loader())
+    with open(Path(t.logger.log_dir) / "metrics.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    in_force = {int(r["step"]): float(r["stabmon/lr"]) for r in rows if r.get("stabmon/lr")}
+    schedule = {int(r["step"]): float(r["lr-SGD"]) for r in rows if r.get("lr-SGD")}
+    assert in_force[0] == pytest.approx(0.1) and in_force[5] == pytest.approx(0.05)  # halved from step 2 on
+    assert schedule[5] == pytest.approx(0.1)  # what LearningRateMonitor shows: the schedule's value
+    assert [r.get("lr") for r in cb.monitor.records][-1] == pytest.approx(in_force[5])

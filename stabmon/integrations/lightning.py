@@ -15,6 +15,8 @@ What the callback does at each Lightning hook:
 - the loss: ``on_before_backward`` receives each micro-batch's loss tensor (Lightning has already divided it by
   ``accumulate_grad_batches``); their sum goes to the monitor as a device tensor, before the optimizer step
   (``outputs["loss"]`` in ``on_train_batch_end`` arrives after the GradScaler update, too late for the scale).
+- ``on_train_batch_end`` also logs ``stabmon/lr``, the learning rate in force (the monitor's overrides
+  applied), to Lightning's loggers: ``LearningRateMonitor`` logs the schedule's value.
 - ``on_before_optimizer_step`` runs the monitor's pre-step work: norms, clip, overrides. Lightning calls
   ``optimizer.step(closure)`` and the closure runs forward and backward *inside* ``step()``, so a
   ``torch.optim`` step pre-hook would fire before backward, on the previous step's gradients. The callback
@@ -213,8 +215,17 @@ class StabmonCallback(Callback):
             self._post_pending = False
             self.monitor.after_optimizer_step(skipped=True)
         self.monitor.end_step()
+        self._log_lr_in_force(pl_module)
         if self.monitor.should_stop and not self.stop_requested:
             self._stop(trainer)
+
+    def _log_lr_in_force(self, pl_module: Any) -> None:
+        """Report the learning rate in force, the monitor's overrides applied, to Lightning's loggers as
+        ``stabmon/lr``: ``LearningRateMonitor`` reads the optimizer's param groups, which hold the schedule's
+        value between steps (the monitor applies an LR cap or scale around ``optimizer.step()``). A host float."""
+        lr = self.monitor.hparams().get("lr")
+        if lr is not None:
+            pl_module.log("stabmon/lr", float(lr), on_step=True, on_epoch=False)
 
     def _stop(self, trainer: Any) -> None:
         self.stop_requested = True
