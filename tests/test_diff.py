@@ -48,9 +48,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> str:
     return url
 
 
-def _diff(url: str, *args: str) -> dict:
+def _diff(url: str, *args: str, exit_code: int = 0) -> dict:
     res = runner.invoke(app, ["diff", *args, "--json", "--db", url])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == exit_code, res.output
     return json.loads(res.output)
 
 
@@ -125,12 +125,13 @@ def test_the_recipe_is_stored_and_diffed(sqlite_url: str) -> None:
     run("a", 3e-4, "default", "healthy")
     run("a2", 3e-4, "default", "healthy")
     run("b", 3e-2, "opt175b", "lr-too-high")
-    paths = {d["path"]: (d["a"], d["b"]) for d in _diff(sqlite_url, "a", "b")["recipe"]}
+    # runs without steps: no trajectory to compare (exit 3, no-overlap), the recipes still differ
+    paths = {d["path"]: (d["a"], d["b"]) for d in _diff(sqlite_url, "a", "b", exit_code=3)["recipe"]}
     assert paths["recipe.optimizer.lr"] == (3e-4, 3e-2)
     assert paths["recipe.runbook.name"] == ("default", "opt175b") and "recipe.runbook.digest" in paths
     assert paths["recipe.user.scenario"] == ("healthy", "lr-too-high")
     assert "recipe.user.batch_size" not in paths
-    assert _diff(sqlite_url, "a", "a2")["recipe"] == []
+    assert _diff(sqlite_url, "a", "a2", exit_code=3)["recipe"] == []
     text = runner.invoke(app, ["diff", "a", "b", "--db", sqlite_url]).output
     assert "recipe: 4 difference(s):" in text and "recipe.user.scenario" in text, text
 

@@ -484,6 +484,16 @@ def test_an_anomaly_a_rule_acts_on_is_not_swallowed_by_an_alert_being_observed()
     assert [x.action for x in decisions(out)] == ["scale_lr"]
 
 
+def test_an_alert_awaiting_approval_does_not_swallow_an_anomaly_a_rule_acts_on() -> None:
+    # propose mode: the alert is a proposal too; a damage anomaly while it waits must still open its incident
+    d = Driver(Engine(loads_runbook(SUPERSEDE.replace("cooldown: 0", "cooldown: 0\nmode: propose")), id_seed="p"))
+    first = d.run(1, anomalous=[1], make=lambda s: spike(s, severity=Severity.WARNING))
+    assert [(x.action, x.status) for x in decisions(first)] == [("alert_only", DecisionStatus.PROPOSED)]
+    out = d.run(1, anomalous=[2], make=lambda s: spike(s, kind="no_progress"))
+    assert [o.verdict for o in outcomes(out)] == [Verdict.SUPERSEDED]
+    assert [(x.action, x.status) for x in decisions(out)] == [("scale_lr", DecisionStatus.PROPOSED)]
+
+
 def test_a_skipped_rung_costs_no_window_and_no_budget() -> None:
     eng = Engine(runbook(budget=1), id_seed="s")
     (dec,) = eng.process(StepRecord(1, {"loss": 2.0}), [spike(1)])

@@ -3,8 +3,8 @@ run is stopped and resumed by a second process, and nothing is lost or duplicate
 ``stabmon trace`` read every run back.
 
 Each writer is a real training loop with a monitor in propose mode and the default runbook; three NaN losses
-in a row (observed, not trained on) make one ``nonfinite`` incident per run, so the trace has something to
-show.
+in a row (observed, not trained on) make one ``nonfinite`` incident per run (the third is critical), so the
+trace has something to show.
 """
 
 from __future__ import annotations
@@ -108,6 +108,8 @@ def test_many_writers_and_a_resumed_run_share_one_postgres(pg_url: str, tmp_path
     for name, row in runs.items():
         nan_at = 30 if name == "resumed" else 10 + int(name.split("-")[1])
         trace = _cli("trace", row["id"], "--db", pg_url, "--json")
-        (incident,) = trace["incidents"]
+        # the first two NaNs are warnings (alerted by rule `other` when a flush ends between them); the third in
+        # 20 records is critical and opens the one incident that changes training
+        (incident,) = [i for i in trace["incidents"] if i["rule"] != "other"]
         assert incident["rule"] == "nonfinite" and incident["anomaly"]["kind"] == "nonfinite", name
-        assert incident["anomaly"]["step"] == nan_at + 2, name  # the third NaN in 20 steps
+        assert incident["anomaly"]["step"] == nan_at + 2, name  # the third NaN in 20 records

@@ -239,13 +239,14 @@ class Engine:
     def _advance(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
         inc = self._incident
         assert inc is not None
+        rule = self.runbook.rule(inc.rule)
+        if inc.current.action == "alert_only" and self._acting(anomalies, rule):
+            # whenever it comes, an alert awaiting approval (propose mode) included: it has nothing to wait for
+            return self._supersede(record, anomalies)
         if inc.phase == "proposed":
             return self._timeout(record.step) if self._expired(inc) else []
         if inc.diagnosis is not None and (followed := self._follow_diagnosis(record.step)):
             return followed
-        rule = self.runbook.rule(inc.rule)
-        if inc.current.action == "alert_only" and self._acting(anomalies, rule):
-            return self._supersede(record, anomalies)  # whenever it comes: an alert has nothing to wait for
         eff = inc.effective_step
         if eff is not None and record.step < eff and inc.error is None:
             return []
