@@ -268,6 +268,12 @@ class CheckpointManager:
             return None, problem
         return state, None
 
+    def candidates(self, before_step: int | None = None) -> list[CheckpointInfo]:
+        """What a rollback may choose, newest first (the newer timeline first at equal steps): every checkpoint
+        saved at or before ``before_step`` that no rollback abandoned. Reads the registry only."""
+        return [e for e in reversed(self.checkpoints)
+                if not e.abandoned and (before_step is None or e.step <= before_step)]
+
     def last_known_good(
         self, before_step: int | None = None, *, check: Callable[[dict[str, Any]], str | None] | None = None
     ) -> tuple[CheckpointInfo, dict[str, Any]]:
@@ -278,13 +284,8 @@ class CheckpointManager:
         :class:`NoValidCheckpointError` when none is left.
         """
         reasons: dict[str, str] = {}
-        newer: list[int] = []
-        for info in reversed(self.checkpoints):
-            if info.abandoned:
-                continue
-            if before_step is not None and info.step > before_step:
-                newer.append(info.step)
-                continue
+        newer = [e.step for e in self.candidates() if before_step is not None and e.step > before_step]
+        for info in self.candidates(before_step):
             state, reason = self.validate(info, check)
             if state is not None:
                 return info, state
