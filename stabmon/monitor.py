@@ -140,6 +140,9 @@ class Monitor:
         self.errors: Counter[str] = self.failsafe.errors
         cfg = self.config
         self.layout = layout_of(model)
+        self.policy = rank_policy(*world(), sharded=self.layout.sharded, replicated=self.layout.kind == "ddp",
+                                  directory=checkpoints.directory if checkpoints is not None else checkpoint_dir)
+        """Who saves, decides and writes (:mod:`stabmon.collect.rank_policy`)."""
         sharded = ShardedSquares(self.layout.counted) if self.layout.sharded else None
         self._grads = GradNorms(model, cfg.grads.layers, sharded=sharded)
         self._acts = ActivationNorms(model, cfg.activations.modules) if cfg.activations.every else None
@@ -161,10 +164,6 @@ class Monitor:
             updates=UpdateNorms(self._grads) if cfg.updates.every else None,
         )
         self.rank, self.world_size = world()
-        self.policy = rank_policy(self.rank, self.world_size, sharded=self.layout.sharded,
-                                  replicated=self.layout.kind == "ddp",
-                                  directory=checkpoints.directory if checkpoints is not None else checkpoint_dir)
-        """Who saves, decides and writes (:mod:`stabmon.collect.rank_policy`)."""
         self._probe: RankProbe | None = None
         self._rank_values: RankGather | None = None
         if self.world_size > 1:

@@ -200,6 +200,6 @@ def agreed_checkpoint(manager: Any, before_step: int, *, check: Callable[[dict[s
             return mine[step], state
         refused |= {f"step {step} on rank {r}": str(why) for r, why in enumerate(reasons) if why is not None}
     raise NoValidCheckpointError(
-        f"no checkpoint at or before step {before_step} that every rank holds validates in {manager.directory}",
+        f"no valid checkpoint at or before step {before_step} on every rank in {manager.directory}",
         refused,
     )

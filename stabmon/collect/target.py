@@ -94,7 +94,8 @@ class LiveTarget:
         joint = partial(Joint, rank=self.policy.rank, world_size=self.policy.world_size, channel=channel,
                         report=self._disagreed)
         self._stop = joint("checkpoint_and_stop", self.stop_here, agreement=STOPPED)
-        self._rollback = joint("rollback", partial(self._rollback_from, self._agreed), agreement=ROLLED_BACK)
+        choose = self._agreed if self.policy.distributed else self._own
+        self._rollback = joint("rollback", partial(self._rollback_from, choose), agreement=ROLLED_BACK)
         self.should_stop = False
         self.stop_reason: str | None = None
         self.diagnoser: Callable[..., dict[str, Any]] | None = None
