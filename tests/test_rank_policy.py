@@ -176,9 +176,9 @@ def test_periodic_and_interrupt_saves_follow_the_layout(tmp_path: Path, kind: st
         assert [e["step"] for e in _registry(tmp_path / name)] == [0, 5, 7], name
 
 
-def _rollback(rank: int, size: int, root: str, corrupt: bool, full_disk: bool) -> dict[str, Any]:
-    directory = Path(root) / f"ckpt-rank{rank}"
-    model = _model("fsdp2")
+def _rollback(rank: int, size: int, root: str, corrupt: bool, full_disk: bool, kind: str = "fsdp2") -> dict[str, Any]:
+    directory = Path(root) / ("ckpt" if kind == "ddp" else f"ckpt-rank{rank}")  # DDP: one shared directory
+    model = _model(kind)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     writes: list[int] = []
 
@@ -222,8 +222,11 @@ def _restored_step(results: list[dict[str, Any]]) -> int:
     return int(record.after["checkpoint_step"])
 
 
-def test_a_rollback_under_fsdp2_restores_one_step_on_every_rank_and_each_records_it(tmp_path: Path) -> None:
-    results = run_ranks(_rollback, 2, str(tmp_path), False, False, timeout=180)
+@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
+def test_a_rollback_restores_one_step_on_every_rank_and_records_it(tmp_path: Path, kind: str) -> None:
+    """FSDP2: every rank records the rollback in its own directory (before, only rank 0 did); DDP: rank 0 in the
+    shared one, which rank 1 reads."""
+    results = run_ranks(_rollback, 2, str(tmp_path), False, False, kind, timeout=180)
     assert _restored_step(results) == 10
     for rank, got in enumerate(results):
         assert got["restored"]["step"] == 10, rank

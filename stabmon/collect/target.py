@@ -83,11 +83,9 @@ class LiveTarget:
         self._hparams, self._step = hparams, step
         self.state, self.cursor, self.outbox, self.failsafe = state, cursor, outbox, failsafe
         self.stop_code = stop_code
-        self.checkpoints = checkpoints
-        """The :class:`~stabmon.checkpoints.CheckpointManager` or :class:`~stabmon.checkpoints.UserCheckpoints`
-        (None: no checkpoints, no rollback)."""
         self.policy = policy if policy is not None else RankPolicy()
         """Who saves, decides and writes (:mod:`stabmon.collect.rank_policy`)."""
+        self.checkpoints = checkpoints
         self.reports: deque[Event] = reports if reports is not None else deque()
         """Ranks that disagreed after a joint action, as anomalies for the next publish."""
         self._gather = channel.gather if channel is not None else _alone
@@ -100,6 +98,19 @@ class LiveTarget:
         self.stop_reason: str | None = None
         self.diagnoser: Callable[..., dict[str, Any]] | None = None
         """What the ``diagnose`` intervention calls (the monitor's re-run and replay); None: cannot diagnose."""
+
+    @property
+    def checkpoints(self) -> Any:
+        """The :class:`~stabmon.checkpoints.CheckpointManager` or :class:`~stabmon.checkpoints.UserCheckpoints`
+        (None: no checkpoints, no rollback). On a rank that does not keep the registry (a directory every rank
+        shares), it reads rank 0's afresh before each use."""
+        return self._checkpoints
+
+    @checkpoints.setter
+    def checkpoints(self, manager: Any) -> None:
+        if manager is not None:
+            manager.reader = not self.policy.keeps_registry
+        self._checkpoints = manager
 
     @property
     def step(self) -> int:
@@ -243,8 +254,6 @@ class LiveTarget:
             return CheckpointManager(checkpoint_dir)
         if self.checkpoints is None:
             raise RuntimeError("rollback needs checkpoints: create the Monitor with checkpoint_dir= or checkpoints=")
-        if not self.policy.keeps_registry:
-            self.checkpoints.reload()  # rank 0 wrote the registry: read it afresh
         return self.checkpoints
 
     def _restore(self, state: dict[str, Any], from_position: int) -> None:
