@@ -112,6 +112,9 @@ class CheckpointManager:
         self.every, self.keep, self.prefix = every, keep, prefix
         self.sink, self.run_id, self.weights_only = sink, run_id, weights_only
         self.store_errors = 0
+        self.reader = False
+        """Another process (rank 0, in a directory every rank shares) keeps the registry: read it afresh before
+        each use (set from the :class:`~stabmon.collect.rank_policy.RankPolicy`)."""
         self._entries: list[CheckpointInfo] = self._read_registry()
         self.timeline = max((e.timeline for e in self._entries), default=0)
 
@@ -119,6 +122,8 @@ class CheckpointManager:
     @property
     def checkpoints(self) -> list[CheckpointInfo]:
         """Registered checkpoints, oldest step first (the newer timeline first at equal steps)."""
+        if self.reader:
+            self.reload()
         return sorted(self._entries, key=lambda e: (e.step, e.timeline))
 
     def _read_registry(self) -> list[CheckpointInfo]:
@@ -230,7 +235,7 @@ class CheckpointManager:
     def latest(self) -> CheckpointInfo | None:
         """The checkpoint to resume from: the newest one on the current timeline (never one a rollback
         abandoned, even when its step is higher), or None."""
-        alive = [e for e in self._entries if not e.abandoned]
+        alive = [e for e in self.checkpoints if not e.abandoned]
         return max(alive, key=lambda e: (e.timeline, e.step), default=None)
 
     def register(self, path: str | os.PathLike[str], *, step: int) -> CheckpointInfo:
@@ -268,6 +273,12 @@ class CheckpointManager:
             return None, problem
         return state, None
 
+    def candidates(self, before_step: int | None = None) -> list[CheckpointInfo]:
+        """What a rollback may choose, newest first (the newer timeline first at equal steps): every checkpoint
+        saved at or before ``before_step`` that no rollback abandoned. Reads the registry only."""
+        return [e for e in reversed(self.checkpoints)
+                if not e.abandoned and (before_step is None or e.step <= before_step)]
+
     def last_known_good(
         self, before_step: int | None = None, *, check: Callable[[dict[str, Any]], str | None] | None = None
     ) -> tuple[CheckpointInfo, dict[str, Any]]:
@@ -278,13 +289,8 @@ class CheckpointManager:
         :class:`NoValidCheckpointError` when none is left.
         """
         reasons: dict[str, str] = {}
-        newer: list[int] = []
-        for info in reversed(self.checkpoints):
-            if info.abandoned:
-                continue
-            if before_step is not None and info.step > before_step:
-                newer.append(info.step)
-                continue
+        newer = [e.step for e in self.candidates() if before_step is not None and e.step > before_step]
+        for info in self.candidates(before_step):
             state, reason = self.validate(info, check)
             if state is not None:
                 return info, state

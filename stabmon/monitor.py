@@ -52,6 +52,7 @@ from stabmon.collect.grads import GradNorms
 from stabmon.collect.interrupts import INTERRUPTED, ExitGuard
 from stabmon.collect.memory import DeviceMemory
 from stabmon.collect.optim import OptimizerHooks
+from stabmon.collect.rank_policy import SavePath, rank_policy
 from stabmon.collect.ranks import RankGather, RankProbe
 from stabmon.collect.record import StepRecorder
 from stabmon.collect.rerun_ranks import CrossRank, RankChannel
@@ -139,6 +140,9 @@ class Monitor:
         self.errors: Counter[str] = self.failsafe.errors
         cfg = self.config
         self.layout = layout_of(model)
+        self.policy = rank_policy(*world(), sharded=self.layout.sharded, replicated=self.layout.kind == "ddp",
+                                  directory=checkpoints.directory if checkpoints is not None else checkpoint_dir)
+        """Who saves, decides and writes (:mod:`stabmon.collect.rank_policy`)."""
         sharded = ShardedSquares(self.layout.counted) if self.layout.sharded else None
         self._grads = GradNorms(model, cfg.grads.layers, sharded=sharded)
         self._acts = ActivationNorms(model, cfg.activations.modules) if cfg.activations.every else None
@@ -171,6 +175,8 @@ class Monitor:
                                      activations=self._acts, probe=self._probe)
         self.run_name = run_name or time.strftime("run-%Y%m%d-%H%M%S")
         self.outbox = self._open_outbox(store, notifier, alerts)
+        self._channel = RankChannel(rank=self.rank, world_size=self.world_size, timeout=cfg.diagnose.timeout)
+        handed: deque[Event] = deque()  # a joint action's disagreements, for the flush's publish
         self.target = LiveTarget(
             hparams=self._hooks.hparams,
             step=lambda: self._step,
@@ -180,16 +186,15 @@ class Monitor:
             failsafe=self.failsafe,
             stop_code=cfg.exit_code,
             overrides=overrides,
-            rank=self.rank,
+            policy=self.policy,
+            channel=self._channel,
+            reports=handed,
         )
         self.pipeline, self.executor = build_pipeline(self.target, detectors=detectors, runbook=runbook, mode=mode)
         self.batches = batch_log_for(self.pipeline.engine, sample_ids, capacity=cfg.diagnose.batches)
         #: ln(output classes), recorded once with the first step observed (None: unknown, or recorded)
         self._untrained: float | None = untrained_loss(model)
         self._loss_fn = loss_fn  # diagnose's loss of a batch (None: stabmon.collect.rerun.call_model)
-        diagnosing = self.batches is not None and self.world_size > 1
-        self._channel = RankChannel(rank=self.rank, world_size=self.world_size if diagnosing else 1,
-                                    timeout=cfg.diagnose.timeout)
         cross = CrossRank(self.diagnose, rank=self.rank, world_size=self.world_size)
         self.target.diagnoser = cross
         self._follower = RankFollower()
@@ -201,10 +206,10 @@ class Monitor:
             mode=mode,
             follower=self._follower,
             kill_switch=_kill_switch(cfg.kill_switch),
-            rank=self.rank,
-            world_size=self.world_size,
+            policy=self.policy,
+            handed=handed,
         )
-        self.flusher.joiners["diagnose"] = cross.join
+        self.flusher.joiners.update(self.target.joiners, diagnose=cross.join)
         if resume and resume_run_id is None:  # a saved monitor state names its run: reopen that one
             resume_run_id = resume.get("run_id")
         run_id = self.outbox.start_run(config=self._run_config(user_recipe), resume_run_id=resume_run_id)
@@ -332,14 +337,16 @@ class Monitor:
     def rollback(
         self, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None
     ) -> dict[str, Any]:
-        """Restore the last-known-good checkpoint and skip data (:meth:`LiveTarget.rollback`)."""
-        return self.target.rollback(
+        """Restore this rank's last-known-good checkpoint and skip data (:meth:`LiveTarget.rollback_here`;
+        under torch.distributed every rank calls it itself)."""
+        return self.target.rollback_here(
             onset_step=onset_step, lookback=lookback, skip_batches=skip_batches, checkpoint_dir=checkpoint_dir
         )
 
     def checkpoint_and_stop(self, *, reason: str, exit_code: int | None = None) -> dict[str, Any]:
-        """Save a checkpoint and ask the loop to stop with ``exit_code`` (default ``config.exit_code``)."""
-        return self.target.checkpoint_and_stop(reason=reason, exit_code=exit_code)
+        """Save a checkpoint and ask the loop to stop with ``exit_code`` (default ``config.exit_code``); under
+        torch.distributed on this rank, saving as the rank policy says (:meth:`LiveTarget.stop_here`)."""
+        return self.target.stop_here(reason=reason, exit_code=exit_code)
 
     def diagnose(self, **params: Any) -> dict[str, Any]:
         """Re-run and replay the incident's steps (see :mod:`stabmon.collect.rerun`); the verdict and its
@@ -626,7 +633,7 @@ class Monitor:
             self.recorder.discard()  # interrupted before its update: the step did not happen
         self.end_step()
         self.flush()
-        if status == INTERRUPTED and self.rank == 0 and self.target.can_save and self._step > 0:
+        if status == INTERRUPTED and self.target.saves(SavePath.INTERRUPT) and self._step > 0:
             self.save_checkpoint()  # a resume from here repeats no step
         self._closed = True
         if self._watchdog is not None:

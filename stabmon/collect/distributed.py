@@ -90,8 +90,12 @@ class RankFollower:
                 params = {**decision.params, "intervention_id": self.ids.pop(theirs, theirs)}
                 decision = dataclasses.replace(decision, params=params)
             record = executor.execute(decision)
-            if record is not None:
-                self.ids[leader_id] = record.id
+            if record is None:
+                continue
+            self.ids[leader_id] = record.id
+            if "error" in record.after:  # rank 0 applied it: this rank now differs from rank 0
+                log.error("stabmon: this rank could not follow rank 0's %s at step %d: %s", decision.action,
+                          decision.step, record.after["error"])
 
     def state_dict(self) -> dict[str, Any]:
         return {"ids": dict(self.ids)}

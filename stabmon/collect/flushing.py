@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from stabmon.collect.distributed import Join, RankFollower, broadcast, executed_decisions
 from stabmon.collect.failsafe import Failsafe
+from stabmon.collect.rank_policy import RankPolicy
 from stabmon.collect.wiring import environment
 from stabmon.events import Anomaly, Decision, DecisionStatus, Event, StepRecord
 from stabmon.pipeline import Pipeline
@@ -184,7 +185,9 @@ class Outbox:
 
 
 class FlushTarget(Protocol):
-    """What a flush needs of the intervention target: the step, the stop request, checkpoint-and-stop."""
+    """What a flush needs of the intervention target: the step, the stop request, checkpoint-and-stop (joint:
+    rank 0's kill switch calls every rank in) and one rank's own stop (a rank that learns of a stop it was
+    not called into saves as its rank policy says, then stops)."""
 
     should_stop: bool
     stop_reason: str | None
@@ -194,7 +197,7 @@ class FlushTarget(Protocol):
 
     def checkpoint_and_stop(self, *, reason: str) -> dict[str, Any]: ...
 
-    def request_stop(self, reason: str | None) -> None: ...
+    def stop_here(self, *, reason: str | None) -> dict[str, Any]: ...
 
 
 class Flusher:
@@ -210,15 +213,15 @@ class Flusher:
         mode: str | None = None,
         follower: RankFollower | None = None,
         kill_switch: Any = None,
-        rank: int = 0,
-        world_size: int = 1,
+        policy: RankPolicy | None = None,
+        handed: deque[Event] | None = None,
         handoff_after: float = 10.0,
     ) -> None:
         self.pipeline, self.outbox, self.target, self.failsafe = pipeline, outbox, target, failsafe
         self.mode = mode
         self.follower = follower if follower is not None else RankFollower()
         self.kill_switch = kill_switch
-        self.rank, self.world_size = rank, world_size
+        self.policy = policy if policy is not None else RankPolicy()
         self.handoff_after = handoff_after
         self.joiners: dict[str, Callable[[dict[str, Any]], Any]] = {}
         """Non-zero ranks: what to run when rank 0 sends a :class:`~stabmon.collect.distributed.Join`."""
@@ -226,14 +229,17 @@ class Flusher:
         """Every anomaly, decision, intervention and outcome published in this run."""
         self.anomalies: list[Anomaly] = []
         self._publishing = threading.Lock()
-        self._handed: deque[Event] = deque()  # from another thread, for the next flush to publish
+        self._handed: deque[Event] = handed if handed is not None else deque()
+        """Events from outside a flush (the watchdog's thread, a joint action's disagreements) for the next
+        publish."""
 
     def flush(self, records: list[StepRecord]) -> list[Event]:
         """The records (already read back) to the store, then rank 0 decides and every rank follows."""
         self.outbox.write_steps(records)
-        events = self.decide(records) if self.rank == 0 else []
-        if self.world_size > 1:
-            self.share(executed_decisions(events) if self.rank == 0 else None)
+        leader = self.policy.leader
+        events = self.decide(records) if leader else []
+        if self.policy.distributed:
+            self.share(executed_decisions(events) if leader else None)
         return events
 
     def decide(self, records: list[StepRecord]) -> list[Event]:
@@ -248,8 +254,8 @@ class Flusher:
             events.extend(self.failsafe.call("pipeline", partial(self.pipeline.process, r)) or [])
         if propose:
             events.extend(self._answers())
-        self.publish([*self._take_handed(), *events])
         self._check_kill_switch()
+        self.publish([*self._take_handed(), *events])
         return events
 
     def _answers(self) -> list[Event]:
@@ -268,17 +274,18 @@ class Flusher:
     def share(self, executed: Any) -> None:
         """Every rank: apply what rank 0 applied, and stop when rank 0 stops (a collective call)."""
         target = self.target
-        payload = (executed, target.should_stop, target.stop_reason) if self.rank == 0 else None
+        leader = self.policy.leader
+        payload = (executed, target.should_stop, target.stop_reason) if leader else None
         message = broadcast(payload)
         while isinstance(message, Join):  # rank 0 calls every rank into a joint intervention first
             self._join(message)
             message = broadcast(None)
         executed, stop, reason = message
-        if self.rank != 0:
+        if not leader:
             follower, executor = self.follower, self.pipeline.executor
             self.failsafe.call("pipeline", lambda: follower.follow(executor, executed))
-            if stop and not target.should_stop:
-                target.request_stop(reason)
+            if stop and not target.should_stop:  # a stop this rank was not called into: it saves its part
+                self.failsafe.call("checkpoint", lambda: target.stop_here(reason=reason))
 
     def _join(self, message: Join) -> None:
         joiner = self.joiners.get(message.action)

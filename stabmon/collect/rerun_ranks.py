@@ -5,7 +5,7 @@ its decisions (:mod:`stabmon.collect.distributed`). When rank 0 applies a ``diag
 :class:`CrossRank` first sends a :class:`~stabmon.collect.distributed.Join` through that broadcast; every other
 rank then runs the very same experiments on its own model shard or replica, its own batches and its own RNG
 states (the model's collectives, DDP's all-reduce or FSDP's all-gathers, happen as in training), and the ranks
-exchange what they found through a :class:`RankChannel`:
+exchange what they found through a :class:`~stabmon.collect.joint.RankChannel`:
 
 1. each rank's plan (incident and reference steps, checkpoint step, whether the re-run can run) or the reason
    it has none: any reason, or plans that differ, make every rank return ``inconclusive`` before any
@@ -29,46 +29,19 @@ timeout (``init_process_group(timeout=...)``), as in training.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from stabmon import diagnose as dx
-from stabmon.collect.distributed import Join, broadcast
+from stabmon.collect.distributed import broadcast
+from stabmon.collect.joint import Joint, RankChannel
+
+__all__ = ["ACTION", "CrossRank", "RankChannel"]
 
 ACTION = "diagnose"
 
 
-class RankChannel:
-    """``diagnose``'s own exchanges between ranks: a gloo group with ``timeout`` seconds (one process: none)."""
-
-    def __init__(self, *, rank: int, world_size: int, timeout: float) -> None:
-        self.rank, self.world_size = rank, world_size
-        self.group: Any = None
-        if world_size > 1:  # every rank builds the monitor at the same point: new_group is a collective
-            self.group = torch.distributed.new_group(backend="gloo",
-                                                     timeout=datetime.timedelta(seconds=timeout))
-
-    def gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, by rank, on every rank."""
-        if self.group is None:
-            return [value]
-        out: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(out, value, group=self.group)
-        return out
-
-    def share(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank."""
-        if self.group is None:
-            return value
-        box = [value]
-        torch.distributed.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-
-class CrossRank:
+class CrossRank(Joint):
     """The live target's diagnoser: ``run(**params)`` alone in one process; under torch.distributed rank 0
     calls the other ranks in (a :class:`Join` through ``send``) and each of them keeps the result of the run
     it joined for its executor (see the module docstring). ``last``: the latest diagnosis on this rank.
@@ -80,24 +53,8 @@ class CrossRank:
 
     def __init__(self, run: Callable[..., dict[str, Any]], *, rank: int, world_size: int,
                  send: Callable[[Any], Any] = broadcast) -> None:
-        self.run, self.rank, self.world_size, self.send = run, rank, world_size, send
-        self.held: dict[str, Any] | None = None
-        self.last: dict[str, Any] | None = None
+        super().__init__(ACTION, run, rank=rank, world_size=world_size, send=send)
 
-    def __call__(self, **params: Any) -> dict[str, Any]:
-        if self.world_size > 1 and self.rank == 0:
-            self.send(Join(ACTION, dict(params)))
-        elif self.world_size > 1:
-            held, self.held = self.held, None
-            return held if held is not None else {
-                "verdict": dx.INCONCLUSIVE, "rank": self.rank,
+    def absent(self) -> dict[str, Any]:
+        return {"verdict": dx.INCONCLUSIVE, "rank": self.rank,
                 "summary": f"rank {self.rank} was not called into the diagnosis by rank 0"}
-        return self._run(params)
-
-    def join(self, params: dict[str, Any]) -> None:
-        """A rank other than 0, called in by rank 0: run the experiments with it and keep the result."""
-        self.held = self._run(params)
-
-    def _run(self, params: dict[str, Any]) -> dict[str, Any]:
-        self.last = self.run(**params)
-        return self.last

@@ -13,6 +13,13 @@ executor and overrides as they are now (the engine is in the middle of handling 
 next ``skip_batches`` batches (recorded in the store). A one-shot iterator cannot be rewound: the data then keeps
 flowing forward and the skip starts at the current position.
 
+Under torch.distributed the :class:`~stabmon.collect.rank_policy.RankPolicy` says which ranks save and write the
+registry, and the runbook's rollback and checkpoint-and-stop (the kill switch's too) are joint
+(:mod:`stabmon.collect.joint`): rank 0 calls every rank in, the rollback restores the newest checkpoint step
+every rank holds and validates, and a rank that fails or disagrees is reported as a ``rank_disagreement``
+anomaly. :meth:`LiveTarget.rollback_here` and :meth:`LiveTarget.stop_here` are one rank's own (the monitor's
+public methods, which every rank calls itself).
+
 >>> import torch
 >>> from stabmon.collect.data import DataCursor
 >>> from stabmon.collect.failsafe import Failsafe
@@ -30,14 +37,25 @@ flowing forward and the skip starts at the current position.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from stabmon.collect.data import DataCursor
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
+from stabmon.collect.joint import Agreement, Joint, RankChannel, agreed_checkpoint
+from stabmon.collect.rank_policy import RankPolicy, SavePath
 from stabmon.collect.restore import TrainingState
+from stabmon.events import Anomaly, Event, Severity
 from stabmon.overrides import Overrides
+
+STOPPED = Agreement(same=("step", "exit_code"), problems=("checkpoint_error",))
+"""Every rank stopped at rank 0's step with its code, and every saving rank wrote its checkpoint."""
+ROLLED_BACK = Agreement(same=("checkpoint_step", "restored_step"),
+                        problems=("registry_not_updated", "rolled_back_state_not_saved"))
+"""Every rank restored rank 0's checkpoint step, and recorded the rollback where it keeps a registry."""
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +75,42 @@ class LiveTarget:
         stop_code: int,
         overrides: Overrides | None = None,
         checkpoints: Any = None,
-        rank: int = 0,
+        policy: RankPolicy | None = None,
+        channel: RankChannel | None = None,
+        reports: deque[Event] | None = None,
     ) -> None:
         self.overrides = overrides if overrides is not None else Overrides()
         self._hparams, self._step = hparams, step
         self.state, self.cursor, self.outbox, self.failsafe = state, cursor, outbox, failsafe
         self.stop_code = stop_code
+        self.policy = policy if policy is not None else RankPolicy()
+        """Who saves, decides and writes (:mod:`stabmon.collect.rank_policy`)."""
         self.checkpoints = checkpoints
-        """The :class:`~stabmon.checkpoints.CheckpointManager` or :class:`~stabmon.checkpoints.UserCheckpoints`
-        (None: no checkpoints, no rollback)."""
-        self.rank = rank
+        self.reports: deque[Event] = reports if reports is not None else deque()
+        """Ranks that disagreed after a joint action, as anomalies for the next publish."""
+        self._gather = channel.gather if channel is not None else _alone
+        joint = partial(Joint, rank=self.policy.rank, world_size=self.policy.world_size, channel=channel,
+                        report=self._disagreed)
+        self._stop = joint("checkpoint_and_stop", self.stop_here, agreement=STOPPED)
+        choose = self._agreed if self.policy.distributed else self._own
+        self._rollback = joint("rollback", partial(self._rollback_from, choose), agreement=ROLLED_BACK)
         self.should_stop = False
         self.stop_reason: str | None = None
         self.diagnoser: Callable[..., dict[str, Any]] | None = None
         """What the ``diagnose`` intervention calls (the monitor's re-run and replay); None: cannot diagnose."""
+
+    @property
+    def checkpoints(self) -> Any:
+        """The :class:`~stabmon.checkpoints.CheckpointManager` or :class:`~stabmon.checkpoints.UserCheckpoints`
+        (None: no checkpoints, no rollback). On a rank that does not keep the registry (a directory every rank
+        shares), it reads rank 0's afresh before each use."""
+        return self._checkpoints
+
+    @checkpoints.setter
+    def checkpoints(self, manager: Any) -> None:
+        if manager is not None:
+            manager.reader = not self.policy.keeps_registry
+        self._checkpoints = manager
 
     @property
     def step(self) -> int:
@@ -87,8 +127,18 @@ class LiveTarget:
         return self.stop_code if self.should_stop else 0
 
     def request_stop(self, reason: str | None) -> None:
-        """Ask the training loop to stop at the next step boundary (no checkpoint: another rank saves it)."""
+        """Ask the training loop to stop at the next step boundary (no checkpoint)."""
         self.should_stop, self.stop_reason = True, reason
+
+    @property
+    def joiners(self) -> dict[str, Callable[[dict[str, Any]], None]]:
+        """What a rank other than 0 runs when rank 0 calls it into a joint action."""
+        return {self._stop.action: self._stop.join, self._rollback.action: self._rollback.join}
+
+    def _disagreed(self, action: str, lines: list[str]) -> None:
+        self.reports.append(Anomaly(kind="rank_disagreement", metric=f"ranks/{action}", step=self.step,
+                                    score=float(len(lines)), severity=Severity.ERROR, detector="rank_policy",
+                                    message=f"{action}: " + "; ".join(lines)))
 
     # -- checkpoints -------------------------------------------------------------------------------------
     @property
@@ -96,22 +146,34 @@ class LiveTarget:
         """There is a checkpoint manager and it can write (user checkpoints without ``save=`` cannot)."""
         return self.checkpoints is not None and bool(getattr(self.checkpoints, "can_save", True))
 
-    def save_checkpoint(self) -> Any:
-        """Save the training state through the checkpoint manager; failures are logged and counted."""
+    def saves(self, path: SavePath) -> bool:
+        """Whether this rank writes a checkpoint on ``path``: it can, and the rank policy lets it."""
+        return self.can_save and self.policy.saves(path)
+
+    def save_checkpoint(self, path: SavePath = SavePath.PERIODIC) -> Any:
+        """Save the training state through the checkpoint manager; failures are logged and counted. None on a
+        rank the policy does not let save (rank 0 saves the state they share)."""
         manager = self.checkpoints
         if manager is None:
             raise ValueError("checkpoint_dir: the monitor has no checkpoints (pass checkpoint_dir= or checkpoints=)")
+        if not self.policy.saves(path):
+            return None
         return self.failsafe.call("checkpoint", lambda: manager.save(self.state.state_dict, step=self.step))
 
     def checkpoint_and_stop(self, *, reason: str, exit_code: int | None = None) -> dict[str, Any]:
         """Save a checkpoint (when there is a manager) and ask the loop to stop with ``exit_code`` (default
-        ``stop_code``)."""
-        info = self.save_checkpoint() if self.can_save else None
+        ``stop_code``); under torch.distributed on every rank together, from rank 0's decision."""
+        return self._stop(reason=reason, exit_code=exit_code)
+
+    def stop_here(self, *, reason: str | None, exit_code: int | None = None) -> dict[str, Any]:
+        """:meth:`checkpoint_and_stop` on this rank alone (it saves when the rank policy lets it)."""
+        saves = self.saves(SavePath.STOP)
+        info = self.save_checkpoint(SavePath.STOP) if saves else None
         if exit_code is not None:
             self.stop_code = exit_code
         self.request_stop(reason)
         facts = {"path": getattr(info, "path", None), "step": self.step, "exit_code": self.stop_code, "reason": reason}
-        if self.can_save and info is None:
+        if saves and info is None:
             where = getattr(self.checkpoints, "directory", "the checkpoint directory")
             facts["checkpoint_error"] = f"the stop checkpoint could not be written to {where} (see the log)"
             log.error("stabmon: STOPPING WITHOUT A CHECKPOINT at step %d: it could not be written to %s; resume "
@@ -130,11 +192,32 @@ class LiveTarget:
         self, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None
     ) -> dict[str, Any]:
         """Restore the last-known-good checkpoint and skip data; returns the audit facts. Raises when no
-        checkpoint validates (the executor records the failure and the engine escalates)."""
+        checkpoint validates (the executor records the failure and the engine escalates). Under
+        torch.distributed every rank together, on the newest checkpoint step every rank holds and validates."""
+        return self._rollback(onset_step=onset_step, lookback=lookback, skip_batches=skip_batches,
+                              checkpoint_dir=checkpoint_dir)
+
+    def rollback_here(
+        self, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None
+    ) -> dict[str, Any]:
+        """:meth:`rollback` on this rank alone, to its own last-known-good checkpoint."""
+        return self._rollback_from(self._own, onset_step=onset_step, lookback=lookback, skip_batches=skip_batches,
+                                   checkpoint_dir=checkpoint_dir)
+
+    def _own(self, manager: Any, before_step: int) -> tuple[Any, dict[str, Any]]:
+        return manager.last_known_good(before_step=before_step, check=self.state.mismatch)
+
+    def _agreed(self, manager: Any, before_step: int) -> tuple[Any, dict[str, Any]]:
+        return agreed_checkpoint(manager, before_step, check=self.state.mismatch, gather=self._gather)
+
+    def _rollback_from(
+        self, choose: Callable[[Any, int], tuple[Any, dict[str, Any]]], *, onset_step: int, lookback: int,
+        skip_batches: int, checkpoint_dir: str | None = None,
+    ) -> dict[str, Any]:
         manager = self._manager(checkpoint_dir)
         from_step, from_position = self.step, self.cursor.position
         # a run younger than the lookback goes back to its oldest checkpoint (the initial state is saved at step 0)
-        info, state = manager.last_known_good(before_step=max(0, onset_step - lookback), check=self.state.mismatch)
+        info, state = choose(manager, max(0, onset_step - lookback))
         self._restore(state, from_position)
         start = self.cursor.position
         # skipping needs the loop to draw its batches through monitor.steps(); a hand-written loop that
@@ -171,8 +254,6 @@ class LiveTarget:
             return CheckpointManager(checkpoint_dir)
         if self.checkpoints is None:
             raise RuntimeError("rollback needs checkpoints: create the Monitor with checkpoint_dir= or checkpoints=")
-        if self.rank != 0:
-            self.checkpoints.reload()  # rank 0 wrote the registry: read it afresh
         return self.checkpoints
 
     def _restore(self, state: dict[str, Any], from_position: int) -> None:
@@ -192,12 +273,18 @@ class LiveTarget:
         force) saved at once on the new timeline, so a resume continues from here and not from undone
         training. Returns what could not be recorded (a read-only directory): the restore and the skip stand,
         and the rollback's record says what is missing."""
-        if self.rank != 0:
+        own = manager is self.checkpoints
+        if not (self.policy.keeps_registry if own else self.policy.leader):
             return {}
         missing = {}
         problem = manager.rolled_back(target)
         if problem is not None:
             missing["registry_not_updated"] = problem
-        if manager is self.checkpoints and self.can_save and self.save_checkpoint() is None:
+        if own and self.saves(SavePath.ROLLBACK) and self.save_checkpoint(SavePath.ROLLBACK) is None:
             missing["rolled_back_state_not_saved"] = "the checkpoint save failed (see the log)"
         return missing
+
+
+def _alone(value: Any) -> list[Any]:
+    """One process's gather: its own value."""
+    return [value]
