@@ -39,8 +39,9 @@ None: the point stays flagged (not learned, the streak goes on) but is not repor
 from __future__ import annotations
 
 import math
+import types
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from stabmon.detect.base import Detector, X
@@ -58,6 +59,17 @@ class Scorer(Detector):
     (True, False)
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Give each scorer class its own copy of the code of the guard (:meth:`update`) and of the
+        :meth:`_observe` it inherits. The code is the same, one path for every scorer; only CPython's caches
+        differ: it specialises attribute loads and calls per code object, and one copy shared by the detectors
+        of a suite (four classes on every record of a replay) makes the suite about 1.3x slower
+        (``benchmarks/replay.py --clock cpu``)."""
+        super().__init_subclass__(**kwargs)
+        for name in ("update", "_observe"):
+            if name not in cls.__dict__:
+                setattr(cls, name, _own_copy(getattr(cls, name)))
+
     def __init__(self, metric: str, config: Any = None, *, evidence: deque[tuple[int, float]] | None = None) -> None:
         self._grace_left = 0
         #: the training step from which a detector that starts with the run scores (set by the first
@@ -69,8 +81,6 @@ class Scorer(Detector):
         #: the step from which :meth:`update` takes its common case: set once the detector has passed warm-up
         #: and grace with no flagged streak running; unset (infinite) by a flag, a grace period or a reload
         self._settled_from: float = _INF
-        #: the training step of the record being judged (the last one; None before any, and in the river API)
-        self.step: int | None = None
         super().__init__(metric, config, evidence=evidence)
         self._grace_left = self.config.grace_period
 
@@ -149,13 +159,11 @@ class Scorer(Detector):
         """Score, then learn unless flagged; return the Anomaly when the score reaches the threshold.
 
         The per-record hot path: the value is read once (by :meth:`_observe`), shared by scoring and learning,
-        and the evidence window is only copied into a tuple when a point is flagged. Once the detector has
-        settled (past warm-up and grace, no streak running) a record that does not flag costs one hook call."""
-        self.step = step
-        raw = x.get(self.metric)
-        if raw is not None and self._fills_evidence:
-            self._evidence.append((step, raw))
-        if step >= self._settled_from:  # the common case: past warm-up and grace, no flagged streak running
+        and the evidence window is only copied into a tuple when a point is flagged. Once a detector in a suite
+        (whose evidence the suite fills) has settled - past warm-up and grace, no streak running - a record that
+        does not flag costs one hook call and a count."""
+        if step >= self._settled_from:  # the common case
+            raw = x.get(self.metric)
             score = self._observe(raw, x, True)
             if score is None:
                 return None
@@ -163,12 +171,17 @@ class Scorer(Detector):
                 self.n_learned += 1
                 return None
             return self._judge(step, raw, score)
+        raw = x.get(self.metric)
+        if raw is not None and self._fills_evidence:
+            self._evidence.append((step, raw))
         warmup = self._warmup_until
         if warmup is None:
             warmup = self._begin(step)
         warming = self._warming = step < warmup
+        if warming:  # the step counter went back before warm-up ended: not settled until it is past it again
+            self._settled_from = _INF
         found = self._judge(step, raw, self._observe(raw, x, not warming and self._grace_left <= 0))
-        if not self._streak and not warming and self._grace_left <= 0 and self.n_learned:
+        if not (self._streak or warming or self._fills_evidence) and self._grace_left <= 0 and self.n_learned:
             self._settled_from = warmup  # settled: later records of steps from warmup on take the common case
         return found
 
@@ -221,7 +234,6 @@ class Scorer(Detector):
             "warming": self._warming,
             "grace_entered": self._grace_entered,
             "streak": self._streak,
-            "step": self.step,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -233,5 +245,14 @@ class Scorer(Detector):
         self._warming = bool(state.get("warming", False))
         self._streak = int(state["streak"])
         self._settled_from = _INF
-        step = state.get("step")
-        self.step = None if step is None else int(step)
+
+    def keep_evidence(self, pairs: Iterable[tuple[int, float]]) -> None:
+        super().keep_evidence(pairs)
+        self._settled_from = _INF  # it fills its own window now: the general path
+
+def _own_copy(f: Callable[..., Any]) -> Any:
+    """A function equal to ``f`` with a code object of its own (code objects do not share CPython's caches)."""
+    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    g.__qualname__, g.__doc__, g.__module__ = f.__qualname__, f.__doc__, f.__module__
+    g.__kwdefaults__, g.__annotations__ = f.__kwdefaults__, f.__annotations__
+    return g

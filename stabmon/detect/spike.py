@@ -121,6 +121,9 @@ class _LogSpike(Scorer):
     config: _LogSpikeConfig
     _centre_core: Any  # set by _bind
     _spread_core: Any
+    #: what :meth:`_observe` reads on every record, in one attribute: the two compiled statistics, whether the
+    #: spread is a variance, ``min_std`` and the threshold (set by :meth:`_hold`)
+    _hot: tuple[Any, Any, bool, float, float]
 
     def _value(self, x: X) -> float | None:
         v = x.get(self.metric)
@@ -186,9 +189,16 @@ class _LogSpike(Scorer):
         wrapper returns None), so the detector reads them only once ``n_learned`` is positive."""
         raise NotImplementedError
 
+    def _hold(self) -> None:
+        """Gather what :meth:`_observe` reads on every record into ``_hot`` (after :meth:`_bind`)."""
+        c = self.config
+        self._hot = (self._centre_core, self._spread_core, self._spread_is_variance, float(c.min_std),
+                     float(c.z_threshold))
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self._bind()
+        self._hold()
 
     #: the spread statistic is a variance (its square root is the std), else an inter-quartile range
     _spread_is_variance = True
@@ -238,20 +248,24 @@ class _LogSpike(Scorer):
             neg = self._negative_log(raw, scoring)
             return None if neg is None else max(self._z(neg), self._threshold)
         v = math.log(raw)
-        centre = self._centre_core
+        centre, spread, is_variance, min_std, threshold = self._hot
         if not scoring:
             score = self._grace_score(v, x)
-        elif not self.n_learned or v <= centre.get():
+        elif not self.n_learned:
             score = 0.0
         else:
-            s = self._spread_core.get()
-            std = (math.sqrt(s) if s > 0.0 else 0.0) if self._spread_is_variance else s / 1.349
-            score = (v - centre.get()) / (std if std > self._min_std else self._min_std)
-            if score >= self._threshold:
-                score = self._z(v)  # with the rounding step
-        if score < self._threshold:
+            d = v - centre.get()
+            if d <= 0.0:
+                score = 0.0
+            else:
+                s = spread.get()
+                std = (math.sqrt(s) if s > 0.0 else 0.0) if is_variance else s / 1.349
+                score = d / (std if std > min_std else min_std)
+                if score >= threshold:
+                    score = self._z(v)  # with the rounding step
+        if score < threshold:
             centre.update(v)
-            self._spread_core.update(v)
+            spread.update(v)
         return score
 
     def _negative_log(self, raw: float | None, scoring: bool) -> float | None:
@@ -295,6 +309,7 @@ class EWSpike(_LogSpike):
         self._mean = stats.EWMean(fading_factor=self.config.alpha)
         self._var = stats.EWVar(fading_factor=self.config.alpha)
         self._bind()
+        self._hold()
 
     def _bind(self) -> None:
         self._centre_core = getattr(self._mean, "_ewmean", self._mean)  # see _LogSpike._bind
@@ -326,6 +341,7 @@ class RobustSpike(_LogSpike):
         self._median = stats.RollingQuantile(q=0.5, window_size=self.config.window)
         self._iqr = stats.RollingIQR(window_size=self.config.window, q_inf=0.25, q_sup=0.75)
         self._bind()
+        self._hold()
 
     def _bind(self) -> None:
         self._centre_core = getattr(self._median, "_rolling_quantile", self._median)  # see _LogSpike._bind

@@ -193,7 +193,10 @@ class FrozenEmbedding(Scorer):
         self._since: int | None = None  # first step of the current frozen stretch
 
     def _clock(self) -> int:
-        return self.step if self.step is not None else self.n_learned  # river API: one observation, one step
+        """The training step of the record being judged: the last in the evidence window, which holds it (the
+        guard, or the suite, fills it before the detector sees the record); in the river API, which has no
+        steps, one observation is one step."""
+        return self._evidence[-1][0] if self._evidence else self.n_learned
 
     @staticmethod
     def _rest_moves(x: X) -> bool:
