@@ -244,6 +244,33 @@ def test_the_fast_observe_hook_equals_the_general_path(cls: type[Scorer], seed: 
         assert fast.state_dict() == general.state_dict(), (step, x)
 
 
+@pytest.mark.parametrize("cls", SCORERS, ids=lambda c: c.name)
+@pytest.mark.parametrize("seed", range(3))
+def test_the_guards_common_case_equals_its_general_path(cls: type[Scorer], seed: int) -> None:
+    """A settled scorer in a suite (past warm-up and grace, no streak) takes the guard's common case; it gives
+    the anomalies and the state of a twin kept off it, record by record, through grace, re-entered grace and
+    rewinds of the step counter; and the common case does serve most records."""
+    metric = cls.example()[0]
+    windows = [deque(maxlen=cls.Config().evidence) for _ in range(2)]
+    settled, general = (cls(metric, evidence=window) for window in windows)
+    rng = random.Random(seed)
+    shortcuts = 0
+    stream = _random_stream(cls, seed)
+    for step, x in stream:
+        if rng.random() < 0.02:
+            steps = rng.choice([None, 0, rng.randint(1, 20)])
+            settled.enter_grace(steps)
+            general.enter_grace(steps)
+        if metric in x:
+            for window in windows:
+                window.append((step, x[metric]))
+        shortcuts += step >= settled._settled_from
+        general._settled_from = math.inf
+        assert _strip(settled.update(step, x)) == _strip(general.update(step, x)), (step, x)
+        assert settled.state_dict() == general.state_dict(), (step, x)
+    assert shortcuts >= len(stream) // 4, f"the common case served only {shortcuts} records"
+
+
 @pytest.mark.parametrize("cls", [c for c in DETECTORS if c.skips_finite], ids=lambda c: c.name)
 @pytest.mark.parametrize("seed", range(4))
 def test_a_detector_that_skips_finite_values_reports_the_same_without_them(cls: type[Detector], seed: int) -> None:
