@@ -190,7 +190,7 @@ class MissingMetric(Scorer):
         return self.metric in names or any(m in names for m in self.config.metrics)
 
     def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
-        if self.metric in x:  # the common case, it arrived: value 1, which scores 0 and is learned
+        if raw is not None:  # the common case, it arrived: value 1, which scores 0 and is learned
             self._present += 1
             return 0.0
         return super()._observe(raw, x, scoring)
