@@ -36,12 +36,6 @@ from stabmon.detect.config import DetectorConfig
 from stabmon.events import Anomaly, Severity
 
 X = Mapping[str, float]
-_INF = math.inf
-
-
-def is_flagged(score: float, threshold: float) -> bool:
-    """Does a score flag its point? It must be finite and positive and reach the threshold."""
-    return score >= threshold and 0.0 < score < _INF
 
 
 class Detector:

@@ -114,7 +114,7 @@ class Scorer(Detector):
         if v is None:
             return None
         score = self._score(v, x) if scoring else self._grace_score(v, x)
-        if not (score >= self._threshold and 0.0 < score < _INF):  # is_flagged, inline: every record
+        if not (score >= self._threshold and 0.0 < score < _INF):  # flagged: positive, finite, at the threshold
             self._learn(v, x)
         return score
 
@@ -208,7 +208,7 @@ class Scorer(Detector):
         if score is None:
             self._streak = 0
             return None
-        if score >= self._threshold and 0.0 < score < _INF:  # is_flagged, inline
+        if score >= self._threshold and 0.0 < score < _INF:  # flagged (see _observe)
             self._streak += 1
             self._settled_from = _INF
             return self._flag(step, raw, score)
