@@ -6,7 +6,8 @@ to the replay path (a faster detector, a leaner suite) leaves every anomaly, dec
 Each file stabmon can import is replayed with the default detectors and the runbook, interventions simulated;
 its events (random ids replaced by ordinals, :func:`stabmon.replay.replay.canonical`) are serialised as JSON
 and hashed. ``--save`` writes ``{file: digest}``; ``--check`` compares with a saved one and lists every file
-whose events differ (exit status 1 if any).
+whose events differ (exit status 1 if any). A file no importer recognises (a README) is listed as skipped; under
+``--check`` a run file that stops being recognised still shows, as one whose events differ.
 """
 
 from __future__ import annotations
@@ -44,9 +45,15 @@ def main() -> None:
     args = ap.parse_args()
     files = sorted(p for p in args.folder.rglob("*") if p.is_file() and p.name not in SKIP)
     found: dict[str, str] = {}
+    from stabmon.replay.importers.sniff import UnknownFormatError
+
     for path in files:
         name = str(path.relative_to(args.folder))
-        found[name], count = digest(path, args.runbook)
+        try:
+            found[name], count = digest(path, args.runbook)
+        except UnknownFormatError:
+            print(f"{'skipped':16}  not a recorded run  {name}")
+            continue
         print(f"{found[name][:16]}  {count:5d} events  {name}")
     if args.save is not None:
         args.save.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")

@@ -1,7 +1,8 @@
 """Online anomaly detection on the StepRecord stream, built on river.
 
 :class:`DetectorSuite` is what the pipeline runs; each detector follows the contract in :mod:`.base`
-(``learn_one`` / ``score_one``, grace period, protect filter, ``state_dict``). :class:`HangWatchdog` is the
+(``learn_one`` / ``score_one``, ``state_dict``): a :class:`Scorer` behind the one guard (grace period, protect
+filter, streak, evidence), or a :class:`Rule` that judges the history itself. :class:`HangWatchdog` is the
 live-only hang detector the Monitor starts.
 
 >>> suite = DetectorSuite.from_config({"spike": {"z_threshold": 5}}, overrides=["drift.enabled=false"])
@@ -15,7 +16,10 @@ from stabmon.detect.base import Detector
 from stabmon.detect.config import apply_overrides
 from stabmon.detect.fleet import Divergence, Straggler
 from stabmon.detect.hang import HangWatchdog
+from stabmon.detect.progress import LossRegression, NoProgress
+from stabmon.detect.rule import Rule
 from stabmon.detect.rules import LossScaleCollapse, MissingMetric, NonFinite
+from stabmon.detect.scorer import Scorer
 from stabmon.detect.spike import EWSpike, RobustSpike
 from stabmon.detect.suite import DETECTORS, DetectorSuite, parse_config
 from stabmon.detect.trends import Drift, FrozenEmbedding, StepTimeRegression
@@ -29,10 +33,14 @@ __all__ = [
     "EWSpike",
     "FrozenEmbedding",
     "HangWatchdog",
+    "LossRegression",
     "LossScaleCollapse",
     "MissingMetric",
+    "NoProgress",
     "NonFinite",
     "RobustSpike",
+    "Rule",
+    "Scorer",
     "StepTimeRegression",
     "Straggler",
     "apply_overrides",

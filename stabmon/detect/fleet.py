@@ -22,6 +22,7 @@ from stabmon.detect.config import (
     param,
     positive,
 )
+from stabmon.detect.scorer import Scorer
 from stabmon.events import Metric, Severity
 
 
@@ -47,7 +48,7 @@ class StragglerConfig(DetectorConfig):
     noise_window: int = param(64, at_least_two, "recent steps the fleet's noise is measured over")
 
 
-class Straggler(Detector):
+class Straggler(Scorer):
     """One rank slower than the fleet median in ``patience`` of the last ``window`` steps (NVRx-style: a
     rank's time against the fleet median), judged against the fleet's own noise. A step counts as slow for
     its slowest rank when its ratio reaches ``min_ratio`` and ``1 + noise_factor x`` the fleet's noise (the
@@ -142,7 +143,7 @@ class DivergenceConfig(DetectorConfig):
     tolerance: float = param(1e-6, positive, "relative distance from the median from which replicas disagree")
 
 
-class Divergence(Detector):
+class Divergence(Scorer):
     """Replicas that must agree do not (metaseq-style consistency check): under DDP every rank holds the
     same parameters and the same reduced gradients, so their checksums and gradient norms are equal; a rank
     whose value is ``tolerance`` (relative) away from the median holds corrupt state (silent data corruption,

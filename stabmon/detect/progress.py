@@ -30,6 +30,7 @@ from stabmon.detect.config import (
     param,
     positive,
 )
+from stabmon.detect.rule import Rule
 from stabmon.events import Anomaly, Metric, Severity
 
 _STALL_MIN_VALUES = 3
@@ -60,7 +61,7 @@ class RegressionConfig(DetectorConfig):
     evidence: int = param(48, at_least_one, "length of the (step, value) evidence window")
 
 
-class LossRegression(Detector):
+class LossRegression(Rule):
     """The loss's rolling median stays above the best rolling median the run has reached, by more than ``rise``
     (10%) *and* by more than ``z`` (8) standard errors of that median measured from the run's own noise, for
     ``patience``: the run has got worse and is not coming back by itself. ``error``, reported once per
@@ -104,8 +105,6 @@ class LossRegression(Detector):
     kind = "regression"
     Config = RegressionConfig
     config: RegressionConfig
-    grace_exempt = "it compares the loss with the run's own best, which no warm-up can fake"
-    learns_flagged = "its rolling median must see every loss, flagged or not"
     _state_attrs = ("_recent", "_steps", "_best", "_since", "_above_since", "_above_n", "_reported", "_last_step",
                     "_positive", "_cadence", "_noise", "_lr_peak", "_lr_last", "_ready")
 
@@ -201,7 +200,7 @@ class LossRegression(Detector):
             return None  # the latest loss is back under the threshold: the median lags a recovery
         self._reported = True
         self._threshold_now, self._sigma_now = math.exp(needed), sigma
-        anomaly = self._flag(step, raw, median / best)
+        anomaly = self._report(step, raw, median / best)
         return dataclasses.replace(anomaly, threshold=self._threshold_now)
 
     def _excursion_start(self, level: float, step: int) -> tuple[int, int]:
@@ -243,9 +242,6 @@ class LossRegression(Detector):
     @property
     def threshold(self) -> float:
         return 1.0 + self.config.rise
-
-    def _severity(self, score: float, streak: int) -> Severity:
-        return Severity.ERROR
 
     def _message(self, v: float | None, score: float) -> str:
         above = self._last_step - (self._above_since if self._above_since is not None else self._last_step) + 1
@@ -300,7 +296,7 @@ class NoProgressConfig(DetectorConfig):
                           "0.003-0.005; 100x the stable LR: 0.03-0.06)")
 
 
-class NoProgress(Detector):
+class NoProgress(Rule):
     """A run that starts from scratch and is not learning, reported in three ways. Each is an ``error`` only
     when a second signal shows damage; otherwise it is ``info`` (in the trace, sent to nobody, acted on by no
     runbook), because the loss alone cannot tell a wrecked run from a fine-tune of a trained model that falls
@@ -382,7 +378,6 @@ class NoProgress(Detector):
     Config = NoProgressConfig
     config: NoProgressConfig
     grace_exempt = "it judges the warm-up itself"
-    learns_flagged = "its rolling median must see every loss, flagged or not"
     shares_evidence = False  # its evidence holds the finite losses it judged, not every raw value
     _state_attrs = ("_first", "_recent", "_judged", "_start", "_over", "_likelihood", "_last_step", "_learned",
                     "_first_grads", "_history", "_stall_reported", "_cadence", "_updates", "_untrained")
@@ -457,7 +452,7 @@ class NoProgress(Detector):
         score = self._score(v, x)
         if score < self.threshold:
             return None
-        return self._report(step, v, score, "not_learning")
+        return self._report_verdict(step, v, score, "not_learning")
 
     def _see_update(self, step: int, x: X) -> None:
         """Keep the relative update sizes of the last window (sampled: a live monitor measures them every few
@@ -500,7 +495,7 @@ class NoProgress(Detector):
         if self._over:
             return None
         self._over = True
-        return self._report(step, v, ratio, "above_ceiling")
+        return self._report_verdict(step, v, ratio, "above_ceiling")
 
     def _grad(self, x: X) -> float | None:
         g = x.get(self.config.grad_metric)
@@ -529,16 +524,16 @@ class NoProgress(Detector):
             return None
         self._stall_reported = True
         self._stall_fall = fall
-        return self._report(step, v, collapse, "stalled", threshold=self.config.grad_fall, corroborated=True)
+        return self._report_verdict(step, v, collapse, "stalled", threshold=self.config.grad_fall, corroborated=True)
 
-    def _report(self, step: int, v: float, score: float, verdict: str, threshold: float | None = None,
+    def _report_verdict(self, step: int, v: float, score: float, verdict: str, threshold: float | None = None,
                 corroborated: bool | None = None) -> Anomaly:
         """``corroborated``: whether a second signal shows damage (an error); None: judge the update size."""
         self._verdict = verdict
         if corroborated is None:
             corroborated = self._from_scratch() or self._thrashing() is not None
         self._corroborated = corroborated
-        anomaly = self._flag(step, v, score)
+        anomaly = self._report(step, v, score)
         return dataclasses.replace(anomaly, evidence=(self._first[0], *anomaly.evidence),
                                    threshold=anomaly.threshold if threshold is None else threshold)
 
@@ -555,7 +550,7 @@ class NoProgress(Detector):
     def threshold(self) -> float:
         return 1.0 - self.config.min_drop
 
-    def _severity(self, score: float, streak: int) -> Severity:
+    def _severity(self, score: float) -> Severity:
         return Severity.ERROR if self._corroborated else Severity.INFO
 
     def _message(self, v: float | None, score: float) -> str:

@@ -1,7 +1,8 @@
 """Rule detectors: non-finite values, a metric that stops arriving, fp16 loss-scale collapse.
 
-These need no learned baseline to speak of; they still follow the detector contract (grace, protect filter,
-state round-trip) so the suite and the contract tests treat every detector alike.
+These need no learned baseline to speak of; each is a :class:`~stabmon.detect.scorer.Scorer` whose score is the
+rule's verdict (1: it holds), so the one guard gives them the grace period (or their exemption from it), the
+protect filter, the streak and the evidence, as every other scorer.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from stabmon.detect.config import (
     param,
     positive,
 )
+from stabmon.detect.scorer import Scorer
 from stabmon.events import Anomaly, Metric, Severity
 
 
@@ -45,7 +47,7 @@ class NonFiniteConfig(DetectorConfig):
             raise ValueError(f"{path}.evidence must be >= {path}.of ({self.of}), got {self.evidence}")
 
 
-class NonFinite(Detector):
+class NonFinite(Scorer):
     """NaN or Inf in the loss or the gradient norm, no grace period. ``critical`` when it persists: on
     ``persist`` (3) of the metric's last ``of`` (20) records, counted in records so that a log written every 10
     or 500 steps persists as a per-step one does. Before that a non-finite loss is a ``warning``, and so is a
@@ -89,16 +91,14 @@ class NonFinite(Detector):
             return 0.0
         if self.metric != Metric.LOSS and x.get(Metric.OVERFLOW, 0.0) == 1.0:
             return 0.0
+        loss = x.get(Metric.LOSS)
+        self._loss_finite = loss is not None and math.isfinite(loss)
+        # the stream says which steps the loss scaler skipped (an overflow mark, or a loss scale whose backoffs do)
+        self._overflow_known = Metric.OVERFLOW in x or Metric.LOSS_SCALE in x
         return 1.0
 
     def _grace_score(self, v: float, x: X) -> float:  # exempt from grace
         return self._score(v, x)
-
-    def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
-        if raw is None:
-            return None
-        # the common case, a finite value, scores 0 in grace or not; learning is a no-op
-        return 0.0 if math.isfinite(raw) else self._score(raw, x)
 
     @property
     def threshold(self) -> float:
@@ -110,14 +110,7 @@ class NonFinite(Detector):
         self._loss_finite = False  # whether the record being flagged has a finite loss (its severity)
         self._overflow_known = False  # whether it says if the loss scaler skipped the step (its severity)
 
-    def update(self, step: int, x: X) -> Anomaly | None:
-        loss = x.get(Metric.LOSS)
-        self._loss_finite = loss is not None and math.isfinite(loss)
-        # the stream says which steps the loss scaler skipped (an overflow mark, or a loss scale whose backoffs do)
-        self._overflow_known = Metric.OVERFLOW in x or Metric.LOSS_SCALE in x
-        return self._update_path(step, x)
-
-    def _flag(self, step: int, raw: float | None, score: float) -> Anomaly:
+    def _flag(self, step: int, raw: float | None, score: float) -> Anomaly | None:
         """Count the flagged values among the metric's last ``of`` records, then report (its severity)."""
         window = self._evidence  # the metric's recent (step, value) pairs, this record included
         self._flagged.append(step)
@@ -153,7 +146,7 @@ class MissingConfig(DetectorConfig):
     min_streak: int = param(10, at_least_one, "records in a row a metric must have arrived on to be expected")
 
 
-class MissingMetric(Detector):
+class MissingMetric(Scorer):
     """A metric that arrived on every one of the last ``min_streak`` records and is absent now (``warning``).
 
     Judged on records that carry another of the watched metrics (an evaluation-only record says nothing about
@@ -176,7 +169,6 @@ class MissingMetric(Detector):
     name = "missing"
     kind = "missing"
     Config = MissingConfig
-    fast_update = "it judges every record, and a metric that arrived needs only a count"
     config: MissingConfig
     _state_attrs = ("_present",)
 
@@ -198,19 +190,10 @@ class MissingMetric(Detector):
         return self.metric in names or any(m in names for m in self.config.metrics)
 
     def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
-        if self.metric in x:  # the common case, it arrived: value 1, which scores 0 and is learned
+        if raw is not None:  # the common case, it arrived: value 1, which scores 0 and is learned
             self._present += 1
             return 0.0
         return super()._observe(raw, x, scoring)
-
-    def update(self, step: int, x: X) -> Anomaly | None:
-        # the common case of a settled detector in a suite: the metric arrived, which the general path scores 0
-        # and learns; anything else takes it
-        if step >= self._settled_from and self.metric in x:
-            self._present += 1
-            self.n_learned += 1
-            return None
-        return self._update_path(step, x)
 
     def _score(self, v: float, x: X) -> float:
         return 1.0 if not v and self._present >= self.config.min_streak else 0.0
@@ -245,7 +228,7 @@ class LossScaleConfig(DetectorConfig):
     grace_period: int = param(50, non_negative, "steps before the rate rule applies (initial scale search)")
 
 
-class LossScaleCollapse(Detector):
+class LossScaleCollapse(Scorer):
     """fp16 dynamic loss scaling that has stopped working.
 
     Two rules. *Floor*: the scale is at or below ``min_scale`` - gradients no longer fit fp16 even unscaled
@@ -297,6 +280,8 @@ class LossScaleCollapse(Detector):
         flag = 1 if x.get(Metric.OVERFLOW, 0.0) == 1.0 else 0
         window.append(flag)
         self._count += flag
+        if self.metric in x:  # a learned point is not at the floor (that flags it), but the river API may teach one
+            self._at_floor = self._floor_hit(x)
 
     def load_state_dict(self, state: Any) -> None:
         super().load_state_dict(state)
@@ -325,28 +310,13 @@ class LossScaleCollapse(Detector):
     def threshold(self) -> float:
         return 1.0
 
-    def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
-        overflow = x.get(Metric.OVERFLOW)
-        if raw is None and overflow is None:
-            return None  # no value: neither a scale nor an overflow flag
-        if self._count or overflow:
-            return super()._observe(raw, x, scoring)
-        # the common case - no overflow in the window nor now: the rate is 0, so unless the scale is at its
-        # floor nothing can fire, and the point is learned (a 0 joins a window of 0s, the count stays 0)
-        self._floor = self._floor_hit(x)
-        if self._floor:
-            return super()._observe(raw, x, scoring)
-        self._overflows.append(0)
-        return 0.0
-
-    def update(self, step: int, x: X) -> Anomaly | None:
-        anomaly = self._update_path(step, x)
-        if self.metric in x:  # a scale stuck at the floor is reported once, again after it has recovered
-            repeat = self._floor and self._at_floor
-            self._at_floor = self._floor
-            if repeat and anomaly is not None and anomaly.severity is Severity.CRITICAL:
-                return None
-        return anomaly
+    def _flag(self, step: int, raw: float | None, score: float) -> Anomaly | None:
+        """A scale stuck at the floor is reported once, and again after it has recovered."""
+        anomaly = super()._flag(step, raw, score)
+        if raw is None:  # an overflow mark without a scale: the rate rule
+            return anomaly
+        repeat, self._at_floor = self._at_floor and self._floor, self._floor
+        return None if repeat else anomaly
 
     def _severity(self, score: float, streak: int) -> Severity:
         return Severity.CRITICAL if self._floor else Severity.ERROR

@@ -34,7 +34,7 @@ Defaults, and why:
 - ``grace_period = 10`` training steps at the start of training (LR warm-up: the baseline of the first steps
   means little), or 10 observations after ``enter_grace`` (an intervention, rollback or resume). A stream that
   starts mid-run (a log fragment from step 31214) is past the start of training and scores from its second
-  observation, the first being its baseline (see :meth:`stabmon.detect.base.Detector._begin`).
+  observation, the first being its baseline (see :meth:`stabmon.detect.scorer.Scorer._begin`).
 - ``relearn_after = 50``: a shift that lasts 50 consecutive flagged points is a new regime; it has been
   reported, and the detector re-baselines instead of alarming forever.
 """
@@ -61,6 +61,7 @@ from stabmon.detect.config import (
     param,
     positive,
 )
+from stabmon.detect.scorer import Scorer
 from stabmon.events import Anomaly, Metric, Severity
 
 _INF = math.inf
@@ -115,12 +116,14 @@ class RobustSpikeConfig(_LogSpikeConfig):
     z_threshold: float = param(6.0, positive, "robust z-score (IQR / 1.349 as sigma) that flags a spike")
 
 
-class _LogSpike(Detector):
+class _LogSpike(Scorer):
     kind = "spike"
-    fast_update = "four detectors of two metrics run on every record of a replay"
     config: _LogSpikeConfig
     _centre_core: Any  # set by _bind
     _spread_core: Any
+    #: what :meth:`_observe` reads on every record, in one attribute: the two compiled statistics, whether the
+    #: spread is a variance, ``min_std`` and the threshold (set by :meth:`_hold`)
+    _hot: tuple[Any, Any, bool, float, float]
 
     def _value(self, x: X) -> float | None:
         v = x.get(self.metric)
@@ -140,8 +143,8 @@ class _LogSpike(Detector):
         self._peak_error = False  # whether that excursion lasted `persist` records (not shrugged off)
         self._log_ratio = 0.0  # of the point being flagged
 
-    def _flag(self, step: int, raw: float | None, score: float) -> Anomaly:
-        if self._streak == 0:  # a new excursion: the previous one is over and, unless it was an error, survived
+    def _flag(self, step: int, raw: float | None, score: float) -> Anomaly | None:
+        if self._streak == 1:  # a new excursion: the previous one is over and, unless it was an error, survived
             if not self._peak_error:
                 self._survived = max(self._survived, self._peak)
             self._peak, self._peak_error = 0.0, False
@@ -186,9 +189,16 @@ class _LogSpike(Detector):
         wrapper returns None), so the detector reads them only once ``n_learned`` is positive."""
         raise NotImplementedError
 
+    def _hold(self) -> None:
+        """Gather what :meth:`_observe` reads on every record into ``_hot`` (after :meth:`_bind`)."""
+        c = self.config
+        self._hot = (self._centre_core, self._spread_core, self._spread_is_variance, float(c.min_std),
+                     float(c.z_threshold))
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self._bind()
+        self._hold()
 
     #: the spread statistic is a variance (its square root is the std), else an inter-quartile range
     _spread_is_variance = True
@@ -230,40 +240,32 @@ class _LogSpike(Detector):
         self._centre_core.update(v)
         self._spread_core.update(v)
 
-    def update(self, step: int, x: X) -> Anomaly | None:
-        # the common case of a settled detector (which has learned a value) in a suite, inline (no call per
-        # statistic): a value that does not flag is learned; anything else (grace, a flag, an absent, NaN or
-        # non-positive value) takes the general path, which computes the same score. An infinite value gets
-        # there too: its score is infinite, which the general path does not learn or report.
-        if step >= self._settled_from:
-            raw = x.get(self.metric, 0.0)
-            if raw > 0.0:
-                v = math.log(raw)
-                centre = self._centre_core
-                d = v - centre.get()
-                if d > 0.0:
-                    s = self._spread_core.get()
-                    std = (math.sqrt(s) if s > 0.0 else 0.0) if self._spread_is_variance else s / 1.349
-                    if d / (std if std > self._min_std else self._min_std) >= self._threshold:
-                        return self._update_path(step, x)
-                centre.update(v)
-                self._spread_core.update(v)
-                self.n_learned += 1
-                return None
-        return self._update_path(step, x)
-
     def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
-        # the general path with the value read from ``raw`` and the score known to be finite and >= 0
+        # the default with the statistics read in place: the value comes from ``raw``, the score is finite and
+        # >= 0, and a point that cannot flag even on the floored spread alone skips the rounding step (a score
+        # below the threshold need not be exact)
         if raw is None or not 0.0 < raw < _INF:
             neg = self._negative_log(raw, scoring)
             return None if neg is None else max(self._z(neg), self._threshold)
         v = math.log(raw)
-        if scoring:
-            score = self._z(v) if self.n_learned else 0.0
-        else:
+        centre, spread, is_variance, min_std, threshold = self._hot
+        if not scoring:
             score = self._grace_score(v, x)
-        if score < self._threshold:
-            self._learn(v, x)
+        elif not self.n_learned:
+            score = 0.0
+        else:
+            d = v - centre.get()
+            if d <= 0.0:
+                score = 0.0
+            else:
+                s = spread.get()
+                std = (math.sqrt(s) if s > 0.0 else 0.0) if is_variance else s / 1.349
+                score = d / (std if std > min_std else min_std)
+                if score >= threshold:
+                    score = self._z(v)  # with the rounding step
+        if score < threshold:
+            centre.update(v)
+            spread.update(v)
         return score
 
     def _negative_log(self, raw: float | None, scoring: bool) -> float | None:
@@ -307,6 +309,7 @@ class EWSpike(_LogSpike):
         self._mean = stats.EWMean(fading_factor=self.config.alpha)
         self._var = stats.EWVar(fading_factor=self.config.alpha)
         self._bind()
+        self._hold()
 
     def _bind(self) -> None:
         self._centre_core = getattr(self._mean, "_ewmean", self._mean)  # see _LogSpike._bind
@@ -338,6 +341,7 @@ class RobustSpike(_LogSpike):
         self._median = stats.RollingQuantile(q=0.5, window_size=self.config.window)
         self._iqr = stats.RollingIQR(window_size=self.config.window, q_inf=0.25, q_sup=0.75)
         self._bind()
+        self._hold()
 
     def _bind(self) -> None:
         self._centre_core = getattr(self._median, "_rolling_quantile", self._median)  # see _LogSpike._bind

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import bisect
 import copy
-import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from dataclasses import dataclass
 from river import drift, stats
 
 from stabmon.detect import window
-from stabmon.detect.base import Detector, X, is_flagged
+from stabmon.detect.base import Detector, X
 from stabmon.detect.config import (
     DetectorConfig,
     at_least_one,
@@ -23,6 +22,7 @@ from stabmon.detect.config import (
     param,
     positive,
 )
+from stabmon.detect.scorer import Scorer
 from stabmon.events import Anomaly, Metric, Severity
 
 _INF = math.inf
@@ -55,7 +55,7 @@ _PH_UPDATE_INLINE = _PH_INTERNALS and all(
 ) and all(hasattr(drift.PageHinkley()._x_mean, a) for a in ("n", "_mean"))
 
 
-class Drift(Detector):
+class Drift(Scorer):
     """Slow upward trend of a log-metric (grad norm, activation RMS): river's ``drift.PageHinkley``, mode
     ``up``.
 
@@ -77,7 +77,6 @@ class Drift(Detector):
     name = "drift"
     kind = "drift"
     Config = DriftConfig
-    fast_update = "river's PageHinkley costs six Python calls per record"
     config: DriftConfig
     _state_attrs = ("_ph",)
 
@@ -120,38 +119,27 @@ class Drift(Detector):
         # the test (`_on_flag`), discarding the point with the old statistics; it saves computing the
         # statistic twice.
         ph = self._ph
-        ph.update(math.log(raw))
-        return ph._sum_increase - ph._min_increase if ph._x_mean.n >= ph.min_instances else 0.0
-
-    def update(self, step: int, x: X) -> Anomaly | None:
-        # the common case of a settled detector in a suite: _observe with river's PageHinkley.update (mode "up";
-        # its Mean.update with weight 1) inline - the same arithmetic in the same order, without six Python
-        # calls per record; anything else takes the general path
-        if step >= self._settled_from and _PH_UPDATE_INLINE:
-            raw = x.get(self.metric, 0.0)
-            ph = self._ph
-            if 0.0 < raw < _INF and not ph._drift_detected:
-                v = math.log(raw)
-                mean = ph._x_mean
-                mean.n += 1.0
-                mean._mean += (1.0 / mean.n) * (v - mean._mean)
-                dev = v - mean._mean
-                up = ph._sum_increase = ph.alpha * ph._sum_increase + dev - ph.delta
-                down = ph._sum_decrease = ph.alpha * ph._sum_decrease + dev + ph.delta
-                if up < ph._min_increase:
-                    ph._min_increase = up
-                if down > ph._max_decrease:
-                    ph._max_decrease = down
-                if mean.n < ph.min_instances:
-                    score = 0.0
-                else:
-                    score = up - ph._min_increase
-                    ph._drift_detected = score > ph.threshold
-                if score < self._threshold:
-                    self.n_learned += 1
-                    return None
-                return self._judge(step, raw, score)
-        return self._update_path(step, x)
+        v = math.log(raw)
+        if not _PH_UPDATE_INLINE or ph._drift_detected:
+            ph.update(v)
+            return ph._sum_increase - ph._min_increase if ph._x_mean.n >= ph.min_instances else 0.0
+        # river's PageHinkley.update (mode "up"; its Mean.update with weight 1), inline: the same arithmetic in
+        # the same order, without six Python calls per record (the contract suite compares it with river's)
+        mean = ph._x_mean
+        mean.n += 1.0
+        mean._mean += (1.0 / mean.n) * (v - mean._mean)
+        dev = v - mean._mean
+        up = ph._sum_increase = ph.alpha * ph._sum_increase + dev - ph.delta
+        down = ph._sum_decrease = ph.alpha * ph._sum_decrease + dev + ph.delta
+        if up < ph._min_increase:
+            ph._min_increase = up
+        if down > ph._max_decrease:
+            ph._max_decrease = down
+        if mean.n < ph.min_instances:
+            return 0.0
+        score = up - ph._min_increase
+        ph._drift_detected = score > ph.threshold
+        return score
 
     def _severity(self, score: float, streak: int) -> Severity:
         return Severity.INFO
@@ -178,7 +166,7 @@ class FrozenEmbeddingConfig(DetectorConfig):
     patience: int = param(100, at_least_one, "training steps frozen (first to last frozen sample) that are reported")
 
 
-class FrozenEmbedding(Detector):
+class FrozenEmbedding(Scorer):
     """An embedding whose update ratio ``||W_t - W_{t-1}|| / ||W_t||`` stays below ``epsilon`` for
     ``patience`` training steps while the rest of the model moves (non-zero finite grad norm, learning rate
     not 0). ``warning``. Counted in steps, not samples: the monitor samples embeddings every 10 steps, and a
@@ -199,18 +187,16 @@ class FrozenEmbedding(Detector):
     kind = "frozen_embedding"
     Config = FrozenEmbeddingConfig
     config: FrozenEmbeddingConfig
-    _state_attrs = ("_since", "_now")
+    _state_attrs = ("_since",)
 
     def _reset(self) -> None:
         self._since: int | None = None  # first step of the current frozen stretch
-        self._now: int | None = None
-
-    def update(self, step: int, x: X) -> Anomaly | None:
-        self._now = step
-        return self._update_path(step, x)
 
     def _clock(self) -> int:
-        return self._now if self._now is not None else self.n_learned  # river API: one observation, one step
+        """The training step of the record being judged: the last in the evidence window, which holds it (the
+        guard, or the suite, fills it before the detector sees the record); in the river API, which has no
+        steps, one observation is one step."""
+        return self._evidence[-1][0] if self._evidence else self.n_learned
 
     @staticmethod
     def _rest_moves(x: X) -> bool:
@@ -274,7 +260,7 @@ class StepTimeConfig(DetectorConfig):
     evidence: int = param(20, at_least_one, "length of the (step, value) evidence window")
 
 
-class StepTimeRegression(Detector):
+class StepTimeRegression(Scorer):
     """A sustained step-time regression, judged against the run's own noise: the median of the last
     ``short_window`` steps is above the baseline median (river ``stats.RollingQuantile`` over ``long_window``
     unflagged steps) by at least ``max_regression`` (5 %), by ``noise_factor`` times the run's noise (the 90th
@@ -298,18 +284,16 @@ class StepTimeRegression(Detector):
     kind = "step_time"
     Config = StepTimeConfig
     config: StepTimeConfig
-    _state_attrs = ("_baseline", "_recent", "_sorted", "_reported", "_noise")
+    _state_attrs = ("_baseline", "_recent", "_sorted", "_noise")
 
     def _reset(self) -> None:
         self._baseline = stats.RollingQuantile(q=0.5, window_size=self.config.long_window)
         self._recent: deque[float] = deque(maxlen=self.config.short_window - 1)
         self._sorted: list[float] = []  # the same values, kept sorted (bisect) so the median costs no sort
-        self._reported = False
         # how far the recent median strays from the baseline on healthy steps (its 90th percentile)
         self._noise = stats.RollingQuantile(q=0.9, window_size=self.config.long_window)
         # (recent median, baseline, bar, excursion) of the point being scored, None when unscored; not state
         self._seen: tuple[float, float, float, float] | None = None
-        self._flagged_seen: tuple[float, float, float, float] | None = None  # of the last flagged point
 
     def _value(self, x: X) -> float | None:
         v = x.get(self.metric)
@@ -320,6 +304,7 @@ class StepTimeRegression(Detector):
         seen, self._seen = self._seen, None
         if seen is not None:  # a healthy excursion of the recent median from the baseline: the run's noise
             self._noise.update(abs(seen[3]))
+        window.push(self._recent, self._sorted, v)  # the recent window holds every value, flagged or not
 
     def _score(self, v: float, x: X) -> float:
         self._seen = None
@@ -342,34 +327,19 @@ class StepTimeRegression(Detector):
     def threshold(self) -> float:
         return float(self.config.max_regression)
 
-    def _observe(self, raw: float | None, x: X, scoring: bool) -> float | None:
-        if raw is None or not 0.0 < raw < _INF:  # the general path, with the value read from ``raw``
-            return None
-        score = self._score(raw, x) if scoring else 0.0
-        if not is_flagged(score, self._threshold):
-            self._learn(raw, x)
-        return score
-
-    def update(self, step: int, x: X) -> Anomaly | None:
-        anomaly = self._update_path(step, x)
-        v = x.get(self.metric)
-        if v is not None and 0.0 < v < _INF:  # every usable value joins the recent window, flagged or not
-            window.push(self._recent, self._sorted, v)
-        if anomaly is None:
-            self._reported = False  # a point that is not flagged ends the episode
-            return None
-        if self._reported or self._streak < self.config.patience:
-            return None  # reported once per episode, once it has lasted ``patience`` steps
-        self._reported = True
-        return dataclasses.replace(anomaly, message=self._message(v, anomaly.score, self._flagged_seen))
+    def _flag(self, step: int, raw: float | None, score: float) -> Anomaly | None:
+        """Reported once per episode, once it has lasted ``patience`` steps; every flagged value joins the
+        recent window."""
+        anomaly = super()._flag(step, raw, score)
+        if raw is not None:
+            window.push(self._recent, self._sorted, raw)
+        return anomaly if self._streak == self.config.patience else None
 
     def _on_flag(self) -> None:
-        self._flagged_seen, self._seen = self._seen, None
+        self._seen = None
 
-    def _message(
-        self, v: float | None, score: float, seen: tuple[float, float, float, float] | None = None
-    ) -> str:
-        median, base, bar, _ = seen or self._seen or (math.nan, math.nan, math.nan, math.nan)
+    def _message(self, v: float | None, score: float) -> str:
+        median, base, bar, _ = self._seen or (math.nan, math.nan, math.nan, math.nan)
         noise = self._noise.get() or 0.0
         return (f"step time regressed by {score:.1%} for {self._streak} steps: recent median {median:.4g} s vs "
                 f"baseline {base:.4g} s ({median - base:+.3g} s per step; noise {noise:.1%}, bar {bar:.1%})")
