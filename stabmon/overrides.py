@@ -35,6 +35,14 @@ class Overrides:
     """Decoupled weight decay; None keeps the optimizer's own."""
     skip_factor: float | None = None
     """skip_step guard: discard the update when grad norm > skip_factor x its running mean. None = off."""
+    ramp_from: float | None = None
+    """A release in progress (a change that resolved its incident being given back): the learning rate in
+    force starts at this fraction of what the other fields give and climbs back to it geometrically over
+    ``ramp_steps`` steps. None: no release in progress."""
+    ramp_steps: int = 0
+    """Length of the release's re-warm-up, in optimizer steps."""
+    ramp_done: int = 0
+    """Steps of the re-warm-up already taken."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,6 +60,40 @@ class Overrides:
             raise ValueError(f"overrides.weight_decay must be >= 0, got {self.weight_decay}")
         if self.skip_factor is not None and not self.skip_factor > 1.0:
             raise ValueError(f"overrides.skip_factor must be > 1, got {self.skip_factor}")
+        if self.ramp_from is not None and not (0.0 < self.ramp_from < 1.0 and self.ramp_steps >= 1):
+            raise ValueError(f"overrides.ramp_from must be in (0, 1) with ramp_steps >= 1, got {self.ramp_from} "
+                             f"over {self.ramp_steps} steps")
+
+    def ramp(self, fraction: float, steps: int) -> None:
+        """Start a re-warm-up: the LR in force begins at ``fraction`` of what it would be and climbs back to it
+        geometrically over ``steps`` optimizer steps (:meth:`advance` counts them). A fraction of 1 or more, or
+        no steps, is no ramp at all.
+
+        >>> o = Overrides(); o.ramp(0.25, 2); o.scaled_lr(1.0)
+        0.25
+        >>> o.advance(); o.scaled_lr(1.0)
+        0.5
+        >>> o.advance(); o.scaled_lr(1.0), o.ramp_from
+        (1.0, None)
+        """
+        if not 0.0 < fraction < 1.0 or steps < 1:
+            self.ramp_from, self.ramp_steps, self.ramp_done = None, 0, 0
+            return
+        self.ramp_from, self.ramp_steps, self.ramp_done = float(fraction), int(steps), 0
+
+    def advance(self, steps: int = 1) -> None:
+        """``steps`` optimizer steps were taken: move a re-warm-up on (host arithmetic only); it ends at
+        ``ramp_steps``."""
+        if self.ramp_from is None:
+            return
+        self.ramp_done += steps
+        if self.ramp_done >= self.ramp_steps:
+            self.ramp_from, self.ramp_steps, self.ramp_done = None, 0, 0
+
+    @property
+    def lr_changed(self) -> bool:
+        """Whether the learning rate in force differs from the scheduler's."""
+        return self.lr_scale != 1.0 or self.lr_cap is not None or self.ramp_from is not None
 
     def scaled_lr(self, lr: Any) -> Any:
         """The learning rate in force for a scheduler's ``lr`` (a float or a tensor): times ``lr_scale``, at most
@@ -61,9 +103,11 @@ class Overrides:
         (0.1, 0.05)
         """
         out = lr * self.lr_scale
-        if self.lr_cap is None:
-            return out
-        return out.clamp(max=self.lr_cap) if hasattr(out, "clamp") else min(out, self.lr_cap)
+        if self.lr_cap is not None:
+            out = out.clamp(max=self.lr_cap) if hasattr(out, "clamp") else min(out, self.lr_cap)
+        if self.ramp_from is not None:
+            out = out * self.ramp_from ** (1.0 - self.ramp_done / self.ramp_steps)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
