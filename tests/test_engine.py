@@ -234,7 +234,7 @@ def test_failed_application_is_judged_at_once() -> None:
     eng = Engine(runbook(), id_seed="s")
     (dec,) = eng.process(StepRecord(1, {"loss": 2.0}), [spike(1)])
     eng.applied(dec, InterventionRecord(decision_id=dec.id, step=1, action=dec.action, before={},
-                                        after={"error": "RuntimeError: boom"}))
+                                        after={}, error="RuntimeError: boom"))
     out = eng.process(StepRecord(2, {"loss": 2.0}), [])
     assert outcomes(out)[0].evidence["error"] == "RuntimeError: boom"
     assert [x.action for x in decisions(out)] == ["set_beta2"]
@@ -498,7 +498,7 @@ def test_a_skipped_rung_costs_no_window_and_no_budget() -> None:
     eng = Engine(runbook(budget=1), id_seed="s")
     (dec,) = eng.process(StepRecord(1, {"loss": 2.0}), [spike(1)])
     eng.applied(dec, InterventionRecord(decision_id=dec.id, step=1, action=dec.action, before={},
-                                        after={"not_applied": "set_clip only lowers clip: 1 now, the rung gives 1.5"}))
+                                        after={}, not_applied="set_clip only lowers clip: 1 now, the rung gives 1.5"))
     out = eng.process(StepRecord(2, {"loss": 2.0}), [])
     (done,) = outcomes(out)
     assert done.verdict == Verdict.ESCALATED and done.evidence["skipped"].startswith("set_clip only lowers")
@@ -526,7 +526,7 @@ def test_with_the_real_executor_a_ladder_that_would_loosen_clipping_skips_to_its
             record = ex.execute(ev)
             assert record is not None
             eng.applied(ev, record)
-            actions.append((ev.action, "not_applied" in record.after))
+            actions.append((ev.action, record.not_applied is not None))
         produced = eng.process(StepRecord(step, {"loss": 2.0}), [])
     # clip 1.0 and beta2 0.95 already in force: both rungs are skipped at once, the LR cut is the first change
     assert actions == [("set_clip", True), ("set_beta2", True), ("scale_lr", False)]

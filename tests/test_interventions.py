@@ -155,7 +155,7 @@ def test_executor_applies_and_reverts_by_intervention_id() -> None:
     rec = ex.execute(decision("set_beta2", {"beta2": 0.95}))
     assert t.overrides.beta2 == 0.95
     undo = ex.execute(decision("revert", {"intervention_id": rec.id}))
-    assert t.overrides.beta2 is None and undo.reverted and "error" not in undo.after
+    assert t.overrides.beta2 is None and undo.reverted and undo.error is None
 
 
 def test_executor_failures_are_recorded_not_raised(caplog: pytest.LogCaptureFixture) -> None:
@@ -167,10 +167,11 @@ def test_executor_failures_are_recorded_not_raised(caplog: pytest.LogCaptureFixt
     t.rollback = boom  # type: ignore[method-assign]
     ex = Executor(t)
     rec = ex.execute(decision("rollback", {"onset_step": 50}))
-    assert rec.after == {"error": "FileNotFoundError: no valid checkpoint"}
+    assert rec.error == "FileNotFoundError: no valid checkpoint" and rec.after == {}
+    assert rec.stored_after() == {"error": "FileNotFoundError: no valid checkpoint"}  # as stored
     missing = ex.execute(decision("revert", {"intervention_id": "nope"}))
-    assert missing.after["error"].startswith("LookupError")
-    assert ex.execute(decision("teleport")).after["error"].startswith("KeyError")
+    assert missing.error.startswith("LookupError")
+    assert ex.execute(decision("teleport")).error.startswith("KeyError")
     assert ex.errors == 3 and "rollback at step 100 failed" in caplog.text
     lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(lines) == 3 and all("\n" not in m for m in lines)  # one line each: no traceback
@@ -188,9 +189,9 @@ def test_executor_state_survives_a_resume_so_reverts_still_work() -> None:
     ex2.load_state_dict(pickle.loads(pickle.dumps(state)))
     assert ex2.state_dict() == state
     undo = ex2.execute(decision("revert", {"intervention_id": rec.id}))
-    assert "error" not in undo.after and t2.overrides.max_norm is None
+    assert undo.error is None and t2.overrides.max_norm is None
     twice = ex2.execute(decision("revert", {"intervention_id": rec.id}))
-    assert twice.after["error"].startswith("LookupError")
+    assert twice.error.startswith("LookupError")
 
 
 def test_concurrent_applications_are_serialised() -> None:
@@ -289,7 +290,7 @@ def test_a_change_the_harmful_way_or_none_at_all_is_skipped_and_recorded(action,
     assert t.overrides == Overrides()  # nothing touched
     ex = Executor(t)
     rec = ex.execute(decision(action, params))
-    assert rec is not None and why in rec.after["not_applied"] and "error" not in rec.after and ex.errors == 0
+    assert rec is not None and why in rec.not_applied and rec.error is None and ex.errors == 0
 
 
 def test_scale_lr_during_a_warm_up_at_lr_zero_still_applies_to_later_steps() -> None:

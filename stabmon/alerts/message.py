@@ -206,7 +206,7 @@ class Composer:
             f"decision: {d.action}({params}) [{d.status.value}] — runbook {d.runbook}, rule {d.rule}, "
             f"rung {d.rung}: {d.reason}"
         )
-        if record is not None and (record.before or record.after):
+        if record is not None and (record.before or record.stored_after()):
             lines += self._change_lines(record)
         if d.status is DecisionStatus.PROPOSED:
             lines.append(f"approve: stabmon approve {run_id} {d.id}")
@@ -290,8 +290,9 @@ class Composer:
 
     @staticmethod
     def _change_lines(r: InterventionRecord) -> list[str]:
-        keys = list(dict.fromkeys([*r.before, *r.after]))
-        changes = ", ".join(f"{k} {fmt(r.before.get(k, '-'))} → {fmt(r.after.get(k, '-'))}" for k in keys)
+        after = r.stored_after()
+        keys = list(dict.fromkeys([*r.before, *after]))
+        changes = ", ".join(f"{k} {fmt(r.before.get(k, '-'))} → {fmt(after.get(k, '-'))}" for k in keys)
         return [f"changed: {changes or 'nothing'}" + (" (simulated)" if r.simulated else "")]
 
     def state_dict(self) -> dict[str, Any]:

@@ -111,7 +111,7 @@ def _describe(e: Any) -> str:
     if name == "InterventionRecord" and e.action == "diagnose" and "verdict" in e.after:
         return f"diagnosed  step {e.step:<5} verdict {e.after['verdict']}: {e.after.get('summary', '')}"
     if name == "InterventionRecord":
-        return f"applied    step {e.step:<5} {e.action} {dict(e.before)} -> {dict(e.after)}"
+        return f"applied    step {e.step:<5} {e.action} {dict(e.before)} -> {dict(e.stored_after())}"
     return f"outcome    step {e.step:<5} {e.verdict.value}"
 
 

@@ -17,12 +17,14 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
 from stabmon.events import InterventionRecord
-from stabmon.pipeline import InterventionTarget
+
+if TYPE_CHECKING:
+    from stabmon.pipeline import InterventionTarget
 
 
 class InterventionError(RuntimeError):
@@ -63,8 +65,9 @@ _FALLBACK_LOCK = threading.RLock()
 class Intervention:
     """One change to a training run, applied once and possibly reverted.
 
-    Subclasses set ``name``, ``Params`` (a :class:`Params` model) and ``revertible``, and implement ``_apply``
-    and ``_revert``.
+    Subclasses set ``name``, ``Params`` (a :class:`Params` model) and their traits (what the runbook engine
+    needs to know about them, see :mod:`stabmon.interventions.traits`), and implement ``_apply`` and
+    ``_revert``.
 
     >>> from stabmon.overrides import Overrides
     >>> class T:  # a minimal target
@@ -83,7 +86,12 @@ class Intervention:
 
     name: ClassVar[str] = ""
     Params: ClassVar[type[Params]] = Params
-    revertible: ClassVar[bool] = False
+    revertible: ClassVar[bool] = False  # _revert can undo it
+    changes_training: ClassVar[bool] = True  # it acts on the run (an alert does not)
+    stays_in_force: ClassVar[bool] = True  # what it changed stays until reverted (a stop or a diagnosis: nothing)
+    stops_run: ClassVar[bool] = False  # it ends the run
+    rewinds_step: ClassVar[bool] = False  # it moves the step counter back (a rollback)
+    diagnoses: ClassVar[bool] = False  # it returns a verdict the runbook branches on
 
     def __init__(
         self,

@@ -52,6 +52,8 @@ class Diagnose(Intervention):
     name = "diagnose"
     Params = DiagnoseParams
     revertible = False
+    diagnoses = True
+    stays_in_force = False  # it re-runs steps and puts the state back as it was
 
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         p = self.params

@@ -5,21 +5,24 @@ monitor, in replay (``simulated=True``) on a :class:`~stabmon.replay.simulate.Si
 action up in the registry, builds the intervention, applies it and returns its audit record; a ``revert``
 decision undoes the intervention named in ``params["intervention_id"]``. A failure is caught, logged and
 counted, never raised into training: one line is logged (the traceback only at DEBUG level), the returned
-record carries ``after["error"]`` and the engine judges the rung as failed, so the runbook's next rung or its
-``on_failure`` follows. A change that would do nothing or move a value the harmful way
-(:class:`~stabmon.interventions.base.NoChange`) is not applied: the record carries ``after["not_applied"]`` with
-the reason.
+record carries the failure in ``error`` and the engine judges the rung as failed, so the runbook's next rung or
+its ``on_failure`` follows. A change that would do nothing or move a value the harmful way
+(:class:`~stabmon.interventions.base.NoChange`) is not applied: the record carries the reason in
+``not_applied``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stabmon.events import Decision, InterventionRecord
 from stabmon.interventions.base import Intervention, NoChange
-from stabmon.pipeline import InterventionTarget
+from stabmon.interventions.traits import REVERT, traits_of
+
+if TYPE_CHECKING:
+    from stabmon.pipeline import InterventionTarget
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +55,14 @@ class Executor:
 
     def execute(self, decision: Decision) -> InterventionRecord | None:
         try:
-            if decision.action == "revert":
+            if traits_of(decision.action).undoes:
                 return self._revert(decision)
             return self._apply(decision)
         except NoChange as exc:  # nothing to do, or only harm to do: skipped, not failed
             log.info("stabmon: %s for decision %s skipped: %s", decision.action, decision.id, exc)
             return InterventionRecord(
                 decision_id=decision.id, step=_step(self.target), action=decision.action, before={},
-                after={"not_applied": str(exc)}, simulated=self.simulated,
+                after={}, not_applied=str(exc), simulated=self.simulated,
             )
         except Exception as exc:  # noqa: BLE001 - never raise into training
             self.errors += 1
@@ -70,7 +73,7 @@ class Executor:
             log.debug("stabmon: %s failed", decision.action, exc_info=True)
             return InterventionRecord(
                 decision_id=decision.id, step=_step(self.target), action=decision.action, before={},
-                after={"error": f"{type(exc).__name__}: {exc}"}, reverted=decision.action == "revert",
+                after={}, error=f"{type(exc).__name__}: {exc}", reverted=decision.action == REVERT,
                 simulated=self.simulated,
             )
 

@@ -72,6 +72,7 @@ class Rollback(Intervention):
     name = "rollback"
     Params = RollbackParams
     revertible = False
+    rewinds_step = True
 
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         p = self.params

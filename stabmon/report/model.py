@@ -157,7 +157,7 @@ def _decision_mark(d: Decision) -> Mark:
 def _intervention_mark(i: InterventionRecord) -> Mark:
     kind = "rollback" if i.action == "rollback" and not i.reverted else "intervention"
     label = ("revert " if i.reverted else "") + i.action + (" (simulated)" if i.simulated else "")
-    detail = [("before", _fmt(dict(i.before))), ("after", _fmt(dict(i.after)))]
+    detail = [("before", _fmt(dict(i.before))), ("after", _fmt(dict(i.stored_after())))]
     return Mark(kind, i.step, label, detail, f"ev-{i.id}")
 
 

@@ -37,6 +37,9 @@ from stabmon.events import (
     Verdict,
     new_id,
 )
+from stabmon.interventions.alert_only import AlertOnly
+from stabmon.interventions.checkpoint_and_stop import CheckpointAndStop
+from stabmon.interventions.traits import REVERT, changed_training, traits_of
 from stabmon.runbook import judging, rejection, verdicts
 from stabmon.runbook.schema import Rule, Runbook
 from stabmon.runbook.state import Incident, Sighting, WindowRow, incident_from_state, incident_state
@@ -134,7 +137,7 @@ class Engine:
             params = {"intervention_id": change.intervention_id, "decision_id": change.decision_id,
                       "rejected": decision.id}
             reason = f"{decision.action} proposal rejected: revert rung {change.rung + 1} ({change.action})"
-            revert = self._decision("revert", params, DecisionStatus.APPLY, step, reason)
+            revert = self._decision(REVERT, params, DecisionStatus.APPLY, step, reason)
             out.append(dataclasses.replace(revert, rung=change.rung))
         self._close()
         return out
@@ -148,7 +151,8 @@ class Engine:
             inc.decision_time = self._now  # a duration restarts: answers could not be read meanwhile
 
     def applied(self, decision: Decision, record: InterventionRecord) -> None:
-        if decision.action == "checkpoint_and_stop" and "error" not in record.after:
+        traits = traits_of(decision.action)
+        if traits.stops_run and record.ok:
             self.stopped = True
         inc = self._incident
         if inc is not None and decision.incident_id == inc.id:
@@ -156,24 +160,24 @@ class Engine:
         if inc is None or inc.current.id != decision.id:
             return
         inc.intervention_id = record.id
-        inc.changed = inc.changed or record.changed_training
-        inc.alerted = inc.alerted or record.action == "alert_only"
-        if decision.action != "rollback":
+        inc.changed = inc.changed or changed_training(record)
+        inc.alerted = inc.alerted or not traits_of(record.action).changes_training
+        if not traits.rewinds_step:
             # the change acts from the target's step at application; records of earlier steps still to come
             # (the rest of a live monitor's flush) were measured before it and are not part of its window
             inc.effective_step = record.step
-        elif "error" not in record.after:
+        elif record.ok:
             # its window lasts until the run has trained past the step it rolled back from (see judging)
             inc.until_step = int(record.before.get("step", record.step))
-            if not record.after.get("simulated"):
+            if not record.simulated:
                 # a live rollback rewound the step counter: records still to come from the abandoned timeline
                 # (the rest of the flush) are not part of its window, which starts at the restored step
                 inc.await_step = record.step
-        if "error" in record.after:
-            inc.error = str(record.after["error"])
-        if "not_applied" in record.after:  # nothing changed: no window to wait for, no budget spent
-            inc.skipped = str(record.after["not_applied"])
-            if self._budget and decision.action != "alert_only":
+        if record.error is not None:
+            inc.error = record.error
+        if record.not_applied is not None:  # nothing changed: no window to wait for, no budget spent
+            inc.skipped = record.not_applied
+            if self._budget and traits.changes_training:
                 self._budget.pop()
         verdicts.note_verdict(inc, decision, record)
 
@@ -240,7 +244,7 @@ class Engine:
         inc = self._incident
         assert inc is not None
         rule = self.runbook.rule(inc.rule)
-        if inc.current.action == "alert_only" and self._acting(anomalies, rule):
+        if not traits_of(inc.current.action).changes_training and self._acting(anomalies, rule):
             # whenever it comes, an alert awaiting approval (propose mode) included: it has nothing to wait for
             return self._supersede(record, anomalies)
         if inc.phase == "proposed":
@@ -282,7 +286,7 @@ class Engine:
         """Does an anomaly call for a rule that changes training, while only an alert is being observed?"""
         for a in anomalies:
             rule = self._rule_for(a)
-            if rule is not None and rule.name != current.name and getattr(rule.ladder[0], "action", "") != "alert_only":
+            if rule is not None and rule.name != current.name and traits_of(rule.actions[0]).changes_training:
                 return True
         return False
 
@@ -372,18 +376,19 @@ class Engine:
         assert inc is not None
         rule = self.runbook.rule(inc.rule)
         rung = self._rung(inc)
-        if rung.action != "alert_only" and self._budget_left() <= 0:
+        traits = traits_of(rung.action)
+        if traits.changes_training and self._budget_left() <= 0:
             b = self.runbook.budget
             reason = (f"{inc.trigger}; budget exhausted ({b.max_interventions} interventions per "
                       f"{b.per_steps} steps): rung {inc.rung + 1} ({rung.action}) not attempted")
-            alert = self._decision("alert_only", {"message": reason}, DecisionStatus.APPLY, step, reason)
+            alert = self._decision(AlertOnly.name, {"message": reason}, DecisionStatus.APPLY, step, reason)
             self._close()
             return [alert]
         params = rung.params.model_dump(exclude_none=True)
-        params.update(verdicts.diagnose_params(rung.action, inc, step))
-        if rung.action == "alert_only" and not params.get("message") and inc.seen:
-            params["message"] = inc.seen  # the alert says what the detector saw
-        if rung.action == "rollback":
+        params.update(verdicts.diagnose_params(traits, inc, step))
+        if "message" in type(rung.params).model_fields and not params.get("message") and inc.seen:
+            params["message"] = inc.seen  # an alert says what the detector saw
+        if traits.rewinds_step:
             params["onset_step"] = inc.onset_step
             onset_lr = next((v for st, v in reversed(self._lrs) if st <= inc.onset_step), None)
             if onset_lr is not None and "lr_cap" in params:
@@ -398,7 +403,7 @@ class Engine:
         assert inc is not None
         reason = f"{inc.trigger}; rung {inc.rung + 1} failed and its runbook says stop"
         inc.stop = True
-        return [self._propose_or_apply("checkpoint_and_stop", {"reason": reason}, step, reason)]
+        return [self._propose_or_apply(CheckpointAndStop.name, {"reason": reason}, step, reason)]
 
     def _propose_or_apply(self, action: str, params: dict[str, Any], step: int, reason: str) -> Decision:
         inc = self._incident
@@ -418,16 +423,17 @@ class Engine:
         prev = inc.current
         params = {"intervention_id": inc.intervention_id, "decision_id": prev.id}
         reason = f"rung {inc.rung + 1} ({prev.action}) did not resolve the incident: revert it"
-        return self._decision("revert", params, DecisionStatus.APPLY, step, reason)
+        return self._decision(REVERT, params, DecisionStatus.APPLY, step, reason)
 
     def _start(self, decision: Decision) -> None:
         """The decision is being applied now: observe it (or, for a stop, end the incident)."""
         inc = self._incident
         assert inc is not None
-        if decision.action == "checkpoint_and_stop" and inc.stop:
+        traits = traits_of(decision.action)
+        if traits.stops_run and inc.stop:
             self._close()
             return
-        if decision.action != "alert_only":
+        if traits.changes_training:
             self._budget.append(self._tick)
         inc.phase, inc.decision, inc.window = "observing", _kept(decision), []
         inc.intervention_id = inc.error = inc.skipped = inc.effective_step = inc.await_step = inc.until_step = None

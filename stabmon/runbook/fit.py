@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from stabmon.interventions.traits import traits_of
 from stabmon.runbook.schema import Runbook
 
 _SET = {  # action -> (parameter, hyper-parameter, direction: -1 lowers, +1 raises)
@@ -40,7 +41,7 @@ def fit_warnings(
         ladder: list[Any] = list(rule.ladder)  # one pydantic model per action
         for i, rung in enumerate(ladder, start=1):
             where = f"rule {rule.name} rung {i}: {rung.action}"
-            if rung.action == "rollback" and checkpoints is False:
+            if traits_of(rung.action).rewinds_step and checkpoints is False:
                 out.append(f"{where} needs checkpoints (Monitor checkpoint_dir= or checkpoints=): it will fail")
             if rung.action == "scale_lr" and rung.params.factor is not None and rung.params.factor >= 1:
                 out.append(f"{where} factor {rung.params.factor:g} would not lower the LR: it will be skipped")

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from stabmon.events import Anomaly, Severity
 from stabmon.interventions import INTERVENTIONS, Intervention
+from stabmon.interventions.traits import traits_of
 
 
 class _Strict(BaseModel):
@@ -149,6 +150,12 @@ class Rule(_Strict):
     when: Condition = Condition()
     ladder: list[Rung] = Field(min_length=1)  # type: ignore[valid-type]
 
+    @property
+    def actions(self) -> list[str]:
+        """The action of each rung, in ladder order."""
+        ladder: list[Any] = list(self.ladder)  # one pydantic model per action
+        return [rung.action for rung in ladder]
+
 
 class Budget(_Strict):
     """At most ``max_interventions`` changes (reverts and alerts not counted) per ``per_steps`` steps."""
@@ -235,7 +242,7 @@ class Runbook(_Strict):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"rule names must be unique, repeated: {', '.join(dup)}")
-        diagnosing = any(getattr(rung, "action", "") == "diagnose" for r in self.rules for rung in r.ladder)
+        diagnosing = any(traits_of(action).diagnoses for r in self.rules for action in r.actions)
         for r in self.rules:
             if r.when.verdict is not None and not diagnosing:
                 raise ValueError(f"rule {r.name}: when.verdict needs a rule with a diagnose rung")

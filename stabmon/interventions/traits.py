@@ -1,0 +1,77 @@
+"""What an action is, as its intervention class declares it: the engine, the rejection plan and the trace read
+these traits instead of comparing action names.
+
+Every :class:`~stabmon.interventions.base.Intervention` subclass declares class-level booleans (defaults in
+brackets):
+
+- ``changes_training`` [True]: applying it acts on the run (an alert does not); it spends the runbook's budget,
+  puts the detectors in grace, and an incident that did nothing else skips the cooldown.
+- ``stays_in_force`` [True]: what it changed stays in force until reverted (a rejection reverts or keeps it); a
+  diagnosis, a stop or an alert leave nothing behind.
+- ``stops_run`` [False]: it ends the run (checkpoint-and-stop).
+- ``rewinds_step`` [False]: it moves the step counter back (a rollback): its window lasts until the run has
+  trained past the step it left, and it is told the incident's onset.
+- ``diagnoses`` [False]: it returns a verdict the runbook branches on (``when: {verdict: ...}``).
+- ``revertible`` [False]: ``_revert`` can undo it.
+
+``revert`` is the one action that is not an intervention: it undoes the change named in
+``params["intervention_id"]`` (:data:`REVERT`, whose traits say ``undoes``).
+
+>>> traits_of("set_clip").changes_training, traits_of("set_clip").revertible
+(True, True)
+>>> traits_of("alert_only").changes_training, traits_of("rollback").rewinds_step
+(False, True)
+>>> traits_of(REVERT).undoes, traits_of("checkpoint_and_stop").stops_run
+(True, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stabmon.events import InterventionRecord
+
+REVERT = "revert"
+"""The action of a decision that undoes an earlier intervention."""
+
+
+@dataclass(frozen=True, slots=True)
+class Traits:
+    """The declared traits of one action (see the module docstring)."""
+
+    changes_training: bool = True
+    stays_in_force: bool = True
+    stops_run: bool = False
+    rewinds_step: bool = False
+    diagnoses: bool = False
+    revertible: bool = False
+    undoes: bool = False
+
+
+_REVERT_TRAITS = Traits(stays_in_force=False, undoes=True)
+
+
+def traits_of(action: str) -> Traits:
+    """The traits of the intervention registered as ``action`` (or of :data:`REVERT`); KeyError if unknown."""
+    if action == REVERT:
+        return _REVERT_TRAITS
+    from stabmon.interventions import get_intervention
+
+    cls = get_intervention(action)
+    return Traits(changes_training=cls.changes_training, stays_in_force=cls.stays_in_force,
+                  stops_run=cls.stops_run, rewinds_step=cls.rewinds_step, diagnoses=cls.diagnoses,
+                  revertible=cls.revertible)
+
+
+def recorded_traits(action: str) -> Traits:
+    """The traits of an action read from a record: one this process has not registered (a custom intervention
+    of the run that recorded it) counts as a change that stays in force."""
+    try:
+        return traits_of(action)
+    except KeyError:
+        return Traits()
+
+
+def changed_training(record: InterventionRecord) -> bool:
+    """Whether this record acted on the run: its action changes training and it did not fail."""
+    return record.error is None and traits_of(record.action).changes_training
