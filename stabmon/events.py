@@ -249,6 +249,8 @@ class Verdict(str, Enum):
     STOPPED = "stopped"  # the ladder ended in a stop
     EXHAUSTED = "exhausted"  # not resolved and no rung left
     SUPERSEDED = "superseded"  # an alert-only incident closed early: an anomaly a rule acts on arrived
+    RELEASED = "released"  # resolved, and the changes were given back with the run staying quiet
+    KEPT = "kept"  # resolved, but the trouble came back when the changes were given back: they were put back
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,11 +109,27 @@ def test_guard_apply_once_revert_once_after_apply() -> None:
 
 
 def test_irreversible_actions_refuse_to_revert() -> None:
-    for action in ("rollback", "checkpoint_and_stop", "alert_only"):
+    for action in ("checkpoint_and_stop", "alert_only"):
         iv = get_intervention(action)(FakeTarget(), {}, decision_id="d")
         iv.apply()
         with pytest.raises(InterventionError, match="cannot be reverted"):
             iv.revert(decision_id="x")
+
+
+def test_a_rollback_reverts_only_its_learning_rate_change() -> None:
+    """The restored weights stay; a rollback that capped the LR gives the cap back, one that did not has
+    nothing to give back (skipped, not failed)."""
+    plain = get_intervention("rollback")(FakeTarget(), {}, decision_id="d")
+    assert not type(plain).holds(plain.apply())
+    with pytest.raises(NoChange, match="changed no learning-rate setting"):
+        plain.revert(decision_id="x")
+    target = FakeTarget()
+    capped = get_intervention("rollback")(target, {"lr_cap": 0.5, "onset_lr": 0.01}, decision_id="d")
+    assert type(capped).holds(capped.apply()) and target.overrides.lr_cap == 0.005
+    record = capped.revert(decision_id="x")
+    assert target.overrides.lr_cap is None and record.before == {"lr_cap": 0.005} and record.after == {"lr_cap": None}
+    capped.reapply(decision_id="y")  # what a release that the trouble came back on does
+    assert target.overrides.lr_cap == 0.005
 
 
 def test_invalid_override_value_leaves_the_target_untouched() -> None:
@@ -324,3 +340,46 @@ def test_weight_decay_scales_each_param_group_from_its_own_value_and_groups_at_z
     monitor.close()
     assert seen == [[pytest.approx(0.2), 0.0, pytest.approx(0.1)]]
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0, 0.05]  # the optimizer's own, after
+
+
+class ScheduledTarget(FakeTarget):
+    """FakeTarget whose LR in force is the overrides' (a cap and a release's re-warm-up included)."""
+
+    def hparams(self) -> dict[str, float]:
+        return {**super().hparams(), "lr": self.overrides.scaled_lr(self.base["lr"])}
+
+
+def _decide(action: str, params: dict[str, Any], did: str) -> Decision:
+    return Decision(step=100, action=action, params=params, status=DecisionStatus.APPLY, runbook="r", rule="x",
+                    rung=0, reason="test", id=did)
+
+
+def test_a_release_gives_changes_back_and_rewarms_the_lr_and_a_reapply_puts_them_back() -> None:
+    target = ScheduledTarget()
+    ex = Executor(target)
+    clip = ex.execute(_decide("set_clip", {"max_norm": 0.5}, "d1"))
+    lr = ex.execute(_decide("scale_lr", {"factor": 0.25}, "d2"))
+    assert clip is not None and lr is not None and target.hparams()["lr"] == pytest.approx(2.5e-4)
+    release = ex.execute(_decide("release", {"intervention_ids": [lr.id, clip.id], "steps": 2}, "d3"))
+    assert release is not None and release.ok and release.action == "release"
+    assert target.overrides.max_norm is None and target.overrides.lr_scale == 1.0  # settings back at once
+    assert release.after["ramp_from"] == pytest.approx(0.25) and release.after["ramp_steps"] == 2
+    seen = []
+    for _ in range(3):  # the LR climbs back to the schedule over 2 optimizer steps
+        seen.append(target.hparams()["lr"])
+        target.overrides.advance()
+    assert seen == pytest.approx([2.5e-4, 5e-4, 1e-3])
+    state = ex.state_dict()
+    resumed = Executor(target)
+    resumed.load_state_dict(state)  # a resumed run can still put them back
+    back = resumed.execute(_decide("reapply", {"intervention_id": release.id}, "d4"))
+    assert back is not None and back.ok and back.after == {"max_norm": 0.5, "lr_scale": 0.25}
+    assert target.overrides.max_norm == 0.5 and target.overrides.lr_scale == 0.25
+    again = resumed.execute(_decide("reapply", {"intervention_id": release.id}, "d5"))
+    assert again is not None and again.error is not None and "no release" in again.error
+
+
+def test_a_release_of_a_change_not_in_force_fails_with_one_line() -> None:
+    ex = Executor(ScheduledTarget())
+    record = ex.execute(_decide("release", {"intervention_ids": ["nope"], "steps": 5}, "d1"))
+    assert record is not None and record.error == "LookupError: no change in force to release: nope"

@@ -46,6 +46,8 @@ _OUTCOME_SEVERITY = {
     Verdict.REVERTED: Severity.WARNING,
     Verdict.EXHAUSTED: Severity.ERROR,
     Verdict.SUPERSEDED: Severity.INFO,
+    Verdict.RELEASED: Severity.INFO,
+    Verdict.KEPT: Severity.WARNING,
     Verdict.STOPPED: Severity.CRITICAL,
 }
 

@@ -146,8 +146,30 @@ class Intervention:
             )
             return self.revert_record
 
+    def reapply(self, *, decision_id: str) -> InterventionRecord:
+        """Put back what a revert (a release) gave back: the trouble came back without it (for the decision
+        ``decision_id``); return the audit record. It is in force again, and can be reverted again."""
+        with target_lock(self.target):
+            if self.revert_record is None:
+                raise InterventionError(f"{self.name} for decision {self.decision_id} is in force: nothing to reapply")
+            before, after = self._reapply()
+            self.revert_record = None
+            return InterventionRecord(
+                decision_id=decision_id, step=int(self.target.step), action=self.name,
+                before=dict(before), after=dict(after), simulated=self.simulated,
+            )
+
+    @classmethod
+    def holds(cls, record: InterventionRecord) -> bool:
+        """Whether the change ``record`` made stays in force until it is undone (what a failed rung's revert and
+        a resolved incident's release act on): every revertible change, unless a subclass says otherwise."""
+        return cls.revertible
+
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         raise NotImplementedError
+
+    def _reapply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        raise InterventionError(f"{self.name} cannot be put back once reverted")
 
     def _revert(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         raise NotImplementedError

@@ -33,6 +33,12 @@ from stabmon.events import InterventionRecord
 
 REVERT = "revert"
 """The action of a decision that undoes an earlier intervention."""
+RELEASE = "release"
+"""The action of a decision that gives back the changes an incident resolved with (their settings restored,
+the learning rate re-warmed to the schedule over ``params["steps"]``), named in ``params["intervention_ids"]``."""
+REAPPLY = "reapply"
+"""The action of a decision that puts back what a release gave back (named in ``params["intervention_id"]``,
+the release's record): the trouble came back while it was released."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,15 +52,23 @@ class Traits:
     diagnoses: bool = False
     revertible: bool = False
     undoes: bool = False
+    releases: bool = False
+    reapplies: bool = False
 
 
 _REVERT_TRAITS = Traits(stays_in_force=False, undoes=True)
+_PSEUDO = {
+    REVERT: _REVERT_TRAITS,
+    RELEASE: Traits(stays_in_force=False, releases=True),
+    REAPPLY: Traits(reapplies=True),
+}
 
 
 def traits_of(action: str) -> Traits:
     """The traits of the intervention registered as ``action`` (or of :data:`REVERT`); KeyError if unknown."""
-    if action == REVERT:
-        return _REVERT_TRAITS
+    pseudo = _PSEUDO.get(action)
+    if pseudo is not None:
+        return pseudo
     from stabmon.interventions import get_intervention
 
     cls = get_intervention(action)

@@ -39,9 +39,9 @@ from stabmon.events import (
 )
 from stabmon.interventions.alert_only import AlertOnly
 from stabmon.interventions.checkpoint_and_stop import CheckpointAndStop
-from stabmon.interventions.traits import REVERT, changed_training, traits_of
+from stabmon.interventions.traits import REAPPLY, RELEASE, REVERT, changed_training, traits_of
 from stabmon.runbook import judging, rejection, verdicts
-from stabmon.runbook.schema import Rule, Runbook
+from stabmon.runbook.schema import Rule, Runbook, Success
 from stabmon.runbook.state import Incident, Sighting, WindowRow, incident_from_state, incident_state
 
 _LOSS, _LR = Metric.LOSS, Metric.LR  # read on every record: module constants, not class attributes
@@ -261,7 +261,9 @@ class Engine:
         matched = sum(1 for a in anomalies if rule.when.matches(a))
         signal = record.get(inc.metric)
         inc.window.append(WindowRow(record.step, _num(record.get(Metric.LOSS)), _num(signal), matched))
-        if inc.error is None and inc.skipped is None and not judging.window_over(inc, self._rung(inc).observe):
+        if inc.releasing and matched:  # the trouble is back while the changes are given back: judge now
+            return self._judge(record.step)
+        if inc.error is None and inc.skipped is None and not judging.window_over(inc, self._judged(inc).observe):
             return []
         return self._judge(record.step)
 
@@ -329,7 +331,7 @@ class Engine:
     def _judge(self, step: int) -> list[Decision | Outcome]:
         inc = self._incident
         assert inc is not None
-        rung = self._rung(inc)
+        rung = self._judged(inc)
         ok, evidence = judging.criteria(inc, rung)
         rule = self.runbook.rule(inc.rule)
         decision_id = inc.current.id
@@ -340,14 +342,22 @@ class Engine:
 
         if inc.skipped is not None:  # the rung changed nothing: straight on to the next one, whatever on_failure
             evidence = {"skipped": inc.skipped, "metric": inc.metric}
-            if inc.rung + 1 < len(rule.ladder):
+            has_next = inc.rung + 1 < len(rule.ladder)
+            out: list[Decision | Outcome] = [outcome(Verdict.ESCALATED if has_next else Verdict.EXHAUSTED)]
+            out.extend(self._revert_in_force(step))  # earlier attempts of this rung did not resolve it either
+            if has_next:
                 inc.rung, inc.attempt = inc.rung + 1, 1
-                return [outcome(Verdict.ESCALATED)] + self._issue_rung(step)
+                return out + self._issue_rung(step)
             self._close()
-            return [outcome(Verdict.EXHAUSTED)]
+            return out
+        if inc.releasing:
+            return self._judge_release(step, ok, outcome)
         if ok:
-            self._close()
-            return [outcome(Verdict.RESOLVED)]
+            resolved = outcome(Verdict.RESOLVED)
+            released = self._release(step)
+            if not released:
+                self._close()
+            return [resolved, *released]
         attempt = inc.attempt
         if attempt < rung.repeat and inc.error is None:
             inc.attempt = attempt + 1  # the same rung again, on top of the last attempt
@@ -355,14 +365,13 @@ class Engine:
             return [outcome(Verdict.ESCALATED)] + self._issue_rung(step)
         has_next = inc.rung + 1 < len(rule.ladder)
         if rung.on_failure == "stop":
-            out: list[Decision | Outcome] = [outcome(Verdict.STOPPED)]
+            out = [outcome(Verdict.STOPPED)]
             return out + self._issue_stop(step)
         if rung.on_failure == "revert":
             out = [outcome(Verdict.REVERTED)]
-            if inc.error is None:
-                out.append(self._revert_decision(step))
         else:
             out = [outcome(Verdict.ESCALATED if has_next else Verdict.EXHAUSTED)]
+        out.extend(self._revert_in_force(step))  # one change in force at a time; none left by a spent ladder
         if has_next:
             inc.rung += 1
             inc.attempt = 1
@@ -417,13 +426,53 @@ class Engine:
             self._start(decision)
         return decision
 
-    def _revert_decision(self, step: int) -> Decision:
+    def _revert_in_force(self, step: int) -> list[Decision]:
+        """Undo, newest first, every change of the incident still in force: the rungs that did not resolve it."""
         inc = self._incident
         assert inc is not None
-        prev = inc.current
-        params = {"intervention_id": inc.intervention_id, "decision_id": prev.id}
-        reason = f"rung {inc.rung + 1} ({prev.action}) did not resolve the incident: revert it"
-        return self._decision(REVERT, params, DecisionStatus.APPLY, step, reason)
+        out = []
+        for change in reversed(inc.in_force):
+            if not change.revertible:
+                continue
+            params = {"intervention_id": change.intervention_id, "decision_id": change.decision_id}
+            reason = f"rung {change.rung + 1} ({change.action}) did not resolve the incident: revert it"
+            out.append(dataclasses.replace(self._decision(REVERT, params, DecisionStatus.APPLY, step, reason),
+                                           rung=change.rung))
+        return out
+
+    # -- giving back what resolved it --
+    def _release(self, step: int) -> list[Decision | Outcome]:
+        """The incident is resolved: give back the changes still in force (none: nothing to do) and observe the
+        run without them (:class:`~stabmon.runbook.schema.Release`)."""
+        inc = self._incident
+        assert inc is not None
+        held = [c for c in reversed(inc.in_force) if c.revertible]
+        if not held:
+            return []
+        steps = self.runbook.release.steps
+        names = ", ".join(f"rung {c.rung + 1} ({c.action})" for c in held)
+        warm = f", the learning rate back to the schedule over {steps} steps" if steps else ""
+        reason = f"{inc.trigger}; resolved: release {names}{warm}, then observe"
+        params = {"intervention_ids": [c.intervention_id for c in held], "steps": steps}
+        decision = self._decision(RELEASE, params, DecisionStatus.APPLY, step, reason)
+        inc.releasing = True
+        inc.phase, inc.decision, inc.window = "observing", _kept(decision), []
+        inc.intervention_id = inc.error = inc.skipped = inc.effective_step = inc.await_step = inc.until_step = None
+        return [decision]
+
+    def _judge_release(self, step: int, ok: bool, outcome: Any) -> list[Decision | Outcome]:
+        """Quiet without the changes: ``released``. The trouble back: put them back, ``kept``."""
+        inc = self._incident
+        assert inc is not None
+        if ok or inc.error is not None:  # a release that failed gave nothing back: nothing to put back either
+            self._close()
+            return [outcome(Verdict.RELEASED if ok else Verdict.KEPT)]
+        reason = (f"{inc.trigger}; the trouble came back while the changes were given back: put them back "
+                  f"(they stay in force)")
+        params = {"intervention_id": inc.intervention_id, "decision_id": inc.current.id}
+        back = self._decision(REAPPLY, params, DecisionStatus.APPLY, step, reason)
+        self._close()
+        return [outcome(Verdict.KEPT), back]
 
     def _start(self, decision: Decision) -> None:
         """The decision is being applied now: observe it (or, for a stop, end the incident)."""
@@ -435,7 +484,7 @@ class Engine:
             return
         if traits.changes_training:
             self._budget.append(self._tick)
-        inc.phase, inc.decision, inc.window = "observing", _kept(decision), []
+        inc.phase, inc.decision, inc.window, inc.releasing = "observing", _kept(decision), [], False
         inc.intervention_id = inc.error = inc.skipped = inc.effective_step = inc.await_step = inc.until_step = None
 
     def _decision(self, action: str, params: dict[str, Any], status: DecisionStatus, step: int,
@@ -449,6 +498,17 @@ class Engine:
     # -- bookkeeping --
     def _rung(self, inc: Incident) -> Any:
         return self.runbook.rule(inc.rule).ladder[inc.rung]
+
+    def _judged(self, inc: Incident) -> Any:
+        """What the current decision is observed and judged by: its rung, or for a release the rung that
+        resolved the incident over the release's window (every record of it judged)."""
+        rung = self._rung(inc)
+        if not inc.releasing:
+            return rung
+        release = self.runbook.release
+        return _Judged(observe=release.steps + release.observe,
+                       success=Success(loss_within=rung.success.loss_within,
+                                       signal_below=rung.success.signal_below))
 
     def _budget_left(self) -> int:
         b = self.runbook.budget
@@ -502,6 +562,14 @@ class Engine:
         incident = state["incident"]
         self._incident = None if incident is None else incident_from_state(incident, version=version)
         self.stopped = bool(state["stopped"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Judged:
+    """A release's observation window and success tests, in a rung's shape (see :meth:`Engine._judged`)."""
+
+    observe: int
+    success: Success
 
 
 def _num(value: float | None) -> float | None:

@@ -35,15 +35,24 @@ def track(incident: Incident, decision: Decision, record: InterventionRecord) ->
     nothing in force (an alert, a diagnosis, a stop: ``stays_in_force`` false), failed or was skipped is not
     tracked."""
     traits = traits_of(decision.action)
-    if traits.undoes:
+    if traits.undoes or traits.releases:
         if record.ok:
-            gone = str(decision.params.get("intervention_id"))
-            incident.in_force = [c for c in incident.in_force if c.intervention_id != gone]
+            gone = {str(decision.params.get("intervention_id"))} | set(decision.params.get("intervention_ids", ()))
+            incident.in_force = [c for c in incident.in_force if c.intervention_id not in gone]
         return
-    if not traits.stays_in_force or not record.ok or record.not_applied is not None:
+    if not traits.stays_in_force or not record.ok or record.not_applied is not None or traits.reapplies:
         return
     incident.in_force.append(Change(intervention_id=record.id, decision_id=decision.id, action=decision.action,
-                                    rung=decision.rung, revertible=traits.revertible))
+                                    rung=decision.rung, revertible=holds(decision.action, record)))
+
+
+def holds(action: str, record: InterventionRecord) -> bool:
+    """Whether the change ``record`` made stays in force until undone, as its intervention class says (an action
+    this process has not registered: as its traits say)."""
+    from stabmon.interventions import INTERVENTIONS
+
+    cls = INTERVENTIONS.get(action)
+    return cls.holds(record) if cls is not None else traits_of(action).revertible
 
 
 def plan(incident: Incident, *, step: int, policy: str) -> tuple[str, list[Change]]:

@@ -97,8 +97,10 @@ class _RungBase(_Strict):
     """Steps to observe after the change before judging it."""
     success: Success = Success()
     on_failure: Literal["next", "revert", "stop"] = "next"
-    """next: keep the change and go to the next rung; revert: undo it, then the next rung; stop: checkpoint
-    and stop the run."""
+    """next: go to the next rung; revert: the same, recorded as reverted; stop: checkpoint and stop the run.
+    Either way a change that did not resolve the incident is undone before the next rung (the learning-rate cap
+    of a rollback included; the restored weights stay), so one change is in force at a time, and a ladder that
+    runs out leaves none behind."""
     repeat: int = Field(default=1, ge=1)
     """How many times the rung is tried while the incident persists: each attempt applies the change again on
     top of the last one and is judged on its own window, so ``scale_lr {factor: 0.5}`` with ``repeat: 5``
@@ -162,6 +164,18 @@ class Budget(_Strict):
 
     max_interventions: int = Field(default=8, ge=1)
     per_steps: int = Field(default=1000, ge=1)
+
+
+class Release(_Strict):
+    """How a change that resolved its incident is given back (every change that stays in force: a setting, a
+    learning-rate cap or scale, a rollback's cap). The settings are restored and a learning rate that comes back
+    up climbs to the schedule geometrically over ``steps`` optimizer steps (0: at once); the release is then
+    observed for ``steps + observe`` steps and judged like a rung on the rung's own success tests. Quiet: the
+    incident closes ``released``. The rule's trouble back: the changes are put back (``reapply``) and the
+    incident closes ``kept``, which the trace and the alerts say. No change outlives its incident silently."""
+
+    steps: int = Field(default=100, ge=0)
+    observe: int = Field(default=100, ge=1)
 
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -228,6 +242,8 @@ class Runbook(_Strict):
     """Steps after an incident closes during which no new incident opens."""
     budget: Budget = Budget()
     approval: Approval = Approval()
+    release: Release = Release()
+    """How the changes an incident was resolved with are given back (see :class:`Release`)."""
     baseline_steps: int = Field(default=50, ge=1)
     """How many steps before an incident's onset form the loss baseline that success is judged against."""
     include: str | None = None

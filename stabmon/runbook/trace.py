@@ -103,7 +103,9 @@ def format_trace(trace: dict[str, Any]) -> list[str]:
             if iv and _traits(iv["action"]).diagnoses and "error" not in iv["after"]:
                 lines.extend(diagnosis_lines(iv))
             elif iv:
-                label = "revert" if iv["reverted"] else "intervention"
+                traits = _traits(d["action"])
+                label = ("revert" if iv["reverted"] else "release" if traits.releases
+                         else "reapply" if traits.reapplies else "intervention")
                 lines.append(f"  {label:<13}step {iv['step']}: {_changes(iv)}")
             if d["status"] == "rejected":
                 lines.append(f"  rejected     {_rejection(s, inc['steps'])}")
