@@ -189,3 +189,42 @@ def test_the_action_rule_catches_name_branches(source: str) -> None:
 )
 def test_trait_reads_pass_the_action_rule(source: str) -> None:
     assert action_name_branches(source) == []
+
+
+# -- a component gets its collaborators, not the Monitor that owns them --
+MONITOR_USERS = {  # modules that may take a Monitor as a parameter: users of its public API, not its parts
+    "stabmon/monitor.py",
+    "stabmon/cli/demo.py",  # prints the summary of the run it made, from the monitor's public attributes
+}
+
+
+def monitor_parameters(source: str, filename: str = "<source>") -> list[str]:
+    """Every function parameter named ``monitor`` or annotated with the ``Monitor``."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        a = node.args
+        for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]:
+            note = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+            if arg.arg == "monitor" or re.search(r"\bMonitor\b", note):
+                found.append(f"{filename}:{arg.lineno}: {arg.arg}: {note or '(no annotation)'}")
+    return found
+
+
+def test_no_component_receives_the_monitor() -> None:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = str(path.relative_to(PACKAGE.parent))
+        if name not in MONITOR_USERS:
+            found += monitor_parameters(path.read_text(encoding="utf-8"), name)
+    assert found == [], "the Monitor handed to a collaborator (pass what it needs instead):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("source", "caught"),
+    [("def diagnose(monitor: Any, grads): ...", 1), ("def f(owner: 'stabmon.Monitor'): ...", 1),
+     ("def f(m: Monitor | None = None): ...", 1), ("def f(model: nn.Module, monitored: bool): ...", 0)],
+)
+def test_the_monitor_rule_catches_a_monitor_parameter(source: str, caught: int) -> None:
+    assert len(monitor_parameters(source)) == caught
