@@ -28,8 +28,12 @@ brackets):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from stabmon.events import InterventionRecord
+
+if TYPE_CHECKING:
+    from stabmon.interventions.base import Intervention
 
 REVERT = "revert"
 """The action of a decision that undoes an earlier intervention."""
@@ -49,18 +53,33 @@ class Traits:
 
 
 _REVERT_TRAITS = Traits(stays_in_force=False, undoes=True)
+_BY_CLASS: dict[type[Intervention], Traits] = {}  # read on every record of an open incident: built once per class
+_REGISTRY: list[dict[str, type[Intervention]]] = []  # stabmon.interventions.INTERVENTIONS, once it is imported
+
+
+def _registry() -> dict[str, type[Intervention]]:
+    if not _REGISTRY:  # the package imports this module: its registry is read on first use
+        from stabmon.interventions import INTERVENTIONS
+
+        _REGISTRY.append(INTERVENTIONS)
+    return _REGISTRY[0]
 
 
 def traits_of(action: str) -> Traits:
     """The traits of the intervention registered as ``action`` (or of :data:`REVERT`); KeyError if unknown."""
     if action == REVERT:
         return _REVERT_TRAITS
-    from stabmon.interventions import get_intervention
+    cls = _registry().get(action)
+    if cls is None:
+        from stabmon.interventions import get_intervention
 
-    cls = get_intervention(action)
-    return Traits(changes_training=cls.changes_training, stays_in_force=cls.stays_in_force,
-                  stops_run=cls.stops_run, rewinds_step=cls.rewinds_step, diagnoses=cls.diagnoses,
-                  revertible=cls.revertible)
+        cls = get_intervention(action)  # its KeyError names the known actions
+    traits = _BY_CLASS.get(cls)
+    if traits is None:
+        traits = _BY_CLASS[cls] = Traits(
+            changes_training=cls.changes_training, stays_in_force=cls.stays_in_force, stops_run=cls.stops_run,
+            rewinds_step=cls.rewinds_step, diagnoses=cls.diagnoses, revertible=cls.revertible)
+    return traits
 
 
 def recorded_traits(action: str) -> Traits:
