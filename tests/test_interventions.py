@@ -21,6 +21,7 @@ from stabmon.interventions import (
     register,
 )
 from stabmon.interventions.base import NoChange
+from stabmon.interventions.traits import REVERT, Traits, changed_training, recorded_traits, traits_of
 from stabmon.overrides import Overrides
 from stabmon.pipeline import ExecutorLike, InterventionTarget
 
@@ -383,3 +384,48 @@ def test_a_release_of_a_change_not_in_force_fails_with_one_line() -> None:
     ex = Executor(ScheduledTarget())
     record = ex.execute(_decide("release", {"intervention_ids": ["nope"], "steps": 5}, "d1"))
     assert record is not None and record.error == "LookupError: no change in force to release: nope"
+
+
+# -- traits: what each intervention declares, read by the engine instead of its name --
+TRAITS = ("changes_training", "stays_in_force", "stops_run", "rewinds_step", "diagnoses", "revertible")
+
+
+@pytest.mark.parametrize("name", sorted(INTERVENTIONS))
+def test_every_intervention_declares_consistent_traits(name: str) -> None:
+    cls = INTERVENTIONS[name]
+    declared = {t: getattr(cls, t) for t in TRAITS}
+    assert all(isinstance(v, bool) for v in declared.values()), declared
+    t = traits_of(name)
+    assert {f: getattr(t, f) for f in TRAITS} == declared and not t.undoes
+    if t.revertible:  # what can be undone was in force
+        assert t.stays_in_force
+    if t.stops_run or t.diagnoses or not t.changes_training:  # nothing of it is left to revert or keep
+        assert not t.stays_in_force and not t.revertible
+
+
+def test_traits_of_the_builtin_actions() -> None:
+    flags = {name: {f for f in TRAITS if getattr(traits_of(name), f)} for name in INTERVENTIONS}
+    assert flags["alert_only"] == set()
+    assert flags["checkpoint_and_stop"] == {"changes_training", "stops_run"}
+    assert flags["rollback"] == {"changes_training", "stays_in_force", "rewinds_step", "revertible"}  # its LR cap
+    assert flags["diagnose"] == {"changes_training", "diagnoses"}
+    assert flags["set_clip"] == {"changes_training", "stays_in_force", "revertible"}
+    assert traits_of(REVERT).undoes and not traits_of(REVERT).stays_in_force
+    with pytest.raises(KeyError, match="unknown intervention 'teleport'"):
+        traits_of("teleport")
+    assert recorded_traits("teleport") == Traits()  # a stored action of a custom intervention: a change
+
+
+def test_a_failed_or_skipped_record_keeps_its_reason_typed_and_stores_it_inside_after() -> None:
+    from stabmon.events import InterventionRecord, to_dict
+    from stabmon.store.codec import event_from_row, event_row
+
+    failed = InterventionRecord("d1", 7, "rollback", {}, {}, error="FileNotFoundError: gone")
+    skipped = InterventionRecord("d2", 8, "set_clip", {"clip": 1.0}, {}, not_applied="would loosen clipping")
+    assert not failed.ok and skipped.ok and not changed_training(failed) and changed_training(skipped)
+    stored = {"error": "FileNotFoundError: gone"}, {"not_applied": "would loosen clipping"}
+    for rec, after in zip((failed, skipped), stored, strict=True):
+        assert to_dict(rec)["after"] == after and "error" not in to_dict(rec) and "not_applied" not in to_dict(rec)
+        row = event_row(rec, run_id="r", seq=1)
+        assert row["after"] == after
+        assert event_from_row("interventions", row) == rec

@@ -201,3 +201,28 @@ def test_reject_through_the_cli_reverts_a_live_runs_change(tmp_path: Path, seed:
         stored = load_events(session=session, run_id=mon.run_id)
     reverts = [e for e in stored if isinstance(e, InterventionRecord) and e.reverted]
     assert len(reverts) == 1 and reverts[0].after == {"max_norm": None, "clip": 1.0}
+
+
+@pytest.mark.parametrize(("in_force", "revertible", "tracked"), [
+    (True, True, [("custom_for_test", True)]), (True, False, [("custom_for_test", False)]), (False, False, []),
+])
+def test_what_a_rejection_tracks_follows_the_interventions_declared_traits(
+        in_force: bool, revertible: bool, tracked: list[tuple[str, bool]]) -> None:
+    """A custom intervention (no name the engine knows) is tracked by what it declares, not by its name."""
+    from stabmon.interventions import INTERVENTIONS, Intervention, register
+    from stabmon.runbook.rejection import track
+    from stabmon.runbook.state import Incident
+
+    custom = type("Custom", (Intervention,), {"name": "custom_for_test", "stays_in_force": in_force,
+                                              "revertible": revertible, "__doc__": "test"})
+    inc = Incident(id="i", rule="r", anomaly_id=None, metric="loss", onset_step=0, baseline=None, trigger="t")
+    decision = Decision(step=5, action="custom_for_test", params={}, status=DecisionStatus.APPLY, runbook="rb",
+                        rule="r", rung=0, reason="test", incident_id="i")
+    try:
+        register(custom)
+        track(inc, decision, InterventionRecord(decision.id, 5, "custom_for_test", {}, {}))
+        track(inc, decision, InterventionRecord(decision.id, 5, "custom_for_test", {}, {}, error="boom"))
+        track(inc, decision, InterventionRecord(decision.id, 5, "custom_for_test", {}, {}, not_applied="no"))
+    finally:
+        INTERVENTIONS.pop("custom_for_test", None)
+    assert [(c.action, c.revertible) for c in inc.in_force] == tracked  # the failed and skipped ones: never

@@ -37,6 +37,7 @@ from stabmon.collect.data import DataCursor
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
 from stabmon.collect.restore import TrainingState
+from stabmon.diagnose import Diagnosis
 from stabmon.overrides import Overrides
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,9 @@ class LiveTarget:
         self.rank = rank
         self.should_stop = False
         self.stop_reason: str | None = None
-        self.diagnoser: Callable[..., dict[str, Any]] | None = None
-        """What the ``diagnose`` intervention calls (the monitor's re-run and replay); None: cannot diagnose."""
+        self.diagnoser: Callable[..., Diagnosis] | None = None
+        """What the ``diagnose`` intervention calls (:func:`stabmon.diagnose.build.build_diagnoser`'s); None:
+        cannot diagnose."""
 
     @property
     def step(self) -> int:
@@ -119,8 +121,8 @@ class LiveTarget:
         log.warning("stabmon: stopping the run at step %d: %s", self.step, reason)
         return facts
 
-    def diagnose(self, **params: Any) -> dict[str, Any]:
-        """The verdict of re-running and replaying an incident's steps (:mod:`stabmon.collect.rerun`)."""
+    def diagnose(self, **params: Any) -> Diagnosis:
+        """The verdict of re-running and replaying an incident's steps (:mod:`stabmon.diagnose`)."""
         if self.diagnoser is None:
             raise RuntimeError("diagnose: this target cannot re-run steps")
         return self.diagnoser(**params)

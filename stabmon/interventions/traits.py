@@ -14,8 +14,10 @@ brackets):
 - ``diagnoses`` [False]: it returns a verdict the runbook branches on (``when: {verdict: ...}``).
 - ``revertible`` [False]: ``_revert`` can undo it.
 
-``revert`` is the one action that is not an intervention: it undoes the change named in
-``params["intervention_id"]`` (:data:`REVERT`, whose traits say ``undoes``).
+Three actions are not interventions but act on earlier ones: ``revert`` undoes the change named in
+``params["intervention_id"]`` (:data:`REVERT`, whose traits say ``undoes``); ``release`` gives back the changes a
+resolved incident holds (:data:`RELEASE`, ``releases``); ``reapply`` puts back what a release gave back
+(:data:`REAPPLY`, ``reapplies``).
 
 >>> traits_of("set_clip").changes_training, traits_of("set_clip").revertible
 (True, True)
@@ -28,8 +30,12 @@ brackets):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from stabmon.events import InterventionRecord
+
+if TYPE_CHECKING:
+    from stabmon.interventions.base import Intervention
 
 REVERT = "revert"
 """The action of a decision that undoes an earlier intervention."""
@@ -57,11 +63,21 @@ class Traits:
 
 
 _REVERT_TRAITS = Traits(stays_in_force=False, undoes=True)
-_PSEUDO = {
+_PSEUDO = {  # the decisions that act on earlier interventions rather than being one
     REVERT: _REVERT_TRAITS,
     RELEASE: Traits(stays_in_force=False, releases=True),
     REAPPLY: Traits(reapplies=True),
 }
+_BY_CLASS: dict[type[Intervention], Traits] = {}  # read on every record of an open incident: built once per class
+_REGISTRY: list[dict[str, type[Intervention]]] = []  # stabmon.interventions.INTERVENTIONS, once it is imported
+
+
+def _registry() -> dict[str, type[Intervention]]:
+    if not _REGISTRY:  # the package imports this module: its registry is read on first use
+        from stabmon.interventions import INTERVENTIONS
+
+        _REGISTRY.append(INTERVENTIONS)
+    return _REGISTRY[0]
 
 
 def traits_of(action: str) -> Traits:
@@ -69,12 +85,17 @@ def traits_of(action: str) -> Traits:
     pseudo = _PSEUDO.get(action)
     if pseudo is not None:
         return pseudo
-    from stabmon.interventions import get_intervention
+    cls = _registry().get(action)
+    if cls is None:
+        from stabmon.interventions import get_intervention
 
-    cls = get_intervention(action)
-    return Traits(changes_training=cls.changes_training, stays_in_force=cls.stays_in_force,
-                  stops_run=cls.stops_run, rewinds_step=cls.rewinds_step, diagnoses=cls.diagnoses,
-                  revertible=cls.revertible)
+        cls = get_intervention(action)  # its KeyError names the known actions
+    traits = _BY_CLASS.get(cls)
+    if traits is None:
+        traits = _BY_CLASS[cls] = Traits(
+            changes_training=cls.changes_training, stays_in_force=cls.stays_in_force, stops_run=cls.stops_run,
+            rewinds_step=cls.rewinds_step, diagnoses=cls.diagnoses, revertible=cls.revertible)
+    return traits
 
 
 def recorded_traits(action: str) -> Traits:

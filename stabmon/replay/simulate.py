@@ -30,6 +30,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from stabmon.diagnose import Diagnosis
 from stabmon.events import Metric, StepRecord
 from stabmon.overrides import Overrides
 
@@ -112,13 +113,13 @@ class SimulatedTarget:
         self.stops.append(result)
         return result
 
-    def diagnose(self, **params: Any) -> dict[str, Any]:
+    def diagnose(self, **params: Any) -> Diagnosis:
         """Replay has no model to re-run steps on or batches to replay: no verdict is made up. The diagnosis is
         ``inconclusive`` with that reason, so the rung counts as failed and the rule's next rung follows (a live
         run follows its verdict instead); :meth:`summary` lists these steps as ``not_diagnosed``."""
         self.not_diagnosed.append(self._step)
-        return {"verdict": "inconclusive", "summary": NOT_DIAGNOSED, "simulated": True, "not_run": "replay",
-                "onset_step": params.get("onset_step"), "step": params.get("step")}
+        return Diagnosis.inconclusive(NOT_DIAGNOSED, onset_step=params.get("onset_step"), step=params.get("step"),
+                                      simulated=True, not_run="replay")
 
     def summary(self) -> dict[str, Any]:
         return {

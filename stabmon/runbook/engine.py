@@ -244,7 +244,7 @@ class Engine:
         inc = self._incident
         assert inc is not None
         rule = self.runbook.rule(inc.rule)
-        if not traits_of(inc.current.action).changes_training and self._acting(anomalies, rule):
+        if anomalies and not traits_of(inc.current.action).changes_training and self._acting(anomalies, rule):
             # whenever it comes, an alert awaiting approval (propose mode) included: it has nothing to wait for
             return self._supersede(record, anomalies)
         if inc.phase == "proposed":

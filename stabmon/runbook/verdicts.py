@@ -27,7 +27,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
-from stabmon.diagnose import VERDICTS
+from stabmon.diagnose.verdict import VERDICTS
 from stabmon.events import Decision, InterventionRecord
 from stabmon.interventions.traits import Traits, traits_of
 from stabmon.runbook.schema import Rule, Runbook

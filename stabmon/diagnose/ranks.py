@@ -35,10 +35,9 @@ from typing import Any
 
 import torch
 
-from stabmon import diagnose as dx
 from stabmon.collect.distributed import Join, broadcast
-
-ACTION = "diagnose"
+from stabmon.diagnose.verdict import Diagnosis
+from stabmon.interventions.diagnose import Diagnose
 
 
 class RankChannel:
@@ -73,31 +72,31 @@ class CrossRank:
     calls the other ranks in (a :class:`Join` through ``send``) and each of them keeps the result of the run
     it joined for its executor (see the module docstring). ``last``: the latest diagnosis on this rank.
 
-    >>> cross = CrossRank(lambda **p: {"verdict": "data", **p}, rank=0, world_size=1)
-    >>> cross(step=3)["verdict"], cross.last["step"]
+    >>> from stabmon.diagnose import Diagnosis
+    >>> cross = CrossRank(lambda **p: Diagnosis("data", "seen again", step=p["step"]), rank=0, world_size=1)
+    >>> cross(step=3).verdict, cross.last.step
     ('data', 3)
     """
 
-    def __init__(self, run: Callable[..., dict[str, Any]], *, rank: int, world_size: int,
+    def __init__(self, run: Callable[..., Diagnosis], *, rank: int, world_size: int,
                  send: Callable[[Any], Any] = broadcast) -> None:
         self.run, self.rank, self.world_size, self.send = run, rank, world_size, send
-        self.held: dict[str, Any] | None = None
-        self.last: dict[str, Any] | None = None
+        self.held: Diagnosis | None = None
+        self.last: Diagnosis | None = None
 
-    def __call__(self, **params: Any) -> dict[str, Any]:
+    def __call__(self, **params: Any) -> Diagnosis:
         if self.world_size > 1 and self.rank == 0:
-            self.send(Join(ACTION, dict(params)))
+            self.send(Join(Diagnose.name, dict(params)))
         elif self.world_size > 1:
             held, self.held = self.held, None
-            return held if held is not None else {
-                "verdict": dx.INCONCLUSIVE, "rank": self.rank,
-                "summary": f"rank {self.rank} was not called into the diagnosis by rank 0"}
+            return held if held is not None else Diagnosis.inconclusive(
+                f"rank {self.rank} was not called into the diagnosis by rank 0", rank=self.rank)
         return self._run(params)
 
     def join(self, params: dict[str, Any]) -> None:
         """A rank other than 0, called in by rank 0: run the experiments with it and keep the result."""
         self.held = self._run(params)
 
-    def _run(self, params: dict[str, Any]) -> dict[str, Any]:
+    def _run(self, params: dict[str, Any]) -> Diagnosis:
         self.last = self.run(**params)
         return self.last
