@@ -43,6 +43,12 @@ class Overrides:
     """Length of the release's re-warm-up, in optimizer steps."""
     ramp_done: int = 0
     """Steps of the re-warm-up already taken."""
+    cap_until: float | None = None
+    """A released learning-rate cap that stays until the schedule comes down: once the LR the other fields give
+    is at most this (the LR at which its incident began), the cap is lifted, re-warmed over ``cap_ramp`` steps.
+    None: no such release pending."""
+    cap_ramp: int = 0
+    """Re-warm-up length of that pending lift, in optimizer steps."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -89,6 +95,31 @@ class Overrides:
         self.ramp_done += steps
         if self.ramp_done >= self.ramp_steps:
             self.ramp_from, self.ramp_steps, self.ramp_done = None, 0, 0
+
+    def release_cap(self, *, below: float, steps: int) -> None:
+        """Lift ``lr_cap`` once the learning rate it bounds is at most ``below`` (the LR at which the trouble
+        began; a schedule still above it would only bring the trouble back), re-warmed over ``steps`` steps;
+        :meth:`settle` checks, once per optimizer step.
+
+        >>> o = Overrides(lr_cap=0.1); o.release_cap(below=0.2, steps=2)
+        >>> o.settle(0.3); o.lr_cap        # the schedule still above where the trouble began: held
+        0.1
+        >>> o.settle(0.15); o.lr_cap, round(o.scaled_lr(0.15), 4)   # below it: lifted, re-warmed from 0.1
+        (None, 0.1)
+        """
+        self.cap_until, self.cap_ramp = float(below), int(steps)
+
+    def settle(self, lr: float) -> None:
+        """Before an optimizer step whose scheduler asks for ``lr`` (a host float): lift a released cap whose
+        condition holds (see :meth:`release_cap`)."""
+        if self.cap_until is None or self.lr_cap is None:
+            return
+        wanted = lr * self.lr_scale
+        if wanted > self.cap_until:
+            return
+        fraction = self.lr_cap / wanted if wanted > 0 else 1.0
+        self.lr_cap, self.cap_until = None, None
+        self.ramp(fraction, self.cap_ramp)
 
     @property
     def lr_changed(self) -> bool:

@@ -429,3 +429,21 @@ def test_a_failed_or_skipped_record_keeps_its_reason_typed_and_stores_it_inside_
         row = event_row(rec, run_id="r", seq=1)
         assert row["after"] == after
         assert event_from_row("interventions", row) == rec
+
+
+def test_a_released_lr_cap_holds_until_the_schedule_is_below_where_the_trouble_began() -> None:
+    """A warm-up still rising past the edge would bring the trouble straight back: the cap of half the LR the
+    trouble began at (0.01) is lifted only once the schedule comes down to 0.01, then re-warmed."""
+    target = ScheduledTarget()
+    target.base["lr"] = 0.02  # the schedule, above the LR the trouble began at
+    ex = Executor(target)
+    capped = ex.execute(_decide("rollback", {"lr_cap": 0.5, "onset_lr": 0.01}, "d1"))
+    assert capped is not None and target.overrides.lr_cap == 0.005
+    release = ex.execute(_decide("release", {"intervention_ids": [capped.id], "steps": 2}, "d2"))
+    assert release is not None and release.after == {"lr_cap": 0.005, "lifted_below_lr": 0.01}
+    target.overrides.settle(0.02)
+    assert target.hparams()["lr"] == 0.005  # held
+    target.overrides.settle(0.008)  # the schedule came down
+    assert target.overrides.lr_cap is None and target.overrides.scaled_lr(0.008) == pytest.approx(0.005)
+    target.overrides.advance(2)
+    assert target.overrides.scaled_lr(0.008) == pytest.approx(0.008)

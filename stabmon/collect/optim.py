@@ -221,6 +221,9 @@ class OptimizerHooks:
 
     def _apply_overrides(self) -> None:
         o = self._overrides()
+        lr = self.optimizer.param_groups[0].get("lr")
+        if o.cap_until is not None and isinstance(lr, (int, float)):
+            o.settle(float(lr))  # a released cap lifted once the schedule is below where the trouble began
         self._saved_groups = []
         decaying = _decaying_group(self.optimizer.param_groups) if o.weight_decay is not None else None
         base = decaying["weight_decay"] if decaying is not None else 0.0

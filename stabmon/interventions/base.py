@@ -146,6 +146,23 @@ class Intervention:
             )
             return self.revert_record
 
+    def release(self, *, decision_id: str, steps: int) -> InterventionRecord:
+        """Give the change back after it resolved its incident (for the release decision ``decision_id``): by
+        default its revert; a change whose giving back must wait (a learning-rate cap while the schedule is above
+        where the trouble began) overrides ``_release``. ``steps``: the re-warm-up length."""
+        with target_lock(self.target):
+            if self.record is None or self.revert_record is not None:
+                raise InterventionError(f"{self.name} for decision {self.decision_id} is not in force")
+            before, after = self._release(steps)
+            self.revert_record = InterventionRecord(
+                decision_id=decision_id, step=int(self.target.step), action=self.name,
+                before=dict(before), after=dict(after), reverted=True, simulated=self.simulated,
+            )
+            return self.revert_record
+
+    def _release(self, steps: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        return self._revert()
+
     def reapply(self, *, decision_id: str) -> InterventionRecord:
         """Put back what a revert (a release) gave back: the trouble came back without it (for the decision
         ``decision_id``); return the audit record. It is in force again, and can be reverted again."""

@@ -114,13 +114,13 @@ class Executor:
         before: dict[str, Any] = {}
         after: dict[str, Any] = {}
         given_back = [self._applied.pop(record_id) for record_id in ids]
+        steps = int(decision.params.get("steps", 0))
         for intervention in given_back:
-            undone = intervention.revert(decision_id=decision.id)
+            undone = intervention.release(decision_id=decision.id, steps=steps)
             for key, value in undone.before.items():
                 before.setdefault(key, value)
             after.update(undone.after)
         lr_back = _lr(self.target)
-        steps = int(decision.params.get("steps", 0))
         if lr_now is not None and lr_back and 0 < lr_now < lr_back and steps > 0:
             self.target.overrides.ramp(lr_now / lr_back, steps)
             before["lr"], after["lr"] = lr_now, lr_back

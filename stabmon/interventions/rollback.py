@@ -112,7 +112,26 @@ class Rollback(Intervention):
         """Give back the learning-rate change (the weights stay as restored)."""
         return self._set(0)
 
+    def _release(self, steps: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """A cap is given back only once the schedule is below the LR at which the trouble began (a schedule
+        still above it, a warm-up that keeps rising, would only bring the trouble back): until then it holds,
+        and the record says when it lifts. A factor is given back at once."""
+        p = self.params
+        assert isinstance(p, RollbackParams)
+        cap = self._undo.get("lr_cap")
+        if cap is None or p.onset_lr is None or cap[0] is not None:
+            return self._set(0)
+        overrides = self.target.overrides
+        before: dict[str, Any] = {"lr_cap": overrides.lr_cap}
+        after: dict[str, Any] = {"lr_cap": overrides.lr_cap, "lifted_below_lr": p.onset_lr}
+        if "lr_scale" in self._undo:
+            before["lr_scale"], overrides.lr_scale = overrides.lr_scale, self._undo["lr_scale"][0]
+            after["lr_scale"] = overrides.lr_scale
+        overrides.release_cap(below=p.onset_lr, steps=steps)
+        return before, after
+
     def _reapply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        self.target.overrides.cap_until = None
         return self._set(1)
 
     def _set(self, which: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:

@@ -73,6 +73,8 @@ class SimulatedTarget:
         if last is not None:
             if last.step + 1 > self._step:  # a release's re-warm-up moves on with the recorded steps
                 self.overrides.advance(last.step + 1 - self._step)
+            if "lr" in recorded:
+                self.overrides.settle(recorded["lr"])
             self._step = last.step + 1
             self._batch_index = None if last.batch_index is None else last.batch_index + 1
 
