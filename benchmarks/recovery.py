@@ -81,9 +81,11 @@ def monitored(
 
 
 def _stabmon_facts(result: tiny_gpt.TrainResult, steps: int) -> dict[str, Any]:
+    from stabmon.interventions.traits import changed_training
+
     mon = result.monitor
     kinds = [type(e).__name__ for e in mon.events]
-    changes = [e for e in mon.events if type(e).__name__ == "InterventionRecord" and e.changed_training]
+    changes = [e for e in mon.events if type(e).__name__ == "InterventionRecord" and changed_training(e)]
     decisions = [e for e in mon.events if type(e).__name__ == "Decision"]
     recomputed = result.steps - min(mon.step, steps)
     return {

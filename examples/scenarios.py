@@ -110,6 +110,17 @@ SCENARIOS: dict[str, Scenario] = {
             "the stable peak, so the norms grow step after step until the run diverges",
             {"lr": LR_TOO_HIGH, "warmup": 300},
         ),
+        Scenario(
+            "fp16-flaky-overflow",
+            "A sustained fault that is not the learning rate's doing: fp16 with a GradScaler; from step 100, "
+            "every 4th step one gradient element of the output head overflows float16 (a kernel whose "
+            "intermediate passes 65504). The scaler skips those steps and backs off; a rollback does not cure "
+            "it (the steps come round again) and a lower LR does not either. Left alone the run survives, "
+            "worse than healthy; a runbook must not make it worse still",
+            {"amp": "fp16", "fault": "flaky_overflow", "fault_step": 100, "fault_every": 4},
+            healthy_changes={"amp": "fp16"},
+            rescuable=False,
+        ),
         Scenario("healthy", "The stable setting: the healthy control", {}, healthy=True),
     )
 }

@@ -72,7 +72,9 @@ class TrainConfig:
     """A fault injected at ``fault_step`` (see :data:`FAULTS`); None: no fault."""
     fault_step: int = 0
     """Step at which a one-time fault strikes (the first time the run reaches it; a rollback does not repeat
-    it, as a transient hardware fault would not)."""
+    it, as a transient hardware fault would not); a sustained fault starts there and keeps striking."""
+    fault_every: int = 4
+    """A sustained fault (``flaky_overflow``) strikes on every ``fault_every``-th step from ``fault_step``."""
     eval_batches: int = 4
     """Held-out batches (text drawn with another seed) whose mean loss is :attr:`TrainResult.val_loss`."""
 
@@ -92,8 +94,10 @@ class TrainConfig:
             raise ValueError(f"config.amp must be None or 'fp16', got {self.amp!r}")
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"config.fault must be one of {', '.join(FAULTS)} or None, got {self.fault!r}")
-        if self.fault == "overflow_state" and self.amp != "fp16":
-            raise ValueError("config.fault 'overflow_state' needs config.amp = 'fp16'")
+        if self.fault in ("overflow_state", "flaky_overflow") and self.amp != "fp16":
+            raise ValueError(f"config.fault {self.fault!r} needs config.amp = 'fp16'")
+        if self.fault_every < 1:
+            raise ValueError(f"config.fault_every must be >= 1, got {self.fault_every}")
 
 
 # -- data ----------------------------------------------------------------------------------------------------
@@ -220,6 +224,10 @@ FAULTS = {
     "from the same state computes it correctly",
     "freeze_wpe": "the positional embedding never receives a gradient (OPT-175B's frozen positional "
     "embeddings): nothing diverges, it just does not learn",
+    "flaky_overflow": "fp16 only: from fault_step on, every fault_every-th step one element of the output "
+    "head's gradient overflows float16 (a kernel whose intermediate passes 65504); the loss stays finite, the "
+    "loss scaler skips the step and backs off. Sustained, not the learning rate's doing, and a rollback does "
+    "not cure it: the steps come round again",
 }
 """Faults :class:`TrainConfig` can inject (``fault``): each fails the run by construction, for every seed."""
 
@@ -230,12 +238,24 @@ class Fault:
 
     def __init__(self, config: TrainConfig, model: GPT) -> None:
         self.kind, self.step, self.model, self.fired = config.fault, config.fault_step, model, False
+        self.every = config.fault_every
         self.gen = torch.Generator().manual_seed(config.seed + 3)
         self.armed = False
         if self.kind == "freeze_wpe":
             model.wpe.weight.requires_grad_(False)
         if self.kind == "flaky_activation":
             model.h[0].register_forward_hook(self._flaky)
+        if self.kind == "flaky_overflow":
+            model.ln_f.weight.register_hook(self._overflow)
+
+    def _overflow(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """The sustained fault: while armed (this step strikes), one gradient element is inf."""
+        if not self.armed:
+            return None
+        self.armed = False
+        grad = grad.clone()
+        grad.view(-1)[0] = math.inf
+        return grad
 
     def _flaky(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
         """The one faulty execution: only while armed by :meth:`before_step` (a re-run is not)."""
@@ -248,6 +268,9 @@ class Fault:
 
     @torch.no_grad()
     def before_step(self, step: int) -> None:
+        if self.kind == "flaky_overflow":
+            self.armed = step >= self.step and (step - self.step) % self.every == 0
+            return
         if self.fired or step != self.step or self.kind not in ("corrupt_weight", "overflow_state", "flaky_activation"):
             return
         self.fired = True

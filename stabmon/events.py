@@ -190,7 +190,20 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class InterventionRecord:
-    """What applying (or reverting) a decision changed: the values in force before and after."""
+    """What applying (or reverting) a decision changed: the values in force before and after.
+
+    ``error`` is set when the application failed (the rung is judged failed), ``not_applied`` when the
+    intervention was skipped because it would change nothing or only do harm (the runbook moves on); ``after``
+    then holds no values. The store and :func:`to_dict` keep both reasons inside ``after`` (under those keys), the
+    form every stored run has: :meth:`stored_after` folds them in, :meth:`from_stored` takes them out again.
+
+    >>> rec = InterventionRecord("d1", 5, "set_clip", {}, {}, error="RuntimeError: boom")
+    >>> dict(rec.stored_after())
+    {'error': 'RuntimeError: boom'}
+    >>> InterventionRecord.from_stored(decision_id="d1", step=5, action="set_clip", before={},
+    ...                                after={"error": "RuntimeError: boom"}, id=rec.id) == rec
+    True
+    """
 
     decision_id: str
     step: int
@@ -200,11 +213,33 @@ class InterventionRecord:
     reverted: bool = False  # True for the record of a revert
     simulated: bool = False  # True in replay
     id: str = field(default_factory=new_id)
+    error: str | None = None  # the application failed: "ExceptionType: message"
+    not_applied: str | None = None  # skipped: why it would change nothing or do harm
 
     @property
-    def changed_training(self) -> bool:
-        """Whether this changed the run: an alert changes nothing, and neither does a failed application."""
-        return self.action != "alert_only" and "error" not in self.after
+    def ok(self) -> bool:
+        """Applied (or reverted) without an error; a skipped intervention is ok, it did no harm."""
+        return self.error is None
+
+    def stored_after(self) -> Mapping[str, Any]:
+        """``after`` with the reason a failed or skipped application gives, as stored (``error`` / ``not_applied``
+        keys)."""
+        if self.error is None and self.not_applied is None:
+            return self.after
+        out = dict(self.after)
+        if self.not_applied is not None:
+            out["not_applied"] = self.not_applied
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+    @classmethod
+    def from_stored(cls, *, after: Mapping[str, Any], **fields: Any) -> InterventionRecord:
+        """The record of a stored row or event dict (inverse of :meth:`stored_after`)."""
+        values = dict(after)
+        error, not_applied = values.pop("error", None), values.pop("not_applied", None)
+        return cls(after=values, error=None if error is None else str(error),
+                   not_applied=None if not_applied is None else str(not_applied), **fields)
 
 
 class Verdict(str, Enum):
@@ -214,6 +249,8 @@ class Verdict(str, Enum):
     STOPPED = "stopped"  # the ladder ended in a stop
     EXHAUSTED = "exhausted"  # not resolved and no rung left
     SUPERSEDED = "superseded"  # an alert-only incident closed early: an anomaly a rule acts on arrived
+    RELEASED = "released"  # resolved, and the changes were given back with the run staying quiet
+    KEPT = "kept"  # resolved, but the trouble came back when the changes were given back: they were put back
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,8 +279,17 @@ def _plain(value: Any) -> Any:
     return value
 
 
+_FOLDED = frozenset({"error", "not_applied"})  # InterventionRecord fields kept inside ``after`` when serialised
+
+
 def to_dict(event: Event) -> dict[str, Any]:
-    """A JSON-ready dict of an event (enums as their values, tuples as lists), with its type under ``type``."""
-    out = {f.name: _plain(getattr(event, f.name)) for f in dataclasses.fields(event)}
+    """A JSON-ready dict of an event (enums as their values, tuples as lists), with its type under ``type``.
+    An intervention record's ``error`` / ``not_applied`` travel inside ``after`` (see
+    :meth:`InterventionRecord.stored_after`)."""
+    if isinstance(event, InterventionRecord):
+        out = {f.name: _plain(getattr(event, f.name)) for f in dataclasses.fields(event) if f.name not in _FOLDED}
+        out["after"] = _plain(event.stored_after())
+    else:
+        out = {f.name: _plain(getattr(event, f.name)) for f in dataclasses.fields(event)}
     out["type"] = type(event).__name__
     return out

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stabmon.events import Anomaly, InterventionRecord, Metric, StepRecord
+from stabmon.interventions.traits import recorded_traits
 
 CAUSES: dict[str, str] = {
     "productive": "steps the run kept",
@@ -155,7 +156,8 @@ def _rewinds(data: LedgerInput) -> dict[int, str]:
 
 
 def _is_rollback(ev: Any) -> bool:
-    return isinstance(ev, InterventionRecord) and ev.action == "rollback" and not ev.reverted and ev.changed_training
+    return (isinstance(ev, InterventionRecord) and not ev.reverted and ev.ok
+            and recorded_traits(ev.action).rewinds_step)
 
 
 def _hang_wait(data: LedgerInput, after: int, before: float) -> float:

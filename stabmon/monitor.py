@@ -50,12 +50,12 @@ from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Flusher, Outbox
 from stabmon.collect.grads import GradNorms
 from stabmon.collect.interrupts import INTERRUPTED, ExitGuard
+from stabmon.collect.joint import RankChannel
 from stabmon.collect.memory import DeviceMemory
 from stabmon.collect.optim import OptimizerHooks
 from stabmon.collect.rank_policy import SavePath, rank_policy
 from stabmon.collect.ranks import RankGather, RankProbe
 from stabmon.collect.record import StepRecorder
-from stabmon.collect.rerun_ranks import CrossRank, RankChannel
 from stabmon.collect.restore import TrainingState
 from stabmon.collect.resume import ResumeCheck
 from stabmon.collect.sharding import ShardedSquares, embedding_counted, layout_of
@@ -70,7 +70,10 @@ from stabmon.collect.wiring import (
     resolve_notifier,
     resolve_store,
 )
+from stabmon.diagnose import Diagnosis
+from stabmon.diagnose.build import build_diagnoser
 from stabmon.events import Anomaly, Event, Metric, StepRecord
+from stabmon.interventions.diagnose import Diagnose
 from stabmon.overrides import Overrides
 from stabmon.recipe import check_recipe, run_recipe
 from stabmon.store.limits import check_name
@@ -194,9 +197,6 @@ class Monitor:
         self.batches = batch_log_for(self.pipeline.engine, sample_ids, capacity=cfg.diagnose.batches)
         #: ln(output classes), recorded once with the first step observed (None: unknown, or recorded)
         self._untrained: float | None = untrained_loss(model)
-        self._loss_fn = loss_fn  # diagnose's loss of a batch (None: stabmon.collect.rerun.call_model)
-        cross = CrossRank(self.diagnose, rank=self.rank, world_size=self.world_size)
-        self.target.diagnoser = cross
         self._follower = RankFollower()
         self.flusher = Flusher(
             self.pipeline,
@@ -209,7 +209,7 @@ class Monitor:
             policy=self.policy,
             handed=handed,
         )
-        self.flusher.joiners.update(self.target.joiners, diagnose=cross.join)
+        self.flusher.joiners.update(self.target.joiners)
         if resume and resume_run_id is None:  # a saved monitor state names its run: reopen that one
             resume_run_id = resume.get("run_id")
         run_id = self.outbox.start_run(config=self._run_config(user_recipe), resume_run_id=resume_run_id)
@@ -221,6 +221,13 @@ class Monitor:
         last = self.outbox.last_step() if resume_run_id is not None else None
         self._resume = ResumeCheck(resume_run_id, last_step=broadcast(last) if self.world_size > 1 else last)
         self.records: deque[StepRecord] = deque(maxlen=cfg.history)
+        self.target.diagnoser = self._diagnoser = build_diagnoser(
+            model=model, optimizer=optimizer, scaler=scaler, grads=self._grads, hooks=self._hooks,
+            batches=self.batches, records=self.records, checkpoints=self.target.checkpoints,
+            check=self.target.state.mismatch, loss_fn=loss_fn,
+            own=self._rank_values.own if self._rank_values is not None else None,
+            rank=self.rank, world_size=self.world_size, channel=self._channel)
+        self.flusher.joiners[Diagnose.name] = self._diagnoser.join
         self._closed = False
         self._initial_saved = False
         self._pauses: list[str] = []  # monitor.paused(...) stretches in progress
@@ -348,15 +355,11 @@ class Monitor:
         torch.distributed on this rank, saving as the rank policy says (:meth:`LiveTarget.stop_here`)."""
         return self.target.stop_here(reason=reason, exit_code=exit_code)
 
-    def diagnose(self, **params: Any) -> dict[str, Any]:
-        """Re-run and replay the incident's steps (see :mod:`stabmon.collect.rerun`); the verdict and its
-        evidence. Under torch.distributed every rank must call it at the same point (a runbook's ``diagnose``
-        rung does: rank 0 calls the others in, :mod:`stabmon.collect.rerun_ranks`)."""
-        from stabmon.collect.rerun import diagnose
-
-        own = self._rank_values.own if self._rank_values is not None else None
-        return diagnose(self, self._grads, self._hooks, loss_fn=self._loss_fn, own=own, channel=self._channel,
-                        **params)
+    def diagnose(self, **params: Any) -> Diagnosis:
+        """Re-run and replay the incident's steps (see :mod:`stabmon.diagnose`); the verdict and its evidence.
+        Under torch.distributed every rank must call it at the same point (a runbook's ``diagnose`` rung calls
+        the other ranks in itself, :mod:`stabmon.diagnose.ranks`)."""
+        return self._diagnoser.run(**params)
 
     def device_memory(self) -> DeviceMemory:
         """Bytes the monitor holds on the device right now, per signal (activation norms hold a few scalars

@@ -35,6 +35,20 @@ class Overrides:
     """Decoupled weight decay; None keeps the optimizer's own."""
     skip_factor: float | None = None
     """skip_step guard: discard the update when grad norm > skip_factor x its running mean. None = off."""
+    ramp_from: float | None = None
+    """A release in progress (a change that resolved its incident being given back): the learning rate in
+    force starts at this fraction of what the other fields give and climbs back to it geometrically over
+    ``ramp_steps`` steps. None: no release in progress."""
+    ramp_steps: int = 0
+    """Length of the release's re-warm-up, in optimizer steps."""
+    ramp_done: int = 0
+    """Steps of the re-warm-up already taken."""
+    cap_until: float | None = None
+    """A released learning-rate cap that stays until the schedule comes down: once the LR the other fields give
+    is at most this (the LR at which its incident began), the cap is lifted, re-warmed over ``cap_ramp`` steps.
+    None: no such release pending."""
+    cap_ramp: int = 0
+    """Re-warm-up length of that pending lift, in optimizer steps."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,6 +66,65 @@ class Overrides:
             raise ValueError(f"overrides.weight_decay must be >= 0, got {self.weight_decay}")
         if self.skip_factor is not None and not self.skip_factor > 1.0:
             raise ValueError(f"overrides.skip_factor must be > 1, got {self.skip_factor}")
+        if self.ramp_from is not None and not (0.0 < self.ramp_from < 1.0 and self.ramp_steps >= 1):
+            raise ValueError(f"overrides.ramp_from must be in (0, 1) with ramp_steps >= 1, got {self.ramp_from} "
+                             f"over {self.ramp_steps} steps")
+
+    def ramp(self, fraction: float, steps: int) -> None:
+        """Start a re-warm-up: the LR in force begins at ``fraction`` of what it would be and climbs back to it
+        geometrically over ``steps`` optimizer steps (:meth:`advance` counts them). A fraction of 1 or more, or
+        no steps, is no ramp at all.
+
+        >>> o = Overrides(); o.ramp(0.25, 2); o.scaled_lr(1.0)
+        0.25
+        >>> o.advance(); o.scaled_lr(1.0)
+        0.5
+        >>> o.advance(); o.scaled_lr(1.0), o.ramp_from
+        (1.0, None)
+        """
+        if not 0.0 < fraction < 1.0 or steps < 1:
+            self.ramp_from, self.ramp_steps, self.ramp_done = None, 0, 0
+            return
+        self.ramp_from, self.ramp_steps, self.ramp_done = float(fraction), int(steps), 0
+
+    def advance(self, steps: int = 1) -> None:
+        """``steps`` optimizer steps were taken: move a re-warm-up on (host arithmetic only); it ends at
+        ``ramp_steps``."""
+        if self.ramp_from is None:
+            return
+        self.ramp_done += steps
+        if self.ramp_done >= self.ramp_steps:
+            self.ramp_from, self.ramp_steps, self.ramp_done = None, 0, 0
+
+    def release_cap(self, *, below: float, steps: int) -> None:
+        """Lift ``lr_cap`` once the learning rate it bounds is at most ``below`` (the LR at which the trouble
+        began; a schedule still above it would only bring the trouble back), re-warmed over ``steps`` steps;
+        :meth:`settle` checks, once per optimizer step.
+
+        >>> o = Overrides(lr_cap=0.1); o.release_cap(below=0.2, steps=2)
+        >>> o.settle(0.3); o.lr_cap        # the schedule still above where the trouble began: held
+        0.1
+        >>> o.settle(0.15); o.lr_cap, round(o.scaled_lr(0.15), 4)   # below it: lifted, re-warmed from 0.1
+        (None, 0.1)
+        """
+        self.cap_until, self.cap_ramp = float(below), int(steps)
+
+    def settle(self, lr: float) -> None:
+        """Before an optimizer step whose scheduler asks for ``lr`` (a host float): lift a released cap whose
+        condition holds (see :meth:`release_cap`)."""
+        if self.cap_until is None or self.lr_cap is None:
+            return
+        wanted = lr * self.lr_scale
+        if wanted > self.cap_until:
+            return
+        fraction = self.lr_cap / wanted if wanted > 0 else 1.0
+        self.lr_cap, self.cap_until = None, None
+        self.ramp(fraction, self.cap_ramp)
+
+    @property
+    def lr_changed(self) -> bool:
+        """Whether the learning rate in force differs from the scheduler's."""
+        return self.lr_scale != 1.0 or self.lr_cap is not None or self.ramp_from is not None
 
     def scaled_lr(self, lr: Any) -> Any:
         """The learning rate in force for a scheduler's ``lr`` (a float or a tensor): times ``lr_scale``, at most
@@ -61,9 +134,11 @@ class Overrides:
         (0.1, 0.05)
         """
         out = lr * self.lr_scale
-        if self.lr_cap is None:
-            return out
-        return out.clamp(max=self.lr_cap) if hasattr(out, "clamp") else min(out, self.lr_cap)
+        if self.lr_cap is not None:
+            out = out.clamp(max=self.lr_cap) if hasattr(out, "clamp") else min(out, self.lr_cap)
+        if self.ramp_from is not None:
+            out = out * self.ramp_from ** (1.0 - self.ramp_done / self.ramp_steps)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

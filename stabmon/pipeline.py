@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from stabmon.events import Anomaly, Decision, DecisionStatus, Event, InterventionRecord, Outcome, StepRecord
+from stabmon.interventions.traits import changed_training
 from stabmon.overrides import Overrides
 
 
@@ -131,7 +132,7 @@ class Pipeline:
             if record is not None:
                 events.append(record)
                 self.engine.applied(ev, record)
-                if record.changed_training:
+                if changed_training(record):
                     self.detectors.enter_grace()
         return events
 

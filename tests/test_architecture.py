@@ -117,3 +117,114 @@ def test_the_rule_catches_reaches(source: str, expected: set[str]) -> None:
 )
 def test_own_members_dunders_and_listed_third_party_internals_pass(source: str) -> None:
     assert violations(source) == []
+
+
+# -- what an action is, the runbook reads from its declared traits (stabmon.interventions.traits), not its name --
+TRAIT_READERS = ("runbook", "pipeline.py")  # the engine, its helpers and the pipeline that feeds it
+
+
+def _is_action(node: ast.expr) -> bool:
+    """``action``, ``x.action`` or ``x["action"]``."""
+    if isinstance(node, ast.Name):
+        return node.id == "action"
+    if isinstance(node, ast.Attribute):
+        return node.attr == "action"
+    return (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+            and node.slice.value == "action")
+
+
+def _names_literal(node: ast.expr) -> bool:
+    """A string literal, or a tuple / list / set (or frozenset(...)) holding one."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("frozenset", "set"):
+        return any(_names_literal(a) for a in node.args)
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_literal(e) for e in node.elts)
+    return False
+
+
+def action_name_branches(source: str, filename: str = "<source>") -> list[str]:
+    """Every comparison of an action with a name written in the source (``action == "rollback"``,
+    ``d.action in ("revert", "alert_only")``, ``iv["action"] != "diagnose"``)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        if any(_is_action(s) for s in sides) and any(_names_literal(s) for s in sides):
+            found.append(f"{filename}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_runbook_reads_traits_not_action_names() -> None:
+    found = []
+    for place in TRAIT_READERS:
+        root = PACKAGE / place
+        for path in sorted(root.rglob("*.py") if root.is_dir() else [root]):
+            found += action_name_branches(path.read_text(encoding="utf-8"), str(path.relative_to(PACKAGE.parent)))
+    assert found == [], "branches on an action's name (declare a trait on the intervention instead):\n" + "\n".join(
+        found)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        'if decision.action == "rollback": pass',
+        'x = rung.action != "alert_only"',
+        'ok = d.action in ("revert", "alert_only")',
+        'ok = iv["action"] == "diagnose"',
+        'ok = action not in frozenset({"diagnose"})',
+        'ok = "checkpoint_and_stop" == decision.action',
+    ],
+)
+def test_the_action_rule_catches_name_branches(source: str) -> None:
+    assert len(action_name_branches(source)) == 1
+
+
+@pytest.mark.parametrize(
+    "source",
+    ['if traits_of(decision.action).rewinds_step: pass', 'ok = rung.on_failure == "revert"',
+     'ok = decision.status == "applied"'],
+)
+def test_trait_reads_pass_the_action_rule(source: str) -> None:
+    assert action_name_branches(source) == []
+
+
+# -- a component gets its collaborators, not the Monitor that owns them --
+MONITOR_USERS = {  # modules that may take a Monitor as a parameter: users of its public API, not its parts
+    "stabmon/monitor.py",
+    "stabmon/cli/demo.py",  # prints the summary of the run it made, from the monitor's public attributes
+}
+
+
+def monitor_parameters(source: str, filename: str = "<source>") -> list[str]:
+    """Every function parameter named ``monitor`` or annotated with the ``Monitor``."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        a = node.args
+        for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]:
+            note = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+            if arg.arg == "monitor" or re.search(r"\bMonitor\b", note):
+                found.append(f"{filename}:{arg.lineno}: {arg.arg}: {note or '(no annotation)'}")
+    return found
+
+
+def test_no_component_receives_the_monitor() -> None:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = str(path.relative_to(PACKAGE.parent))
+        if name not in MONITOR_USERS:
+            found += monitor_parameters(path.read_text(encoding="utf-8"), name)
+    assert found == [], "the Monitor handed to a collaborator (pass what it needs instead):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("source", "caught"),
+    [("def diagnose(monitor: Any, grads): ...", 1), ("def f(owner: 'stabmon.Monitor'): ...", 1),
+     ("def f(m: Monitor | None = None): ...", 1), ("def f(model: nn.Module, monitored: bool): ...", 0)],
+)
+def test_the_monitor_rule_catches_a_monitor_parameter(source: str, caught: int) -> None:
+    assert len(monitor_parameters(source)) == caught

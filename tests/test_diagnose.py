@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from stabmon.collect.batches import BatchLog
 from stabmon.collect.config import UpdateConfig
 from stabmon.collect.updates import UpdateNorms
-from stabmon.diagnose import incident_steps, replay_recurs, verdict_of
+from stabmon.diagnose.verdict import incident_steps, replay_recurs, verdict_of
 from stabmon.events import InterventionRecord, Metric
 from stabmon.monitor import Monitor, MonitorConfig
 
@@ -111,9 +111,10 @@ def test_diagnose_restores_the_run_exactly(tmp_path: Path) -> None:
     made: list[Monitor] = []
 
     def factory(model: Any, opt: Any, sched: Any) -> Monitor:
+        # observe mode has no engine: a sample_ids hook keeps the batch log on anyway
         made.append(Monitor(model, opt, scheduler=sched, store=None, runbook="diagnose-first", mode="observe",
-                            config=MonitorConfig(clip=1.0, checkpoint_every=25), checkpoint_dir=str(tmp_path)))
-        made[0].batches = BatchLog(100)  # observe mode has no engine: keep the batches anyway
+                            config=MonitorConfig(clip=1.0, checkpoint_every=25), checkpoint_dir=str(tmp_path),
+                            sample_ids=lambda batch: list(range(len(batch[0])))))
         return made[0]
 
     sc.tiny_gpt.train(config, monitor=factory)
@@ -121,7 +122,7 @@ def test_diagnose_restores_the_run_exactly(tmp_path: Path) -> None:
     before = [p.detach().clone() for p in mon.model.parameters()]
     opt_before = {k: v.clone() for k, v in mon.optimizer.state[mon.optimizer.param_groups[0]["params"][0]].items()}
     rng = torch.get_rng_state()
-    ev = mon.diagnose(onset_step=40, step=55, metric="loss", max_batches=4, rtol=1e-4, recur=0.5)
+    ev = mon.diagnose(onset_step=40, step=55, metric="loss", max_batches=4, rtol=1e-4, recur=0.5).as_after()
     assert ev["rerun"]["reproduced"] is True, ev
     assert all(torch.equal(a, b) for a, b in zip(before, mon.model.parameters(), strict=True))
     state = mon.optimizer.state[mon.optimizer.param_groups[0]["params"][0]]
@@ -134,15 +135,14 @@ def test_without_checkpoints_the_verdict_is_inconclusive_and_the_ladder_goes_on(
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = [(torch.randn(8, 4, generator=torch.Generator().manual_seed(i)),) for i in range(30)]
     with Monitor(model, opt, store=None, runbook="diagnose-first", mode="observe",
-                 loss_fn=lambda m, b: m(b[0]).pow(2).mean()) as mon:
-        mon.batches = BatchLog(50)
+                 loss_fn=lambda m, b: m(b[0]).pow(2).mean(), sample_ids=lambda b: list(range(len(b[0])))) as mon:
         for _step, (x,) in mon.steps(data):
             loss = model(x).pow(2).mean()
             loss.backward()
             mon.observe(loss=loss)
             opt.step()
             opt.zero_grad()
-        ev = mon.diagnose(onset_step=5, step=15, metric="loss", max_batches=4, rtol=1e-4, recur=0.5)
+        ev = mon.diagnose(onset_step=5, step=15, metric="loss", max_batches=4, rtol=1e-4, recur=0.5).as_after()
     assert ev["verdict"] == "inconclusive" and "checkpoint" in ev["summary"]
 
 

@@ -79,7 +79,8 @@ def _train_gpt(rank: int, size: int, scenario: str, steps: int, fault_rank: int 
         sched.step()
         opt.zero_grad(set_to_none=True)
     mon.close()
-    return {"diagnosis": mon.target.diagnoser.last, "seen": seen, "exit_code": mon.exit_code,
+    last = mon.target.diagnoser.last
+    return {"diagnosis": last.as_after() if last is not None else None, "seen": seen, "exit_code": mon.exit_code,
             "skip": sorted(mon.cursor.skip), "run_id": mon.run_id}
 
 
@@ -192,7 +193,7 @@ def _small(rank: int, size: int, kind: str, fault_rank: int | None, root: str, l
         opt.zero_grad()
     if lose_batches and rank == 1:
         mon.batches.entries.clear()  # type: ignore[union-attr]
-    ev = mon.diagnose(onset_step=25, step=29, metric="loss", max_batches=3, rtol=1e-4, recur=0.5)
+    ev = mon.diagnose(onset_step=25, step=29, metric="loss", max_batches=3, rtol=1e-4, recur=0.5).as_after()
     mon.close()
     return ev
 

@@ -59,7 +59,8 @@ def _run(tmp_path: Path, *, flaky: bool, seed: int) -> tuple[Monitor, dict[str, 
         opt.zero_grad()
     mon.flush()
     scale = scaler.get_scale()
-    ev = mon.diagnose(onset_step=FAULT_STEP, step=29, metric="loss", max_batches=3, rtol=1e-4, recur=0.5)
+    ev = mon.diagnose(onset_step=FAULT_STEP, step=29, metric="loss", max_batches=3, rtol=1e-4,
+                      recur=0.5).as_after()
     assert scaler.get_scale() == scale  # the scaler's state is put back with the model's
     mon.close()
     return mon, ev

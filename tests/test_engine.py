@@ -109,6 +109,14 @@ def outcomes(events) -> list[Outcome]:
     return [e for e in events if isinstance(e, Outcome)]
 
 
+GIVE_BACK = ("revert", "release", "reapply")  # decisions that return to the recipe, not rungs of the ladder
+
+
+def rungs(events) -> list[Decision]:
+    """The ladder's own decisions: without the reverts, releases and re-applications between them."""
+    return [d for d in decisions(events) if d.action not in GIVE_BACK]
+
+
 def test_one_change_at_a_time_while_observing() -> None:
     d = Driver(Engine(runbook(), id_seed="s"))
     first = d.run(1, anomalous=[1])
@@ -118,21 +126,26 @@ def test_one_change_at_a_time_while_observing() -> None:
     assert decisions(during) == [] and outcomes(during) == []
     judged = d.run(1, anomalous=[5])
     assert [o.verdict for o in outcomes(judged)] == [Verdict.ESCALATED]
-    assert [x.action for x in decisions(judged)] == ["set_beta2"]
+    # the failed rung is undone before the next: one change in force at a time
+    assert [x.action for x in decisions(judged)] == ["revert", "set_beta2"]
+    assert decisions(judged)[0].params["intervention_id"] == f"i-{decisions(first)[0].id}"
     assert d.engine.busy
 
 
 def test_escalation_follows_the_ladder_in_order_then_exhausts() -> None:
     d = Driver(Engine(runbook(), id_seed="s"))
     d.run(13, anomalous=range(1, 14))
-    ds, os_ = decisions(d.events), outcomes(d.events)
+    ds, os_ = rungs(d.events), outcomes(d.events)
     assert [x.action for x in ds] == ["set_clip", "set_beta2", "scale_lr"]
+    # each failed rung, the last too, is reverted: a spent ladder leaves nothing in force
+    assert [x.action for x in decisions(d.events)] == ["set_clip", "revert", "set_beta2", "revert", "scale_lr",
+                                                       "revert"]
     assert [x.rung for x in ds] == [0, 1, 2]
     assert [o.verdict for o in os_] == [Verdict.ESCALATED, Verdict.ESCALATED, Verdict.EXHAUSTED]
     # each outcome names the decision (and intervention) it judged; one incident groups them all
     assert [o.decision_id for o in os_] == [x.id for x in ds]
     assert [o.intervention_id for o in os_] == [f"i-{x.id}" for x in ds]
-    assert len({x.incident_id for x in ds} | {o.incident_id for o in os_}) == 1
+    assert len({x.incident_id for x in decisions(d.events)} | {o.incident_id for o in os_}) == 1
     assert not d.engine.busy
 
 
@@ -145,7 +158,29 @@ def test_resolved_when_quiet_and_loss_back_near_baseline() -> None:
     (o,) = outcomes(out)
     assert o.verdict == Verdict.RESOLVED
     assert o.evidence["loss_baseline"] == 2.0 and o.evidence["matching_anomalies"] == 0
-    assert decisions(out) == [] and not d.engine.busy
+    # the change that resolved it is given back, and the run observed without it
+    (release,) = decisions(out)
+    assert release.action == "release" and release.params["intervention_ids"] == [o.intervention_id]
+    assert release.params["steps"] == 100 and d.engine.busy
+    done = d.run(199, loss=2.0)
+    assert not outcomes(done) and d.engine.busy  # 100 steps of re-warm-up + 100 observed
+    (released,) = outcomes(d.run(1, loss=2.0))
+    assert released.verdict == Verdict.RELEASED and released.decision_id == release.id
+    assert not d.engine.busy
+
+
+def test_a_release_the_trouble_comes_back_on_is_put_back_and_kept() -> None:
+    d = Driver(Engine(runbook(), id_seed="s"))
+    d.run(6)
+    d.run(1, anomalous=[7])
+    d.run(4)  # resolved at step 11: release
+    (release,) = decisions(d.events)[1:]
+    assert release.action == "release"
+    out = d.run(5, anomalous=[15])  # back while released: judged at once
+    assert [o.verdict for o in outcomes(out)] == [Verdict.KEPT]
+    (back,) = decisions(out)
+    assert back.action == "reapply" and back.params["intervention_id"] == f"i-{release.id}"
+    assert "stay in force" in back.reason and not d.engine.busy
 
 
 def test_quiet_but_loss_too_high_is_not_resolved() -> None:
@@ -180,7 +215,7 @@ def test_revert_undoes_the_change_then_tries_the_next_rung() -> None:
 def test_stop_ends_the_run_and_the_engine() -> None:
     d = Driver(Engine(runbook(last_failure="stop"), id_seed="s"))
     d.run(13, anomalous=range(1, 14))
-    ds = decisions(d.events)
+    ds = rungs(d.events)
     assert [x.action for x in ds] == ["set_clip", "set_beta2", "scale_lr", "checkpoint_and_stop"]
     assert outcomes(d.events)[-1].verdict == Verdict.STOPPED
     assert d.engine.stopped
@@ -191,16 +226,18 @@ def test_cooldown_blocks_new_incidents_for_its_length() -> None:
     d = Driver(Engine(runbook(cooldown=5), id_seed="s"))
     d.run(6)
     d.run(1, anomalous=[7])
-    d.run(4)  # resolved at step 11
+    d.run(4)  # resolved at step 11, then released and observed for 200 steps (to step 211)
     assert outcomes(d.events)[-1].verdict == Verdict.RESOLVED
-    assert decisions(d.run(5, anomalous=range(12, 17))) == []  # steps 12-16: cooldown
-    assert [x.action for x in decisions(d.run(1, anomalous=[17]))] == ["set_clip"]
+    d.run(200)
+    assert outcomes(d.events)[-1].verdict == Verdict.RELEASED
+    assert decisions(d.run(5, anomalous=range(212, 217))) == []  # steps 212-216: cooldown
+    assert [x.action for x in decisions(d.run(1, anomalous=[217]))] == ["set_clip"]
 
 
 def test_budget_turns_the_next_change_into_an_alert() -> None:
     d = Driver(Engine(runbook(budget=2), id_seed="s"))
     d.run(9, anomalous=range(1, 10))
-    ds = decisions(d.events)
+    ds = rungs(d.events)
     assert [x.action for x in ds] == ["set_clip", "set_beta2", "alert_only"]
     assert "budget exhausted" in ds[-1].reason and ds[-1].status == DecisionStatus.APPLY
     assert not d.engine.busy
@@ -234,7 +271,7 @@ def test_failed_application_is_judged_at_once() -> None:
     eng = Engine(runbook(), id_seed="s")
     (dec,) = eng.process(StepRecord(1, {"loss": 2.0}), [spike(1)])
     eng.applied(dec, InterventionRecord(decision_id=dec.id, step=1, action=dec.action, before={},
-                                        after={"error": "RuntimeError: boom"}))
+                                        after={}, error="RuntimeError: boom"))
     out = eng.process(StepRecord(2, {"loss": 2.0}), [])
     assert outcomes(out)[0].evidence["error"] == "RuntimeError: boom"
     assert [x.action for x in decisions(out)] == ["set_beta2"]
@@ -250,7 +287,8 @@ def test_propose_mode_waits_for_an_answer() -> None:
     assert d.answer(prop.id, True) == []  # a second answer is stale
     out = d.run(4, anomalous=[5, 6, 7, 8])
     assert [o.verdict for o in outcomes(out)] == [Verdict.ESCALATED]
-    assert decisions(out)[0].status == DecisionStatus.PROPOSED  # the next rung is proposed too
+    assert decisions(out)[0].action == "revert"  # undoing the failed rung returns to the recipe: applied
+    assert rungs(out)[0].status == DecisionStatus.PROPOSED  # the next rung is proposed too
 
 
 def test_rejected_proposal_closes_the_incident() -> None:
@@ -366,11 +404,12 @@ def test_invariants_on_random_streams(flags, losses, mode, answers, budget, fail
             elif ev.status in (DecisionStatus.APPLY, DecisionStatus.APPROVED):
                 eng.applied(ev, InterventionRecord(decision_id=ev.id, step=i, action=ev.action, before={},
                                                    after={}))
-                if ev.action in ("revert", "alert_only", "checkpoint_and_stop"):
+                if ev.action in ("revert", "reapply", "alert_only", "checkpoint_and_stop"):
                     continue
                 assert open_change is None, "a second change while one is observed"
                 open_change = ev.id
-                changes.append(i)
+                if ev.action != "release":  # giving a change back spends no budget
+                    changes.append(i)
         assert all(sum(1 for t in changes if t > c - 1000) <= budget for c in changes)
         clone = Engine(eng.runbook)
         clone.load_state_dict(json.loads(json.dumps(eng.state_dict())))
@@ -380,7 +419,8 @@ def test_invariants_on_random_streams(flags, losses, mode, answers, budget, fail
 def test_revert_on_the_last_rung_closes_with_one_outcome() -> None:
     d = Driver(Engine(runbook(last_failure="revert"), id_seed="s"))
     d.run(13, anomalous=range(1, 14))
-    assert [x.action for x in decisions(d.events)] == ["set_clip", "set_beta2", "scale_lr", "revert"]
+    assert [x.action for x in decisions(d.events)] == ["set_clip", "revert", "set_beta2", "revert", "scale_lr",
+                                                       "revert"]
     assert [o.verdict for o in outcomes(d.events)] == [Verdict.ESCALATED, Verdict.ESCALATED, Verdict.REVERTED]
     assert not d.engine.busy
 
@@ -389,6 +429,7 @@ ALERT_THEN_ACT = """
 name: alert-then-act
 mode: apply
 cooldown: 50
+release: {steps: 0, observe: 1}
 rules:
   - name: persistent
     when: {kind: spike, severity: error}
@@ -437,8 +478,11 @@ rules:
 def test_a_repeated_rung_is_tried_again_while_the_incident_persists_then_the_ladder_moves_on() -> None:
     d = Driver(Engine(loads_runbook(REPEAT), id_seed="r"))
     d.run(11, anomalous=range(1, 12))  # the spikes never stop
-    made = decisions(d.events)[:4]
+    made = rungs(d.events)[:4]
     assert [x.action for x in made] == ["scale_lr", "scale_lr", "scale_lr", "alert_only"]
+    # the attempts stack; once the rung is spent all three are undone, newest first, before the next rung
+    reverts = [x for x in decisions(d.events) if x.action == "revert"]
+    assert [x.params["intervention_id"] for x in reverts] == [f"i-{x.id}" for x in reversed(made[:3])]
     assert ["attempt 1 of 3" in made[0].reason, "attempt 2 of 3" in made[1].reason,
             "attempt 3 of 3" in made[2].reason] == [True, True, True]
     assert {x.rung for x in made[:3]} == {0} and made[3].rung == 1
@@ -451,7 +495,9 @@ def test_a_repeated_rung_stops_repeating_once_an_attempt_resolves_it() -> None:
     d = Driver(Engine(loads_runbook(REPEAT), id_seed="r"))
     d.run(4, anomalous=range(1, 5))  # attempt 1 (made at 1) judged at 4: not quiet; attempt 2 made at 4
     d.run(6)  # quiet from here on
-    assert [x.action for x in decisions(d.events)] == ["scale_lr", "scale_lr"]
+    assert [x.action for x in decisions(d.events)] == ["scale_lr", "scale_lr", "release"]
+    assert decisions(d.events)[-1].params["intervention_ids"] == [f"i-{x.id}" for x in
+                                                                  reversed(decisions(d.events)[:2])]
     assert [o.verdict for o in outcomes(d.events)] == [Verdict.ESCALATED, Verdict.RESOLVED]
 
 
@@ -498,7 +544,7 @@ def test_a_skipped_rung_costs_no_window_and_no_budget() -> None:
     eng = Engine(runbook(budget=1), id_seed="s")
     (dec,) = eng.process(StepRecord(1, {"loss": 2.0}), [spike(1)])
     eng.applied(dec, InterventionRecord(decision_id=dec.id, step=1, action=dec.action, before={},
-                                        after={"not_applied": "set_clip only lowers clip: 1 now, the rung gives 1.5"}))
+                                        after={}, not_applied="set_clip only lowers clip: 1 now, the rung gives 1.5"))
     out = eng.process(StepRecord(2, {"loss": 2.0}), [])
     (done,) = outcomes(out)
     assert done.verdict == Verdict.ESCALATED and done.evidence["skipped"].startswith("set_clip only lowers")
@@ -526,7 +572,7 @@ def test_with_the_real_executor_a_ladder_that_would_loosen_clipping_skips_to_its
             record = ex.execute(ev)
             assert record is not None
             eng.applied(ev, record)
-            actions.append((ev.action, "not_applied" in record.after))
+            actions.append((ev.action, record.not_applied is not None))
         produced = eng.process(StepRecord(step, {"loss": 2.0}), [])
     # clip 1.0 and beta2 0.95 already in force: both rungs are skipped at once, the LR cut is the first change
     assert actions == [("set_clip", True), ("set_beta2", True), ("scale_lr", False)]

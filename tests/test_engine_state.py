@@ -78,18 +78,22 @@ def test_a_version_1_state_mid_observation_loads_into_dataclasses() -> None:
 
 
 def test_a_version_1_state_continues_as_the_engine_that_saved_it_did() -> None:
-    """What the version-1 engine produced after saving OBSERVING_V1, given these records."""
+    """What the version-1 engine produced after saving OBSERVING_V1, given these records; since then a failed
+    rung is undone before the next and a resolved incident's change is given back (the release)."""
     eng = Engine(runbook(seen=2), id_seed="other")
     eng.load_state_dict(OBSERVING_V1)
-    judged, rung2, resolved = _continue(eng, range(15, 22), spikes={15})
+    # a version-1 state did not track the changes in force: rung 1's is not reverted before rung 2
+    judged, rung2, resolved, release = _continue(eng, range(15, 22), spikes={15})
+    assert isinstance(release, Decision) and release.action == "release"
+    assert release.params["intervention_ids"] == [resolved.intervention_id]
     assert isinstance(judged, Outcome) and judged.verdict == Verdict.ESCALATED and judged.id == "81a4434cb67b"
     assert judged.evidence == {"observed_steps": 4, "judged_steps": 3, "matching_anomalies": 1,
                                "metric": "grad_norm", "loss_baseline": 2.5, "loss_now": 2.5, "loss_within": 0.1,
                                "loss_ratio": 1.0}
-    assert isinstance(rung2, Decision) and (rung2.action, rung2.rung, rung2.id) == ("set_beta2", 1, "3e54d56431c0")
+    assert isinstance(rung2, Decision) and (rung2.action, rung2.rung) == ("set_beta2", 1)
     assert rung2.reason == f"{REASON}; rung 2/3 of rule spikes" and rung2.incident_id == "daaa917c524c"
     assert isinstance(resolved, Outcome) and (resolved.step, resolved.verdict) == (19, Verdict.RESOLVED)
-    assert resolved.intervention_id == "i-3e54d56431c0" and resolved.id == "aac3e7efde58"
+    assert resolved.intervention_id == f"i-{rung2.id}" and resolved.decision_id == rung2.id
 
 
 def test_a_version_1_proposal_can_still_be_answered() -> None:

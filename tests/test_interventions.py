@@ -21,6 +21,7 @@ from stabmon.interventions import (
     register,
 )
 from stabmon.interventions.base import NoChange
+from stabmon.interventions.traits import REVERT, Traits, changed_training, recorded_traits, traits_of
 from stabmon.overrides import Overrides
 from stabmon.pipeline import ExecutorLike, InterventionTarget
 
@@ -109,11 +110,27 @@ def test_guard_apply_once_revert_once_after_apply() -> None:
 
 
 def test_irreversible_actions_refuse_to_revert() -> None:
-    for action in ("rollback", "checkpoint_and_stop", "alert_only"):
+    for action in ("checkpoint_and_stop", "alert_only"):
         iv = get_intervention(action)(FakeTarget(), {}, decision_id="d")
         iv.apply()
         with pytest.raises(InterventionError, match="cannot be reverted"):
             iv.revert(decision_id="x")
+
+
+def test_a_rollback_reverts_only_its_learning_rate_change() -> None:
+    """The restored weights stay; a rollback that capped the LR gives the cap back, one that did not has
+    nothing to give back (skipped, not failed)."""
+    plain = get_intervention("rollback")(FakeTarget(), {}, decision_id="d")
+    assert not type(plain).holds(plain.apply())
+    with pytest.raises(NoChange, match="changed no learning-rate setting"):
+        plain.revert(decision_id="x")
+    target = FakeTarget()
+    capped = get_intervention("rollback")(target, {"lr_cap": 0.5, "onset_lr": 0.01}, decision_id="d")
+    assert type(capped).holds(capped.apply()) and target.overrides.lr_cap == 0.005
+    record = capped.revert(decision_id="x")
+    assert target.overrides.lr_cap is None and record.before == {"lr_cap": 0.005} and record.after == {"lr_cap": None}
+    capped.reapply(decision_id="y")  # what a release that the trouble came back on does
+    assert target.overrides.lr_cap == 0.005
 
 
 def test_invalid_override_value_leaves_the_target_untouched() -> None:
@@ -155,7 +172,7 @@ def test_executor_applies_and_reverts_by_intervention_id() -> None:
     rec = ex.execute(decision("set_beta2", {"beta2": 0.95}))
     assert t.overrides.beta2 == 0.95
     undo = ex.execute(decision("revert", {"intervention_id": rec.id}))
-    assert t.overrides.beta2 is None and undo.reverted and "error" not in undo.after
+    assert t.overrides.beta2 is None and undo.reverted and undo.error is None
 
 
 def test_executor_failures_are_recorded_not_raised(caplog: pytest.LogCaptureFixture) -> None:
@@ -167,10 +184,11 @@ def test_executor_failures_are_recorded_not_raised(caplog: pytest.LogCaptureFixt
     t.rollback = boom  # type: ignore[method-assign]
     ex = Executor(t)
     rec = ex.execute(decision("rollback", {"onset_step": 50}))
-    assert rec.after == {"error": "FileNotFoundError: no valid checkpoint"}
+    assert rec.error == "FileNotFoundError: no valid checkpoint" and rec.after == {}
+    assert rec.stored_after() == {"error": "FileNotFoundError: no valid checkpoint"}  # as stored
     missing = ex.execute(decision("revert", {"intervention_id": "nope"}))
-    assert missing.after["error"].startswith("LookupError")
-    assert ex.execute(decision("teleport")).after["error"].startswith("KeyError")
+    assert missing.error.startswith("LookupError")
+    assert ex.execute(decision("teleport")).error.startswith("KeyError")
     assert ex.errors == 3 and "rollback at step 100 failed" in caplog.text
     lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(lines) == 3 and all("\n" not in m for m in lines)  # one line each: no traceback
@@ -188,9 +206,9 @@ def test_executor_state_survives_a_resume_so_reverts_still_work() -> None:
     ex2.load_state_dict(pickle.loads(pickle.dumps(state)))
     assert ex2.state_dict() == state
     undo = ex2.execute(decision("revert", {"intervention_id": rec.id}))
-    assert "error" not in undo.after and t2.overrides.max_norm is None
+    assert undo.error is None and t2.overrides.max_norm is None
     twice = ex2.execute(decision("revert", {"intervention_id": rec.id}))
-    assert twice.after["error"].startswith("LookupError")
+    assert twice.error.startswith("LookupError")
 
 
 def test_concurrent_applications_are_serialised() -> None:
@@ -289,7 +307,7 @@ def test_a_change_the_harmful_way_or_none_at_all_is_skipped_and_recorded(action,
     assert t.overrides == Overrides()  # nothing touched
     ex = Executor(t)
     rec = ex.execute(decision(action, params))
-    assert rec is not None and why in rec.after["not_applied"] and "error" not in rec.after and ex.errors == 0
+    assert rec is not None and why in rec.not_applied and rec.error is None and ex.errors == 0
 
 
 def test_scale_lr_during_a_warm_up_at_lr_zero_still_applies_to_later_steps() -> None:
@@ -323,3 +341,109 @@ def test_weight_decay_scales_each_param_group_from_its_own_value_and_groups_at_z
     monitor.close()
     assert seen == [[pytest.approx(0.2), 0.0, pytest.approx(0.1)]]
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0, 0.05]  # the optimizer's own, after
+
+
+class ScheduledTarget(FakeTarget):
+    """FakeTarget whose LR in force is the overrides' (a cap and a release's re-warm-up included)."""
+
+    def hparams(self) -> dict[str, float]:
+        return {**super().hparams(), "lr": self.overrides.scaled_lr(self.base["lr"])}
+
+
+def _decide(action: str, params: dict[str, Any], did: str) -> Decision:
+    return Decision(step=100, action=action, params=params, status=DecisionStatus.APPLY, runbook="r", rule="x",
+                    rung=0, reason="test", id=did)
+
+
+def test_a_release_gives_changes_back_and_rewarms_the_lr_and_a_reapply_puts_them_back() -> None:
+    target = ScheduledTarget()
+    ex = Executor(target)
+    clip = ex.execute(_decide("set_clip", {"max_norm": 0.5}, "d1"))
+    lr = ex.execute(_decide("scale_lr", {"factor": 0.25}, "d2"))
+    assert clip is not None and lr is not None and target.hparams()["lr"] == pytest.approx(2.5e-4)
+    release = ex.execute(_decide("release", {"intervention_ids": [lr.id, clip.id], "steps": 2}, "d3"))
+    assert release is not None and release.ok and release.action == "release"
+    assert target.overrides.max_norm is None and target.overrides.lr_scale == 1.0  # settings back at once
+    assert release.after["ramp_from"] == pytest.approx(0.25) and release.after["ramp_steps"] == 2
+    seen = []
+    for _ in range(3):  # the LR climbs back to the schedule over 2 optimizer steps
+        seen.append(target.hparams()["lr"])
+        target.overrides.advance()
+    assert seen == pytest.approx([2.5e-4, 5e-4, 1e-3])
+    state = ex.state_dict()
+    resumed = Executor(target)
+    resumed.load_state_dict(state)  # a resumed run can still put them back
+    back = resumed.execute(_decide("reapply", {"intervention_id": release.id}, "d4"))
+    assert back is not None and back.ok and back.after == {"max_norm": 0.5, "lr_scale": 0.25}
+    assert target.overrides.max_norm == 0.5 and target.overrides.lr_scale == 0.25
+    again = resumed.execute(_decide("reapply", {"intervention_id": release.id}, "d5"))
+    assert again is not None and again.error is not None and "no release" in again.error
+
+
+def test_a_release_of_a_change_not_in_force_fails_with_one_line() -> None:
+    ex = Executor(ScheduledTarget())
+    record = ex.execute(_decide("release", {"intervention_ids": ["nope"], "steps": 5}, "d1"))
+    assert record is not None and record.error == "LookupError: no change in force to release: nope"
+
+
+# -- traits: what each intervention declares, read by the engine instead of its name --
+TRAITS = ("changes_training", "stays_in_force", "stops_run", "rewinds_step", "diagnoses", "revertible")
+
+
+@pytest.mark.parametrize("name", sorted(INTERVENTIONS))
+def test_every_intervention_declares_consistent_traits(name: str) -> None:
+    cls = INTERVENTIONS[name]
+    declared = {t: getattr(cls, t) for t in TRAITS}
+    assert all(isinstance(v, bool) for v in declared.values()), declared
+    t = traits_of(name)
+    assert {f: getattr(t, f) for f in TRAITS} == declared and not t.undoes
+    if t.revertible:  # what can be undone was in force
+        assert t.stays_in_force
+    if t.stops_run or t.diagnoses or not t.changes_training:  # nothing of it is left to revert or keep
+        assert not t.stays_in_force and not t.revertible
+
+
+def test_traits_of_the_builtin_actions() -> None:
+    flags = {name: {f for f in TRAITS if getattr(traits_of(name), f)} for name in INTERVENTIONS}
+    assert flags["alert_only"] == set()
+    assert flags["checkpoint_and_stop"] == {"changes_training", "stops_run"}
+    assert flags["rollback"] == {"changes_training", "stays_in_force", "rewinds_step", "revertible"}  # its LR cap
+    assert flags["diagnose"] == {"changes_training", "diagnoses"}
+    assert flags["set_clip"] == {"changes_training", "stays_in_force", "revertible"}
+    assert traits_of(REVERT).undoes and not traits_of(REVERT).stays_in_force
+    with pytest.raises(KeyError, match="unknown intervention 'teleport'"):
+        traits_of("teleport")
+    assert recorded_traits("teleport") == Traits()  # a stored action of a custom intervention: a change
+
+
+def test_a_failed_or_skipped_record_keeps_its_reason_typed_and_stores_it_inside_after() -> None:
+    from stabmon.events import InterventionRecord, to_dict
+    from stabmon.store.codec import event_from_row, event_row
+
+    failed = InterventionRecord("d1", 7, "rollback", {}, {}, error="FileNotFoundError: gone")
+    skipped = InterventionRecord("d2", 8, "set_clip", {"clip": 1.0}, {}, not_applied="would loosen clipping")
+    assert not failed.ok and skipped.ok and not changed_training(failed) and changed_training(skipped)
+    stored = {"error": "FileNotFoundError: gone"}, {"not_applied": "would loosen clipping"}
+    for rec, after in zip((failed, skipped), stored, strict=True):
+        assert to_dict(rec)["after"] == after and "error" not in to_dict(rec) and "not_applied" not in to_dict(rec)
+        row = event_row(rec, run_id="r", seq=1)
+        assert row["after"] == after
+        assert event_from_row("interventions", row) == rec
+
+
+def test_a_released_lr_cap_holds_until_the_schedule_is_below_where_the_trouble_began() -> None:
+    """A warm-up still rising past the edge would bring the trouble straight back: the cap of half the LR the
+    trouble began at (0.01) is lifted only once the schedule comes down to 0.01, then re-warmed."""
+    target = ScheduledTarget()
+    target.base["lr"] = 0.02  # the schedule, above the LR the trouble began at
+    ex = Executor(target)
+    capped = ex.execute(_decide("rollback", {"lr_cap": 0.5, "onset_lr": 0.01}, "d1"))
+    assert capped is not None and target.overrides.lr_cap == 0.005
+    release = ex.execute(_decide("release", {"intervention_ids": [capped.id], "steps": 2}, "d2"))
+    assert release is not None and release.after == {"lr_cap": 0.005, "lifted_below_lr": 0.01}
+    target.overrides.settle(0.02)
+    assert target.hparams()["lr"] == 0.005  # held
+    target.overrides.settle(0.008)  # the schedule came down
+    assert target.overrides.lr_cap is None and target.overrides.scaled_lr(0.008) == pytest.approx(0.005)
+    target.overrides.advance(2)
+    assert target.overrides.scaled_lr(0.008) == pytest.approx(0.008)

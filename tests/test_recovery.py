@@ -77,7 +77,7 @@ def test_scale_lr_holds_under_schedulers_and_across_resume(name: str) -> None:
     train(mon, model, opt, sched, 10)
     ref_steps(10, 1.0)
     rec = Executor(mon).execute(decision("scale_lr", {"factor": 0.5}))
-    assert "error" not in rec.after and rec.after["lr_scale"] == 0.5
+    assert rec.error is None and rec.after["lr_scale"] == 0.5
     train(mon, model, opt, sched, 10)
     ref_steps(10, 0.5)
     assert used == pytest.approx(expected, rel=1e-12)
@@ -147,7 +147,7 @@ def test_rollback_skips_a_corrupt_newest_checkpoint(tmp_path: Path, corruption: 
         mon.checkpoints.register(newest.path, step=20)  # same size is possible; NaN is still caught
     params = {"onset_step": 20, "lookback": 0, "skip_batches": 7}
     rec = Executor(mon).execute(decision("rollback", params))
-    assert "error" not in rec.after, rec.after
+    assert rec.error is None, rec.error
     assert rec.after["checkpoint_step"] == 15 and rec.after["restored_step"] == 15 and mon.step == 15
     skipped = list(range(*rec.after["skipped"]))
     assert skipped == list(range(15, 22))
@@ -172,6 +172,6 @@ def test_rollback_without_any_valid_checkpoint_is_recorded_not_raised(tmp_path: 
         Path(c.path).unlink()
     ex = Executor(mon)
     rec = ex.execute(decision("rollback", {"onset_step": 10, "lookback": 0, "skip_batches": 0}))
-    assert rec.after["error"].startswith("NoValidCheckpointError: no valid checkpoint at or before step 10")
+    assert rec.error.startswith("NoValidCheckpointError: no valid checkpoint at or before step 10")
     assert ex.errors == 1 and mon.step == 10
     mon.close()

@@ -1,5 +1,7 @@
 """Rejecting a proposal: the incident closes and what it changed so far is reverted (``approval.on_reject:
-revert``, the default) or kept (``keep``), and the trace says which. The engine with the real executor, then a
+revert``, the default) or kept (``keep``), and the trace says which. A failed rung is undone before the next rung
+anyway, so what is in force when a proposal is rejected are the earlier attempts of a repeated rung. The engine
+with the real executor, then a
 live Monitor in propose mode answered through ``stabmon approve`` / ``stabmon reject`` on a real SQLite file."""
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ rules:
   - name: spikes
     when: {{kind: spike, metric: {metric}}}
     ladder:
-      - {{action: set_clip, params: {{max_norm: 0.5}}, observe: 3}}
+      - {{action: set_clip, params: {{max_norm: 0.5}}, observe: 3, repeat: 2}}
       - {{action: {second}, observe: 3}}
 """
 
@@ -45,24 +47,27 @@ def pipeline(on_reject: str = "", second: str = "scale_lr, params: {factor: 0.5}
 
 
 def climb_to_rung_2(pipe: Pipeline, target: Target) -> tuple[list[Any], Decision]:
-    """Spikes from step 3 on: rung 1 proposed and approved, it fails, rung 2 is proposed."""
+    """Spikes from step 3 on: rung 1 proposed and approved, it fails, its second attempt is proposed (the first
+    stays in force beneath it)."""
     events: list[Any] = []
+    approved = False
     for step in range(1, 12):
         target.step = step
         produced = pipe.process(StepRecord(step, {"loss": 2.0, "grad_norm": 9.0 if step >= 3 else 1.0}))
         events.extend(produced)
         proposed = [e for e in produced if isinstance(e, Decision) and e.status == DecisionStatus.PROPOSED]
-        if proposed and proposed[0].rung == 0:
+        if proposed and not approved:
             events.extend(pipe.answer(proposed[0].id, True, step))
+            approved = True
         elif proposed:
             return events, proposed[0]
-    raise AssertionError("rung 2 was never proposed")
+    raise AssertionError("no second proposal")
 
 
 def test_rejecting_rung_2_reverts_rung_1() -> None:
     pipe, target = pipeline()
     _, second = climb_to_rung_2(pipe, target)
-    assert target.overrides.max_norm == 0.5 and second.action == "scale_lr"  # rung 1 in force
+    assert target.overrides.max_norm == 0.5 and "attempt 2 of 2" in second.reason  # attempt 1 in force
     produced = pipe.answer(second.id, False, 12)
     rejected, revert, record = produced
     assert rejected.status == DecisionStatus.REJECTED and rejected.step == 12
@@ -73,6 +78,19 @@ def test_rejecting_rung_2_reverts_rung_1() -> None:
     assert record.before == {"max_norm": 0.5, "clip": 0.5} and record.after == {"max_norm": None, "clip": 2.5}
     assert target.overrides.max_norm is None and target.overrides.lr_scale == 1.0
     assert not pipe.engine.busy  # the incident is closed
+
+
+def test_rung_2_follows_a_reverted_rung_1_so_rejecting_it_has_nothing_to_revert() -> None:
+    pipe, target = pipeline()
+    events, second = climb_to_rung_2(pipe, target)
+    events.extend(pipe.answer(second.id, True, 11))
+    for step in range(12, 17):  # the second attempt fails too: both undone, then rung 2 is proposed
+        target.step = step
+        events.extend(pipe.process(StepRecord(step, {"loss": 2.0, "grad_norm": 9.0})))
+    third = [e for e in events if isinstance(e, Decision) and e.status == DecisionStatus.PROPOSED][-1]
+    assert third.action == "scale_lr" and target.overrides.max_norm is None
+    (rejected,) = pipe.answer(third.id, False, 17)
+    assert rejected.reason.endswith("the incident had changed nothing")
 
 
 def test_on_reject_keep_leaves_the_change_in_force() -> None:
@@ -98,7 +116,7 @@ def test_rejecting_the_first_proposal_has_nothing_to_revert() -> None:
 def test_a_reverted_rung_is_not_reverted_again_and_a_rollback_cannot_be() -> None:
     """Rung 1 (on_failure: revert) is already undone when rung 2 is rejected: only what is in force counts."""
     text = RUNBOOK.format(on_reject="", metric="grad_norm", second="scale_lr, params: {factor: 0.5}").replace(
-        "observe: 3}\n      - {action: scale_lr", "observe: 3, on_failure: revert}\n      - {action: scale_lr")
+        "observe: 3, repeat: 2}", "observe: 3, on_failure: revert}")
     target = Target()
     pipe = Pipeline(ScriptedDetectors(), Engine(loads_runbook(text), id_seed="r"), Executor(target))
     _, second = climb_to_rung_2(pipe, target)
@@ -150,7 +168,7 @@ def test_reject_through_the_cli_reverts_a_live_runs_change(tmp_path: Path, seed:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     mon = Monitor(model, opt, store=url, detectors=SpikeDetectors(), runbook=str(runbook), mode="propose",
                   config=MonitorConfig(flush_every=2, clip=1.0, hang_timeout=None), run_name="reject-e2e")
-    answered: dict[int, str] = {}
+    answered: dict[str, str] = {}  # proposal id -> the answer: the first approved, its second attempt rejected
     for step, idx in mon.steps(batches(60)):
         loss = loss_of(model, idx)
         loss.backward()
@@ -158,14 +176,15 @@ def test_reject_through_the_cli_reverts_a_live_runs_change(tmp_path: Path, seed:
         opt.step()
         opt.zero_grad()
         for d in mon.events:
-            if isinstance(d, Decision) and d.status == DecisionStatus.PROPOSED and d.rung not in answered:
+            if isinstance(d, Decision) and d.status == DecisionStatus.PROPOSED and d.id not in answered \
+                    and len(answered) < 2:
                 assert mon.store.flush(timeout=10)  # type: ignore[union-attr]
-                verb = "approve" if d.rung == 0 else "reject"
+                verb = "reject" if answered else "approve"
                 _cli(verb, mon.run_id, d.id, "--db", url, "--by", "ops")
                 assert mon.store.refresh_answers(run_id=mon.run_id, timeout=10)  # type: ignore[union-attr]
-                answered[d.rung] = verb
+                answered[d.id] = verb
     mon.close()
-    assert answered == {0: "approve", 1: "reject"}
+    assert list(answered.values()) == ["approve", "reject"]
     clips = [r.metrics["clip"] for r in mon.records]
     tightened, restored = clips.index(0.5), len(clips) - clips[::-1].index(0.5)
     assert clips[:tightened] == [1.0] * tightened and set(clips[tightened:restored]) == {0.5}
@@ -183,3 +202,28 @@ def test_reject_through_the_cli_reverts_a_live_runs_change(tmp_path: Path, seed:
         stored = load_events(session=session, run_id=mon.run_id)
     reverts = [e for e in stored if isinstance(e, InterventionRecord) and e.reverted]
     assert len(reverts) == 1 and reverts[0].after == {"max_norm": None, "clip": 1.0}
+
+
+@pytest.mark.parametrize(("in_force", "revertible", "tracked"), [
+    (True, True, [("custom_for_test", True)]), (True, False, [("custom_for_test", False)]), (False, False, []),
+])
+def test_what_a_rejection_tracks_follows_the_interventions_declared_traits(
+        in_force: bool, revertible: bool, tracked: list[tuple[str, bool]]) -> None:
+    """A custom intervention (no name the engine knows) is tracked by what it declares, not by its name."""
+    from stabmon.interventions import INTERVENTIONS, Intervention, register
+    from stabmon.runbook.rejection import track
+    from stabmon.runbook.state import Incident
+
+    custom = type("Custom", (Intervention,), {"name": "custom_for_test", "stays_in_force": in_force,
+                                              "revertible": revertible, "__doc__": "test"})
+    inc = Incident(id="i", rule="r", anomaly_id=None, metric="loss", onset_step=0, baseline=None, trigger="t")
+    decision = Decision(step=5, action="custom_for_test", params={}, status=DecisionStatus.APPLY, runbook="rb",
+                        rule="r", rung=0, reason="test", incident_id="i")
+    try:
+        register(custom)
+        track(inc, decision, InterventionRecord(decision.id, 5, "custom_for_test", {}, {}))
+        track(inc, decision, InterventionRecord(decision.id, 5, "custom_for_test", {}, {}, error="boom"))
+        track(inc, decision, InterventionRecord(decision.id, 5, "custom_for_test", {}, {}, not_applied="no"))
+    finally:
+        INTERVENTIONS.pop("custom_for_test", None)
+    assert [(c.action, c.revertible) for c in inc.in_force] == tracked  # the failed and skipped ones: never

@@ -68,7 +68,7 @@ def test_live_executor_acts_on_simulated_target() -> None:
         reason="test",
     )
     rec = ex.execute(d)
-    assert isinstance(rec, InterventionRecord) and rec.simulated and "error" not in rec.after
+    assert isinstance(rec, InterventionRecord) and rec.simulated and rec.error is None
     assert t.overrides.lr_scale == pytest.approx(0.5)
 
 

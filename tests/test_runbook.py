@@ -107,10 +107,9 @@ def test_unknown_field_is_forbidden(tmp_path: Path) -> None:
 
 
 def test_revert_of_an_irreversible_action(tmp_path: Path) -> None:
-    p = write(tmp_path, GOOD + "      - action: rollback\n        on_failure: revert\n")
-    assert error_of(p) == (f"{p}:14: rules[0].ladder[2]: on_failure: revert is impossible, rollback "
-                           "cannot be "
-                           "reverted")
+    p = write(tmp_path, GOOD + "      - action: checkpoint_and_stop\n        on_failure: revert\n")
+    assert error_of(p) == (f"{p}:14: rules[0].ladder[2]: on_failure: revert is impossible, checkpoint_and_stop "
+                           "cannot be reverted")
 
 
 def test_every_error_is_reported(tmp_path: Path) -> None:

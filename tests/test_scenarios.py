@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from stabmon.interventions.traits import changed_training
+
 REPO = Path(__file__).resolve().parent.parent
 # another seed set and thread count for a re-run: STABMON_TEST_SEED=50 STABMON_TEST_THREADS=2 pytest ...
 FIRST = int(os.environ.get("STABMON_TEST_SEED", "21"))
@@ -102,7 +104,7 @@ def test_default_runbook_rescues_a_majority_of_seeds(name: str, tmp_path: Path) 
     for seed in SEEDS:
         result = _monitored(name, seed, "default", tmp_path)
         changes = [e for e in result.monitor.events if type(e).__name__ == "InterventionRecord"
-                   and e.changed_training]
+                   and changed_training(e)]
         outcomes[seed] = (result.val_loss, healthy_loss(name, seed), [c.action for c in changes])
         assert changes and changes[0].action == "rollback", outcomes  # it restarts before it changes recipes
     rescued = [s for s, (loss, healthy, _) in outcomes.items() if loss <= 1.1 * healthy]
@@ -114,7 +116,7 @@ def test_runbooks_leave_healthy_runs_alone(tmp_path: Path) -> None:
     runs = [("default", seed) for seed in SEEDS] + [("opt175b", SEEDS[0]), ("palm-rollback", SEEDS[1])]
     for runbook, seed in runs:
         mon = _monitored("healthy", seed, runbook, tmp_path).monitor
-        changed = [e for e in mon.events if type(e).__name__ == "InterventionRecord" and e.changed_training]
+        changed = [e for e in mon.events if type(e).__name__ == "InterventionRecord" and changed_training(e)]
         assert changed == [], (runbook, seed, changed)
         assert not [a for a in mon.anomalies if a.severity.value in ("error", "critical")], (runbook, seed)
 
@@ -129,7 +131,7 @@ def test_frozen_positional_embedding_is_reported_and_alerted_without_a_change(tm
     assert frozen[0].step <= 150  # OPT's went unnoticed; the target is 500 steps
     alerts = [d for d in mon.events if type(d).__name__ == "Decision" and d.anomaly_id == frozen[0].id]
     assert alerts and alerts[0].action == "alert_only"
-    assert not [e for e in mon.events if type(e).__name__ == "InterventionRecord" and e.changed_training]
+    assert not [e for e in mon.events if type(e).__name__ == "InterventionRecord" and changed_training(e)]
 
 
 def test_peer_responses_act_as_their_projects_do() -> None:

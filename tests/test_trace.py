@@ -23,6 +23,7 @@ name: trace-test
 mode: {mode}
 cooldown: 5
 baseline_steps: 5
+release: {{steps: 4, observe: 3}}
 rules:
   - name: spikes
     when: {{kind: spike, metric: grad_norm}}
@@ -72,7 +73,7 @@ def run_incident(store: Any, mode: str) -> tuple[str, Pipeline, Target, list[Any
                     Executor(target))
     run_id = store.start_run(name=f"trace-{mode}")
     events: list[Any] = []
-    grads = [1.0] * 6 + [9.0, 8.0, 7.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    grads = [1.0] * 6 + [9.0, 8.0, 7.0] + [1.0] * 14
     for step, g in enumerate(grads, start=1):
         target.step = step
         produced = pipe.process(StepRecord(step, {"loss": 2.0, "grad_norm": g}))
@@ -91,9 +92,11 @@ def store(sqlite_url: str):
 
 def test_trace_shows_the_chain_per_incident(store: Any, sqlite_url: str) -> None:
     run_id, pipe, target, events = run_incident(store, "apply")
-    # set_clip failed (spikes continued) and was reverted; scale_lr resolved it
-    assert target.overrides.max_norm is None and target.overrides.lr_scale == 0.5
-    assert pipe.detectors.graces == 3  # set_clip, its revert, scale_lr
+    # set_clip failed (spikes continued) and was reverted; scale_lr resolved it, and was given back: the LR
+    # climbed back to the schedule over 4 steps and the run stayed quiet for 3 more
+    assert target.overrides.max_norm is None and target.overrides.lr_scale == 1.0
+    assert target.overrides.ramp_from == 0.5  # this target takes no optimizer steps to move the re-warm-up on
+    assert pipe.detectors.graces == 4  # set_clip, its revert, scale_lr, its release
     result = CliRunner().invoke(app, ["trace", run_id, "--db", sqlite_url, "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
@@ -105,7 +108,10 @@ def test_trace_shows_the_chain_per_incident(store: Any, sqlite_url: str) -> None
     chain = [(s["decision"]["action"], s["intervention"] and s["intervention"]["reverted"],
               s["outcome"] and s["outcome"]["verdict"]) for s in inc["steps"]]
     assert chain == [("set_clip", False, Verdict.REVERTED.value), ("revert", True, None),
-                     ("scale_lr", False, Verdict.RESOLVED.value)]
+                     ("scale_lr", False, Verdict.RESOLVED.value), ("release", False, Verdict.RELEASED.value)]
+    release = inc["steps"][3]["intervention"]
+    assert release["before"] == {"lr_scale": 0.5, "lr": 0.005}
+    assert release["after"] == {"lr_scale": 1.0, "lr": 0.01, "ramp_from": 0.5, "ramp_steps": 4}
     clip = inc["steps"][0]
     assert clip["intervention"]["before"] == {"max_norm": None, "clip": 2.5}
     assert clip["intervention"]["after"] == {"max_norm": 1.5, "clip": 1.5}
@@ -119,6 +125,7 @@ def test_trace_shows_the_chain_per_incident(store: Any, sqlite_url: str) -> None
     assert "evidence     grad_norm steps 4-7: baseline 1, peak 9 at step 7; values 1, 1, 1, 9" in out
     assert "intervention step 7: max_norm None -> 1.5; clip 2.5 -> 1.5" in out
     assert "outcome      reverted at step 10" in out and "outcome      resolved at step 13" in out
+    assert "outcome      released at step 20" in out
     assert "1 incident(s); 2 anomaly(ies) without an incident" in out
 
 
@@ -185,4 +192,5 @@ rules:
         target.step = step
         actions += [(e.action, detectors.graces) for e in pipe.process(StepRecord(step, {"grad_norm": g}))
                     if isinstance(e, Decision)]
-    assert actions == [("alert_only", 0), ("rollback", 0), ("set_clip", 1)]
+    # the spent ladder's last change is undone: a change too, so the detectors re-enter grace after it
+    assert actions == [("alert_only", 0), ("rollback", 0), ("set_clip", 1), ("revert", 2)]

@@ -121,8 +121,8 @@ def test_a_failed_rollback_is_one_line_and_the_next_rung_follows(
         events = repo.load_events(session=s, run_id=mon.run_id)
     actions = [getattr(e, "action", None) for e in events if type(e).__name__ == "Decision"]
     assert actions[:3] == ["rollback", "rollback", "checkpoint_and_stop"], actions  # the ladder, then on_failure
-    failed = [e for e in events if type(e).__name__ == "InterventionRecord" and "error" in e.after]
-    assert len(failed) == 2 and "NoValidCheckpointError" in failed[0].after["error"]
+    failed = [e for e in events if type(e).__name__ == "InterventionRecord" and e.error is not None]
+    assert len(failed) == 2 and "NoValidCheckpointError" in failed[0].error
     store.close()
 
 

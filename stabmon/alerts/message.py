@@ -35,17 +35,18 @@ from stabmon.events import (
     Severity,
     Verdict,
 )
+from stabmon.interventions.traits import recorded_traits
 
 _EVIDENCE_SHOWN = 8
 _REMEMBERED = 256  # recent anomalies / decisions kept to link events that arrive in later flushes
-_STOP_ACTIONS = frozenset({"checkpoint_and_stop"})
-_ALERT_ONLY = "alert_only"
 _OUTCOME_SEVERITY = {
     Verdict.RESOLVED: Severity.INFO,
     Verdict.ESCALATED: Severity.WARNING,
     Verdict.REVERTED: Severity.WARNING,
     Verdict.EXHAUSTED: Severity.ERROR,
     Verdict.SUPERSEDED: Severity.INFO,
+    Verdict.RELEASED: Severity.INFO,
+    Verdict.KEPT: Severity.WARNING,
     Verdict.STOPPED: Severity.CRITICAL,
 }
 
@@ -186,7 +187,8 @@ class Composer:
         anomaly = self._anomalies.get(d.anomaly_id) if d.anomaly_id else None
         key = self._incident_key(run_id, d.incident_id, anomaly)
         base = anomaly.severity if anomaly is not None else Severity.WARNING
-        if d.action in _STOP_ACTIONS:
+        traits = recorded_traits(d.action)
+        if traits.stops_run:
             kind, severity, verb = "stop", Severity.CRITICAL, "stopping the run"
         elif d.status is DecisionStatus.PROPOSED:
             kind, severity, verb = "proposal", _max(base, Severity.ERROR), "awaiting approval"
@@ -196,7 +198,7 @@ class Composer:
             verb = "reverted" if record.reverted else "applied"
         else:
             kind, severity, verb = "decision", base, d.status.value
-        if d.action == _ALERT_ONLY and d.status is not DecisionStatus.PROPOSED:
+        if not traits.changes_training and d.status is not DecisionStatus.PROPOSED:
             kind, severity = "anomaly", base  # the runbook's answer is "tell people": an anomaly alert
         lines = self._header(run_id, run_name, d.step, key)
         if anomaly is not None:
@@ -206,7 +208,7 @@ class Composer:
             f"decision: {d.action}({params}) [{d.status.value}] — runbook {d.runbook}, rule {d.rule}, "
             f"rung {d.rung}: {d.reason}"
         )
-        if record is not None and (record.before or record.after):
+        if record is not None and (record.before or record.stored_after()):
             lines += self._change_lines(record)
         if d.status is DecisionStatus.PROPOSED:
             lines.append(f"approve: stabmon approve {run_id} {d.id}")
@@ -246,8 +248,8 @@ class Composer:
             lines.append("judged on: " + ", ".join(f"{k}={fmt(v)}" for k, v in sorted(o.evidence.items())))
         lines.append(f"trace: stabmon trace {run_id}")
         severity = _OUTCOME_SEVERITY.get(o.verdict, Severity.WARNING)
-        if decision is not None and decision.action == _ALERT_ONLY:  # nothing was changed: no worse than what
-            base = anomaly.severity if anomaly is not None else Severity.WARNING  # it told people already
+        if decision is not None and not recorded_traits(decision.action).changes_training:  # no worse than what
+            base = anomaly.severity if anomaly is not None else Severity.WARNING  # it already told people
             severity = min(severity, base, key=lambda s: s.rank)
         if resolved:
             self._close(run_id, key)
@@ -290,8 +292,9 @@ class Composer:
 
     @staticmethod
     def _change_lines(r: InterventionRecord) -> list[str]:
-        keys = list(dict.fromkeys([*r.before, *r.after]))
-        changes = ", ".join(f"{k} {fmt(r.before.get(k, '-'))} → {fmt(r.after.get(k, '-'))}" for k in keys)
+        after = r.stored_after()
+        keys = list(dict.fromkeys([*r.before, *after]))
+        changes = ", ".join(f"{k} {fmt(r.before.get(k, '-'))} → {fmt(after.get(k, '-'))}" for k in keys)
         return [f"changed: {changes or 'nothing'}" + (" (simulated)" if r.simulated else "")]
 
     def state_dict(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from stabmon.cli._common import DbOption, db_url, fail
+from stabmon.interventions.traits import recorded_traits
 
 _HERE = Path(__file__).resolve()
 
@@ -108,10 +109,10 @@ def _describe(e: Any) -> str:
     name = type(e).__name__
     if name == "Decision":
         return f"decision   step {e.step:<5} {e.action} {dict(e.params)} [{e.status.value}] rule {e.rule} (id {e.id})"
-    if name == "InterventionRecord" and e.action == "diagnose" and "verdict" in e.after:
+    if name == "InterventionRecord" and recorded_traits(e.action).diagnoses and "verdict" in e.after:
         return f"diagnosed  step {e.step:<5} verdict {e.after['verdict']}: {e.after.get('summary', '')}"
     if name == "InterventionRecord":
-        return f"applied    step {e.step:<5} {e.action} {dict(e.before)} -> {dict(e.after)}"
+        return f"applied    step {e.step:<5} {e.action} {dict(e.before)} -> {dict(e.stored_after())}"
     return f"outcome    step {e.step:<5} {e.verdict.value}"
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from stabmon.interventions.traits import traits_of
+
 log = logging.getLogger(__name__)
 
 SampleIds = Callable[[Any], Sequence[Any]]
@@ -95,9 +97,9 @@ class BatchLog:
 
 
 def uses_diagnose(engine: Any) -> bool:
-    """Does the engine's runbook have a ``diagnose`` rung?"""
-    rules = getattr(getattr(engine, "runbook", None), "rules", ())
-    return any(getattr(rung, "action", None) == "diagnose" for rule in rules for rung in rule.ladder)
+    """Does the engine's runbook have a rung that diagnoses?"""
+    runbook = getattr(engine, "runbook", None)
+    return runbook is not None and any(traits_of(a).diagnoses for rule in runbook.rules for a in rule.actions)
 
 
 def batch_log_for(engine: Any, sample_ids: SampleIds | None, *, capacity: int) -> BatchLog | None:

@@ -84,7 +84,7 @@ class UpdateConfig:
 
 @dataclass
 class DiagnoseConfig:
-    """What ``diagnose`` (a runbook rung, :mod:`stabmon.collect.rerun`) keeps while a runbook uses it."""
+    """What ``diagnose`` (a runbook rung, :mod:`stabmon.diagnose`) keeps while a runbook uses it."""
 
     batches: int = 256
     """Recent steps whose batch (a reference), RNG state and sample ids the batch log keeps: it must reach

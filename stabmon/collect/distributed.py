@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from stabmon.events import Decision, Event, InterventionRecord
+from stabmon.interventions.traits import traits_of
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def executed_decisions(events: Sequence[Event]) -> list[tuple[Decision, str]]:
     return [
         (decisions[e.decision_id], e.id)
         for e in events
-        if isinstance(e, InterventionRecord) and e.decision_id in decisions and "error" not in e.after
+        if isinstance(e, InterventionRecord) and e.decision_id in decisions and e.ok
     ]
 
 
@@ -85,7 +86,7 @@ class RankFollower:
         if executor is None:
             return
         for decision, leader_id in executed:
-            if decision.action == "revert":
+            if traits_of(decision.action).undoes:
                 theirs = str(decision.params.get("intervention_id"))
                 params = {**decision.params, "intervention_id": self.ids.pop(theirs, theirs)}
                 decision = dataclasses.replace(decision, params=params)

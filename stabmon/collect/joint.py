@@ -109,16 +109,16 @@ class Joint:
     docstring. ``agreement`` (with ``channel``): the check after the run; ``report(action, lines)`` hears of the
     ranks that disagree. ``last``: the latest result on this rank."""
 
-    def __init__(self, action: str, run: Callable[..., dict[str, Any]], *, rank: int, world_size: int,
+    def __init__(self, action: str, run: Callable[..., Any], *, rank: int, world_size: int,
                  send: Callable[[Any], Any] = broadcast, channel: RankChannel | None = None,
                  agreement: Agreement | None = None,
                  report: Callable[[str, list[str]], None] | None = None) -> None:
         self.action, self.run, self.rank, self.world_size, self.send = action, run, rank, world_size, send
         self.channel, self.agreement, self.report = channel, agreement, report
-        self.held: dict[str, Any] | BaseException | None = None
-        self.last: dict[str, Any] | None = None
+        self.held: Any = None  # the result this rank was called in for (or its failure)
+        self.last: Any = None
 
-    def __call__(self, **params: Any) -> dict[str, Any]:
+    def __call__(self, **params: Any) -> Any:
         if self.world_size > 1 and self.rank == 0:
             self.send(Join(self.action, dict(params)))
         elif self.world_size > 1:
@@ -128,7 +128,7 @@ class Joint:
             return held if held is not None else self.absent()
         return self._run(params)
 
-    def absent(self) -> dict[str, Any]:
+    def absent(self) -> Any:
         """A rank other than 0 asked for the result of a run rank 0 did not call it into."""
         raise RuntimeError(f"rank {self.rank} was not called into {self.action} by rank 0")
 
@@ -140,7 +140,7 @@ class Joint:
             log.error("stabmon: rank %d, called into %s by rank 0, failed: %s", self.rank, self.action, _line(exc))
             self.held = exc
 
-    def _run(self, params: dict[str, Any]) -> dict[str, Any]:
+    def _run(self, params: dict[str, Any]) -> Any:
         if self.agreement is None or self.channel is None or self.world_size == 1:
             self.last = self.run(**params)
             return self.last

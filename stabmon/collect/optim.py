@@ -181,6 +181,7 @@ class OptimizerHooks:
         for group, saved in zip(self.optimizer.param_groups, self._saved_groups, strict=False):
             group.update(saved)
         self._saved_groups = []
+        self._overrides().advance()  # a release's re-warm-up counts optimizer steps taken
         self.guard.after_update()
         if self.sample_embeddings and self.embeddings:
             names, values = self.embeddings.after_update()
@@ -220,12 +221,15 @@ class OptimizerHooks:
 
     def _apply_overrides(self) -> None:
         o = self._overrides()
+        lr = self.optimizer.param_groups[0].get("lr")
+        if o.cap_until is not None and isinstance(lr, (int, float)):
+            o.settle(float(lr))  # a released cap lifted once the schedule is below where the trouble began
         self._saved_groups = []
         decaying = _decaying_group(self.optimizer.param_groups) if o.weight_decay is not None else None
         base = decaying["weight_decay"] if decaying is not None else 0.0
         for group in self.optimizer.param_groups:
             saved: dict[str, Any] = {}
-            if (o.lr_scale != 1.0 or o.lr_cap is not None) and "lr" in group:
+            if o.lr_changed and "lr" in group:
                 saved["lr"] = group["lr"]
                 group["lr"] = o.scaled_lr(group["lr"])
             if o.beta2 is not None and "betas" in group:

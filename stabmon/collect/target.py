@@ -48,6 +48,7 @@ from stabmon.collect.flushing import Outbox
 from stabmon.collect.joint import Agreement, Joint, RankChannel, agreed_checkpoint
 from stabmon.collect.rank_policy import RankPolicy, SavePath
 from stabmon.collect.restore import TrainingState
+from stabmon.diagnose import Diagnosis
 from stabmon.events import Anomaly, Event, Severity
 from stabmon.overrides import Overrides
 
@@ -96,8 +97,9 @@ class LiveTarget:
         self._rollback = joint("rollback", partial(self._rollback_from, choose), agreement=ROLLED_BACK)
         self.should_stop = False
         self.stop_reason: str | None = None
-        self.diagnoser: Callable[..., dict[str, Any]] | None = None
-        """What the ``diagnose`` intervention calls (the monitor's re-run and replay); None: cannot diagnose."""
+        self.diagnoser: Callable[..., Diagnosis] | None = None
+        """What the ``diagnose`` intervention calls (:func:`stabmon.diagnose.build.build_diagnoser`'s); None:
+        cannot diagnose."""
 
     @property
     def checkpoints(self) -> Any:
@@ -181,8 +183,8 @@ class LiveTarget:
         log.warning("stabmon: stopping the run at step %d: %s", self.step, reason)
         return facts
 
-    def diagnose(self, **params: Any) -> dict[str, Any]:
-        """The verdict of re-running and replaying an incident's steps (:mod:`stabmon.collect.rerun`)."""
+    def diagnose(self, **params: Any) -> Diagnosis:
+        """The verdict of re-running and replaying an incident's steps (:mod:`stabmon.diagnose`)."""
         if self.diagnoser is None:
             raise RuntimeError("diagnose: this target cannot re-run steps")
         return self.diagnoser(**params)

@@ -83,7 +83,7 @@ def describe(event: LowVolumeEvent) -> tuple[str, str]:
                             f"{event.rule} rung {event.rung + 1}: {event.reason}")
     if isinstance(event, InterventionRecord):
         kind = "revert" if event.reverted else "intervention"
-        return kind, f"{event.action} at step {event.step}: {dict(event.before)} -> {dict(event.after)}"
+        return kind, f"{event.action} at step {event.step}: {dict(event.before)} -> {dict(event.stored_after())}"
     if isinstance(event, Outcome):
         return "outcome", f"{event.verdict.value} at step {event.step}: {dict(event.evidence)}"
     raise TypeError(f"not a stabmon event: {type(event).__name__}")

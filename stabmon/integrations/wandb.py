@@ -16,6 +16,7 @@ from typing import Any
 
 from stabmon.events import InterventionRecord, StepRecord
 from stabmon.integrations.mirror import Mirror, describe
+from stabmon.interventions.traits import recorded_traits
 from stabmon.sinks import LowVolumeEvent
 
 MODES = ("offline", "online", "disabled")
@@ -58,7 +59,8 @@ class WandbMirror(Mirror):
             kind, text = describe(e)
             self._rows.append([e.step, kind, text])
             if isinstance(e, InterventionRecord):
-                level = self._wandb.AlertLevel.INFO if e.action == "alert_only" else self._wandb.AlertLevel.WARN
+                changed = recorded_traits(e.action).changes_training
+                level = self._wandb.AlertLevel.WARN if changed else self._wandb.AlertLevel.INFO
                 self.run.alert(title=f"stabmon {kind}: {e.action} at step {e.step}", text=text, level=level,
                                wait_duration=0)
 

@@ -21,6 +21,7 @@ from stabmon.interventions.set_beta2 import SetBeta2
 from stabmon.interventions.set_clip import SetClip
 from stabmon.interventions.set_weight_decay import SetWeightDecay
 from stabmon.interventions.skip_step import SkipStep
+from stabmon.interventions.traits import REVERT, Traits, traits_of
 
 INTERVENTIONS: dict[str, type[Intervention]] = {
     cls.name: cls
@@ -39,8 +40,8 @@ def get_intervention(name: str) -> type[Intervention]:
 
 def register(cls: type[Intervention]) -> type[Intervention]:
     """Register a custom intervention class (usable as a decorator)."""
-    if not cls.name or cls.name == "revert":
-        raise ValueError(f"intervention.name must be a non-empty name other than 'revert', got {cls.name!r}")
+    if not cls.name or cls.name == REVERT:
+        raise ValueError(f"intervention.name must be a non-empty name other than {REVERT!r}, got {cls.name!r}")
     INTERVENTIONS[cls.name] = cls
     return cls
 
@@ -48,5 +49,5 @@ def register(cls: type[Intervention]) -> type[Intervention]:
 __all__ = [
     "INTERVENTIONS", "STOP_EXIT_CODE", "AlertOnly", "CheckpointAndStop", "Diagnose", "Executor", "Intervention",
     "InterventionError", "Params", "Rollback", "ScaleLr", "SetBeta2", "SetClip", "SetWeightDecay", "SkipStep",
-    "get_intervention", "register",
+    "REVERT", "Traits", "get_intervention", "register", "traits_of",
 ]

@@ -44,7 +44,7 @@ class OverrideIntervention(Intervention):
         except ValueError:
             setattr(overrides, self.field, old)
             raise
-        self._undo = {"value": old, "in_force": in_force}
+        self._undo = {"value": old, "in_force": in_force, "new": new}
         before, after = {self.field: old}, {self.field: new}
         if self.hparam != self.field:  # the value in force beside the override
             before[self.hparam], after[self.hparam] = in_force, self._expected(in_force, old, new)
@@ -81,6 +81,16 @@ class OverrideIntervention(Intervention):
         elif in_force is not None and back is not None:
             before[self.field], after[self.field] = in_force, back
         return before, after
+
+
+    def _reapply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """Set the override this change applied again (after a release gave it back)."""
+        if "new" not in self._undo:
+            raise NoChange(f"{self.name}: the value it applied is not known (saved by an older version)")
+        overrides = self.target.overrides
+        current, new = getattr(overrides, self.field), self._undo["new"]
+        setattr(overrides, self.field, new)
+        return {self.field: current}, {self.field: new}
 
 
 def _fmt(value: float) -> str:

@@ -28,6 +28,8 @@ class AlertOnly(Intervention):
     name = "alert_only"
     Params = AlertOnlyParams
     revertible = False
+    changes_training = False  # it only tells people
+    stays_in_force = False
 
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         assert isinstance(self.params, AlertOnlyParams)

@@ -17,12 +17,14 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
 from stabmon.events import InterventionRecord
-from stabmon.pipeline import InterventionTarget
+
+if TYPE_CHECKING:
+    from stabmon.pipeline import InterventionTarget
 
 
 class InterventionError(RuntimeError):
@@ -63,8 +65,9 @@ _FALLBACK_LOCK = threading.RLock()
 class Intervention:
     """One change to a training run, applied once and possibly reverted.
 
-    Subclasses set ``name``, ``Params`` (a :class:`Params` model) and ``revertible``, and implement ``_apply``
-    and ``_revert``.
+    Subclasses set ``name``, ``Params`` (a :class:`Params` model) and their traits (what the runbook engine
+    needs to know about them, see :mod:`stabmon.interventions.traits`), and implement ``_apply`` and
+    ``_revert``.
 
     >>> from stabmon.overrides import Overrides
     >>> class T:  # a minimal target
@@ -83,7 +86,12 @@ class Intervention:
 
     name: ClassVar[str] = ""
     Params: ClassVar[type[Params]] = Params
-    revertible: ClassVar[bool] = False
+    revertible: ClassVar[bool] = False  # _revert can undo it
+    changes_training: ClassVar[bool] = True  # it acts on the run (an alert does not)
+    stays_in_force: ClassVar[bool] = True  # what it changed stays until reverted (a stop or a diagnosis: nothing)
+    stops_run: ClassVar[bool] = False  # it ends the run
+    rewinds_step: ClassVar[bool] = False  # it moves the step counter back (a rollback)
+    diagnoses: ClassVar[bool] = False  # it returns a verdict the runbook branches on
 
     def __init__(
         self,
@@ -138,8 +146,47 @@ class Intervention:
             )
             return self.revert_record
 
+    def release(self, *, decision_id: str, steps: int) -> InterventionRecord:
+        """Give the change back after it resolved its incident (for the release decision ``decision_id``): by
+        default its revert; a change whose giving back must wait (a learning-rate cap while the schedule is above
+        where the trouble began) overrides ``_release``. ``steps``: the re-warm-up length."""
+        with target_lock(self.target):
+            if self.record is None or self.revert_record is not None:
+                raise InterventionError(f"{self.name} for decision {self.decision_id} is not in force")
+            before, after = self._release(steps)
+            self.revert_record = InterventionRecord(
+                decision_id=decision_id, step=int(self.target.step), action=self.name,
+                before=dict(before), after=dict(after), reverted=True, simulated=self.simulated,
+            )
+            return self.revert_record
+
+    def _release(self, steps: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        return self._revert()
+
+    def reapply(self, *, decision_id: str) -> InterventionRecord:
+        """Put back what a revert (a release) gave back: the trouble came back without it (for the decision
+        ``decision_id``); return the audit record. It is in force again, and can be reverted again."""
+        with target_lock(self.target):
+            if self.revert_record is None:
+                raise InterventionError(f"{self.name} for decision {self.decision_id} is in force: nothing to reapply")
+            before, after = self._reapply()
+            self.revert_record = None
+            return InterventionRecord(
+                decision_id=decision_id, step=int(self.target.step), action=self.name,
+                before=dict(before), after=dict(after), simulated=self.simulated,
+            )
+
+    @classmethod
+    def holds(cls, record: InterventionRecord) -> bool:
+        """Whether the change ``record`` made stays in force until it is undone (what a failed rung's revert and
+        a resolved incident's release act on): every revertible change, unless a subclass says otherwise."""
+        return cls.revertible
+
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         raise NotImplementedError
+
+    def _reapply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        raise InterventionError(f"{self.name} cannot be put back once reverted")
 
     def _revert(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         raise NotImplementedError

@@ -44,6 +44,8 @@ class CheckpointAndStop(Intervention):
     name = "checkpoint_and_stop"
     Params = CheckpointAndStopParams
     revertible = False
+    stops_run = True
+    stays_in_force = False  # the run ends: nothing is left to revert or keep
 
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         assert isinstance(self.params, CheckpointAndStopParams)

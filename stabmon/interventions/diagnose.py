@@ -3,8 +3,9 @@
 
 The target re-runs the steps from the checkpoint before the incident (a result that does not reproduce is a
 transient fault) and replays the incident's batches at that checkpoint (they stand out there too: the data;
-they do not: the state), see :mod:`stabmon.diagnose` and docs/diagnose.md. The verdict and its evidence are the
-record's ``after``; the engine then follows the runbook rule whose ``when: {verdict: ...}`` matches it. It
+they do not: the state), see :mod:`stabmon.diagnose` and docs/diagnose.md. The verdict and its evidence (a
+:class:`~stabmon.diagnose.Diagnosis`) are the record's ``after``; the engine then follows the runbook rule
+whose ``when: {verdict: ...}`` matches it. It
 changes nothing in the run (model, optimizer and RNG are restored exactly), so it cannot be reverted.
 
 ``onset_step``, ``step`` and ``metric`` are filled in by the engine (the incident's onset, the step that
@@ -14,11 +15,20 @@ opened it, and the metric it is about); a runbook does not set them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import Field
 
-from stabmon.interventions.base import Intervention, Params
+from stabmon.diagnose.verdict import Diagnosis
+from stabmon.interventions.base import Intervention, InterventionError, Params
+
+
+@runtime_checkable
+class DiagnosingTarget(Protocol):
+    """A target that can diagnose an incident (the live target; a replay's, which says it cannot)."""
+
+    def diagnose(self, *, onset_step: int, step: int, metric: str, max_batches: int, rtol: float,
+                 recur: float) -> Diagnosis: ...
 
 
 class DiagnoseParams(Params):
@@ -43,7 +53,7 @@ class Diagnose(Intervention):
     >>> class T:
     ...     overrides = Overrides(); step = 160
     ...     def hparams(self): return {}
-    ...     def diagnose(self, **params): return {"verdict": "data", "onset_step": params["onset_step"]}
+    ...     def diagnose(self, **params): return Diagnosis("data", "seen again", onset_step=params["onset_step"])
     >>> rec = Diagnose(T(), {"onset_step": 150, "step": 152, "metric": "loss"}, decision_id="d").apply()
     >>> rec.after["verdict"], rec.before["step"]
     ('data', 160)
@@ -52,14 +62,19 @@ class Diagnose(Intervention):
     name = "diagnose"
     Params = DiagnoseParams
     revertible = False
+    diagnoses = True
+    stays_in_force = False  # it re-runs steps and puts the state back as it was
 
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         p = self.params
         assert isinstance(p, DiagnoseParams)
         step = int(self.target.step)
         onset = p.onset_step if p.onset_step is not None else step
-        result = self.target.diagnose(  # type: ignore[attr-defined]
+        target = self.target
+        if not isinstance(target, DiagnosingTarget):
+            raise InterventionError(f"diagnose: the target ({type(target).__name__}) cannot re-run steps")
+        found = target.diagnose(
             onset_step=onset, step=p.step if p.step is not None else step, metric=p.metric or "loss",
             max_batches=p.max_batches, rtol=p.rtol, recur=p.recur,
         )
-        return {"step": step}, dict(result)
+        return {"step": step}, found.as_after()

@@ -5,21 +5,24 @@ monitor, in replay (``simulated=True``) on a :class:`~stabmon.replay.simulate.Si
 action up in the registry, builds the intervention, applies it and returns its audit record; a ``revert``
 decision undoes the intervention named in ``params["intervention_id"]``. A failure is caught, logged and
 counted, never raised into training: one line is logged (the traceback only at DEBUG level), the returned
-record carries ``after["error"]`` and the engine judges the rung as failed, so the runbook's next rung or its
-``on_failure`` follows. A change that would do nothing or move a value the harmful way
-(:class:`~stabmon.interventions.base.NoChange`) is not applied: the record carries ``after["not_applied"]`` with
-the reason.
+record carries the failure in ``error`` and the engine judges the rung as failed, so the runbook's next rung or
+its ``on_failure`` follows. A change that would do nothing or move a value the harmful way
+(:class:`~stabmon.interventions.base.NoChange`) is not applied: the record carries the reason in
+``not_applied``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stabmon.events import Decision, InterventionRecord
 from stabmon.interventions.base import Intervention, NoChange
-from stabmon.pipeline import InterventionTarget
+from stabmon.interventions.traits import REVERT, traits_of
+
+if TYPE_CHECKING:
+    from stabmon.pipeline import InterventionTarget
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +52,23 @@ class Executor:
         self.simulated = simulated
         self.errors = 0
         self._applied: dict[str, Intervention] = {}  # intervention record id -> the intervention
+        self._released: dict[str, list[Intervention]] = {}  # release record id -> what it gave back
 
     def execute(self, decision: Decision) -> InterventionRecord | None:
         try:
-            if decision.action == "revert":
+            traits = traits_of(decision.action)
+            if traits.undoes:
                 return self._revert(decision)
+            if traits.releases:
+                return self._release(decision)
+            if traits.reapplies:
+                return self._reapply(decision)
             return self._apply(decision)
         except NoChange as exc:  # nothing to do, or only harm to do: skipped, not failed
             log.info("stabmon: %s for decision %s skipped: %s", decision.action, decision.id, exc)
             return InterventionRecord(
                 decision_id=decision.id, step=_step(self.target), action=decision.action, before={},
-                after={"not_applied": str(exc)}, simulated=self.simulated,
+                after={}, not_applied=str(exc), simulated=self.simulated,
             )
         except Exception as exc:  # noqa: BLE001 - never raise into training
             self.errors += 1
@@ -70,7 +79,7 @@ class Executor:
             log.debug("stabmon: %s failed", decision.action, exc_info=True)
             return InterventionRecord(
                 decision_id=decision.id, step=_step(self.target), action=decision.action, before={},
-                after={"error": f"{type(exc).__name__}: {exc}"}, reverted=decision.action == "revert",
+                after={}, error=f"{type(exc).__name__}: {exc}", reverted=decision.action == REVERT,
                 simulated=self.simulated,
             )
 
@@ -93,20 +102,79 @@ class Executor:
         del self._applied[str(intervention_id)]
         return record
 
+    def _release(self, decision: Decision) -> InterventionRecord:
+        """Give back the changes named in ``params["intervention_ids"]`` (newest first): each is reverted, and a
+        learning rate that comes back up climbs to the schedule over ``params["steps"]`` steps instead of at
+        once. The record shows the values before and after, and the re-warm-up."""
+        ids = [str(i) for i in decision.params.get("intervention_ids", ())]
+        missing = [i for i in ids if i not in self._applied]
+        if not ids or missing:
+            raise LookupError(f"no change in force to release: {', '.join(missing) or 'none named'}")
+        lr_now = _lr(self.target)
+        before: dict[str, Any] = {}
+        after: dict[str, Any] = {}
+        given_back = [self._applied.pop(record_id) for record_id in ids]
+        steps = int(decision.params.get("steps", 0))
+        for intervention in given_back:
+            undone = intervention.release(decision_id=decision.id, steps=steps)
+            for key, value in undone.before.items():
+                before.setdefault(key, value)
+            after.update(undone.after)
+        lr_back = _lr(self.target)
+        if lr_now is not None and lr_back and 0 < lr_now < lr_back and steps > 0:
+            self.target.overrides.ramp(lr_now / lr_back, steps)
+            before["lr"], after["lr"] = lr_now, lr_back
+            after.update(ramp_from=lr_now / lr_back, ramp_steps=steps)
+        record = InterventionRecord(decision_id=decision.id, step=_step(self.target), action=decision.action,
+                                    before=before, after=after, simulated=self.simulated)
+        self._released[record.id] = given_back
+        return record
+
+    def _reapply(self, decision: Decision) -> InterventionRecord:
+        """Put back what the release named in ``params["intervention_id"]`` gave back (the re-warm-up ends)."""
+        release_id = str(decision.params.get("intervention_id"))
+        given_back = self._released.pop(release_id, None)
+        if given_back is None:
+            raise LookupError(f"no release {release_id!r} to undo by this executor")
+        self.target.overrides.ramp(1.0, 0)
+        before: dict[str, Any] = {}
+        after: dict[str, Any] = {}
+        for intervention in reversed(given_back):  # oldest first, as they were applied
+            record = intervention.reapply(decision_id=decision.id)
+            for key, value in record.before.items():
+                before.setdefault(key, value)
+            after.update(record.after)
+            assert intervention.record is not None
+            self._applied[intervention.record.id] = intervention
+        return InterventionRecord(decision_id=decision.id, step=_step(self.target), action=decision.action,
+                                  before=before, after=after, simulated=self.simulated)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"errors": self.errors, "applied": {k: v.state_dict() for k, v in self._applied.items()}}
+        return {"errors": self.errors, "applied": {k: v.state_dict() for k, v in self._applied.items()},
+                "released": {k: [v.state_dict() for v in vs] for k, vs in self._released.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.errors = int(state.get("errors", 0))
+        self._applied = {record_id: self._restored(sd) for record_id, sd in state.get("applied", {}).items()}
+        self._released = {k: [self._restored(sd) for sd in vs] for k, vs in state.get("released", {}).items()}
+
+    def _restored(self, sd: Mapping[str, Any]) -> Intervention:
         from stabmon.interventions import get_intervention
 
-        self.errors = int(state.get("errors", 0))
-        self._applied = {}
-        for record_id, sd in state.get("applied", {}).items():
-            intervention = get_intervention(sd["name"])(
-                self.target, sd["params"], decision_id=sd["decision_id"], simulated=self.simulated
-            )
-            intervention.load_state_dict(sd)
-            self._applied[record_id] = intervention
+        intervention = get_intervention(sd["name"])(
+            self.target, sd["params"], decision_id=sd["decision_id"], simulated=self.simulated
+        )
+        intervention.load_state_dict(dict(sd))
+        return intervention
+
+
+def _lr(target: Any) -> float | None:
+    """The learning rate in force on ``target`` (None: it reports none)."""
+    try:
+        lr = target.hparams().get("lr")
+    except Exception:  # noqa: BLE001 - a target that cannot report its LR gets no re-warm-up
+        return None
+    return float(lr) if isinstance(lr, (int, float)) else None
 
 
 def _step(target: Any) -> int:

@@ -5,7 +5,9 @@ The target (the live monitor, or the replay simulator) does the work through
 before ``onset_step``, validates it (exists, byte count, loads, finite tensors) and falls back to older ones,
 restores model, optimizer, scaler, scheduler, monitor state and step counter, and skips the next
 ``skip_batches`` batches through the monitor's data position, recording every skipped index. PaLM's recipe:
-``lookback: 100`` and ``skip_batches`` between 200 and 500. A rollback cannot be reverted.
+``lookback: 100`` and ``skip_batches`` between 200 and 500. The restored weights cannot be un-restored; what a
+rollback can undo is the learning-rate change it made (``lr_cap``, ``lr_factor``): reverting it (a failed rung
+before the next, or the release of a resolved incident) gives that back and leaves the weights as they are.
 
 ``onset_step`` is filled in by the engine (the first step of the incident's evidence); a runbook does not
 set it.
@@ -20,7 +22,8 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from stabmon.interventions.base import Intervention, Params
+from stabmon.events import InterventionRecord
+from stabmon.interventions.base import Intervention, NoChange, Params
 
 
 class RollbackParams(Params):
@@ -71,7 +74,13 @@ class Rollback(Intervention):
 
     name = "rollback"
     Params = RollbackParams
-    revertible = False
+    revertible = True  # its learning-rate change; see holds()
+    rewinds_step = True
+
+    @classmethod
+    def holds(cls, record: InterventionRecord) -> bool:
+        """Only a rollback that capped or scaled the learning rate leaves something in force to undo."""
+        return any(key in record.after for key in _LR_FIELDS)
 
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         p = self.params
@@ -90,12 +99,54 @@ class Rollback(Intervention):
             cap = lr_now * p.lr_cap
             overrides.lr_cap = cap if overrides.lr_cap is None else min(cap, overrides.lr_cap * p.lr_cap)
             result["lr_cap"] = overrides.lr_cap
+            self._undo["lr_cap"] = [before["lr_cap"], overrides.lr_cap]
         if p.lr_factor is not None:  # restart with a lower LR: the one recipe change this rung makes
             overrides = self.target.overrides
             before["lr_scale"] = overrides.lr_scale
             overrides.lr_scale = overrides.lr_scale * p.lr_factor
             result["lr_scale"] = overrides.lr_scale
+            self._undo["lr_scale"] = [before["lr_scale"], overrides.lr_scale]
         return before, result
+
+    def _revert(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """Give back the learning-rate change (the weights stay as restored)."""
+        return self._set(0)
+
+    def _release(self, steps: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """A cap is given back only once the schedule is below the LR at which the trouble began (a schedule
+        still above it, a warm-up that keeps rising, would only bring the trouble back): until then it holds,
+        and the record says when it lifts. A factor is given back at once."""
+        p = self.params
+        assert isinstance(p, RollbackParams)
+        cap = self._undo.get("lr_cap")
+        if cap is None or p.onset_lr is None or cap[0] is not None:
+            return self._set(0)
+        overrides = self.target.overrides
+        before: dict[str, Any] = {"lr_cap": overrides.lr_cap}
+        after: dict[str, Any] = {"lr_cap": overrides.lr_cap, "lifted_below_lr": p.onset_lr}
+        if "lr_scale" in self._undo:
+            before["lr_scale"], overrides.lr_scale = overrides.lr_scale, self._undo["lr_scale"][0]
+            after["lr_scale"] = overrides.lr_scale
+        overrides.release_cap(below=p.onset_lr, steps=steps)
+        return before, after
+
+    def _reapply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        self.target.overrides.cap_until = None
+        return self._set(1)
+
+    def _set(self, which: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """Set each learning-rate override this rollback changed to its value before (0) or after (1) it."""
+        changed = {k: v for k, v in self._undo.items() if k in _LR_FIELDS}
+        if not changed:
+            raise NoChange("this rollback changed no learning-rate setting: the restored weights stay")
+        overrides = self.target.overrides
+        before = {k: getattr(overrides, k) for k in changed}
+        for key, values in changed.items():
+            setattr(overrides, key, values[which])
+        return before, {k: getattr(overrides, k) for k in changed}
+
+
+_LR_FIELDS = ("lr_cap", "lr_scale")
 
 
 def _lr_in_force(target: Any) -> float | None:

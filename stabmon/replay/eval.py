@@ -51,6 +51,7 @@ from typing import Any
 from stabmon.alerts.config import ChannelConfig
 from stabmon.alerts.message import Composer
 from stabmon.events import Anomaly, Decision, Event, Severity, StepRecord
+from stabmon.interventions.traits import recorded_traits
 from stabmon.pipeline import Pipeline
 from stabmon.replay.baselines import peer_rules
 from stabmon.replay.importers.pattern import compile_patterns
@@ -315,7 +316,7 @@ def score(
                     row[f"sent_{ch}"] = len(episodes(sent, episode_gap))
                     outside = [s for s in sent if not any(a <= s <= b for a, b in wins)]
                     row[f"false_sent_{ch}"] = len(episodes(outside, episode_gap))
-                row["intervention_decisions"] = sum(1 for _, a in ra.decisions if a != "alert_only")
+                row["intervention_decisions"] = sum(1 for _, a in ra.decisions if recorded_traits(a).changes_training)
             files.append(row)
     return EvalReport(incidents, files, summarize(incidents, files, methods))
 

@@ -30,6 +30,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from stabmon.diagnose import Diagnosis
 from stabmon.events import Metric, StepRecord
 from stabmon.overrides import Overrides
 
@@ -70,6 +71,10 @@ class SimulatedTarget:
                 if name in _HPARAMS and math.isfinite(value):
                     recorded[name] = value
         if last is not None:
+            if last.step + 1 > self._step:  # a release's re-warm-up moves on with the recorded steps
+                self.overrides.advance(last.step + 1 - self._step)
+            if "lr" in recorded:
+                self.overrides.settle(recorded["lr"])
             self._step = last.step + 1
             self._batch_index = None if last.batch_index is None else last.batch_index + 1
 
@@ -110,13 +115,13 @@ class SimulatedTarget:
         self.stops.append(result)
         return result
 
-    def diagnose(self, **params: Any) -> dict[str, Any]:
+    def diagnose(self, **params: Any) -> Diagnosis:
         """Replay has no model to re-run steps on or batches to replay: no verdict is made up. The diagnosis is
         ``inconclusive`` with that reason, so the rung counts as failed and the rule's next rung follows (a live
         run follows its verdict instead); :meth:`summary` lists these steps as ``not_diagnosed``."""
         self.not_diagnosed.append(self._step)
-        return {"verdict": "inconclusive", "summary": NOT_DIAGNOSED, "simulated": True, "not_run": "replay",
-                "onset_step": params.get("onset_step"), "step": params.get("step")}
+        return Diagnosis.inconclusive(NOT_DIAGNOSED, onset_step=params.get("onset_step"), step=params.get("step"),
+                                      simulated=True, not_run="replay")
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -24,6 +24,7 @@ from typing import Any
 import polars as pl
 
 from stabmon.events import Anomaly, Decision, InterventionRecord, Metric, Outcome
+from stabmon.interventions.traits import recorded_traits
 from stabmon.report.series import Series, build_series, records_frame  # noqa: F401 - records_frame re-exported
 
 
@@ -155,9 +156,9 @@ def _decision_mark(d: Decision) -> Mark:
 
 
 def _intervention_mark(i: InterventionRecord) -> Mark:
-    kind = "rollback" if i.action == "rollback" and not i.reverted else "intervention"
+    kind = "rollback" if recorded_traits(i.action).rewinds_step and not i.reverted else "intervention"
     label = ("revert " if i.reverted else "") + i.action + (" (simulated)" if i.simulated else "")
-    detail = [("before", _fmt(dict(i.before))), ("after", _fmt(dict(i.after)))]
+    detail = [("before", _fmt(dict(i.before))), ("after", _fmt(dict(i.stored_after())))]
     return Mark(kind, i.step, label, detail, f"ev-{i.id}")
 
 
@@ -191,7 +192,7 @@ def rollback_bands(events: Sequence[Any]) -> list[Band]:
     """The re-trained stretch of each rollback: from the restored checkpoint's step to where it rolled back."""
     bands = []
     for e in events:
-        if not isinstance(e, InterventionRecord) or e.action != "rollback" or e.reverted:
+        if not isinstance(e, InterventionRecord) or not recorded_traits(e.action).rewinds_step or e.reverted:
             continue
         start = e.after.get("checkpoint_step")
         stop = e.after.get("from_step", e.before.get("step"))
@@ -232,7 +233,8 @@ def _step_rows(key: str, s: Mapping[str, Any]) -> list[TraceRow]:
                      f"{history}; {d['reason']}", f"ev-{d['id']}")]
     iv = s["intervention"]
     if iv:
-        stage = "revert" if iv["reverted"] else ("rollback" if iv["action"] == "rollback" else "intervention")
+        rewinds = recorded_traits(iv["action"]).rewinds_step
+        stage = "revert" if iv["reverted"] else ("rollback" if rewinds else "intervention")
         rows.append(TraceRow(key, stage, iv["step"], iv["action"] + (" (simulated)" if iv["simulated"] else ""),
                              f"before {_fmt(iv['before'])}; after {_fmt(iv['after'])}", f"ev-{iv['id']}"))
     o = s["outcome"]

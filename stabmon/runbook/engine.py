@@ -37,8 +37,11 @@ from stabmon.events import (
     Verdict,
     new_id,
 )
+from stabmon.interventions.alert_only import AlertOnly
+from stabmon.interventions.checkpoint_and_stop import CheckpointAndStop
+from stabmon.interventions.traits import REAPPLY, RELEASE, REVERT, changed_training, traits_of
 from stabmon.runbook import judging, rejection, verdicts
-from stabmon.runbook.schema import Rule, Runbook
+from stabmon.runbook.schema import Rule, Runbook, Success
 from stabmon.runbook.state import Incident, Sighting, WindowRow, incident_from_state, incident_state
 
 _LOSS, _LR = Metric.LOSS, Metric.LR  # read on every record: module constants, not class attributes
@@ -134,7 +137,7 @@ class Engine:
             params = {"intervention_id": change.intervention_id, "decision_id": change.decision_id,
                       "rejected": decision.id}
             reason = f"{decision.action} proposal rejected: revert rung {change.rung + 1} ({change.action})"
-            revert = self._decision("revert", params, DecisionStatus.APPLY, step, reason)
+            revert = self._decision(REVERT, params, DecisionStatus.APPLY, step, reason)
             out.append(dataclasses.replace(revert, rung=change.rung))
         self._close()
         return out
@@ -148,7 +151,8 @@ class Engine:
             inc.decision_time = self._now  # a duration restarts: answers could not be read meanwhile
 
     def applied(self, decision: Decision, record: InterventionRecord) -> None:
-        if decision.action == "checkpoint_and_stop" and "error" not in record.after:
+        traits = traits_of(decision.action)
+        if traits.stops_run and record.ok:
             self.stopped = True
         inc = self._incident
         if inc is not None and decision.incident_id == inc.id:
@@ -156,24 +160,24 @@ class Engine:
         if inc is None or inc.current.id != decision.id:
             return
         inc.intervention_id = record.id
-        inc.changed = inc.changed or record.changed_training
-        inc.alerted = inc.alerted or record.action == "alert_only"
-        if decision.action != "rollback":
+        inc.changed = inc.changed or changed_training(record)
+        inc.alerted = inc.alerted or not traits_of(record.action).changes_training
+        if not traits.rewinds_step:
             # the change acts from the target's step at application; records of earlier steps still to come
             # (the rest of a live monitor's flush) were measured before it and are not part of its window
             inc.effective_step = record.step
-        elif "error" not in record.after:
+        elif record.ok:
             # its window lasts until the run has trained past the step it rolled back from (see judging)
             inc.until_step = int(record.before.get("step", record.step))
-            if not record.after.get("simulated"):
+            if not record.simulated:
                 # a live rollback rewound the step counter: records still to come from the abandoned timeline
                 # (the rest of the flush) are not part of its window, which starts at the restored step
                 inc.await_step = record.step
-        if "error" in record.after:
-            inc.error = str(record.after["error"])
-        if "not_applied" in record.after:  # nothing changed: no window to wait for, no budget spent
-            inc.skipped = str(record.after["not_applied"])
-            if self._budget and decision.action != "alert_only":
+        if record.error is not None:
+            inc.error = record.error
+        if record.not_applied is not None:  # nothing changed: no window to wait for, no budget spent
+            inc.skipped = record.not_applied
+            if self._budget and traits.changes_training:
                 self._budget.pop()
         verdicts.note_verdict(inc, decision, record)
 
@@ -240,7 +244,7 @@ class Engine:
         inc = self._incident
         assert inc is not None
         rule = self.runbook.rule(inc.rule)
-        if inc.current.action == "alert_only" and self._acting(anomalies, rule):
+        if anomalies and not traits_of(inc.current.action).changes_training and self._acting(anomalies, rule):
             # whenever it comes, an alert awaiting approval (propose mode) included: it has nothing to wait for
             return self._supersede(record, anomalies)
         if inc.phase == "proposed":
@@ -257,7 +261,9 @@ class Engine:
         matched = sum(1 for a in anomalies if rule.when.matches(a))
         signal = record.get(inc.metric)
         inc.window.append(WindowRow(record.step, _num(record.get(Metric.LOSS)), _num(signal), matched))
-        if inc.error is None and inc.skipped is None and not judging.window_over(inc, self._rung(inc).observe):
+        if inc.releasing and matched:  # the trouble is back while the changes are given back: judge now
+            return self._judge(record.step)
+        if inc.error is None and inc.skipped is None and not judging.window_over(inc, self._judged(inc).observe):
             return []
         return self._judge(record.step)
 
@@ -282,7 +288,7 @@ class Engine:
         """Does an anomaly call for a rule that changes training, while only an alert is being observed?"""
         for a in anomalies:
             rule = self._rule_for(a)
-            if rule is not None and rule.name != current.name and getattr(rule.ladder[0], "action", "") != "alert_only":
+            if rule is not None and rule.name != current.name and traits_of(rule.actions[0]).changes_training:
                 return True
         return False
 
@@ -325,7 +331,7 @@ class Engine:
     def _judge(self, step: int) -> list[Decision | Outcome]:
         inc = self._incident
         assert inc is not None
-        rung = self._rung(inc)
+        rung = self._judged(inc)
         ok, evidence = judging.criteria(inc, rung)
         rule = self.runbook.rule(inc.rule)
         decision_id = inc.current.id
@@ -336,14 +342,22 @@ class Engine:
 
         if inc.skipped is not None:  # the rung changed nothing: straight on to the next one, whatever on_failure
             evidence = {"skipped": inc.skipped, "metric": inc.metric}
-            if inc.rung + 1 < len(rule.ladder):
+            has_next = inc.rung + 1 < len(rule.ladder)
+            out: list[Decision | Outcome] = [outcome(Verdict.ESCALATED if has_next else Verdict.EXHAUSTED)]
+            out.extend(self._revert_in_force(step))  # earlier attempts of this rung did not resolve it either
+            if has_next:
                 inc.rung, inc.attempt = inc.rung + 1, 1
-                return [outcome(Verdict.ESCALATED)] + self._issue_rung(step)
+                return out + self._issue_rung(step)
             self._close()
-            return [outcome(Verdict.EXHAUSTED)]
+            return out
+        if inc.releasing:
+            return self._judge_release(step, ok, outcome)
         if ok:
-            self._close()
-            return [outcome(Verdict.RESOLVED)]
+            resolved = outcome(Verdict.RESOLVED)
+            released = self._release(step)
+            if not released:
+                self._close()
+            return [resolved, *released]
         attempt = inc.attempt
         if attempt < rung.repeat and inc.error is None:
             inc.attempt = attempt + 1  # the same rung again, on top of the last attempt
@@ -351,14 +365,13 @@ class Engine:
             return [outcome(Verdict.ESCALATED)] + self._issue_rung(step)
         has_next = inc.rung + 1 < len(rule.ladder)
         if rung.on_failure == "stop":
-            out: list[Decision | Outcome] = [outcome(Verdict.STOPPED)]
+            out = [outcome(Verdict.STOPPED)]
             return out + self._issue_stop(step)
         if rung.on_failure == "revert":
             out = [outcome(Verdict.REVERTED)]
-            if inc.error is None:
-                out.append(self._revert_decision(step))
         else:
             out = [outcome(Verdict.ESCALATED if has_next else Verdict.EXHAUSTED)]
+        out.extend(self._revert_in_force(step))  # one change in force at a time; none left by a spent ladder
         if has_next:
             inc.rung += 1
             inc.attempt = 1
@@ -372,18 +385,19 @@ class Engine:
         assert inc is not None
         rule = self.runbook.rule(inc.rule)
         rung = self._rung(inc)
-        if rung.action != "alert_only" and self._budget_left() <= 0:
+        traits = traits_of(rung.action)
+        if traits.changes_training and self._budget_left() <= 0:
             b = self.runbook.budget
             reason = (f"{inc.trigger}; budget exhausted ({b.max_interventions} interventions per "
                       f"{b.per_steps} steps): rung {inc.rung + 1} ({rung.action}) not attempted")
-            alert = self._decision("alert_only", {"message": reason}, DecisionStatus.APPLY, step, reason)
+            alert = self._decision(AlertOnly.name, {"message": reason}, DecisionStatus.APPLY, step, reason)
             self._close()
             return [alert]
         params = rung.params.model_dump(exclude_none=True)
-        params.update(verdicts.diagnose_params(rung.action, inc, step))
-        if rung.action == "alert_only" and not params.get("message") and inc.seen:
-            params["message"] = inc.seen  # the alert says what the detector saw
-        if rung.action == "rollback":
+        params.update(verdicts.diagnose_params(traits, inc, step))
+        if "message" in type(rung.params).model_fields and not params.get("message") and inc.seen:
+            params["message"] = inc.seen  # an alert says what the detector saw
+        if traits.rewinds_step:
             params["onset_step"] = inc.onset_step
             onset_lr = next((v for st, v in reversed(self._lrs) if st <= inc.onset_step), None)
             if onset_lr is not None and "lr_cap" in params:
@@ -398,7 +412,7 @@ class Engine:
         assert inc is not None
         reason = f"{inc.trigger}; rung {inc.rung + 1} failed and its runbook says stop"
         inc.stop = True
-        return [self._propose_or_apply("checkpoint_and_stop", {"reason": reason}, step, reason)]
+        return [self._propose_or_apply(CheckpointAndStop.name, {"reason": reason}, step, reason)]
 
     def _propose_or_apply(self, action: str, params: dict[str, Any], step: int, reason: str) -> Decision:
         inc = self._incident
@@ -412,24 +426,65 @@ class Engine:
             self._start(decision)
         return decision
 
-    def _revert_decision(self, step: int) -> Decision:
+    def _revert_in_force(self, step: int) -> list[Decision]:
+        """Undo, newest first, every change of the incident still in force: the rungs that did not resolve it."""
         inc = self._incident
         assert inc is not None
-        prev = inc.current
-        params = {"intervention_id": inc.intervention_id, "decision_id": prev.id}
-        reason = f"rung {inc.rung + 1} ({prev.action}) did not resolve the incident: revert it"
-        return self._decision("revert", params, DecisionStatus.APPLY, step, reason)
+        out = []
+        for change in reversed(inc.in_force):
+            if not change.revertible:
+                continue
+            params = {"intervention_id": change.intervention_id, "decision_id": change.decision_id}
+            reason = f"rung {change.rung + 1} ({change.action}) did not resolve the incident: revert it"
+            out.append(dataclasses.replace(self._decision(REVERT, params, DecisionStatus.APPLY, step, reason),
+                                           rung=change.rung))
+        return out
+
+    # -- giving back what resolved it --
+    def _release(self, step: int) -> list[Decision | Outcome]:
+        """The incident is resolved: give back the changes still in force (none: nothing to do) and observe the
+        run without them (:class:`~stabmon.runbook.schema.Release`)."""
+        inc = self._incident
+        assert inc is not None
+        held = [c for c in reversed(inc.in_force) if c.revertible]
+        if not held:
+            return []
+        steps = self.runbook.release.steps
+        names = ", ".join(f"rung {c.rung + 1} ({c.action})" for c in held)
+        warm = f", the learning rate back to the schedule over {steps} steps" if steps else ""
+        reason = f"{inc.trigger}; resolved: release {names}{warm}, then observe"
+        params = {"intervention_ids": [c.intervention_id for c in held], "steps": steps}
+        decision = self._decision(RELEASE, params, DecisionStatus.APPLY, step, reason)
+        inc.releasing = True
+        inc.phase, inc.decision, inc.window = "observing", _kept(decision), []
+        inc.intervention_id = inc.error = inc.skipped = inc.effective_step = inc.await_step = inc.until_step = None
+        return [decision]
+
+    def _judge_release(self, step: int, ok: bool, outcome: Any) -> list[Decision | Outcome]:
+        """Quiet without the changes: ``released``. The trouble back: put them back, ``kept``."""
+        inc = self._incident
+        assert inc is not None
+        if ok or inc.error is not None:  # a release that failed gave nothing back: nothing to put back either
+            self._close()
+            return [outcome(Verdict.RELEASED if ok else Verdict.KEPT)]
+        reason = (f"{inc.trigger}; the trouble came back while the changes were given back: put them back "
+                  f"(they stay in force)")
+        params = {"intervention_id": inc.intervention_id, "decision_id": inc.current.id}
+        back = self._decision(REAPPLY, params, DecisionStatus.APPLY, step, reason)
+        self._close()
+        return [outcome(Verdict.KEPT), back]
 
     def _start(self, decision: Decision) -> None:
         """The decision is being applied now: observe it (or, for a stop, end the incident)."""
         inc = self._incident
         assert inc is not None
-        if decision.action == "checkpoint_and_stop" and inc.stop:
+        traits = traits_of(decision.action)
+        if traits.stops_run and inc.stop:
             self._close()
             return
-        if decision.action != "alert_only":
+        if traits.changes_training:
             self._budget.append(self._tick)
-        inc.phase, inc.decision, inc.window = "observing", _kept(decision), []
+        inc.phase, inc.decision, inc.window, inc.releasing = "observing", _kept(decision), [], False
         inc.intervention_id = inc.error = inc.skipped = inc.effective_step = inc.await_step = inc.until_step = None
 
     def _decision(self, action: str, params: dict[str, Any], status: DecisionStatus, step: int,
@@ -443,6 +498,17 @@ class Engine:
     # -- bookkeeping --
     def _rung(self, inc: Incident) -> Any:
         return self.runbook.rule(inc.rule).ladder[inc.rung]
+
+    def _judged(self, inc: Incident) -> Any:
+        """What the current decision is observed and judged by: its rung, or for a release the rung that
+        resolved the incident over the release's window (every record of it judged)."""
+        rung = self._rung(inc)
+        if not inc.releasing:
+            return rung
+        release = self.runbook.release
+        return _Judged(observe=release.steps + release.observe,
+                       success=Success(loss_within=rung.success.loss_within,
+                                       signal_below=rung.success.signal_below))
 
     def _budget_left(self) -> int:
         b = self.runbook.budget
@@ -496,6 +562,14 @@ class Engine:
         incident = state["incident"]
         self._incident = None if incident is None else incident_from_state(incident, version=version)
         self.stopped = bool(state["stopped"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Judged:
+    """A release's observation window and success tests, in a rung's shape (see :meth:`Engine._judged`)."""
+
+    observe: int
+    success: Success
 
 
 def _num(value: float | None) -> float | None:

@@ -19,13 +19,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from stabmon.interventions import Intervention, ScaleLr, get_intervention
+from stabmon.interventions._override import OverrideIntervention
+from stabmon.interventions.traits import traits_of
 from stabmon.runbook.schema import Runbook
-
-_SET = {  # action -> (parameter, hyper-parameter, direction: -1 lowers, +1 raises)
-    "set_clip": ("max_norm", "clip", -1),
-    "set_beta2": ("beta2", "beta2", -1),
-    "set_weight_decay": ("weight_decay", "weight_decay", 1),
-}
 
 
 def fit_warnings(
@@ -40,21 +37,28 @@ def fit_warnings(
         ladder: list[Any] = list(rule.ladder)  # one pydantic model per action
         for i, rung in enumerate(ladder, start=1):
             where = f"rule {rule.name} rung {i}: {rung.action}"
-            if rung.action == "rollback" and checkpoints is False:
+            if traits_of(rung.action).rewinds_step and checkpoints is False:
                 out.append(f"{where} needs checkpoints (Monitor checkpoint_dir= or checkpoints=): it will fail")
-            if rung.action == "scale_lr" and rung.params.factor is not None and rung.params.factor >= 1:
-                out.append(f"{where} factor {rung.params.factor:g} would not lower the LR: it will be skipped")
-            if rung.action not in _SET:
-                continue
-            param, hparam, direction = _SET[rung.action]
-            target = float(getattr(rung.params, param))
-            if hparam not in in_force:
-                out.append(f"{where}: the optimizer has no {hparam}: it will change nothing")
-                continue
-            now = float(in_force[hparam])
-            if (target - now) * direction <= 0:
-                way = "lower" if direction < 0 else "raise"
-                out.append(f"{where} to {target:g} would not {way} {hparam} ({now:g} in force): it will be skipped")
-            else:
-                in_force[hparam] = target
+            out += _override_warnings(where, get_intervention(rung.action), rung.params, in_force)
     return out
+
+
+def _override_warnings(where: str, cls: type[Intervention], params: Any, in_force: dict[str, float]) -> list[str]:
+    """What a rung that sets one value would do with the values in force (which it updates, for the next rung);
+    the value and the way it may move are the intervention's own declarations (``hparam``, ``direction``)."""
+    if issubclass(cls, ScaleLr):
+        factor = params.factor
+        return ([f"{where} factor {factor:g} would not lower the LR: it will be skipped"]
+                if factor is not None and factor >= 1 else [])
+    if not issubclass(cls, OverrideIntervention) or not cls.direction or len(cls.Params.model_fields) != 1:
+        return []
+    (param,) = cls.Params.model_fields  # the one value the rung sets
+    hparam, direction, target = cls.hparam, cls.direction, float(getattr(params, param))
+    if hparam not in in_force:
+        return [f"{where}: the optimizer has no {hparam}: it will change nothing"]
+    now = float(in_force[hparam])
+    if (target - now) * direction <= 0:
+        way = "lower" if direction < 0 else "raise"
+        return [f"{where} to {target:g} would not {way} {hparam} ({now:g} in force): it will be skipped"]
+    in_force[hparam] = target
+    return []

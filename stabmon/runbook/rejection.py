@@ -26,25 +26,33 @@ reverting rung 1 (set_clip)``, and ``stabmon trace`` shows the values each rever
 from __future__ import annotations
 
 from stabmon.events import Decision, InterventionRecord
+from stabmon.interventions.traits import traits_of
 from stabmon.runbook.state import Change, Incident
-
-NOT_CHANGES = frozenset({"alert_only", "diagnose", "checkpoint_and_stop"})
-"""Actions that leave nothing in force to revert or keep."""
 
 
 def track(incident: Incident, decision: Decision, record: InterventionRecord) -> None:
-    """Update the incident's changes in force with an applied decision (or the revert of one)."""
-    if decision.action == "revert":
-        if "error" not in record.after:
-            gone = str(decision.params.get("intervention_id"))
-            incident.in_force = [c for c in incident.in_force if c.intervention_id != gone]
+    """Update the incident's changes in force with an applied decision (or the revert of one). What leaves
+    nothing in force (an alert, a diagnosis, a stop: ``stays_in_force`` false), failed or was skipped is not
+    tracked."""
+    traits = traits_of(decision.action)
+    if traits.undoes or traits.releases:
+        if record.ok:
+            gone = {str(decision.params.get("intervention_id"))} | set(decision.params.get("intervention_ids", ()))
+            incident.in_force = [c for c in incident.in_force if c.intervention_id not in gone]
         return
-    if decision.action in NOT_CHANGES or not record.changed_training or "not_applied" in record.after:
+    if not traits.stays_in_force or not record.ok or record.not_applied is not None or traits.reapplies:
         return
-    from stabmon.interventions import get_intervention
-
     incident.in_force.append(Change(intervention_id=record.id, decision_id=decision.id, action=decision.action,
-                                    rung=decision.rung, revertible=get_intervention(decision.action).revertible))
+                                    rung=decision.rung, revertible=holds(decision.action, record)))
+
+
+def holds(action: str, record: InterventionRecord) -> bool:
+    """Whether the change ``record`` made stays in force until undone, as its intervention class says (an action
+    this process has not registered: as its traits say)."""
+    from stabmon.interventions import INTERVENTIONS
+
+    cls = INTERVENTIONS.get(action)
+    return cls.holds(record) if cls is not None else traits_of(action).revertible
 
 
 def plan(incident: Incident, *, step: int, policy: str) -> tuple[str, list[Change]]:

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from stabmon.events import Anomaly, Severity
 from stabmon.interventions import INTERVENTIONS, Intervention
+from stabmon.interventions.traits import traits_of
 
 
 class _Strict(BaseModel):
@@ -96,8 +97,10 @@ class _RungBase(_Strict):
     """Steps to observe after the change before judging it."""
     success: Success = Success()
     on_failure: Literal["next", "revert", "stop"] = "next"
-    """next: keep the change and go to the next rung; revert: undo it, then the next rung; stop: checkpoint
-    and stop the run."""
+    """next: go to the next rung; revert: the same, recorded as reverted; stop: checkpoint and stop the run.
+    Either way a change that did not resolve the incident is undone before the next rung (the learning-rate cap
+    of a rollback included; the restored weights stay), so one change is in force at a time, and a ladder that
+    runs out leaves none behind."""
     repeat: int = Field(default=1, ge=1)
     """How many times the rung is tried while the incident persists: each attempt applies the change again on
     top of the last one and is judged on its own window, so ``scale_lr {factor: 0.5}`` with ``repeat: 5``
@@ -149,12 +152,30 @@ class Rule(_Strict):
     when: Condition = Condition()
     ladder: list[Rung] = Field(min_length=1)  # type: ignore[valid-type]
 
+    @property
+    def actions(self) -> list[str]:
+        """The action of each rung, in ladder order."""
+        ladder: list[Any] = list(self.ladder)  # one pydantic model per action
+        return [rung.action for rung in ladder]
+
 
 class Budget(_Strict):
     """At most ``max_interventions`` changes (reverts and alerts not counted) per ``per_steps`` steps."""
 
     max_interventions: int = Field(default=8, ge=1)
     per_steps: int = Field(default=1000, ge=1)
+
+
+class Release(_Strict):
+    """How a change that resolved its incident is given back (every change that stays in force: a setting, a
+    learning-rate cap or scale, a rollback's cap). The settings are restored and a learning rate that comes back
+    up climbs to the schedule geometrically over ``steps`` optimizer steps (0: at once); the release is then
+    observed for ``steps + observe`` steps and judged like a rung on the rung's own success tests. Quiet: the
+    incident closes ``released``. The rule's trouble back: the changes are put back (``reapply``) and the
+    incident closes ``kept``, which the trace and the alerts say. No change outlives its incident silently."""
+
+    steps: int = Field(default=100, ge=0)
+    observe: int = Field(default=100, ge=1)
 
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -221,6 +242,8 @@ class Runbook(_Strict):
     """Steps after an incident closes during which no new incident opens."""
     budget: Budget = Budget()
     approval: Approval = Approval()
+    release: Release = Release()
+    """How the changes an incident was resolved with are given back (see :class:`Release`)."""
     baseline_steps: int = Field(default=50, ge=1)
     """How many steps before an incident's onset form the loss baseline that success is judged against."""
     include: str | None = None
@@ -235,7 +258,7 @@ class Runbook(_Strict):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"rule names must be unique, repeated: {', '.join(dup)}")
-        diagnosing = any(getattr(rung, "action", "") == "diagnose" for r in self.rules for rung in r.ladder)
+        diagnosing = any(traits_of(action).diagnoses for r in self.rules for action in r.actions)
         for r in self.rules:
             if r.when.verdict is not None and not diagnosing:
                 raise ValueError(f"rule {r.name}: when.verdict needs a rule with a diagnose rung")

@@ -104,6 +104,7 @@ class Incident:
     changed: bool = False  #: a decision of this incident changed training
     alerted: bool = False  #: a decision of this incident was only an alert
     stop: bool = False  #: the pending decision is the runbook's checkpoint-and-stop
+    releasing: bool = False  #: the current decision gives back the changes that resolved it (a release)
     diagnosis: str | None = None  #: the verdict of an applied ``diagnose`` rung, until the engine follows it
     in_force: list[Change] = field(default_factory=list)  #: changes made and not reverted, oldest first
     seen: str = ""  #: the first line of the opening anomaly's message: what an ``alert_only`` with no text says

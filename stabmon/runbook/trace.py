@@ -24,8 +24,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from stabmon.events import Anomaly, Decision, InterventionRecord, Outcome, to_dict
+from stabmon.interventions.traits import recorded_traits as _traits
 from stabmon.runbook.hangs import hang_summary
-from stabmon.runbook.rejection import NOT_CHANGES
 
 
 def build_trace(events: Iterable[Any], positions: Sequence[tuple[int, int | None]] = ()) -> dict[str, Any]:
@@ -100,10 +100,12 @@ def format_trace(trace: dict[str, Any]) -> list[str]:
                          f"[{history}]")
             lines.append(f"               {d['reason']}")
             iv = s["intervention"]
-            if iv and iv["action"] == "diagnose" and "error" not in iv["after"]:
+            if iv and _traits(iv["action"]).diagnoses and "error" not in iv["after"]:
                 lines.extend(diagnosis_lines(iv))
             elif iv:
-                label = "revert" if iv["reverted"] else "intervention"
+                traits = _traits(d["action"])
+                label = ("revert" if iv["reverted"] else "release" if traits.releases
+                         else "reapply" if traits.reapplies else "intervention")
                 lines.append(f"  {label:<13}step {iv['step']}: {_changes(iv)}")
             if d["status"] == "rejected":
                 lines.append(f"  rejected     {_rejection(s, inc['steps'])}")
@@ -145,7 +147,7 @@ def _rejection(step: dict[str, Any], steps: list[dict[str, Any]]) -> str:
     """
     when = step["statuses"][-1][1]  # a stored decision keeps the step it was proposed at, its answer's is here
     d = step["decision"]
-    reverts = [s for s in steps if s["decision"]["action"] == "revert" and s["intervention"]
+    reverts = [s for s in steps if _traits(s["decision"]["action"]).undoes and s["intervention"]
                and "error" not in s["intervention"]["after"]]
     undone = {str(s["decision"]["params"].get("intervention_id")) for s in reverts}
     mine = [s["intervention"] for s in reverts if s["decision"]["params"].get("rejected") == d["id"]]
@@ -158,7 +160,7 @@ def _rejection(step: dict[str, Any], steps: list[dict[str, Any]]) -> str:
 
 def _in_force(step: dict[str, Any]) -> bool:
     iv = step["intervention"]
-    return (iv is not None and step["decision"]["action"] not in ("revert", *NOT_CHANGES) and not iv["reverted"]
+    return (iv is not None and _traits(step["decision"]["action"]).stays_in_force and not iv["reverted"]
             and "error" not in iv["after"] and "not_applied" not in iv["after"])
 
 

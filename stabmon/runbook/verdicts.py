@@ -27,8 +27,9 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
-from stabmon.diagnose import VERDICTS
+from stabmon.diagnose.verdict import VERDICTS
 from stabmon.events import Decision, InterventionRecord
+from stabmon.interventions.traits import Traits, traits_of
 from stabmon.runbook.schema import Rule, Runbook
 from stabmon.runbook.state import Incident
 
@@ -44,16 +45,16 @@ def rule_for_verdict(runbook: Runbook, metric: str, verdict: str) -> Rule | None
                  if r.when.verdict == verdict and fnmatch.fnmatchcase(metric, r.when.metric)), None)
 
 
-def diagnose_params(action: str, incident: Incident, step: int) -> dict[str, Any]:
-    """What a ``diagnose`` rung is told about the incident (nothing for other actions)."""
-    if action != "diagnose":
+def diagnose_params(traits: Traits, incident: Incident, step: int) -> dict[str, Any]:
+    """What a ``diagnose`` rung is told about the incident (nothing for actions that do not diagnose)."""
+    if not traits.diagnoses:
         return {}
     return {"onset_step": incident.onset_step, "step": step, "metric": incident.metric}
 
 
 def note_verdict(incident: Incident, decision: Decision, record: InterventionRecord) -> None:
     """Keep an applied diagnosis' verdict in the incident; no verdict makes the rung a failed one."""
-    if decision.action != "diagnose" or "error" in record.after:
+    if not traits_of(decision.action).diagnoses or not record.ok:
         return
     verdict = record.after.get("verdict")
     if verdict in VERDICTS:

@@ -107,7 +107,7 @@ def event_row(event: Any, *, run_id: str, seq: int) -> dict[str, Any]:
             "decision_id": event.decision_id,
             "action": event.action,
             "before": encode(dict(event.before)),
-            "after": encode(dict(event.after)),
+            "after": encode(dict(event.stored_after())),
             "reverted": bool(event.reverted),
             "simulated": bool(event.simulated),
         }
@@ -153,7 +153,7 @@ def event_from_row(table: str, row: Mapping[str, Any]) -> Anomaly | Decision | I
             id=row["id"],
         )
     if table == "interventions":
-        return InterventionRecord(
+        return InterventionRecord.from_stored(
             decision_id=row["decision_id"],
             step=int(row["step"]),
             action=row["action"],

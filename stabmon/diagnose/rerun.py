@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from stabmon import diagnose as dx
 from stabmon.collect.batches import BatchEntry, BatchLog
 from stabmon.collect.grads import GradNorms
+from stabmon.diagnose import verdict as dx
 from stabmon.events import Metric, StepRecord
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]

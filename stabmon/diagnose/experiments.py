@@ -1,13 +1,14 @@
 """The two experiments of ``diagnose`` on the live model: replay the incident's batches at a checkpoint, and
-re-run the steps from that checkpoint to the incident (the verdict logic is :mod:`stabmon.diagnose`).
+re-run the steps from that checkpoint to the incident (the verdict logic is :mod:`stabmon.diagnose.verdict`).
 
 Everything happens inside one flush, on the model and optimizer themselves, with the monitor's hooks paused:
 their state (and a GradScaler's) is copied first (one copy of parameters and optimizer state, on their
 device) and restored after, exactly, with the RNG state, whatever happens; a failure becomes an
 ``inconclusive`` verdict with its reason. Work: ``2 x max_batches`` forward+backward passes (no update) for
 the replay, and at most the checkpoint interval of training steps for the re-run
-(:mod:`stabmon.collect.rerun_steps`). Nothing runs unless a runbook rung asks for ``diagnose``. Under
-torch.distributed every rank runs this together (:mod:`stabmon.collect.rerun_ranks`).
+(:mod:`stabmon.diagnose.rerun`). Nothing runs unless a runbook rung asks for ``diagnose``. Under
+torch.distributed every rank runs this together (:mod:`stabmon.diagnose.ranks`). The collaborators come in a
+:class:`Bench`, built by :func:`stabmon.diagnose.build.build_diagnoser`.
 
 The loss of a batch is computed by ``loss_fn(model, batch)``; the default, :func:`call_model`, calls
 ``model(*batch)`` (a tuple or list), ``model(**batch)`` (a mapping) or ``model(batch)`` and takes the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import socket
 import statistics
@@ -34,11 +36,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from stabmon import diagnose as dx
 from stabmon.collect.batches import BatchEntry, BatchLog
 from stabmon.collect.grads import GradNorms
-from stabmon.collect.rerun_ranks import RankChannel
-from stabmon.collect.rerun_steps import LossFn, rerun_steps, seed
+from stabmon.diagnose import verdict as dx
+from stabmon.diagnose.ranks import RankChannel
+from stabmon.diagnose.rerun import LossFn, rerun_steps, seed
+from stabmon.diagnose.verdict import Diagnosis
 from stabmon.events import Metric, StepRecord
 
 
@@ -56,7 +59,7 @@ def call_model(model: Any, batch: Any) -> torch.Tensor:
     return loss
 
 
-@dataclass
+@dataclass(frozen=True)
 class Bench:
     """What the experiments work with: the monitor's collaborators, passed in (nothing calls back into it).
     ``own``: under torch.distributed, this rank's own recorded loss per step
@@ -97,26 +100,24 @@ class Plan:
 
 
 def run(bench: Bench, *, onset_step: int, step: int, metric: str, max_batches: int, rtol: float,
-        recur: float) -> dict[str, Any]:
-    """Both experiments and the verdict, as plain values (the ``after`` of the intervention's record). Under
-    torch.distributed every rank calls it with the same arguments and enters the same exchanges, in order."""
+        recur: float) -> Diagnosis:
+    """Both experiments and the verdict. Under torch.distributed every rank calls it with the same arguments and
+    enters the same exchanges, in order; each holds rank 0's verdict, with its own ``seconds``."""
     t0 = time.perf_counter()
     host = socket.gethostname()
-    out: dict[str, Any] = {"rank": bench.rank, "host": host, "onset_step": onset_step, "step": step,
-                           "metric": metric}
+    where: dict[str, Any] = {"rank": bench.rank, "host": host, "onset_step": onset_step, "step": step,
+                             "metric": metric}
     channel = bench.channel or RankChannel(rank=0, world_size=1, timeout=1.0)
     try:
         plan = _agreed(channel, bench, onset_step, step, metric, max_batches)
         local = _local(bench, plan, rtol, host)
-        out.update(_verdict(plan, channel.gather(local), recur))
-        out = channel.share(out)
+        found: Diagnosis = channel.share(_verdict(plan, channel.gather(local), recur, where))
     except _Missing as exc:
-        out.update(verdict=dx.INCONCLUSIVE, summary=str(exc))
+        found = Diagnosis.inconclusive(str(exc), **where)
     except Exception as exc:  # noqa: BLE001 - an exchange between ranks failed or timed out
-        out.update(verdict=dx.INCONCLUSIVE, summary=f"rank {bench.rank}: the exchange between ranks failed: "
-                                                    f"{type(exc).__name__}: {exc}")
-    out["seconds"] = round(time.perf_counter() - t0, 3)
-    return out
+        found = Diagnosis.inconclusive(f"rank {bench.rank}: the exchange between ranks failed: "
+                                       f"{type(exc).__name__}: {exc}", **where)
+    return dataclasses.replace(found, seconds=round(time.perf_counter() - t0, 3))
 
 
 class _Missing(RuntimeError):
@@ -219,7 +220,7 @@ def _rerun(bench: Bench, plan: Plan, rtol: float) -> dict[str, Any]:
                        start=start, stop=stop, rtol=rtol)
 
 
-def _verdict(plan: Plan, evidence: Sequence[dict[str, Any]], recur: float) -> dict[str, Any]:
+def _verdict(plan: Plan, evidence: Sequence[dict[str, Any]], recur: float, where: dict[str, Any]) -> Diagnosis:
     """The verdict from every rank's evidence (the same on every rank: the same inputs)."""
     failed = [e for e in evidence if "error" in e]
     if failed:
@@ -235,13 +236,13 @@ def _verdict(plan: Plan, evidence: Sequence[dict[str, Any]], recur: float) -> di
     batches = [{**plan.entries[s].describe(), "role": "incident" if s in incident else "reference",
                 "recorded": dx.plain(_value(recorded.get(s), signal)), "at_checkpoint": dx.plain(measured[s])}
                for s in sorted(plan.entries)]
-    out = {"verdict": verdict, "summary": summary, "signal": signal, "checkpoint_step": plan.checkpoint.step,
-           "checkpoint_path": str(plan.checkpoint.path), "incident_steps": incident, "reference_steps": reference,
-           "replay": replay, "rerun": rerun, "batches": batches}
+    found = {"signal": signal, "checkpoint_step": plan.checkpoint.step, "checkpoint_path": str(plan.checkpoint.path),
+             "incident_steps": incident, "reference_steps": reference, "replay": replay, "rerun": rerun,
+             "batches": batches}
     named = (rerun.get("mismatch") or {}).get("rank")
     if verdict == "hardware_suspect" and named is not None:  # the rank and host to move away from
-        out.update(rank=named, host=rerun["mismatch"]["host"])
-    return out
+        where = {**where, "rank": named, "host": rerun["mismatch"]["host"]}
+    return Diagnosis(verdict, summary, evidence=found, **where)
 
 
 @contextlib.contextmanager
@@ -286,27 +287,3 @@ def _measure(bench: Bench, entry: BatchEntry) -> tuple[float, float]:
     norm = float(result.total) if result is not None else math.nan
     bench.optimizer.zero_grad(set_to_none=True)
     return float(loss.detach()), norm
-
-
-def diagnose(monitor: Any, grads: GradNorms, hooks: Any, *, loss_fn: LossFn | None, own: Any = None,
-             channel: RankChannel | None = None, **params: Any) -> dict[str, Any]:
-    """``Monitor.diagnose``: the experiments on the monitor's model, optimizer, GradScaler, batch log, records
-    and checkpoints, with its optimizer ``hooks`` removed meanwhile."""
-    if monitor.batches is None:
-        return {"verdict": dx.INCONCLUSIVE, "summary": "no batch log: the runbook has no diagnose rung"}
-
-    @contextlib.contextmanager
-    def paused() -> Iterator[None]:
-        hooks.remove()
-        try:
-            yield
-        finally:
-            hooks.install()
-
-    scaler = monitor.scaler
-    bench = Bench(model=monitor.model, optimizer=monitor.optimizer, grads=grads, loss_fn=loss_fn or call_model,
-                  batches=monitor.batches, records=monitor.records, checkpoints=monitor.checkpoints,
-                  check=monitor.target.state.mismatch, paused=paused,
-                  scaler=scaler if scaler is not None and scaler.is_enabled() else None, own=own,
-                  channel=channel, rank=monitor.rank)
-    return run(bench, **params)

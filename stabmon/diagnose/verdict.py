@@ -1,6 +1,6 @@
 """Why did it spike? The verdict of ``diagnose``: ``data``, ``state`` or ``hardware_suspect``.
 
-Two experiments answer it (:mod:`stabmon.collect.rerun` runs them on the live model, at the flush that
+Two experiments answer it (:mod:`stabmon.diagnose.experiments` runs them on the live model, at the flush that
 decided to diagnose; docs/diagnose.md has the costs):
 
 1. **re-run**: from the newest valid checkpoint at or before the incident's first step, the recorded steps are
@@ -20,7 +20,7 @@ rank whose own loss did not reproduce, and the replay takes each step's mean ove
 
 When the evidence is missing (no checkpoint, the batches are gone from the batch log, ranks that cannot agree
 on a plan) the verdict is ``inconclusive`` and says why; a runbook then goes on to the diagnose rung's next
-rung.
+rung. The result travels as a :class:`Diagnosis`.
 
 This module is pure (no torch): which steps to replay, and the verdict from the measured numbers.
 
@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 VERDICTS = ("data", "state", "hardware_suspect")
@@ -46,6 +47,53 @@ MIN_EXCESS = 0.05
 """A replayed excess must also exceed this fraction of the reference batches' median to count as a recurrence."""
 SPREAD_FACTOR = 3.0
 """... and this many median absolute deviations of the reference batches' values."""
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What ``diagnose`` found: the verdict, a one-line summary, and the evidence behind them.
+
+    ``rank`` / ``host``: the process that made it, or for ``hardware_suspect`` the rank whose first execution
+    did not reproduce (the one to move away from). ``evidence``: the experiments' results (``signal``,
+    ``checkpoint_step``, ``checkpoint_path``, ``incident_steps``, ``reference_steps``, ``replay``, ``rerun``,
+    ``batches``; docs/diagnose.md). ``not_run``: why no experiment ran (``"replay"``: a replay has no model).
+    :meth:`as_after` is the form the intervention record keeps (only what is known).
+
+    >>> d = Diagnosis("data", "the batches are to blame", onset_step=150, step=152, metric="loss")
+    >>> d.verdict in VERDICTS, d.as_after()
+    (True, {'onset_step': 150, 'step': 152, 'metric': 'loss', 'verdict': 'data', 'summary': 'the batches are to blame'})
+    >>> Diagnosis.inconclusive("no checkpoint").verdict
+    'inconclusive'
+    """
+
+    verdict: str
+    summary: str
+    rank: int | None = None
+    host: str | None = None
+    onset_step: int | None = None
+    step: int | None = None
+    metric: str | None = None
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    seconds: float | None = None
+    simulated: bool = False
+    not_run: str | None = None
+
+    @classmethod
+    def inconclusive(cls, why: str, **known: Any) -> Diagnosis:
+        """No verdict, and why."""
+        return cls(INCONCLUSIVE, why, **known)
+
+    def as_after(self) -> dict[str, Any]:
+        """The intervention record's ``after``: the fields that are known, the evidence's entries inline."""
+        out: dict[str, Any] = {k: v for k, v in (("rank", self.rank), ("host", self.host),
+                                                 ("onset_step", self.onset_step), ("step", self.step),
+                                                 ("metric", self.metric)) if v is not None}
+        out.update(verdict=self.verdict, summary=self.summary, **self.evidence)
+        if self.seconds is not None:
+            out["seconds"] = self.seconds
+        if self.simulated:
+            out.update(simulated=True, not_run=self.not_run)
+        return out
 
 
 def finite(v: float | None) -> bool:

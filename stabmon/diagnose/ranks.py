@@ -32,13 +32,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from stabmon import diagnose as dx
 from stabmon.collect.distributed import broadcast
 from stabmon.collect.joint import Joint, RankChannel
+from stabmon.diagnose.verdict import Diagnosis
+from stabmon.interventions.diagnose import Diagnose
 
-__all__ = ["ACTION", "CrossRank", "RankChannel"]
-
-ACTION = "diagnose"
+__all__ = ["CrossRank", "RankChannel"]
 
 
 class CrossRank(Joint):
@@ -46,15 +45,16 @@ class CrossRank(Joint):
     calls the other ranks in (a :class:`Join` through ``send``) and each of them keeps the result of the run
     it joined for its executor (see the module docstring). ``last``: the latest diagnosis on this rank.
 
-    >>> cross = CrossRank(lambda **p: {"verdict": "data", **p}, rank=0, world_size=1)
-    >>> cross(step=3)["verdict"], cross.last["step"]
+    >>> from stabmon.diagnose import Diagnosis
+    >>> cross = CrossRank(lambda **p: Diagnosis("data", "seen again", step=p["step"]), rank=0, world_size=1)
+    >>> cross(step=3).verdict, cross.last.step
     ('data', 3)
     """
 
-    def __init__(self, run: Callable[..., dict[str, Any]], *, rank: int, world_size: int,
+    def __init__(self, run: Callable[..., Diagnosis], *, rank: int, world_size: int,
                  send: Callable[[Any], Any] = broadcast) -> None:
-        super().__init__(ACTION, run, rank=rank, world_size=world_size, send=send)
+        super().__init__(Diagnose.name, run, rank=rank, world_size=world_size, send=send)
 
-    def absent(self) -> dict[str, Any]:
-        return {"verdict": dx.INCONCLUSIVE, "rank": self.rank,
-                "summary": f"rank {self.rank} was not called into the diagnosis by rank 0"}
+    def absent(self) -> Diagnosis:
+        return Diagnosis.inconclusive(f"rank {self.rank} was not called into the diagnosis by rank 0",
+                                      rank=self.rank)
