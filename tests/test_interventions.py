@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from stabmon.diagnose import Diagnosis
 from stabmon.events import Decision, DecisionStatus
 from stabmon.interventions import (
     INTERVENTIONS,
@@ -51,9 +52,9 @@ class FakeTarget:
         self.calls.append(("stop", {"reason": reason}))
         return {"path": "ckpt.pt"}
 
-    def diagnose(self, **kw: Any) -> dict[str, Any]:
+    def diagnose(self, **kw: Any) -> Diagnosis:
         self.calls.append(("diagnose", kw))
-        return {"verdict": "state", "onset_step": kw["onset_step"]}
+        return Diagnosis("state", "the state is to blame", onset_step=kw["onset_step"])
 
 
 def decision(action: str, params: dict[str, Any] | None = None, **kw: Any) -> Decision:
