@@ -33,6 +33,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from stabmon.collect.distributed import RankFollower, broadcast, world
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Flusher
 from stabmon.collect.grads import GradNorms
+from stabmon.collect.hangs import HangReporter, LoopActivity, start_watchdog, write_last_words
 from stabmon.collect.interrupts import INTERRUPTED, ExitGuard
 from stabmon.collect.memory import DeviceMemory
 from stabmon.collect.monitor_state import add_pipeline_state, build_monitor_state
@@ -146,8 +148,7 @@ class Monitor:
         self.records: deque[StepRecord] = deque(maxlen=cfg.history)
         self._closed = False
         self._initial_saved = False
-        self._pauses: list[str] = []  # monitor.paused(...) stretches in progress
-        self._loop_ended = False
+        self.activity = LoopActivity()  # pauses in progress, the loop's end: read by the hang watchdog
         self._watchdog = self._start_watchdog(spec.store) if cfg.hang_timeout is not None else None
         self.signals.hooks.install()
         self._exit_guard = ExitGuard(self.close)  # Ctrl-C, SIGTERM or an exit without close(): run interrupted
@@ -360,11 +361,11 @@ class Monitor:
             passes = 1 if epochs is None else epochs
         if self.should_stop or (max_steps is not None and self.run.step >= max_steps):
             return
-        self._loop_ended = False
+        self.activity.ended = False
         try:
             yield from self._loop(loader, passes, max_steps)
         finally:
-            self._loop_ended = True  # what follows the loop (a final evaluation, saving, close) is not a hang
+            self.activity.ended = True  # what follows the loop (a final evaluation, saving, close) is not a hang
 
     def _loop(self, loader: Iterable[Any], passes: int | None, max_steps: int | None) -> Iterator[tuple[int, Any]]:
         for index, batch in self.run.cursor.batches(loader, passes):
@@ -439,8 +440,6 @@ class Monitor:
         """The hang watchdog (a thread): rank 0 publishes without waiting for a flush (never at the same time
         as one); another rank writes its own report into the run; ``config.hang.exit_code`` then ends the
         process."""
-        from stabmon.collect.hangs import HangReporter, start_watchdog
-
         outbox = self.outbox
         reporter = HangReporter(
             rank=self.rank,
@@ -450,8 +449,8 @@ class Monitor:
             run_id=lambda: outbox.run_id,
             run_name=self.run_name,
             exit_code=self.config.hang.exit_code,
-            quiet=self._hang_quiet,
-            last_words=self._hang_last_words,
+            quiet=self.activity.quiet,
+            last_words=partial(write_last_words, self.signals.buffer.drain, outbox, self.failsafe),
             alarm=self._hang_alarm(),
         )
         return start_watchdog(self.config, reporter, label=f"rank {self.rank}: " if self.world_size > 1 else "")
@@ -479,32 +478,16 @@ class Monitor:
         >>> model = torch.nn.Linear(2, 1)
         >>> mon = Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), store=None, detectors=False)
         >>> with mon.paused("eval"):
-        ...     mon._hang_quiet()
+        ...     mon.activity.quiet()
         "paused for 'eval'"
         >>> mon.close()
         """
-        self._pauses.append(reason)
+        self.activity.pauses.append(reason)
         try:
             yield
         finally:
-            self._pauses.remove(reason)
+            self.activity.pauses.remove(reason)
             self.heartbeat()
-
-    def _hang_quiet(self) -> str | None:
-        """Why no step for a while is not a hang now (read by the watchdog thread); None: it is."""
-        if self._pauses:
-            return f"paused for {self._pauses[-1]!r}"
-        if self._loop_ended:
-            return "the training loop has ended"
-        return None
-
-    def _hang_last_words(self) -> None:
-        """Before a hang exit, on the watchdog thread (the training thread is stuck): the steps waiting in the
-        buffer go to the store as recorded (the pipeline is not run) and the run is marked ``hung``. The
-        read-back is bounded: a hung device may never answer."""
-        records = self.failsafe.call_within("collect", self.signals.buffer.drain, timeout=10.0) or []
-        self.outbox.write_steps(records)
-        self.outbox.mark("hung")
 
     # -- state -------------------------------------------------------------------------------------------
     def _timed_save(self) -> None:
