@@ -54,6 +54,25 @@ REQUIRED = {"monitor": "save monitor.state_dict() under 'monitor'"}
 """What a checkpoint must hold besides the model and optimizer, with the hint its absence gets."""
 
 
+class StepCounter:
+    """The run's step counter as an entry (an int, as saved since format 1); loading it marks the run restored.
+
+    >>> run = RunState()
+    >>> StepCounter(run).load_state_dict(40); run.step, run.restored
+    (40, True)
+    """
+
+    def __init__(self, run: RunState) -> None:
+        self.run = run
+
+    def state_dict(self) -> int:
+        return self.run.step
+
+    def load_state_dict(self, state: Any) -> None:
+        self.run.step = int(state)
+        self.run.restored = True
+
+
 class PipelineState:
     """The pipeline's state (detectors and engine); after a load, the engine takes fresh ids (another run may
     continue from the same state) and the detectors re-enter their grace period. Saving goes through the
@@ -112,7 +131,9 @@ def build_monitor_state(
     """The monitor's entries that exist before the pipeline does; the pipeline's join with
     :func:`add_pipeline_state` (the pipeline acts on the target that holds the training state)."""
     states: dict[str, Stateful | None] = {
-        **run.states(),
+        "step": StepCounter(run),
+        "data": run.cursor,
+        "overrides": run.overrides,
         **signals,
         "follower": follower,
         "notifier": NotifierState(outbox),
