@@ -55,7 +55,7 @@ def run_arm(arm: str, optimizer: str, *, width: int, layers: int, steps: int, bl
         mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(clip=1.0, hang_timeout=None))
         if arm == "g":
             mon.overrides.skip_factor = 5.0
-            guard = mon._hooks.guard
+            guard = mon.signals.hooks.guard
             for name in ("decide", "before_update", "after_update"):
                 setattr(guard, name, timer.wrap(getattr(guard, name)))
 

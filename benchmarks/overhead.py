@@ -163,15 +163,15 @@ def isolated(tg: Any, label: str, monitor_config: MonitorConfig, *, steps: int) 
     loop = Loop(tg, config, batches, monitor_config)
     mon, timer = loop.mon, _Timer()
     assert mon is not None
-    hooks = mon._hooks
+    hooks = mon.signals.hooks
     hooks.remove()
     hooks._pre, hooks._post = timer.wrap(hooks._pre), timer.wrap(hooks._post)  # type: ignore[method-assign]
     hooks.install()
     for name in ("begin_step", "observe", "end_step"):
         setattr(mon, name, timer.wrap(getattr(mon, name)))
-    if mon._acts is not None:
-        make_hook = mon._acts._hook
-        mon._acts._hook = lambda i: timer.wrap(make_hook(i))  # type: ignore[method-assign]
+    if mon.signals.activations is not None:
+        make_hook = mon.signals.activations._hook
+        mon.signals.activations._hook = lambda i: timer.wrap(make_hook(i))  # type: ignore[method-assign]
     loop.block(20)
     timer.ns = 0
     c0 = time.thread_time_ns()

@@ -9,7 +9,7 @@ try:
 except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0+unknown"
 
-__all__ = ["Monitor", "MonitorConfig", "UserCheckpoints", "__version__", "init_process_group"]
+__all__ = ["Monitor", "MonitorConfig", "MonitorSpec", "UserCheckpoints", "__version__", "init_process_group"]
 
 
 def __getattr__(name: str) -> object:
@@ -18,6 +18,10 @@ def __getattr__(name: str) -> object:
         from stabmon import monitor
 
         return getattr(monitor, name)
+    if name == "MonitorSpec":
+        from stabmon import spec
+
+        return spec.MonitorSpec
     if name == "init_process_group":  # torch.distributed's, safe across torchrun restarts
         from stabmon.collect import restarts
 

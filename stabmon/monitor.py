@@ -27,64 +27,60 @@ A framework that runs backward inside ``optimizer.step(closure)`` (Lightning) ta
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import operator
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from stabmon.collect.activations import ActivationNorms
 from stabmon.collect.batches import batch_log_for
 from stabmon.collect.buffer import StepBuffer
+from stabmon.collect.build import (
+    build_checkpoints,
+    build_outbox,
+    build_signals,
+    build_training_state,
+    kill_switch,
+)
 from stabmon.collect.config import ActivationConfig, EmbeddingConfig, GradConfig, MonitorConfig
 from stabmon.collect.data import DataCursor
-from stabmon.collect.distributed import RankFollower, broadcast, mean_across_ranks, world
-from stabmon.collect.embeddings import EmbeddingDrift
+from stabmon.collect.distributed import RankFollower, broadcast, world
 from stabmon.collect.failsafe import Failsafe
-from stabmon.collect.flushing import Flusher, Outbox
-from stabmon.collect.grads import GradNorms
+from stabmon.collect.flushing import Flusher
+from stabmon.collect.hangs import HangReporter, LoopActivity, start_watchdog, write_last_words
 from stabmon.collect.interrupts import INTERRUPTED, ExitGuard
 from stabmon.collect.joint import RankChannel
 from stabmon.collect.memory import DeviceMemory
-from stabmon.collect.optim import OptimizerHooks
+from stabmon.collect.monitor_state import add_pipeline_state, build_monitor_state
 from stabmon.collect.rank_policy import SavePath, rank_policy
-from stabmon.collect.ranks import RankGather, RankProbe
-from stabmon.collect.record import StepRecorder
-from stabmon.collect.restore import TrainingState
 from stabmon.collect.resume import ResumeCheck
-from stabmon.collect.sharding import ShardedSquares, embedding_counted, layout_of
+from stabmon.collect.run_state import RunState
 from stabmon.collect.target import LiveTarget
-from stabmon.collect.updates import UpdateNorms
 from stabmon.collect.vocab import untrained_loss
-from stabmon.collect.wiring import (
-    DEFAULT_STORE,
-    MODES,
-    build_pipeline,
-    check_model_and_optimizer,
-    resolve_notifier,
-    resolve_store,
-)
+from stabmon.collect.wiring import build_pipeline, check_model_and_optimizer, resolve_store
 from stabmon.diagnose import Diagnosis
 from stabmon.diagnose.build import build_diagnoser
 from stabmon.events import Anomaly, Event, Metric, StepRecord
 from stabmon.interventions.diagnose import Diagnose
 from stabmon.overrides import Overrides
-from stabmon.recipe import check_recipe, run_recipe
-from stabmon.store.limits import check_name
+from stabmon.recipe import run_recipe
+from stabmon.spec import MonitorSpec, spec_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ActivationConfig", "EmbeddingConfig", "GradConfig", "Monitor", "MonitorConfig"]
+__all__ = ["ActivationConfig", "EmbeddingConfig", "GradConfig", "Monitor", "MonitorConfig", "MonitorSpec"]
 
 
 class Monitor:
     """Watch one model/optimizer pair in a plain training loop; see the module docstring.
+
+    The keyword arguments are :class:`~stabmon.spec.MonitorSpec`'s fields (or pass a ready ``spec``).
 
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -104,151 +100,91 @@ class Monitor:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        spec: MonitorSpec | None = None,
         *,
         scaler: Any = None,
         scheduler: Any = None,
-        store: Any = DEFAULT_STORE,
-        runbook: Any = None,
-        mode: str | None = "propose",
-        detectors: Any = None,
-        notifier: Any = None,
-        alerts: Iterable[str] | None = None,
-        config: MonitorConfig | None = None,
-        run_name: str | None = None,
-        checkpoint_dir: str | None = None,
-        checkpoints: Any = None,
-        resume_run_id: str | None = None,
-        resume: dict[str, Any] | None = None,
-        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-        sample_ids: Callable[[Any], Any] | None = None,
-        recipe: Mapping[str, Any] | None = None,
+        **options: Any,
     ) -> None:
-        self.config = config if config is not None else MonitorConfig()
-        if not isinstance(self.config, MonitorConfig):
-            raise ValueError(f"config: expected a MonitorConfig, got {type(self.config).__name__}")
-        self.config.validate()
-        self.config = _with_cadence(self.config, checkpoint_dir=checkpoint_dir, checkpoints=checkpoints)
+        self.spec = spec = spec_of(spec, options)
         check_model_and_optimizer(model, optimizer)
-        user_recipe = check_recipe(recipe)
-        if run_name is not None:
-            check_name("run_name", run_name)
-        if mode not in MODES:
-            raise ValueError(f"mode: must be one of {', '.join(map(str, MODES))}, got {mode!r}")
-        self.model, self.optimizer, self.scaler, self.scheduler, self.mode = model, optimizer, scaler, scheduler, mode
-        overrides = Overrides()
-        self.cursor = DataCursor()
-        self.buffer = StepBuffer()
-        self._step = 0
-        self.failsafe = Failsafe(step=lambda: self._step)
-        self.errors: Counter[str] = self.failsafe.errors
-        cfg = self.config
-        self.layout = layout_of(model)
-        self.policy = rank_policy(*world(), sharded=self.layout.sharded, replicated=self.layout.kind == "ddp",
-                                  directory=checkpoints.directory if checkpoints is not None else checkpoint_dir)
-        """Who saves, decides and writes (:mod:`stabmon.collect.rank_policy`)."""
-        sharded = ShardedSquares(self.layout.counted) if self.layout.sharded else None
-        self._grads = GradNorms(model, cfg.grads.layers, sharded=sharded)
-        self._acts = ActivationNorms(model, cfg.activations.modules) if cfg.activations.every else None
-        emb_counted = embedding_counted(model, self.layout)
-        self._emb = (
-            EmbeddingDrift(model, rows=cfg.embeddings.rows, reference=cfg.embeddings.reference, counted=emb_counted)
-            if cfg.embeddings.every
-            else None
-        )
-        self._hooks = OptimizerHooks(
-            optimizer,
-            self._grads,
-            buffer=self.buffer,
-            overrides=lambda: overrides,
-            clip=cfg.clip,
-            scaler=scaler,
-            embeddings=self._emb,
-            ema_decay=cfg.grads.skip_ema,
-            updates=UpdateNorms(self._grads) if cfg.updates.every else None,
-        )
+        self.config = cfg = spec.config_in_force
+        self.model, self.optimizer, self.scaler, self.scheduler = model, optimizer, scaler, scheduler
+        self.run = run = RunState()
+        self.failsafe = Failsafe(run)
         self.rank, self.world_size = world()
-        self._probe: RankProbe | None = None
-        self._rank_values: RankGather | None = None
-        if self.world_size > 1:
-            self.buffer.reduce = mean_across_ranks
-            replicated = self.layout.kind == "ddp"
-            self.buffer.gather = self._rank_values = RankGather(replicated=replicated, keep=cfg.diagnose.batches)
-            self._probe = RankProbe(model, self._grads.params, replicated=replicated)
-        self.recorder = StepRecorder(self.buffer, self._hooks, config=cfg, failsafe=self.failsafe, scaler=scaler,
-                                     activations=self._acts, probe=self._probe)
-        self.run_name = run_name or time.strftime("run-%Y%m%d-%H%M%S")
-        self.outbox = self._open_outbox(store, notifier, alerts)
+        self.signals = build_signals(model, optimizer, config=cfg, run=run, failsafe=self.failsafe,
+                                     world_size=self.world_size, scaler=scaler)
+        layout = self.signals.layout
+        where = spec.checkpoints.directory if spec.checkpoints is not None else spec.checkpoint_dir
+        self.policy = rank_policy(self.rank, self.world_size, sharded=layout.sharded,
+                                  replicated=layout.kind == "ddp", directory=where)
+        """Who saves, decides and writes (:mod:`stabmon.collect.rank_policy`)."""
+        self.run_name = spec.run_name or time.strftime("run-%Y%m%d-%H%M%S")
+        self.outbox = build_outbox(spec, rank=self.rank, failsafe=self.failsafe, run_name=self.run_name)
+        self._start_run()
+        checkpoints = build_checkpoints(spec, self.outbox)
+        follower = RankFollower()
+        self._state = build_monitor_state(run=run, signals=self.signals.states(), follower=follower,
+                                          outbox=self.outbox, checkpoints=checkpoints, run_name=self.run_name)
         self._channel = RankChannel(rank=self.rank, world_size=self.world_size, timeout=cfg.diagnose.timeout)
         handed: deque[Event] = deque()  # a joint action's disagreements, for the flush's publish
         self.target = LiveTarget(
-            hparams=self._hooks.hparams,
-            step=lambda: self._step,
-            state=TrainingState(model, optimizer, scaler, scheduler, monitor=self),
-            cursor=self.cursor,
+            run,
+            hparams=self.signals.hooks.hparams,
+            state=build_training_state(model, optimizer, scaler=scaler, scheduler=scheduler, monitor_state=self._state),
             outbox=self.outbox,
             failsafe=self.failsafe,
             stop_code=cfg.exit_code,
-            overrides=overrides,
+            checkpoints=checkpoints,
             policy=self.policy,
             channel=self._channel,
             reports=handed,
         )
-        self.pipeline, self.executor = build_pipeline(self.target, detectors=detectors, runbook=runbook, mode=mode)
-        self.batches = batch_log_for(self.pipeline.engine, sample_ids, capacity=cfg.diagnose.batches)
+        self.pipeline, _ = build_pipeline(self.target, detectors=spec.detectors, runbook=spec.runbook, mode=spec.mode)
+        add_pipeline_state(self._state, self.pipeline, failsafe=self.failsafe, grace_steps=cfg.grace_steps)
+        self.batches = batch_log_for(self.pipeline.engine, spec.sample_ids, capacity=cfg.diagnose.batches)
         #: ln(output classes), recorded once with the first step observed (None: unknown, or recorded)
         self._untrained: float | None = untrained_loss(model)
-        self._follower = RankFollower()
-        self.flusher = Flusher(
-            self.pipeline,
-            self.outbox,
-            target=self.target,
-            failsafe=self.failsafe,
-            mode=mode,
-            follower=self._follower,
-            kill_switch=_kill_switch(cfg.kill_switch),
-            policy=self.policy,
-            handed=handed,
-        )
+        self.flusher = Flusher(self.pipeline, self.outbox, target=self.target, failsafe=self.failsafe,
+                               mode=spec.mode, follower=follower, kill_switch=kill_switch(cfg.kill_switch),
+                               policy=self.policy, handed=handed)
         self.flusher.joiners.update(self.target.joiners)
-        if resume and resume_run_id is None:  # a saved monitor state names its run: reopen that one
-            resume_run_id = resume.get("run_id")
-        run_id = self.outbox.start_run(config=self._run_config(user_recipe), resume_run_id=resume_run_id)
-        if self.world_size > 1:
-            self.outbox.run_id = broadcast(run_id)
-        self.target.checkpoints = checkpoints if checkpoints is not None else self._manager(checkpoint_dir)
-        if checkpoints is not None and hasattr(checkpoints, "attach"):
-            checkpoints.attach(sink=self.outbox.store, run_id=self.run_id)
-        last = self.outbox.last_step() if resume_run_id is not None else None
-        self._resume = ResumeCheck(resume_run_id, last_step=broadcast(last) if self.world_size > 1 else last)
         self.records: deque[StepRecord] = deque(maxlen=cfg.history)
         self.target.diagnoser = self._diagnoser = build_diagnoser(
-            model=model, optimizer=optimizer, scaler=scaler, grads=self._grads, hooks=self._hooks,
+            model=model, optimizer=optimizer, scaler=scaler, grads=self.signals.grads, hooks=self.signals.hooks,
             batches=self.batches, records=self.records, checkpoints=self.target.checkpoints,
-            check=self.target.state.mismatch, loss_fn=loss_fn,
-            own=self._rank_values.own if self._rank_values is not None else None,
+            check=self.target.state.mismatch, loss_fn=spec.loss_fn,
+            own=self.signals.rank_values.own if self.signals.rank_values is not None else None,
             rank=self.rank, world_size=self.world_size, channel=self._channel)
         self.flusher.joiners[Diagnose.name] = self._diagnoser.join
         self._closed = False
         self._initial_saved = False
-        self._pauses: list[str] = []  # monitor.paused(...) stretches in progress
-        self._loop_ended = False
-        self._watchdog = self._start_watchdog(store) if cfg.hang_timeout is not None else None
-        self._hooks.install()
+        self.activity = LoopActivity()  # pauses in progress, the loop's end: read by the hang watchdog
+        self._watchdog = self._start_watchdog(spec.store) if cfg.hang_timeout is not None else None
+        self.signals.hooks.install()
         self._exit_guard = ExitGuard(self.close)  # Ctrl-C, SIGTERM or an exit without close(): run interrupted
-        if resume:
-            self.load_state_dict(resume)
+        if spec.resume:
+            self.load_state_dict(dict(spec.resume))
         if self.rank == 0:
             self._warn_unfit()
 
-    def _run_config(self, user_recipe: dict[str, Any] | None) -> dict[str, Any]:
-        """What the store keeps as the run's config: the monitor's config, the mode and the recipe."""
-        recipe = run_recipe(optimizer=type(self.optimizer).__name__, hparams=self.hparams(),
-                            runbook=getattr(self.pipeline.engine, "runbook", None), user=user_recipe)
-        return {"monitor": self.config.to_dict(), "mode": self.mode, "recipe": recipe}
+    def _start_run(self) -> None:
+        """Open (or reopen) the run in the store; every rank takes rank 0's id. A resumed run must continue its
+        own step count (:class:`~stabmon.collect.resume.ResumeCheck`)."""
+        resume_run_id = self.spec.resume_run_id
+        recipe = run_recipe(optimizer=type(self.optimizer).__name__, hparams=self.signals.hooks.hparams(),
+                            runbook=self.spec.loaded_runbook, user=self.spec.recipe)
+        config = {"monitor": self.config.to_dict(), "mode": self.mode, "recipe": recipe}
+        run_id = self.outbox.start_run(config=config, resume_run_id=resume_run_id)
+        if self.world_size > 1:
+            self.outbox.run_id = broadcast(run_id)
+        last = self.outbox.last_step() if resume_run_id is not None else None
+        self._resume = ResumeCheck(resume_run_id, last_step=broadcast(last) if self.world_size > 1 else last)
 
     def _warn_unfit(self) -> None:
         """Say at start which runbook rungs cannot act on this optimizer (they would be skipped or fail)."""
-        runbook = getattr(self.pipeline.engine, "runbook", None)
+        runbook = self.spec.loaded_runbook
         if runbook is None:
             return
         from stabmon.runbook.fit import fit_warnings
@@ -263,33 +199,41 @@ class Monitor:
                 "you save one (monitor.save_checkpoint() or checkpoints.register)", self.checkpoints.directory
             )
 
-    def _open_outbox(self, store: Any, notifier: Any, alerts: Iterable[str] | None) -> Outbox:
-        """Rank 0's store and notifier (only rank 0 writes to the store and sends alerts)."""
-        leader = self.rank == 0
-        sink, owns_store = resolve_store(store if leader else None)
-        alerter, owns_notifier = resolve_notifier(notifier, alerts, sink) if leader else (None, False)
-        return Outbox(sink, alerter, failsafe=self.failsafe, run_name=self.run_name, owns_store=owns_store,
-                      owns_notifier=owns_notifier)
-
-    def _manager(self, checkpoint_dir: str | None) -> Any:
-        if checkpoint_dir is None:
-            return None
-        from stabmon.checkpoints import CheckpointManager
-
-        return CheckpointManager(
-            checkpoint_dir, keep=self.config.checkpoint_keep, sink=self.outbox.store, run_id=self.run_id
-        )
-
     # -- what the monitor is made of ---------------------------------------------------------------------
     @property
     def step(self) -> int:
         """Optimizer steps completed (the index the next step will get)."""
-        return self._step
+        return self.run.step
+
+    @property
+    def mode(self) -> str | None:
+        """``propose``, ``apply``, ``observe`` or None (the runbook's own)."""
+        return self.spec.mode
+
+    @property
+    def errors(self) -> Counter[str]:
+        """Failures caught so far, per category (``store``, ``alerts``, ``pipeline``, ``checkpoint``, ...)."""
+        return self.failsafe.errors
+
+    @property
+    def executor(self) -> Any:
+        """The pipeline's executor (None without a runbook engine)."""
+        return self.pipeline.executor
 
     @property
     def overrides(self) -> Overrides:
-        """LR / clip / beta2 / weight-decay / skip overrides in force (the intervention target's)."""
-        return self.target.overrides
+        """LR / clip / beta2 / weight-decay / skip overrides in force (the run state's)."""
+        return self.run.overrides
+
+    @property
+    def cursor(self) -> DataCursor:
+        """The data position and the batches to skip (the run state's)."""
+        return self.run.cursor
+
+    @property
+    def buffer(self) -> StepBuffer:
+        """Device values waiting for the next flush."""
+        return self.signals.buffer
 
     @property
     def checkpoints(self) -> Any:
@@ -339,7 +283,7 @@ class Monitor:
 
     def hparams(self) -> dict[str, float]:
         """lr, beta2, weight_decay and clip in force for the next step (overrides included)."""
-        return self.target.hparams()
+        return self.signals.hooks.hparams()
 
     def rollback(
         self, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None
@@ -364,22 +308,18 @@ class Monitor:
     def device_memory(self) -> DeviceMemory:
         """Bytes the monitor holds on the device right now, per signal (activation norms hold a few scalars
         of the sampled step only, already counted in ``pending`` once collected)."""
-        return DeviceMemory(
-            embeddings=self._emb.device_bytes() if self._emb else 0,
-            skip_guard=self._hooks.guard.nbytes(),
-            pending=self.buffer.nbytes(),
-        )
+        return self.signals.device_memory()
 
     # -- for training frameworks -------------------------------------------------------------------------
     def remove_optimizer_hooks(self) -> None:
         """Take the optimizer step pre/post hooks off, for a framework that runs backward inside
         ``optimizer.step(closure)``; it then calls :meth:`before_optimizer_step` and
         :meth:`after_optimizer_step` itself."""
-        self._hooks.remove()
+        self.signals.hooks.remove()
 
     def before_optimizer_step(self) -> None:
         """The pre-step work (unscale, norms, skip guard, clip, overrides): after backward, before the update."""
-        self._hooks.before_step()
+        self.signals.hooks.before_step()
 
     def after_optimizer_step(self, *, skipped: bool = False) -> None:
         """The post-step work (scheduler-visible values back, the skip guard finished): after the update.
@@ -387,7 +327,7 @@ class Monitor:
         recorded with ``overflow = 1``, even when the scaler is not one the monitor was given (an engine's own
         loss scaling), so a non-finite grad norm on it reads as the routine skip it is; it may be called
         without :meth:`before_optimizer_step` when the skip came before the optimizer was reached."""
-        self._hooks.after_step(skipped=skipped)
+        self.signals.hooks.after_step(skipped=skipped)
 
     def sync_step(self, step: int) -> None:
         """Set the step counter to a framework's optimizer-step count (after a resume without saved monitor
@@ -398,7 +338,7 @@ class Monitor:
             raise ValueError(f"sync_step: step must be an integer >= 0, got {type(step).__name__}") from None
         if value < 0:
             raise ValueError(f"sync_step: step must be an integer >= 0, got {value}")
-        self._step = value
+        self.run.step = value
         self._resume.settle()
 
 
@@ -412,77 +352,79 @@ class Monitor:
             passes: int | None = None
         else:
             passes = 1 if epochs is None else epochs
-        if self.should_stop or (max_steps is not None and self._step >= max_steps):
+        if self.should_stop or (max_steps is not None and self.run.step >= max_steps):
             return
-        self._loop_ended = False
+        self.activity.ended = False
         try:
             yield from self._loop(loader, passes, max_steps)
         finally:
-            self._loop_ended = True  # what follows the loop (a final evaluation, saving, close) is not a hang
+            self.activity.ended = True  # what follows the loop (a final evaluation, saving, close) is not a hang
 
     def _loop(self, loader: Iterable[Any], passes: int | None, max_steps: int | None) -> Iterator[tuple[int, Any]]:
-        for index, batch in self.cursor.batches(loader, passes):
+        for index, batch in self.run.cursor.batches(loader, passes):
             self.begin_step(batch_index=index, batch=batch)
             try:
-                yield self._step, batch
+                yield self.run.step, batch
             except GeneratorExit:  # the loop was left (break) during this step
-                if self.recorder.trained:
+                if self.signals.recorder.trained:
                     self.end_step()
                 else:  # left before training on the batch: no step happened
-                    self.recorder.discard()
+                    self.signals.recorder.discard()
                 raise
             self.end_step()
-            if self.should_stop or (max_steps is not None and self._step >= max_steps):
+            if self.should_stop or (max_steps is not None and self.run.step >= max_steps):
                 return
 
     def begin_step(self, *, batch_index: int | None = None, batch: Any = None) -> None:
         """Open the record of the next step (done by :meth:`steps`; call it yourself in a hand-written
         loop, with the ``batch`` when a runbook diagnoses or ``sample_ids`` is given)."""
-        if self.buffer.open:
+        if self.signals.buffer.open:
             self.end_step()
-        self._resume.first_step(self._step)  # a resumed run must not start over at step 0
-        if not self._initial_saved and self.config.checkpoint_every:
+        if self.run.restored:  # a loaded state says where the loop is
+            self._resume.settle()
+        self._resume.first_step(self.run.step)  # a resumed run must not start over at step 0
+        if not (self._initial_saved or self.run.restored) and self.config.checkpoint_every:
             # the first step of a run not restored from a state (its first step may be 1, as in HF Trainer):
             # the initial state is known-good, so a rollback can always reach it
             self._initial_saved = True
             if self.checkpoints is not None:
                 self._timed_save()
-        self.recorder.begin(step=self._step, batch_index=batch_index)
+        self.signals.recorder.begin(step=self.run.step, batch_index=batch_index)
         if self.batches is not None and batch is not None:
-            self.batches.remember(step=self._step, batch_index=batch_index, batch=batch)
+            self.batches.remember(step=self.run.step, batch_index=batch_index, batch=batch)
 
     def observe(self, loss: Any = None, *, tokens: int | None = None, **metrics: Any) -> None:
         """Record this step's loss (and any other named scalars) as device tensors: no host sync.
         ``tokens`` (a host int: tokens in this step's batch) adds ``tokens_per_sec`` at the end of the step."""
-        if not self.buffer.open:
+        if not self.signals.buffer.open:
             self.begin_step()
         if self._untrained is not None:  # a host float, once: what the no_progress detector calls untrained
             metrics = {**metrics, Metric.UNTRAINED_LOSS: self._untrained}
             self._untrained = None
-        self.recorder.observe((("loss", loss), *metrics.items()), tokens=tokens, step=self._step)
+        self.signals.recorder.observe((("loss", loss), *metrics.items()), tokens=tokens, step=self.run.step)
 
     def end_step(self) -> None:
         """Close the step's record; flush when ``config.flush_every`` steps are waiting."""
-        if not self.buffer.open:
+        if not self.signals.buffer.open:
             return
-        self.recorder.end()
-        self._step += 1
+        self.signals.recorder.end()
+        self.run.step += 1
         if self._watchdog is not None:
-            self._watchdog.beat(self._step - 1)
+            self._watchdog.beat(self.run.step - 1)
         every = self.config.checkpoint_every
-        if every and self.checkpoints is not None and self._step % every == 0:
+        if every and self.checkpoints is not None and self.run.step % every == 0:
             self._timed_save()
-        if len(self.buffer) >= self.config.flush_every:
+        if len(self.signals.buffer) >= self.config.flush_every:
             self.flush()
-        self.recorder.restart_clock()  # flush and checkpoint time stay out of the next step's time
+        self.signals.recorder.restart_clock()  # flush and checkpoint time stay out of the next step's time
 
     # -- flush -------------------------------------------------------------------------------------------
     def flush(self) -> list[StepRecord]:
         """Copy waiting metrics to the host once, run them through the pipeline, hand events to the sinks."""
         # a failed read-back is logged and counted; every rank still reaches the flush's collective
-        records: list[StepRecord] = self.failsafe.call("collect", self.buffer.drain) or []
+        records: list[StepRecord] = self.failsafe.call("collect", self.signals.buffer.drain) or []
         for r in records:
-            self._hooks.learn_host(r.get(Metric.GRAD_NORM), bool(r.get(Metric.SKIPPED)))
+            self.signals.hooks.learn_host(r.get(Metric.GRAD_NORM), bool(r.get(Metric.SKIPPED)))
         self.records.extend(records)
         self.flusher.flush(records)
         return records
@@ -491,8 +433,6 @@ class Monitor:
         """The hang watchdog (a thread): rank 0 publishes without waiting for a flush (never at the same time
         as one); another rank writes its own report into the run; ``config.hang.exit_code`` then ends the
         process."""
-        from stabmon.collect.hangs import HangReporter, start_watchdog
-
         outbox = self.outbox
         reporter = HangReporter(
             rank=self.rank,
@@ -502,8 +442,8 @@ class Monitor:
             run_id=lambda: outbox.run_id,
             run_name=self.run_name,
             exit_code=self.config.hang.exit_code,
-            quiet=self._hang_quiet,
-            last_words=self._hang_last_words,
+            quiet=self.activity.quiet,
+            last_words=partial(write_last_words, self.signals.buffer.drain, outbox, self.failsafe),
             alarm=self._hang_alarm(),
         )
         return start_watchdog(self.config, reporter, label=f"rank {self.rank}: " if self.world_size > 1 else "")
@@ -520,7 +460,7 @@ class Monitor:
         """A sign of life between steps (inside a long evaluation): re-arms the hang watchdog without
         teaching it that steps are this slow."""
         if self._watchdog is not None:
-            self._watchdog.beat(self._step - 1, learn=False)
+            self._watchdog.beat(self.run.step - 1, learn=False)
 
     @contextmanager
     def paused(self, reason: str) -> Iterator[None]:
@@ -531,39 +471,23 @@ class Monitor:
         >>> model = torch.nn.Linear(2, 1)
         >>> mon = Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), store=None, detectors=False)
         >>> with mon.paused("eval"):
-        ...     mon._hang_quiet()
+        ...     mon.activity.quiet()
         "paused for 'eval'"
         >>> mon.close()
         """
-        self._pauses.append(reason)
+        self.activity.pauses.append(reason)
         try:
             yield
         finally:
-            self._pauses.remove(reason)
+            self.activity.pauses.remove(reason)
             self.heartbeat()
-
-    def _hang_quiet(self) -> str | None:
-        """Why no step for a while is not a hang now (read by the watchdog thread); None: it is."""
-        if self._pauses:
-            return f"paused for {self._pauses[-1]!r}"
-        if self._loop_ended:
-            return "the training loop has ended"
-        return None
-
-    def _hang_last_words(self) -> None:
-        """Before a hang exit, on the watchdog thread (the training thread is stuck): the steps waiting in the
-        buffer go to the store as recorded (the pipeline is not run) and the run is marked ``hung``. The
-        read-back is bounded: a hung device may never answer."""
-        records = self.failsafe.call_within("collect", self.buffer.drain, timeout=10.0) or []
-        self.outbox.write_steps(records)
-        self.outbox.mark("hung")
 
     # -- state -------------------------------------------------------------------------------------------
     def _timed_save(self) -> None:
         """A checkpoint at the cadence, its seconds on the next step's record (the goodput ledger's)."""
         started = time.perf_counter()
         self.save_checkpoint()
-        self.recorder.note(Metric.CHECKPOINT_TIME, time.perf_counter() - started)
+        self.signals.recorder.note(Metric.CHECKPOINT_TIME, time.perf_counter() - started)
 
     def save_checkpoint(self) -> Any:
         """Save :meth:`training_state` through the checkpoint manager; failures are logged and counted. A save
@@ -581,50 +505,12 @@ class Monitor:
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter, data position, overrides, detector/engine/executor state, guard and embedding
-        baselines."""
-        return {
-            "version": 1,
-            "step": self._step,
-            "data": self.cursor.state_dict(),
-            "overrides": self.overrides.state_dict(),
-            "pipeline": self.failsafe.call("pipeline", self.pipeline.state_dict),
-            "executor": self.executor.state_dict() if hasattr(self.executor, "state_dict") else None,
-            "follower": self._follower.state_dict(),
-            "hooks": self._hooks.state_dict(),
-            "embeddings": self._emb.state_dict() if self._emb else None,
-            "notifier": self.outbox.notifier_state(),
-            "run_id": self.run_id,
-            "run_name": self.run_name,
-            "checkpoints": self.checkpoints.state_dict() if self.checkpoints is not None else None,
-        }
+        baselines, the alert gates' memory (:mod:`stabmon.collect.monitor_state` lists every entry)."""
+        return self._state.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any], *, pipeline: bool = True) -> None:
-        """Restore a :meth:`state_dict` (``pipeline=False`` keeps the detectors, engine and executor)."""
-        self._step = int(state["step"])
-        self._initial_saved = True  # a resumed run's first step is not its initial state
-        self.cursor.load_state_dict(state["data"])
-        self.overrides.load_state_dict(state["overrides"])
-        self._hooks.load_state_dict(state.get("hooks", {}))
-        if self._emb and state.get("embeddings"):
-            self._emb.load_state_dict(state["embeddings"])
-        if pipeline:
-            self._load_pipeline_state(state)
-            if self.checkpoints is not None and state.get("checkpoints"):  # a resume, maybe into another directory
-                self.checkpoints.adopt(state["checkpoints"])
-        self.outbox.load_notifier_state(state.get("notifier"))
-        self._resume.settle()
-
-    def _load_pipeline_state(self, state: dict[str, Any]) -> None:
-        if state.get("pipeline") is not None:
-            self.pipeline.load_state_dict(state["pipeline"])
-            reseed = getattr(self.pipeline.engine, "reseed", None)
-            if reseed is not None:  # another run may continue from this same state: never share an id
-                reseed()
-            self.failsafe.call("pipeline", lambda: self.pipeline.detectors.enter_grace(self.config.grace_steps))
-        if state.get("executor") is not None and hasattr(self.executor, "load_state_dict"):
-            self.executor.load_state_dict(state["executor"])
-        if state.get("follower") is not None:
-            self._follower.load_state_dict(state["follower"])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (a resume: every entry)."""
+        self._state.load_state_dict(state)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def close(self, status: str | None = None) -> None:
@@ -632,20 +518,16 @@ class Monitor:
         if self._closed:
             return
         self._exit_guard.release()
-        if status == INTERRUPTED and self.buffer.open and not self._hooks.stepped:
-            self.recorder.discard()  # interrupted before its update: the step did not happen
+        if status == INTERRUPTED and self.signals.buffer.open and not self.signals.hooks.stepped:
+            self.signals.recorder.discard()  # interrupted before its update: the step did not happen
         self.end_step()
         self.flush()
-        if status == INTERRUPTED and self.target.saves(SavePath.INTERRUPT) and self._step > 0:
+        if status == INTERRUPTED and self.target.saves(SavePath.INTERRUPT) and self.run.step > 0:
             self.save_checkpoint()  # a resume from here repeats no step
         self._closed = True
         if self._watchdog is not None:
             self._watchdog.stop()
-        self._hooks.remove()
-        if self._probe is not None:
-            self._probe.remove()
-        if self._acts is not None:
-            self._acts.disarm()
+        self.signals.remove()
         self.outbox.close(status or ("stopped" if self.should_stop else "finished"))
 
     def __enter__(self) -> Monitor:
@@ -657,17 +539,3 @@ class Monitor:
         else:
             self.close(status="failed" if exc_type is not None else None)
 
-
-def _with_cadence(config: MonitorConfig, *, checkpoint_dir: str | None, checkpoints: Any) -> MonitorConfig:
-    """``config`` with the checkpoint cadence in force (``checkpoint_every=None`` resolved), the value stored
-    with the run."""
-    can_save = checkpoint_dir is not None or bool(checkpoints is not None and getattr(checkpoints, "can_save", True))
-    return dataclasses.replace(config, checkpoint_every=config.checkpoint_cadence(can_save=can_save))
-
-
-def _kill_switch(path: str | None) -> Any:
-    if not path:
-        return None
-    from stabmon.checkpoints import KillSwitch
-
-    return KillSwitch(path, every=1)

@@ -66,7 +66,9 @@ class InterventionTarget(Protocol):
     """What interventions act on: the live :class:`~stabmon.collect.target.LiveTarget`, or a replay
     simulator."""
 
-    overrides: Overrides
+    @property
+    def overrides(self) -> Overrides:
+        """The overrides in force; interventions change this object, never replace it."""
 
     @property
     def step(self) -> int:

@@ -228,3 +228,86 @@ def test_no_component_receives_the_monitor() -> None:
 )
 def test_the_monitor_rule_catches_a_monitor_parameter(source: str, caught: int) -> None:
     assert len(monitor_parameters(source)) == caught
+
+
+# -- the Monitor is assembly and the user's API: no collaborator receives it ----------------------------------------
+USERS_OF_THE_MONITOR = {
+    # they build a Monitor for the user (the package's exports, the framework callbacks, the demo command)
+    "stabmon/__init__.py",
+    "stabmon/monitor.py",
+    "stabmon/integrations/_shared.py",
+    "stabmon/integrations/hf.py",
+    "stabmon/integrations/lightning.py",
+    "stabmon/cli/demo.py",
+}
+HANDED_THE_MONITOR: tuple[tuple[str, str], ...] = ()
+"""(module, function) allowed to receive the whole Monitor: none (diagnose gets its collaborators from
+``stabmon.diagnose.build.build_diagnoser``)."""
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(PACKAGE.parent))
+
+
+def monitor_handed_out(source: str) -> list[str]:
+    """Calls in the Monitor's own module that pass the Monitor itself (``self``) to something else, and lambdas
+    that read it (``step=lambda: self._step``: a collaborator calling back into its owner)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Lambda) and any(isinstance(n, ast.Name) and n.id == "self" for n in ast.walk(node)):
+            found.append(f"{node.lineno}: lambda reading the Monitor")
+        elif isinstance(node, ast.Call):
+            values = [*node.args, *(k.value for k in node.keywords)]
+            if any(isinstance(v, ast.Name) and v.id == "self" for v in values):
+                found.append(f"{node.lineno}: {ast.unparse(node.func)}")
+    return found
+
+
+def monitor_received(source: str, filename: str) -> list[str]:
+    """Where a collaborator module imports the Monitor, names its type, or takes a ``monitor`` parameter."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "stabmon.monitor":
+            found.append(f"{filename}:{node.lineno}: imports stabmon.monitor")
+        elif isinstance(node, ast.Name) and node.id == "Monitor":
+            found.append(f"{filename}:{node.lineno}: names the Monitor type")
+        elif isinstance(node, ast.FunctionDef) and (filename, node.name) not in HANDED_THE_MONITOR:
+            args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            if any(a.arg == "monitor" for a in args):
+                found.append(f"{filename}:{node.lineno}: {node.name}() takes a monitor")
+    return found
+
+
+def test_the_monitor_hands_itself_to_nothing() -> None:
+    found = monitor_handed_out((PACKAGE / "monitor.py").read_text(encoding="utf-8"))
+    assert found == [], "the Monitor passes itself to a collaborator:\n" + "\n".join(found)
+
+
+def test_no_collaborator_receives_the_monitor() -> None:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if _rel(path) not in USERS_OF_THE_MONITOR:
+            found += monitor_received(path.read_text(encoding="utf-8"), _rel(path))
+    assert found == [], "modules that receive the Monitor:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("state = TrainingState(model, opt, monitor=self)", ["1: TrainingState"]),
+        ("x = Target(step=lambda: self._step)", ["1: lambda reading the Monitor"]),
+        ("cross = CrossRank(self.diagnose)", []),
+        ("f(self)", ["1: f"]),
+    ],
+)
+def test_the_handing_rule_catches_self(source: str, expected: list[str]) -> None:
+    assert monitor_handed_out(source) == expected
+
+
+def test_the_receiving_rule_catches_imports_types_and_parameters() -> None:
+    source = "from stabmon.monitor import Monitor\ndef f(monitor: Monitor) -> None: ...\n"
+    assert monitor_received(source, "m.py") == [
+        "m.py:1: imports stabmon.monitor",
+        "m.py:2: f() takes a monitor",
+        "m.py:2: names the Monitor type",
+    ]

@@ -45,7 +45,7 @@ def test_tracked_rows_give_drift_and_update_of_those_rows(reference: str) -> Non
     cfg = MonitorConfig(flush_every=50, embeddings=EmbeddingConfig(every=3, rows=100, reference=reference))
     mon = Monitor(model, opt, store=None, detectors=False, config=cfg)
     w0 = model.wte.weight.detach().clone()
-    tracked = mon._emb._tracked[0].index  # type: ignore[union-attr]
+    tracked = mon.signals.embeddings._tracked[0].index  # type: ignore[union-attr]
     assert tracked is not None and len(tracked) == 100 and tracked[0] == 0 and tracked[-1] == 4999
     _train(mon, model, opt, 6)  # sampled at steps 0 and 3
     prev = model.wte.weight.detach().clone()

@@ -105,7 +105,7 @@ def test_no_host_sync_with_the_zero_copy_guard_and_a_host_embedding_reference(sc
     mon = _run(cfg, counter, overrides=Overrides(skip_factor=3.0), fused_adamw=True, scaler=scaler, device=device)
     assert counter.outside == []
     assert counter.inside == ["tolist"] * 3
-    assert mon._hooks.guard.zero_copy and "emb_update/wte" in mon.records[-1].metrics
+    assert mon.signals.hooks.guard.zero_copy and "emb_update/wte" in mon.records[-1].metrics
 
 
 @pytest.mark.gpu

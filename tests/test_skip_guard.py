@@ -83,7 +83,7 @@ def test_skipped_step_leaves_parameters_and_state_bit_identical(device: str, nam
             assert not torch.equal(moved[1], before[1]) and all(torch.isfinite(t).all() for t in moved)
     mon.close()
     assert [r.metrics[Metric.SKIPPED] for r in mon.records] == [float(s == bad) for s in range(9)]
-    assert mon._hooks.guard.zero_copy == (name in ZERO_COPY)
+    assert mon.signals.hooks.guard.zero_copy == (name in ZERO_COPY)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -91,7 +91,7 @@ def test_guard_memory_is_zero_when_fused_and_allocated_once_otherwise(name: str)
     model = _model("cpu")
     opt = OPTIMIZERS[name](model.parameters())
     mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(flush_every=50))
-    guard = mon._hooks.guard
+    guard = mon.signals.hooks.guard
     mon.overrides.skip_factor = 5.0
     pointers = []
     for _, idx in mon.steps([_batch(i, "cpu") for i in range(5)]):

@@ -45,15 +45,17 @@ class _Pending:
 class StepBuffer:
     """Per-step metrics waiting for the next flush; see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, gather: Gather | None = None
+    ) -> None:
         self._tensors: list[torch.Tensor] = []
         self._steps: list[_Pending] = []
         self._current: _Pending | None = None
         self._pinned: torch.Tensor | None = None
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.reduce = reduce
         """Applied to the stacked device vector before the copy (the cross-rank mean under
         torch.distributed)."""
-        self.gather: Gather | None = None
+        self.gather = gather
         """Under torch.distributed: per-rank values of the flushed steps, gathered before the reduction and
         summarised into extra metrics of each step (:class:`~stabmon.collect.ranks.RankGather`)."""
 

@@ -11,26 +11,33 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
+class HasStep(Protocol):
+    """Where the current step is read (:class:`~stabmon.collect.run_state.RunState`)."""
+
+    step: int
+
+
 class Failsafe:
     """Run callables that must never raise into training.
 
-    >>> safe = Failsafe(step=lambda: 7)
+    >>> from stabmon.collect.run_state import RunState
+    >>> safe = Failsafe(RunState(step=7))
     >>> safe.call("store", lambda: 1 / 0) is None, safe.call("store", lambda: 2), safe.errors["store"]
     (True, 2, 1)
     """
 
-    def __init__(self, *, step: Callable[[], int] = lambda: -1) -> None:
+    def __init__(self, run: HasStep | None = None) -> None:
         self.errors: Counter[str] = Counter()
         """Failures per category (``store``, ``alerts``, ``pipeline``, ``checkpoint``, ``collect``, ...)."""
-        self.step = step
-        """The current step, for the log line."""
+        self.run = run
+        """Where the current step is read, for the log line (None: -1)."""
 
     def call(self, what: str, fn: Callable[[], T], *, let_through: tuple[type[Exception], ...] = ()) -> T | None:
         """``fn()``, or None after logging the exception and counting it under ``what``. Exceptions of the
@@ -63,7 +70,4 @@ class Failsafe:
         return done[0]
 
     def _current_step(self) -> int:
-        try:
-            return int(self.step())
-        except Exception:  # noqa: BLE001 - a log line is not worth a second failure
-            return -1
+        return -1 if self.run is None else self.run.step

@@ -29,6 +29,39 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class LoopActivity:
+    """What the training loop is doing besides steps, written by the training thread and read by the watchdog's:
+    the pauses it declared (``monitor.paused(...)``, innermost last) and whether its ``steps()`` loop has ended.
+
+    >>> activity = LoopActivity()
+    >>> activity.quiet() is None
+    True
+    >>> activity.pauses.append("eval"); activity.quiet()
+    "paused for 'eval'"
+    """
+
+    pauses: list[str] = field(default_factory=list)
+    ended: bool = False
+
+    def quiet(self) -> str | None:
+        """Why no step for a while is not a hang now; None: it is."""
+        if self.pauses:
+            return f"paused for {self.pauses[-1]!r}"
+        if self.ended:
+            return "the training loop has ended"
+        return None
+
+
+def write_last_words(drain: Callable[[], Any], outbox: Any, failsafe: Any) -> None:
+    """Before a hang exit, on the watchdog thread (the training thread is stuck): the steps waiting in the
+    buffer (``drain``) go to the store as recorded (the pipeline is not run) and the run is marked ``hung``. The
+    read-back is bounded: a hung device may never answer."""
+    records = failsafe.call_within("collect", drain, timeout=10.0) or []
+    outbox.write_steps(records)
+    outbox.mark("hung")
+
+
+@dataclass
 class HangReporter:
     """The watchdog's callback; see the module docstring.
 

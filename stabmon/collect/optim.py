@@ -16,8 +16,10 @@ The pre-hook runs inside ``optimizer.step()``:
 5. overrides: effective ``lr = scheduler lr x lr_scale`` (at most ``lr_cap``) and ``beta2`` written into the
    param groups; ``weight_decay`` sets the decaying groups' value, scaling each from its own (groups at 0 stay
    at 0).
-6. on a step sampled for the update norm (:class:`~stabmon.collect.updates.UpdateNorms`), a copy of the
-   parameters, compared with them in the post-hook once the update (or the guard's discard) is done.
+6. on a step sampled for an update signal (:class:`UpdateSignal`: embedding drift, the update norm of
+   :class:`~stabmon.collect.updates.UpdateNorms`), its copy before the update, measured again in the post-hook
+   once the update (or the guard's discard) is done. Each signal has its own sampling period
+   (:meth:`OptimizerHooks.sample`).
 
 The post-hook restores the scheduler-visible values (so a scheduler keeps its own trajectory and can never
 undo an override) and lets the guard finish: with fused Adam/AdamW the flagged update never happened (the flag
@@ -32,7 +34,7 @@ preallocated snapshot.
 >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
 >>> buf = StepBuffer()
 >>> half = Overrides(lr_scale=0.5)
->>> hooks = OptimizerHooks(opt, GradNorms(model), buffer=buf, overrides=lambda: half, clip=1.0)
+>>> hooks = OptimizerHooks(opt, GradNorms(model), buffer=buf, overrides=half, clip=1.0)
 >>> hooks.install()
 >>> buf.begin(step=0, batch_index=0)
 >>> model(torch.ones(1, 2)).sum().backward()
@@ -45,18 +47,25 @@ preallocated snapshot.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
 from stabmon.collect.buffer import StepBuffer
-from stabmon.collect.embeddings import EmbeddingDrift
 from stabmon.collect.grads import GradNorms, GradResult
 from stabmon.collect.guard import SkipGuard
-from stabmon.collect.updates import UpdateNorms
 from stabmon.events import Metric
 from stabmon.overrides import Overrides
+
+
+class UpdateSignal(Protocol):
+    """A collector measured around the optimizer's update on the steps it samples: what it needs before the
+    update, then its named device values after it (None: nothing this step)."""
+
+    def before_update(self) -> None: ...
+
+    def after_update(self) -> tuple[list[str], torch.Tensor | None]: ...
 
 
 class OptimizerHooks:
@@ -68,34 +77,38 @@ class OptimizerHooks:
         grads: GradNorms,
         *,
         buffer: StepBuffer,
-        overrides: Callable[[], Overrides],
+        overrides: Overrides,
         clip: float | None = None,
         scaler: Any = None,
-        embeddings: EmbeddingDrift | None = None,
         ema_decay: float = 0.98,
-        updates: UpdateNorms | None = None,
+        signals: Sequence[tuple[int, UpdateSignal]] = (),
     ) -> None:
         self.optimizer = optimizer
         self.grads = grads
         self.buffer = buffer
-        self._overrides = overrides
+        self.overrides = overrides
+        """The overrides in force (the run state's: interventions change this object)."""
         self.clip = clip
         self.scaler = scaler
-        self.embeddings = embeddings
-        self.updates = updates
-        self.sample_updates = False
+        self.signals = tuple(signals)
+        """(sampling period in steps, signal) for each update signal."""
+        self.sampled: tuple[UpdateSignal, ...] = ()
+        """The update signals measured this step (:meth:`sample`)."""
         self.guard = SkipGuard(optimizer, ema_decay=ema_decay)
         self.stepped = False
         self.skip_reported = False
         """The caller said this step's update was skipped (``after_step(skipped=True)``): a loss scaler's
         overflow, recorded as such even without a GradScaler the monitor knows of."""
         self._post_pending = False  # before_step ran and after_step has not yet undone its changes
-        self.sample_embeddings = False
         self.found_inf: torch.Tensor | None = None
         """The GradScaler's overflow flag handed to a fused optimizer this step (device tensor), else None."""
         self._saved_groups: list[dict[str, Any]] = []
         self._handles: list[Any] = []
         self.last_hparams: dict[str, float] = {}
+
+    def sample(self, step: int) -> None:
+        """Choose the update signals measured at ``step``: each on the steps its period divides."""
+        self.sampled = tuple(signal for every, signal in self.signals if step % every == 0)
 
     def install(self) -> None:
         self._handles = [
@@ -110,12 +123,12 @@ class OptimizerHooks:
 
     # -- values in force ---------------------------------------------------------------------------------
     def max_norm(self) -> float | None:
-        o = self._overrides()
+        o = self.overrides
         return o.max_norm if o.max_norm is not None else self.clip
 
     def hparams(self) -> dict[str, float]:
         """Effective values for param group 0 as the next step will use them."""
-        o = self._overrides()
+        o = self.overrides
         group = self.optimizer.param_groups[0]
         out: dict[str, float] = {}
         lr = group.get("lr")
@@ -154,16 +167,14 @@ class OptimizerHooks:
             self.buffer.add(names, torch.stack([result.total, result.nonfinite.to(result.total.dtype)]))
             if result.layers is not None:
                 self.buffer.add([Metric.GRAD_NORM_PREFIX + n for n in self.grads.layer_names], result.layers)
-            skip = self.guard.decide(result.total, self._overrides().skip_factor)
+            skip = self.guard.decide(result.total, self.overrides.skip_factor)
             if skip is not None:
                 self.buffer.add([Metric.SKIPPED], skip.to(result.total.dtype))
             self._clip(result, grad_scale)
         self.guard.before_update(skip)
         self._apply_overrides()
-        if self.sample_embeddings and self.embeddings:
-            self.embeddings.before_update()
-        if self.sample_updates and self.updates is not None:
-            self.updates.before_update()
+        for signal in self.sampled:
+            signal.before_update()
 
     def after_step(self, *, skipped: bool = False) -> None:
         """The post-step work: scheduler-visible values back, the guard finished, embeddings measured.
@@ -181,14 +192,10 @@ class OptimizerHooks:
         for group, saved in zip(self.optimizer.param_groups, self._saved_groups, strict=False):
             group.update(saved)
         self._saved_groups = []
-        self._overrides().advance()  # a release's re-warm-up counts optimizer steps taken
+        self.overrides.advance()  # a release's re-warm-up counts optimizer steps taken
         self.guard.after_update()
-        if self.sample_embeddings and self.embeddings:
-            names, values = self.embeddings.after_update()
-            if values is not None:
-                self.buffer.add(names, values)
-        if self.sample_updates and self.updates is not None:
-            names, values = self.updates.after_update()
+        for signal in self.sampled:
+            names, values = signal.after_update()
             if values is not None:
                 self.buffer.add(names, values)
 
@@ -220,7 +227,7 @@ class OptimizerHooks:
         return None
 
     def _apply_overrides(self) -> None:
-        o = self._overrides()
+        o = self.overrides
         lr = self.optimizer.param_groups[0].get("lr")
         if o.cap_until is not None and isinstance(lr, (int, float)):
             o.settle(float(lr))  # a released cap lifted once the schedule is below where the trouble began

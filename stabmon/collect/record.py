@@ -14,7 +14,7 @@ as floats.
 >>> from stabmon.overrides import Overrides
 >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
 >>> buffer = StepBuffer()
->>> hooks = OptimizerHooks(opt, GradNorms(model), buffer=buffer, overrides=Overrides)
+>>> hooks = OptimizerHooks(opt, GradNorms(model), buffer=buffer, overrides=Overrides())
 >>> recorder = StepRecorder(buffer, hooks, config=MonitorConfig(), failsafe=Failsafe())
 >>> recorder.begin(step=0, batch_index=0)
 >>> recorder.observe([("loss", torch.tensor(2.0)), ("phase", torch.tensor(1j))], tokens=None, step=0)
@@ -93,12 +93,9 @@ class StepRecorder:
         self._scale_snapshot = None
         self._hp_snapshot = None
         self._tokens = None
-        act_k, emb_k = self.config.activations.every, self.config.embeddings.every
-        if self.activations is not None and step % act_k == 0:
+        if self.activations is not None and step % self.config.activations.every == 0:
             self.activations.arm()
-        self.hooks.sample_embeddings = bool(self.hooks.embeddings) and emb_k > 0 and step % emb_k == 0
-        upd_k = self.config.updates.every
-        self.hooks.sample_updates = upd_k > 0 and step % upd_k == 0
+        self.hooks.sample(step)
 
     def discard(self) -> None:
         """Drop the open step (it never trained)."""

@@ -2,14 +2,15 @@
 
 :class:`LiveTarget` holds the overrides the optimizer hooks apply around ``optimizer.step()``, reports the
 values in force, restores the last-known-good checkpoint (rollback), saves a checkpoint and asks the loop to stop
-(checkpoint-and-stop). The monitor builds it from its collaborators and hands it to the live executor; the
-monitor's ``overrides``, ``rollback``, ``checkpoint_and_stop``, ``should_stop`` and ``exit_code`` are this
-object's.
+(checkpoint-and-stop). It is built from its collaborators (the :class:`~stabmon.collect.run_state.RunState`, the
+training state, the outbox, the checkpoints) and handed to the live executor; the monitor's ``rollback``,
+``checkpoint_and_stop``, ``should_stop`` and ``exit_code`` are this object's.
 
 Rollback asks the :class:`~stabmon.checkpoints.CheckpointManager` for the newest checkpoint that validates
 (exists -> byte count -> loads -> finite -> fits the model and optimizer) saved at least ``lookback`` steps
-before the anomaly's onset, restores the training state and step counter from it, keeps the detectors, engine,
-executor and overrides as they are now (the engine is in the middle of handling the incident), and skips the
+before the anomaly's onset, restores the training state and step counter from it (``reason="rollback"``: the
+detectors, engine, executor, alert gates and overrides are excluded and stay as they are now, the engine being
+in the middle of handling the incident), and skips the
 next ``skip_batches`` batches (recorded in the store). A one-shot iterator cannot be rewound: the data then keeps
 flowing forward and the skip starts at the current position.
 
@@ -21,15 +22,14 @@ anomaly. :meth:`LiveTarget.rollback_here` and :meth:`LiveTarget.stop_here` are o
 public methods, which every rank calls itself).
 
 >>> import torch
->>> from stabmon.collect.data import DataCursor
 >>> from stabmon.collect.failsafe import Failsafe
 >>> from stabmon.collect.flushing import Outbox
 >>> from stabmon.collect.restore import TrainingState
+>>> from stabmon.collect.run_state import RunState
 >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
->>> safe = Failsafe()
->>> target = LiveTarget(hparams=lambda: {"lr": 0.1}, step=lambda: 5, state=TrainingState(model, opt),
-...                     cursor=DataCursor(), outbox=Outbox(None, None, failsafe=safe, run_name="doc"),
-...                     failsafe=safe, stop_code=86)
+>>> run = RunState(step=5); safe = Failsafe(run)
+>>> target = LiveTarget(run, hparams=lambda: {"lr": 0.1}, state=TrainingState({"model": model, "optimizer": opt}),
+...                     outbox=Outbox(None, None, failsafe=safe, run_name="doc"), failsafe=safe, stop_code=86)
 >>> target.checkpoint_and_stop(reason="operator")["exit_code"], target.should_stop, target.exit_code
 (86, True, 86)
 """
@@ -47,7 +47,8 @@ from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
 from stabmon.collect.joint import Agreement, Joint, RankChannel, agreed_checkpoint
 from stabmon.collect.rank_policy import RankPolicy, SavePath
-from stabmon.collect.restore import TrainingState
+from stabmon.collect.restore import ROLLBACK, TrainingState
+from stabmon.collect.run_state import RunState
 from stabmon.diagnose import Diagnosis
 from stabmon.events import Anomaly, Event, Severity
 from stabmon.overrides import Overrides
@@ -66,23 +67,21 @@ class LiveTarget:
 
     def __init__(
         self,
+        run: RunState,
         *,
         hparams: Callable[[], dict[str, float]],
-        step: Callable[[], int],
         state: TrainingState,
-        cursor: DataCursor,
         outbox: Outbox,
         failsafe: Failsafe,
         stop_code: int,
-        overrides: Overrides | None = None,
         checkpoints: Any = None,
         policy: RankPolicy | None = None,
         channel: RankChannel | None = None,
         reports: deque[Event] | None = None,
     ) -> None:
-        self.overrides = overrides if overrides is not None else Overrides()
-        self._hparams, self._step = hparams, step
-        self.state, self.cursor, self.outbox, self.failsafe = state, cursor, outbox, failsafe
+        self.run = run
+        self._hparams = hparams
+        self.state, self.outbox, self.failsafe = state, outbox, failsafe
         self.stop_code = stop_code
         self.policy = policy if policy is not None else RankPolicy()
         """Who saves, decides and writes (:mod:`stabmon.collect.rank_policy`)."""
@@ -117,7 +116,16 @@ class LiveTarget:
     @property
     def step(self) -> int:
         """Optimizer steps completed (the index the next step will get)."""
-        return self._step()
+        return self.run.step
+
+    @property
+    def overrides(self) -> Overrides:
+        """The overrides in force (the run state's), which override interventions change."""
+        return self.run.overrides
+
+    @property
+    def cursor(self) -> DataCursor:
+        return self.run.cursor
 
     def hparams(self) -> dict[str, float]:
         """lr, beta2, weight_decay and clip in force for the next step (overrides included)."""
@@ -259,11 +267,9 @@ class LiveTarget:
         return self.checkpoints
 
     def _restore(self, state: dict[str, Any], from_position: int) -> None:
-        """The checkpoint's training state, with the overrides and the skip set in force kept in force."""
-        overrides = self.overrides.state_dict()
+        """The checkpoint's training state (the overrides in force are excluded), the skip set in force kept."""
         skipped_before = set(self.cursor.skip)
-        self.state.load(state, pipeline=False)
-        self.overrides.load_state_dict(overrides)
+        self.state.load(state, reason=ROLLBACK)
         self.cursor.skip |= skipped_before
         if self.cursor.rewindable:
             self.cursor.rewind(self.cursor.position)

@@ -25,12 +25,11 @@ from stabmon import factory
 from stabmon.factory import resolve_engine as resolve_engine
 from stabmon.pipeline import InterventionTarget, Pipeline
 from stabmon.sinks import NotifierLike, Sink
+from stabmon.spec import DEFAULT_STORE as DEFAULT_STORE
+from stabmon.spec import MODES as MODES
 
 log = logging.getLogger(__name__)
 
-MODES = ("propose", "apply", "observe", None)
-DEFAULT_STORE = "default"
-"""Sentinel for ``store=``: the default store URL (:func:`stabmon.store.database.resolve_url`)."""
 
 
 def resolve_store(store: Any) -> tuple[Sink | None, bool]:

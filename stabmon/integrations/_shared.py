@@ -1,16 +1,14 @@
-"""What the HF Trainer and Lightning callbacks share: argument checks before training, building the
-:class:`~stabmon.monitor.Monitor` from a framework's objects, and monitor state as bytes in a checkpoint.
+"""What the HF Trainer and Lightning callbacks share: building monitors from one :class:`~stabmon.spec.MonitorSpec`
+and a framework's objects, and monitor state as bytes in a checkpoint.
 
-Arguments are checked when the callback is built (bad store URL, unknown runbook, bad mode or config), so a
-mistake is one ``ValueError`` before the framework even starts, not a crash a minute into training.
+A callback takes the monitor's own keyword arguments (or ``spec=``): they make a ``MonitorSpec``, checked when the
+callback is built (bad store URL, unknown runbook, bad mode or config), so a mistake is one ``ValueError`` before
+the framework even starts, not a crash a minute into training.
 
->>> spec = MonitorSpec(store=None, runbook=None)
->>> spec.open_store() is None
+>>> from stabmon.spec import MonitorSpec
+>>> monitors = MonitorFactory(MonitorSpec(store=None, runbook=None))
+>>> monitors.open_store() is None
 True
->>> MonitorSpec(store=None, mode="yolo")
-Traceback (most recent call last):
-...
-ValueError: mode: must be one of propose, apply, observe, None, got 'yolo'
 >>> state_from_bytes(state_to_bytes({"step": 3}))
 {'step': 3}
 """
@@ -24,62 +22,37 @@ from typing import Any
 
 import torch
 
-from stabmon.collect.config import MonitorConfig
-from stabmon.collect.wiring import DEFAULT_STORE, MODES, resolve_engine, resolve_notifier, resolve_store
+from stabmon.collect.wiring import resolve_store
+from stabmon.spec import MonitorSpec
 
 log = logging.getLogger(__name__)
 
 
-class MonitorSpec:
-    """Everything a callback needs to build a :class:`~stabmon.monitor.Monitor` later, checked now.
+class MonitorFactory:
+    """Monitors on a framework's objects, one per ``train()``/``fit()``, from one spec.
 
     The store is opened here (so a bad URL fails at once) and kept open across ``train()`` calls; the
     callback closes it with :meth:`close_store` when training ends and :meth:`open_store` reopens it.
 
-    >>> MonitorSpec(store=None, config=MonitorConfig(clip=2.0)).config.clip
+    >>> from stabmon.collect.config import MonitorConfig
+    >>> MonitorFactory(MonitorSpec(store=None, config=MonitorConfig(clip=2.0))).spec.config.clip
     2.0
     """
 
-    def __init__(
-        self,
-        *,
-        store: Any = DEFAULT_STORE,
-        runbook: Any = None,
-        mode: str | None = "propose",
-        alerts: Any = None,
-        notifier: Any = None,
-        detectors: Any = None,
-        config: MonitorConfig | None = None,
-        run_name: str | None = None,
-        checkpoint_dir: str | None = None,
-    ) -> None:
-        self.config = config if config is not None else MonitorConfig()
-        if not isinstance(self.config, MonitorConfig):
-            raise ValueError(f"config: expected a MonitorConfig, got {type(self.config).__name__}")
-        self.config.validate()
-        if mode not in MODES:
-            raise ValueError(f"mode: must be one of {', '.join(map(str, MODES))}, got {mode!r}")
-        if runbook is not None:
-            resolve_engine(runbook, mode or "propose")  # raises "runbook: ..." now rather than at train begin
-        if notifier is not None or alerts is not None:
-            made, owned = resolve_notifier(notifier, alerts)  # raises "alerts: ..." / "notifier: ..."
-            if owned and made is not None:
-                made.close(timeout=1.0)
-        self.store_arg = store
-        self.runbook, self.mode, self.alerts, self.notifier = runbook, mode, alerts, notifier
-        self.detectors, self.run_name, self.checkpoint_dir = detectors, run_name, checkpoint_dir
+    def __init__(self, spec: MonitorSpec) -> None:
+        self.spec = spec
         self._store: Any = None
         self._owns_store = False
         self.open_store()
 
     def open_store(self) -> Any:
         """The store sink (opened on first use, and again after :meth:`close_store`)."""
-        if self._store is None and self.store_arg is not None:
-            self._store, self._owns_store = resolve_store(self.store_arg)
+        if self._store is None and self.spec.store is not None:
+            self._store, self._owns_store = resolve_store(self.spec.store)
         return self._store
 
     def close_store(self) -> None:
-        """Flush and close the store if this spec opened it; failures are logged, never raised."""
+        """Flush and close the store if this factory opened it; failures are logged, never raised."""
         store, self._store = self._store, None
         if store is None or not self._owns_store:
             return
@@ -106,26 +79,17 @@ class MonitorSpec:
         framework's own settings (its training arguments), stored with the run for ``stabmon diff``."""
         from stabmon.monitor import Monitor
 
-        config = self.config
-        if clip is not None and config.clip is None:
-            config = dataclasses.replace(config, clip=float(clip))
-        return Monitor(
-            model,
-            optimizer,
-            scaler=scaler,
-            scheduler=scheduler,
-            store=self.open_store(),
-            runbook=self.runbook,
-            mode=self.mode,
-            detectors=self.detectors,
-            notifier=self.notifier,
-            alerts=self.alerts,
-            config=config,
-            run_name=self.run_name or run_name,
-            checkpoint_dir=self.checkpoint_dir,
-            resume_run_id=resume_run_id,
-            recipe=recipe,
-        )
+        spec = self.spec
+        changes: dict[str, Any] = {"store": self.open_store()}
+        if clip is not None and spec.config.clip is None:
+            changes["config"] = dataclasses.replace(spec.config, clip=float(clip))
+        if spec.run_name is None and run_name is not None:
+            changes["run_name"] = run_name
+        if resume_run_id is not None:
+            changes["resume_run_id"] = resume_run_id
+        if recipe is not None:
+            changes["recipe"] = recipe
+        return Monitor(model, optimizer, spec.replace(**changes), scaler=scaler, scheduler=scheduler)
 
 
 class EffectiveLR:

@@ -55,10 +55,9 @@ from typing import Any
 
 import torch
 
-from stabmon.collect.config import MonitorConfig
-from stabmon.collect.wiring import DEFAULT_STORE
-from stabmon.integrations._shared import EffectiveLR, MonitorSpec
+from stabmon.integrations._shared import EffectiveLR, MonitorFactory
 from stabmon.replay.importers.hf_trainer import eval_names
+from stabmon.spec import MonitorSpec, spec_of
 
 try:
     from transformers import TrainerCallback
@@ -87,41 +86,23 @@ def trainer_step(state: Any) -> int:
 class StabmonCallback(TrainerCallback):
     """Monitor a ``transformers.Trainer`` run; see the module docstring.
 
-    Keyword arguments are those of :class:`~stabmon.monitor.Monitor` (checked here, before training), plus
+    Keyword arguments are the fields of :class:`~stabmon.spec.MonitorSpec` (or pass ``spec=``), checked here,
+    before training; plus
     ``resume_from``: a checkpoint folder to take monitor state from when it is not
     ``<output_dir>/checkpoint-<global_step>`` (the folder ``Trainer.train(resume_from_checkpoint=...)`` uses
     for checkpoints it wrote itself).
 
+    >>> from stabmon.collect.config import MonitorConfig
     >>> cb = StabmonCallback(store=None, config=MonitorConfig(flush_every=5))
     >>> cb.spec.config.flush_every
     5
     """
 
     def __init__(
-        self,
-        *,
-        store: Any = DEFAULT_STORE,
-        runbook: Any = None,
-        mode: str | None = "propose",
-        alerts: Any = None,
-        notifier: Any = None,
-        detectors: Any = None,
-        config: MonitorConfig | None = None,
-        run_name: str | None = None,
-        checkpoint_dir: str | None = None,
-        resume_from: str | None = None,
+        self, *, resume_from: str | None = None, spec: MonitorSpec | None = None, **options: Any
     ) -> None:
-        self.spec = MonitorSpec(
-            store=store,
-            runbook=runbook,
-            mode=mode,
-            alerts=alerts,
-            notifier=notifier,
-            detectors=detectors,
-            config=config,
-            run_name=run_name,
-            checkpoint_dir=checkpoint_dir,
-        )
+        self.spec = spec_of(spec, options)
+        self.monitors = MonitorFactory(self.spec)
         self.resume_from = resume_from
         self.monitor: Any = None
         self.stop_requested = False
@@ -151,7 +132,7 @@ class StabmonCallback(TrainerCallback):
             clip, self._saved_max_grad_norm = float(args.max_grad_norm), float(args.max_grad_norm)
             args.max_grad_norm = 0.0  # the monitor clips; the Trainer must not clip a second time
         saved = self._load_saved_state(args, state)
-        self.monitor = self.spec.build(
+        self.monitor = self.monitors.build(
             model,
             inner,
             scaler=getattr(optimizer, "scaler", None),
@@ -203,7 +184,7 @@ class StabmonCallback(TrainerCallback):
             if status == "failed":
                 self.monitor.buffer.discard()  # the step that crashed never finished: no record for it
             self.monitor.close(status=status)  # idempotent: a closed monitor stays as it ended
-        self.spec.close_store()
+        self.monitors.close_store()
 
     # -- steps -------------------------------------------------------------------------------------------
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

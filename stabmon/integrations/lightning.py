@@ -49,9 +49,8 @@ from typing import Any
 
 import torch
 
-from stabmon.collect.config import MonitorConfig
-from stabmon.collect.wiring import DEFAULT_STORE
-from stabmon.integrations._shared import MonitorSpec, state_from_bytes, state_to_bytes
+from stabmon.integrations._shared import MonitorFactory, state_from_bytes, state_to_bytes
+from stabmon.spec import MonitorSpec, spec_of
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -69,39 +68,21 @@ __all__ = ["StabmonCallback"]
 class StabmonCallback(Callback):
     """Monitor a Lightning ``Trainer.fit``; see the module docstring.
 
-    Keyword arguments are those of :class:`~stabmon.monitor.Monitor` (checked here, before training), plus
+    Keyword arguments are the fields of :class:`~stabmon.spec.MonitorSpec` (or pass ``spec=``), checked here,
+    before training; plus
     ``stop_checkpoint_dir`` for the checkpoint written on checkpoint-and-stop.
 
+    >>> from stabmon.collect.config import MonitorConfig
     >>> cb = StabmonCallback(store=None, config=MonitorConfig(clip=1.0))
     >>> cb.spec.config.clip
     1.0
     """
 
     def __init__(
-        self,
-        *,
-        store: Any = DEFAULT_STORE,
-        runbook: Any = None,
-        mode: str | None = "propose",
-        alerts: Any = None,
-        notifier: Any = None,
-        detectors: Any = None,
-        config: MonitorConfig | None = None,
-        run_name: str | None = None,
-        checkpoint_dir: str | None = None,
-        stop_checkpoint_dir: str | None = None,
+        self, *, stop_checkpoint_dir: str | None = None, spec: MonitorSpec | None = None, **options: Any
     ) -> None:
-        self.spec = MonitorSpec(
-            store=store,
-            runbook=runbook,
-            mode=mode,
-            alerts=alerts,
-            notifier=notifier,
-            detectors=detectors,
-            config=config,
-            run_name=run_name,
-            checkpoint_dir=checkpoint_dir,
-        )
+        self.spec = spec_of(spec, options)
+        self.monitors = MonitorFactory(self.spec)
         self.stop_checkpoint_dir = stop_checkpoint_dir
         self.monitor: Any = None
         self.stop_requested = False
@@ -130,7 +111,7 @@ class StabmonCallback(Callback):
         configs = getattr(trainer, "lr_scheduler_configs", None) or []
         clip = self._take_over_clip(trainer)
         pending, self._pending = self._pending, None
-        self.monitor = self.spec.build(
+        self.monitor = self.monitors.build(
             pl_module,
             optimizer,
             scaler=getattr(trainer.precision_plugin, "scaler", None),
@@ -172,7 +153,7 @@ class StabmonCallback(Callback):
             trainer.gradient_clip_val, self._took_clip = self._saved_clip, False
         if self.monitor is not None:
             self.monitor.close(status=status)
-        self.spec.close_store()
+        self.monitors.close_store()
 
     # -- steps -------------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

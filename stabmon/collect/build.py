@@ -1,0 +1,179 @@
+"""The monitor's collaborators, each built from its explicit dependencies (torchtitan's ``config.X.build(deps)``).
+
+The :class:`~stabmon.monitor.Monitor` is a sequence of these calls plus the user's API: :func:`build_signals`
+(what measures a step), :func:`build_outbox` (the store and the notifier), :func:`build_checkpoints`,
+:func:`build_training_state`; the pipeline comes from :func:`stabmon.collect.wiring.build_pipeline`. None of
+them receives the monitor: a collaborator gets the :class:`~stabmon.collect.run_state.RunState` where it needs
+the step, the data position or the overrides.
+
+A new collector measured around the optimizer's update (an :class:`~stabmon.collect.optim.UpdateSignal`: a
+second-moment ratio, an update norm) is one line in :func:`build_signals`'s ``update_signals``: its sampling
+period (from its own section of :class:`~stabmon.collect.config.MonitorConfig`) and the collector, built from
+the model and the optimizer. If it keeps state, one line adds it to :meth:`Signals.states` (the checkpoint then
+carries it). A collector on the forward pass (activation norms) is armed by the step recorder.
+
+>>> import torch
+>>> from stabmon.collect.config import MonitorConfig
+>>> from stabmon.collect.failsafe import Failsafe
+>>> from stabmon.collect.run_state import RunState
+>>> model = torch.nn.Linear(4, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> run = RunState()
+>>> signals = build_signals(model, opt, config=MonitorConfig(), run=run, failsafe=Failsafe(run), world_size=1)
+>>> sorted(signals.states()), signals.hooks.overrides is run.overrides
+(['embeddings', 'hooks'], True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from stabmon.collect.activations import ActivationNorms
+from stabmon.collect.buffer import StepBuffer
+from stabmon.collect.config import MonitorConfig
+from stabmon.collect.distributed import mean_across_ranks
+from stabmon.collect.embeddings import EmbeddingDrift
+from stabmon.collect.failsafe import Failsafe
+from stabmon.collect.flushing import Outbox
+from stabmon.collect.grads import GradNorms
+from stabmon.collect.memory import DeviceMemory
+from stabmon.collect.monitor_state import EXCLUDED, REQUIRED
+from stabmon.collect.optim import OptimizerHooks
+from stabmon.collect.ranks import RankGather, RankProbe
+from stabmon.collect.record import StepRecorder
+from stabmon.collect.restore import NamedStates, Stateful, TrainingState
+from stabmon.collect.run_state import RunState
+from stabmon.collect.sharding import Layout, ShardedSquares, embedding_counted, layout_of
+from stabmon.collect.updates import UpdateNorms
+from stabmon.collect.wiring import resolve_notifier, resolve_store
+from stabmon.spec import MonitorSpec
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What measures a step: the buffer, the optimizer hooks, the recorder and the collectors they sample."""
+
+    layout: Layout
+    buffer: StepBuffer
+    grads: GradNorms
+    hooks: OptimizerHooks
+    recorder: StepRecorder
+    activations: ActivationNorms | None
+    embeddings: EmbeddingDrift | None
+    probe: RankProbe | None
+    """Under torch.distributed: per-rank probes (:class:`~stabmon.collect.ranks.RankProbe`)."""
+    rank_values: RankGather | None
+    """Under torch.distributed: per-rank values gathered at each flush."""
+
+    def states(self) -> dict[str, Stateful | None]:
+        """The collectors' entries in a checkpoint (an absent collector saves None)."""
+        return {"hooks": self.hooks, "embeddings": self.embeddings}
+
+    def device_memory(self) -> DeviceMemory:
+        """Bytes held on the device right now, per signal."""
+        return DeviceMemory(
+            embeddings=self.embeddings.device_bytes() if self.embeddings else 0,
+            skip_guard=self.hooks.guard.nbytes(),
+            pending=self.buffer.nbytes(),
+        )
+
+    def remove(self) -> None:
+        """Every hook off the optimizer and the model."""
+        self.hooks.remove()
+        if self.probe is not None:
+            self.probe.remove()
+        if self.activations is not None:
+            self.activations.disarm()
+
+
+def build_signals(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    config: MonitorConfig,
+    run: RunState,
+    failsafe: Failsafe,
+    world_size: int,
+    scaler: Any = None,
+) -> Signals:
+    """The collectors on ``model`` and ``optimizer`` that ``config`` asks for (the hooks are not installed)."""
+    layout = layout_of(model)
+    grads = GradNorms(model, config.grads.layers, sharded=ShardedSquares(layout.counted) if layout.sharded else None)
+    activations = ActivationNorms(model, config.activations.modules) if config.activations.every else None
+    embeddings = (
+        EmbeddingDrift(model, rows=config.embeddings.rows, reference=config.embeddings.reference,
+                       counted=embedding_counted(model, layout))
+        if config.embeddings.every
+        else None
+    )
+    probe, rank_values, buffer = None, None, StepBuffer()
+    if world_size > 1:
+        replicated = layout.kind == "ddp"
+        rank_values = RankGather(replicated=replicated, keep=config.diagnose.batches)
+        buffer = StepBuffer(reduce=mean_across_ranks, gather=rank_values)
+        probe = RankProbe(model, grads.params, replicated=replicated)
+    update_signals = (  # (sampling period, collector): a new update signal is one line here
+        (config.embeddings.every, embeddings),
+        (config.updates.every, UpdateNorms(grads) if config.updates.every else None),
+    )
+    hooks = OptimizerHooks(
+        optimizer,
+        grads,
+        buffer=buffer,
+        overrides=run.overrides,
+        clip=config.clip,
+        scaler=scaler,
+        ema_decay=config.grads.skip_ema,
+        signals=[(every, signal) for every, signal in update_signals if signal is not None],
+    )
+    recorder = StepRecorder(buffer, hooks, config=config, failsafe=failsafe, scaler=scaler,
+                            activations=activations, probe=probe)
+    return Signals(layout, buffer, grads, hooks, recorder, activations, embeddings, probe, rank_values)
+
+
+def build_outbox(spec: MonitorSpec, *, rank: int, failsafe: Failsafe, run_name: str) -> Outbox:
+    """Rank 0's store and notifier (only rank 0 writes to the store and sends alerts)."""
+    leader = rank == 0
+    sink, owns_store = resolve_store(spec.store if leader else None)
+    alerter, owns_notifier = resolve_notifier(spec.notifier, spec.alerts, sink) if leader else (None, False)
+    return Outbox(sink, alerter, failsafe=failsafe, run_name=run_name, owns_store=owns_store,
+                  owns_notifier=owns_notifier)
+
+
+def build_checkpoints(spec: MonitorSpec, outbox: Outbox) -> Any:
+    """The user's checkpoints (attached to the run's store), a manager on ``checkpoint_dir``, or None. Call it
+    once the run is open: checkpoint rows name it."""
+    if spec.checkpoints is not None:
+        if hasattr(spec.checkpoints, "attach"):
+            spec.checkpoints.attach(sink=outbox.store, run_id=outbox.run_id)
+        return spec.checkpoints
+    if spec.checkpoint_dir is None:
+        return None
+    from stabmon.checkpoints import CheckpointManager
+
+    return CheckpointManager(spec.checkpoint_dir, keep=spec.config.checkpoint_keep, sink=outbox.store,
+                             run_id=outbox.run_id)
+
+
+def build_training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, scaler: Any, scheduler: Any, monitor_state: NamedStates
+) -> TrainingState:
+    """What a checkpoint holds, by name, with the monitor's exclusions per reason to load
+    (:data:`~stabmon.collect.monitor_state.EXCLUDED`)."""
+    return TrainingState(
+        {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler, "monitor": monitor_state},
+        exclude=EXCLUDED,
+        required=REQUIRED,
+    )
+
+
+def kill_switch(path: str | None) -> Any:
+    """The kill switch file's watcher (None: no kill switch)."""
+    if not path:
+        return None
+    from stabmon.checkpoints import KillSwitch
+
+    return KillSwitch(path, every=1)
