@@ -30,13 +30,14 @@ flowing forward and the skip starts at the current position.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from stabmon.collect.data import DataCursor
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
 from stabmon.collect.restore import TrainingState
+from stabmon.interventions._state import RunFacts
 from stabmon.overrides import Overrides
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,37 @@ class LiveTarget:
     def request_stop(self, reason: str | None) -> None:
         """Ask the training loop to stop at the next step boundary (no checkpoint: another rank saves it)."""
         self.should_stop, self.stop_reason = True, reason
+
+    # -- the optimizer state and the weights, in place (stabmon.interventions._state) -------------------
+    def facts(self) -> RunFacts:
+        """What the state-level interventions can act on in this run."""
+        from stabmon.collect.inplace import adam_like
+        from stabmon.collect.moments import missing_state
+        from stabmon.collect.qk import attention_layers
+        from stabmon.collect.sharding import clean_name
+
+        model, opt = self.state.model, self.state.optimizer
+        return RunFacts(tensors=frozenset(clean_name(n) for n, _ in model.named_parameters()),
+                        second_moment=missing_state(opt, "exp_avg_sq"), adam_update=adam_like(opt),
+                        attention=tuple(attention_layers(model)))
+
+    def reset_moments(self, *, tensors: Sequence[str], second_moment: bool) -> dict[str, Any]:
+        """Zero the first (and second) moments of ``tensors`` (all when empty); returns the audit facts."""
+        from stabmon.collect.moments import reset_moments
+
+        done = reset_moments(self.state.model, self.state.optimizer, names=tensors, second=second_moment)
+        log.warning("stabmon: moments of %d tensors reset at step %d (%s)", len(done), self.step,
+                    ", ".join(tensors) or "all")
+        return {"reset": len(done), "tensors": done[:20]}
+
+    def qk_clip(self, *, layer: str | None, heads: Sequence[int] | None, factor: float) -> dict[str, Any]:
+        """Scale the query/key weights of ``heads`` of ``layer`` so their logits scale by ``factor``."""
+        from stabmon.collect.qk import qk_clip
+
+        facts = qk_clip(self.state.model, layer=layer, heads=heads, factor=factor)
+        log.warning("stabmon: qk_clip at step %d: %s heads %s x %.4g logits", self.step, facts["layer"],
+                    facts["heads"], factor)
+        return facts
 
     # -- checkpoints -------------------------------------------------------------------------------------
     @property
