@@ -134,7 +134,9 @@ def test_adaptive_clip_clips_only_the_spiking_tensor_and_reverts_to_off(kind: di
     mon.begin_step()
     model(x).backward()
     raw_model(x).backward()
-    opt.step(); opt.zero_grad(); mon.end_step()
+    opt.step()
+    opt.zero_grad()
+    mon.end_step()
     handle.remove()
     # the monitor's pre-hook ran first: the spiking tensor is clipped to ~1.05x its running norm
     assert float(seen[0]) < float(raw_model.head.weight.grad.norm()) / 100

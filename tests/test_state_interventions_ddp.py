@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from dist_support import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -14,7 +15,6 @@ from stabmon.collect.distributed import RankFollower, broadcast
 from stabmon.events import Decision, DecisionStatus
 from stabmon.interventions import Executor
 from stabmon.monitor import Monitor, MonitorConfig
-from tests.dist_support import run_ranks
 
 
 def _decide(rank: int, ex: Executor, follower: RankFollower, action: str, params: dict[str, Any]) -> None:
@@ -39,7 +39,9 @@ def _ranks(rank: int, size: int) -> dict[str, Any]:
     def step(scale: float = 1.0) -> None:
         mon.begin_step()
         model(torch.randn(4, 6, generator=gen) * scale).pow(2).mean().backward()
-        opt.step(); opt.zero_grad(); mon.end_step()
+        opt.step()
+        opt.zero_grad()
+        mon.end_step()
 
     for _ in range(3):
         step()

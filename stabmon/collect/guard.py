@@ -176,7 +176,7 @@ class SkipGuard:
             for p in group["params"]:
                 state = self.optimizer.state.get(p)
                 step = state.get("step") if state else None
-                if not isinstance(step, torch.Tensor):
+                if state is None or not isinstance(step, torch.Tensor):
                     continue
                 where = local(p).device if device is None else device
                 if step.device != where:

@@ -94,11 +94,11 @@ class UpdateCap:
         self.sharded = sharded
         """This rank holds shards: the RMS is formed from sums over ranks (a replicated tensor adds to both sums
         alike, so its RMS is unchanged)."""
-        self._lrs: list[float] = []
+        self._lrs: list[Any] = []
 
     def before(self, optimizer: torch.optim.Optimizer) -> None:
         """Remember the learning rate in force for each param group (overrides applied)."""
-        self._lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self._lrs = [g["lr"] for g in optimizer.param_groups]  # a float, or a tensor (never read back)
 
     def after(self, optimizer: torch.optim.Optimizer, cap: float, skipped: torch.Tensor | None) -> torch.Tensor | None:
         """Move each over-cap tensor back to a step of ``lr x cap / RMS(u)``; returns the largest RMS seen."""
@@ -107,7 +107,7 @@ class UpdateCap:
             return None
         with torch.no_grad():
             sums, counts, us = [], [], []
-            for i, p, st in items:
+            for i, _, st in items:
                 u = _direction(optimizer.param_groups[i], st)
                 us.append(u)
                 sums.append(u.float().square().sum())
@@ -139,7 +139,7 @@ def _direction(group: dict[str, Any], state: dict[str, Any]) -> torch.Tensor:
     return (m / bc1) / ((v / bc2).sqrt() + group["eps"])
 
 
-def _move_back(group: dict[str, Any], p: torch.Tensor, u: torch.Tensor, lr: float, shrink: torch.Tensor) -> None:
+def _move_back(group: dict[str, Any], p: torch.Tensor, u: torch.Tensor, lr: Any, shrink: torch.Tensor) -> None:
     """Turn a step of ``lr`` into one of ``lr x shrink`` in place."""
     wd = float(group.get("weight_decay", 0.0)) if group.get("decoupled_weight_decay", True) else 0.0
     back = (1 - shrink) * lr

@@ -72,12 +72,12 @@ def _mha(module: nn.Module) -> QK | None:
 
 def _linear_pair(module: nn.Module) -> QK | None:
     children = dict(module.named_children())
-    pair = next(((children[q], children[k]) for q, k in _PAIRS
-                 if isinstance(children.get(q), nn.Linear) and isinstance(children.get(k), nn.Linear)), None)
+    pairs = [(children[q], children[k]) for q, k in _PAIRS if q in children and k in children]
+    linear = [(q, k) for q, k in pairs if isinstance(q, nn.Linear) and isinstance(k, nn.Linear)]
     heads = _head_count(module)
-    if pair is None or heads is None:
+    if not linear or heads is None:
         return None
-    q, k = pair
+    q, k = linear[0]
     head_dim = q.out_features // heads
     k_heads = k.out_features // head_dim if head_dim else heads
 

@@ -8,8 +8,8 @@ answered with the checkpoint the run would have gone back to (the last one at a 
 rollback fails as it did live) and the batch range it would have skipped, and checkpoint-and-stop marks the
 step at which the run would have stopped, and the state-level changes (``reset_moments``, ``qk_clip``) are
 recorded as what they would have touched (:attr:`SimulatedTarget.state_changes`); the per-step ones
-(``adaptive_clip``, ``clip_update``, ``skip_step``) are overrides like the others. The recorded run keeps going (it is a recording), so replay continues
-after a simulated stop or rollback and reports them.
+(``adaptive_clip``, ``clip_update``, ``skip_step``) are overrides like the others. The recorded run keeps going
+(it is a recording), so replay continues after a simulated stop or rollback and reports them.
 
 Timing follows the live monitor, which runs the pipeline at a flush, after a block of ``flush_every`` steps
 has completed: an intervention acts from the step after the block, so ``step`` is the block's last step plus
