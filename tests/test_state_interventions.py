@@ -268,3 +268,24 @@ def test_a_failed_state_change_logs_one_line(caplog: pytest.LogCaptureFixture) -
         apply(mon, "qk_clip", {"layer": "attn", "heads": [9], "max_logit": 500.0})
     assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
     mon.close()
+
+
+def test_qk_clip_on_a_nanogpt_packed_projection() -> None:
+    class Block(nn.Module):
+        n_head = 2
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.c_attn, self.c_proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    model = nn.ModuleDict({"h": nn.ModuleList([Block(), Block()])})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
+    assert mon.target.facts().attention == ("h.0", "h.1")
+    w = model.h[1].c_attn.weight.detach().clone()
+    _, rec = apply(mon, "qk_clip", {}, spike("attn_logit/h.1/h1", 400.0))
+    assert rec.after == {"layer": "h.1", "heads": [1], "factor": 0.25}
+    scaled = model.h[1].c_attn.weight.detach()
+    assert torch.allclose(scaled[4:8], w[4:8] * 0.5) and torch.allclose(scaled[12:16], w[12:16] * 0.5)
+    assert torch.equal(scaled[:4], w[:4]) and torch.equal(scaled[16:], w[16:])  # head 0 and the values untouched
+    mon.close()

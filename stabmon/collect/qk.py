@@ -4,9 +4,10 @@ logits grew too large, in place (the ``qk_clip`` intervention's live work).
 A head whose max attention logit ``S`` exceeds ``tau`` gets its query and key projections (weights and biases)
 scaled by ``sqrt(tau / S)`` each, so its logits scale by ``tau / S``; other heads are untouched. Recognised
 attention modules: ``nn.MultiheadAttention`` (the packed ``in_proj_weight``, or its separate ``q/k_proj_weight``)
-and any module with separate query/key ``nn.Linear`` children (``q_proj``/``k_proj`` as in HF Llama, ``query``/
-``key``, ``q``/``k``, ``wq``/``wk``) and a head count attribute (``num_heads``, ``n_heads``, ``n_head``,
-``num_attention_heads``, or the same on its ``config``). Where keys have fewer heads than queries (grouped-query
+any module with separate query/key ``nn.Linear`` children (``q_proj``/``k_proj`` as in HF Llama, ``query``/
+``key``, ``q``/``k``, ``wq``/``wk``), and nanoGPT's packed ``nn.Linear`` child (``c_attn``, ``qkv``, ``attn``,
+``in_proj``: query, key and value rows stacked), each with a head count attribute (``num_heads``, ``n_heads``,
+``n_head``, ``num_attention_heads``, or the same on its ``config``). Where keys have fewer heads than queries (grouped-query
 attention), the query head alone takes the whole factor. Register another layout with :func:`register_qk`.
 
 >>> import torch
@@ -32,6 +33,7 @@ from stabmon.collect.sharding import clean_name
 
 _PAIRS = (("q_proj", "k_proj"), ("query", "key"), ("q", "k"), ("wq", "wk"))
 _HEADS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
+_PACKED = ("c_attn", "qkv", "attn", "in_proj")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,21 @@ def _linear_pair(module: nn.Module) -> QK | None:
     return QK(rows(q), rows(k), heads, k_heads, head_dim)
 
 
+def _packed_linear(module: nn.Module) -> QK | None:
+    """nanoGPT's layout: one ``nn.Linear`` child (``c_attn``, ``qkv``, ``attn``, ``in_proj``) with the query,
+    key and value rows stacked (``3 x`` its input width), and the head count on the module."""
+    children = dict(module.named_children())
+    packed = next((children[n] for n in _PACKED if isinstance(children.get(n), nn.Linear)), None)
+    heads = _head_count(module)
+    if not isinstance(packed, nn.Linear) or heads is None or packed.out_features != 3 * packed.in_features:
+        return None
+    e = packed.in_features
+    bias = packed.bias
+    qs = ((packed.weight, 0),) + (((bias, 0),) if bias is not None else ())
+    ks = ((packed.weight, e),) + (((bias, e),) if bias is not None else ())
+    return QK(qs, ks, heads, heads, e // heads)
+
+
 def _head_count(module: nn.Module) -> int | None:
     for owner in (module, getattr(module, "config", None)):
         for attr in _HEADS:
@@ -98,7 +115,7 @@ def _head_count(module: nn.Module) -> int | None:
 
 def find_qk(module: nn.Module) -> QK | None:
     """The query/key layout of ``module``, or None when it is no attention module stabmon recognises."""
-    for finder in (*_FINDERS, _mha, _linear_pair):
+    for finder in (*_FINDERS, _mha, _linear_pair, _packed_linear):
         found = finder(module)
         if found is not None:
             return found
