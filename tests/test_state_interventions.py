@@ -289,3 +289,21 @@ def test_qk_clip_on_a_nanogpt_packed_projection() -> None:
     assert torch.allclose(scaled[4:8], w[4:8] * 0.5) and torch.allclose(scaled[12:16], w[12:16] * 0.5)
     assert torch.equal(scaled[:4], w[:4]) and torch.equal(scaled[16:], w[16:])  # head 0 and the values untouched
     mon.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_skipped_step_stays_skipped_with_every_state_level_fix_on(kind: dict[str, bool]) -> None:
+    model, opt, mon = build(kind)
+    train(model, opt, mon, 5)
+    mon._hooks.guard.learn_host(1e-3, False)
+    for action, params in (("skip_step", {"factor": 5.0, "theta": 5000.0}), ("adaptive_clip", {}),
+                           ("clip_update", {"max_rms": 0.5})):
+        _, rec = apply(mon, action, params)
+        assert "error" not in rec.after and "not_applied" not in rec.after
+    before = [p.detach().clone() for p in model.parameters()]
+    state = [v.clone() for p in model.parameters() for v in opt.state[p].values()]
+    train(model, opt, mon, 1, spike=1e4)  # non-finite or far above the guard's mean: skipped
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(state, [v for p in model.parameters()
+                                                         for v in opt.state[p].values()], strict=True))
+    mon.close()
