@@ -4,8 +4,6 @@ qk_clip change each rank's shard of the same tensors."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from dist_support import run_ranks
