@@ -169,14 +169,21 @@ def test_skip_step_theta_zeroes_only_the_spiking_elements() -> None:
     _, rec = apply(mon, "skip_step", {"theta": 5000.0})
     assert rec.after == {"skip_theta": 5000.0}
     w = model.head.weight
-    seen: list[torch.Tensor] = []
     mask = torch.zeros_like(w)
     mask[0, 3] = 1e6
+    raw: list[torch.Tensor] = []
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     w.register_hook(lambda g: g + mask * g.abs().max().clamp(min=1e-3))
-    handle = opt.register_step_pre_hook(lambda o, a, k: seen.append(w.grad.clone()))
+    w.register_hook(lambda g: raw.append(g.clone()))
+    # the monitor's pre-hook was registered first: this one sees the gradient it left, and the state before the step
+    handle = opt.register_step_pre_hook(
+        lambda o, a, k: seen.append((w.grad.clone(), opt.state[w]["exp_avg_sq"].clone())))
     train(model, opt, mon, 1)
     handle.remove()
-    assert float(seen[0][0, 3]) == 0.0 and int((seen[0] == 0).sum()) == 1
+    (got, v), g = seen[0], raw[0]
+    assert float(got[0, 3]) == 0.0 and float(g[0, 3]) != 0.0
+    assert torch.equal(got, torch.where((g.square() > 5000.0 * v) & (v > 0), torch.zeros_like(g), g))
+    assert int((got == 0).sum()) < got.numel() // 4  # only the spiking elements
     mon.close()
 
 
