@@ -8,7 +8,8 @@ any module with separate query/key ``nn.Linear`` children (``q_proj``/``k_proj``
 ``key``, ``q``/``k``, ``wq``/``wk``), and nanoGPT's packed ``nn.Linear`` child (``c_attn``, ``qkv``, ``attn``,
 ``in_proj``: query, key and value rows stacked), each with a head count attribute (``num_heads``, ``n_heads``,
 ``n_head``, ``num_attention_heads``, or the same on its ``config``). Where keys have fewer heads than queries
-(grouped-query attention), the query head alone takes the whole factor. Register another layout with :func:`register_qk`.
+(grouped-query attention), the query head alone takes the whole factor. Register another layout with
+:func:`register_qk`.
 
 >>> import torch
 >>> torch.manual_seed(0) and None
