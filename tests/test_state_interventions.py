@@ -314,3 +314,48 @@ def test_a_skipped_step_stays_skipped_with_every_state_level_fix_on(kind: dict[s
     assert all(torch.equal(a, b) for a, b in zip(state, [v for p in model.parameters()
                                                          for v in opt.state[p].values()], strict=True))
     mon.close()
+
+
+class _Flags:
+    """A detector suite that reports a given anomaly at given steps (the engine and executor are real)."""
+
+    def __init__(self, metric: str, steps: set[int], value: float) -> None:
+        self.metric, self.steps, self.value = metric, steps, value
+
+    def update(self, record: Any) -> list[Anomaly]:
+        if record.step not in self.steps:
+            return []
+        return [Anomaly(kind="spike", metric=self.metric, step=record.step, score=9.0, severity=Severity.ERROR,
+                        detector="t", evidence=((record.step - 1, 1.0), (record.step, self.value)))]
+
+    def enter_grace(self, steps: int | None = None) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("metric", "action", "want"), [
+    ("grad_norm/blocks.1", "reset_moments", {"tensors": ["blocks.1"]}),
+    ("attn_logit/blocks.0.attn/h3", "qk_clip", {"layer": "blocks.0.attn", "heads": [3], "factor": 0.25}),
+])
+def test_in_place_first_acts_on_what_the_anomaly_names(metric: str, action: str, want: dict[str, Any]) -> None:
+    from stabmon.events import InterventionRecord, StepRecord
+    from stabmon.factory import resolve_engine
+    from stabmon.pipeline import Pipeline
+
+    target = SimulatedTarget()
+    pipe = Pipeline(_Flags(metric, {30}, 400.0), resolve_engine("in-place-first", None),
+                    Executor(target, simulated=True))
+    events = []
+    for step in range(40):
+        record = StepRecord(step=step, metrics={"loss": 2.0, "lr": 1e-3})
+        target.begin_block([record])
+        events += pipe.process(record)
+    decision = next(e for e in events if isinstance(e, Decision))
+    record = next(e for e in events if isinstance(e, InterventionRecord))
+    assert decision.action == action and decision.params["metric"] == metric and decision.params["value"] == 400.0
+    assert record.decision_id == decision.id and want.items() <= {**record.after}.items()
