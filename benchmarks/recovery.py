@@ -11,6 +11,7 @@ control.
     python benchmarks/recovery.py                         # 7 scenarios x 5 seeds (0-4) x 9 arms
     python benchmarks/recovery.py --first-seed 5 --jobs 2 --json recovery.json
     python benchmarks/recovery.py --scenarios bad-shard,healthy --arms unmonitored,stabmon:default
+    python benchmarks/recovery.py --arms unmonitored,stabmon:in-place-first,stabmon:only-reset_moments
     python benchmarks/recovery.py --sweep --seeds 10      # the learning-rate sweep behind lr-too-high
 """
 
@@ -36,8 +37,12 @@ import scenarios as sc  # noqa: E402
 import tiny_gpt  # noqa: E402
 from peers import PEERS  # noqa: E402
 
-RUNBOOKS = ("default", "opt175b", "palm-rollback")
-ARMS = ("unmonitored", *(f"stabmon:{r}" for r in RUNBOOKS), *PEERS)
+RUNBOOKS = ("default", "opt175b", "palm-rollback", "in-place-first")
+ALONE = {  # each state-level intervention alone: its one rung answers every incident a runbook acts on
+    "reset_moments": {"rewarm_steps": 20}, "adaptive_clip": {"lambda_rel": 1.05, "beta": 0.98},
+    "clip_update": {"max_rms": 1.0}, "qk_clip": {"tau": 100.0}, "skip_step": {"factor": 5.0, "theta": 5000.0},
+}
+ARMS = ("unmonitored", *(f"stabmon:{r}" for r in RUNBOOKS), *(f"stabmon:only-{a}" for a in ALONE), *PEERS)
 RESCUE_TOLERANCE = 0.10
 CHECKPOINT_EVERY = 25
 
@@ -64,13 +69,28 @@ class Row:
     seconds: float
 
 
+def alone_runbook(action: str) -> Any:
+    """A runbook whose every error-severity incident gets ``action`` alone (observed 60 steps, then nothing)."""
+    from stabmon.runbook import Runbook
+
+    rung = {"action": action, "params": ALONE[action], "observe": 60,
+            "success": {"quiet_steps": 60, "loss_within": 0.1}}
+    kinds = ["spike", "regression", "loss_scale_collapse", "nonfinite", "no_progress"]
+    return Runbook.model_validate({"name": f"only-{action}", "cooldown": 10, "rules": [
+        {"name": "trouble", "when": {"kind": kinds, "severity": "error"}, "ladder": [rung]},
+        {"name": "other", "when": {"kind": "*", "severity": "warning"}, "ladder": [{"action": "alert_only",
+                                                                                    "observe": 1}]}]})
+
+
 def monitored(
     config: tiny_gpt.TrainConfig, runbook: str, ckpt: str, detectors: dict[str, Any] | None = None
 ) -> tiny_gpt.TrainResult:
     from stabmon.monitor import Monitor, MonitorConfig
 
+    book: Any = alone_runbook(runbook.removeprefix("only-")) if runbook.startswith("only-") else runbook
+
     def factory(model: Any, opt: Any, sched: Any, scaler: Any = None) -> Monitor:
-        return Monitor(model, opt, scheduler=sched, scaler=scaler, store=None, runbook=runbook, mode="apply",
+        return Monitor(model, opt, scheduler=sched, scaler=scaler, store=None, runbook=book, mode="apply",
                        detectors=detectors,
                        checkpoint_dir=ckpt, run_name=f"recovery-{runbook}",
                        config=MonitorConfig(clip=config.clip, checkpoint_every=CHECKPOINT_EVERY,

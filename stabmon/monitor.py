@@ -189,7 +189,8 @@ class Monitor:
             return
         from stabmon.runbook.fit import fit_warnings
 
-        for line in fit_warnings(runbook, self.hparams(), checkpoints=self.checkpoints is not None):
+        for line in fit_warnings(runbook, self.hparams(), checkpoints=self.checkpoints is not None,
+                                 facts=self.target.facts()):
             log.warning("stabmon: runbook %s: %s", runbook.name, line)
         rolls_back = any(rung.action == "rollback" for rule in runbook.rules for rung in rule.ladder)
         if rolls_back and self.checkpoints is not None and not self.config.checkpoint_every \

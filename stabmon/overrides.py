@@ -49,6 +49,22 @@ class Overrides:
     None: no such release pending."""
     cap_ramp: int = 0
     """Re-warm-up length of that pending lift, in optimizer steps."""
+    skip_theta: float | None = None
+    """skip_step at element level (SPAM): zero each gradient element whose g^2 exceeds skip_theta x its Adam
+    second moment (``exp_avg_sq``, where non-zero) before the step. None = off."""
+    adaptive_clip: float | None = None
+    """adaptive_clip (AdaGC): clip each gradient tensor to adaptive_clip x the running mean of its own clipped
+    norm. None = off."""
+    adaptive_clip_beta: float = 0.98
+    """Decay of adaptive_clip's per-tensor running mean."""
+    update_rms_cap: float | None = None
+    """clip_update: cap the RMS of each tensor's Adam update direction m^/(sqrt(v^)+eps) at this value (the
+    step then moves that tensor by lr x update x cap / RMS). None = off."""
+    rewarm_steps: int = 0
+    """Length of the LR re-warm-up in force (reset_moments); 0: none."""
+    rewarm_left: int = 0
+    """Steps of the re-warm-up still to go: the LR is multiplied by ``1 - rewarm_left / (rewarm_steps + 1)``,
+    and the optimizer hook counts it down once per step."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -69,6 +85,20 @@ class Overrides:
         if self.ramp_from is not None and not (0.0 < self.ramp_from < 1.0 and self.ramp_steps >= 1):
             raise ValueError(f"overrides.ramp_from must be in (0, 1) with ramp_steps >= 1, got {self.ramp_from} "
                              f"over {self.ramp_steps} steps")
+        self._validate_state_level()
+
+    def _validate_state_level(self) -> None:
+        if self.skip_theta is not None and not self.skip_theta > 1.0:
+            raise ValueError(f"overrides.skip_theta must be > 1, got {self.skip_theta}")
+        if self.adaptive_clip is not None and not self.adaptive_clip > 1.0:
+            raise ValueError(f"overrides.adaptive_clip must be > 1, got {self.adaptive_clip}")
+        if not 0.0 < self.adaptive_clip_beta < 1.0:
+            raise ValueError(f"overrides.adaptive_clip_beta must be in (0, 1), got {self.adaptive_clip_beta}")
+        if self.update_rms_cap is not None and not self.update_rms_cap > 0:
+            raise ValueError(f"overrides.update_rms_cap must be > 0, got {self.update_rms_cap}")
+        if not 0 <= self.rewarm_left <= self.rewarm_steps:
+            raise ValueError(f"overrides.rewarm_left must be in [0, rewarm_steps={self.rewarm_steps}], got "
+                             f"{self.rewarm_left}")
 
     def ramp(self, fraction: float, steps: int) -> None:
         """Start a re-warm-up: the LR in force begins at ``fraction`` of what it would be and climbs back to it
@@ -124,7 +154,7 @@ class Overrides:
     @property
     def lr_changed(self) -> bool:
         """Whether the learning rate in force differs from the scheduler's."""
-        return self.lr_scale != 1.0 or self.lr_cap is not None or self.ramp_from is not None
+        return self.lr_scale != 1.0 or self.lr_cap is not None or self.ramp_from is not None or self.rewarm_left > 0
 
     def scaled_lr(self, lr: Any) -> Any:
         """The learning rate in force for a scheduler's ``lr`` (a float or a tensor): times ``lr_scale``, at most
@@ -132,13 +162,20 @@ class Overrides:
 
         >>> Overrides(lr_scale=0.5, lr_cap=0.1).scaled_lr(0.3), Overrides(lr_scale=0.5).scaled_lr(0.1)
         (0.1, 0.05)
+        >>> Overrides(rewarm_steps=3, rewarm_left=3).scaled_lr(0.4)  # first step of a 3-step re-warm-up
+        0.1
         """
-        out = lr * self.lr_scale
+        out = lr * (self.lr_scale * self.rewarm_factor)
         if self.lr_cap is not None:
             out = out.clamp(max=self.lr_cap) if hasattr(out, "clamp") else min(out, self.lr_cap)
         if self.ramp_from is not None:
             out = out * self.ramp_from ** (1.0 - self.ramp_done / self.ramp_steps)
         return out
+
+    @property
+    def rewarm_factor(self) -> float:
+        """The re-warm-up's LR multiplier for the next step (1.0 when none is in force)."""
+        return 1.0 - self.rewarm_left / (self.rewarm_steps + 1)
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

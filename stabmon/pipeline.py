@@ -62,6 +62,15 @@ class ExecutorLike(Protocol):
 
 
 @runtime_checkable
+class EvidenceFiller(Protocol):
+    """An executor whose interventions may take their target (tensor, layer, head) from the anomaly that opened
+    the incident: the decision comes back with those parameters filled in, before it is executed, stored and
+    shared with the other ranks (so every rank acts on the same tensors)."""
+
+    def with_evidence(self, decision: Decision, anomaly: Anomaly) -> Decision: ...
+
+
+@runtime_checkable
 class InterventionTarget(Protocol):
     """What interventions act on: the live :class:`~stabmon.collect.target.LiveTarget`, or a replay
     simulator."""
@@ -91,6 +100,11 @@ class InterventionTarget(Protocol):
         ``exit_code``)."""
 
 
+_KEPT_ANOMALIES = 1024
+"""How many recent anomalies the pipeline keeps for the decisions that name them (an incident's first anomaly
+older than that, or from before a resume, leaves the rung to its own parameters)."""
+
+
 class Pipeline:
     """Detectors, then engine, then executor, for one StepRecord at a time."""
 
@@ -103,11 +117,13 @@ class Pipeline:
         self.detectors = detectors
         self.engine = engine
         self.executor = executor
+        self._anomalies: dict[str, Anomaly] = {}  # recent anomalies by id: the evidence a decision may name
 
     def process(self, record: StepRecord) -> list[Event]:
         """Run one record through the pipeline; return every event it produced, in causal order."""
         anomalies = self.detectors.update(record)
         events: list[Event] = list(anomalies)
+        self._remember(anomalies)
         engine = self.engine
         if engine is not None:
             produced = engine.process(record, anomalies)
@@ -125,9 +141,11 @@ class Pipeline:
         assert self.engine is not None
         events: list[Event] = []
         for ev in produced:
-            events.append(ev)
             if not isinstance(ev, Decision) or ev.status not in (DecisionStatus.APPLY, DecisionStatus.APPROVED):
+                events.append(ev)
                 continue
+            ev = self._with_evidence(ev)
+            events.append(ev)
             if self.executor is None:
                 continue
             record = self.executor.execute(ev)
@@ -137,6 +155,18 @@ class Pipeline:
                 if changed_training(record):
                     self.detectors.enter_grace()
         return events
+
+    def _remember(self, anomalies: Sequence[Anomaly]) -> None:
+        for a in anomalies:
+            self._anomalies[a.id] = a
+        while len(self._anomalies) > _KEPT_ANOMALIES:
+            del self._anomalies[next(iter(self._anomalies))]
+
+    def _with_evidence(self, decision: Decision) -> Decision:
+        anomaly = self._anomalies.get(decision.anomaly_id or "")
+        if anomaly is None or not isinstance(self.executor, EvidenceFiller):
+            return decision
+        return self.executor.with_evidence(decision, anomaly)
 
     def state_dict(self) -> dict[str, Any]:
         return {

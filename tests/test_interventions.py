@@ -18,6 +18,7 @@ from stabmon.interventions import (
     Executor,
     Intervention,
     InterventionError,
+    StateIntervention,
     get_intervention,
     register,
 )
@@ -55,6 +56,17 @@ class FakeTarget:
     def diagnose(self, **kw: Any) -> Diagnosis:
         self.calls.append(("diagnose", kw))
         return Diagnosis("state", "the state is to blame", onset_step=kw["onset_step"])
+
+    def facts(self) -> None:
+        return None
+
+    def reset_moments(self, **kw: Any) -> dict[str, Any]:
+        self.calls.append(("reset_moments", kw))
+        return {"reset": 1}
+
+    def qk_clip(self, **kw: Any) -> dict[str, Any]:
+        self.calls.append(("qk_clip", kw))
+        return {"factor": kw["factor"]}
 
 
 def decision(action: str, params: dict[str, Any] | None = None, **kw: Any) -> Decision:
@@ -248,7 +260,9 @@ def test_register_custom_intervention() -> None:
 # -- contract suite: every registered intervention --
 VALID_PARAMS = {"scale_lr": {"factor": 0.9}, "set_clip": {"max_norm": 1.0}, "set_beta2": {"beta2": 0.95},
                 "set_weight_decay": {"weight_decay": 0.1}, "skip_step": {"factor": 5.0}, "rollback": {},
-                "checkpoint_and_stop": {}, "alert_only": {}, "diagnose": {"onset_step": 90, "metric": "loss"}}
+                "checkpoint_and_stop": {}, "alert_only": {}, "diagnose": {"onset_step": 90, "metric": "loss"},
+                "reset_moments": {"tensors": ["blocks.0"]}, "adaptive_clip": {}, "clip_update": {"max_rms": 1.0},
+                "qk_clip": {"max_logit": 250.0}}
 
 
 @pytest.mark.parametrize("name", sorted(INTERVENTIONS))
@@ -448,3 +462,10 @@ def test_a_released_lr_cap_holds_until_the_schedule_is_below_where_the_trouble_b
     assert target.overrides.lr_cap is None and target.overrides.scaled_lr(0.008) == pytest.approx(0.005)
     target.overrides.advance(2)
     assert target.overrides.scaled_lr(0.008) == pytest.approx(0.008)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in INTERVENTIONS.items() if issubclass(c, StateIntervention)))
+def test_state_level_interventions_declare_their_traits(name: str) -> None:
+    cls = INTERVENTIONS[name]
+    assert cls.changes_training is True and cls.stops_run is False and cls.rewinds_step is False
+    assert cls.takes_evidence and "metric" in cls.Params.model_fields  # the pipeline may fill in the evidence

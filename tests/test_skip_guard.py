@@ -23,7 +23,7 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adam-loop": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False),
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.01),
 }
-ZERO_COPY = {"adamw-fused", "adam-fused"}
+ZERO_COPY = {"adamw-fused", "adam-fused", "adamw-foreach", "adam-loop"}  # default Adam/AdamW: through the fused kernel
 
 
 def _model(device: str) -> nn.Module:

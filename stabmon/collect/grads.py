@@ -89,6 +89,8 @@ class GradResult:
     single_device: bool = True
     local_total: torch.Tensor | None = None
     """Norm of this rank's own shards before the sum over ranks (sharded layouts only)."""
+    tensor_sq: torch.Tensor | None = None
+    """Squared global norm of each tensor of :attr:`grads`, in their order (summed over ranks when sharded)."""
 
 
 class GradNorms:
@@ -174,7 +176,8 @@ class GradNorms:
         layers = self._layers(sq, plan)
         nonfinite = (~torch.isfinite(per_tensor)).sum()
         return GradResult(
-            total=total, layers=layers, nonfinite=nonfinite, grads=grads, single_device=plan.single_device
+            total=total, layers=layers, nonfinite=nonfinite, grads=grads, single_device=plan.single_device,
+            tensor_sq=sq,
         )
 
     def _compute_sharded(self, squares: ShardedSquares) -> GradResult:
@@ -197,8 +200,9 @@ class GradNorms:
         layers = self._layers(sq, self._full)
         nonfinite = (~torch.isfinite(sq)).sum()
         single = len({g.device for g in grads}) <= 1
+        mine_sq = sq.index_select(0, where) if grads else sq[:0]
         return GradResult(total=sq.sum().sqrt(), layers=layers, nonfinite=nonfinite, grads=grads,
-                          single_device=single, local_total=local_total)
+                          single_device=single, local_total=local_total, tensor_sq=mine_sq)
 
     def _present_index(self, present: tuple[bool, ...], device: torch.device) -> torch.Tensor:
         if present not in self._where:

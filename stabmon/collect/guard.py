@@ -7,6 +7,12 @@
   argument a GradScaler uses on an overflow step. The kernel then leaves parameters, both moments and the step
   counter untouched: no copy, no extra pass over any tensor, and NaN-safe because nothing is computed at all
   (folding the flag into ``lr x (1 - skip)`` would not be: ``0 x NaN`` is NaN).
+* **torch's default Adam/AdamW** (foreach or for-loop, not fused): while the guard is on, the step goes through
+  torch's fused kernel instead (the param groups' ``fused`` flag is set for the step and restored after it, and
+  ``found_inf`` handed to it as above): zero-copy too. Same algorithm; the last bit of rounding may differ from
+  the foreach kernel's while the guard is on. The optimizer must be one the fused kernel takes (floating
+  parameters on a device it supports, not ``differentiable``); on CUDA the step counters move to the device
+  while the guard is on and back when it turns off.
 * **any other optimizer**: the fallback. Parameters and optimizer state tensors are copied with one
   ``torch._foreach_copy_`` into buffers allocated once, when the guard first acts, and restored after the step
   with ``torch.where(skip, saved, current, out=current)`` per tensor: bit-identical, NaN-safe, no per-step
@@ -49,6 +55,25 @@ def supports_zero_copy(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, _FUSED_FOUND_INF) and all(g.get("fused") for g in optimizer.param_groups)
 
 
+def fusable(optimizer: torch.optim.Optimizer) -> bool:
+    """True for a non-fused Adam/AdamW whose step torch's fused kernel can take instead."""
+    if not isinstance(optimizer, _FUSED_FOUND_INF) or supports_zero_copy(optimizer):
+        return False
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+        devices = set(_get_fused_kernels_supported_devices())
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    for group in optimizer.param_groups:
+        if group.get("differentiable") or group.get("capturable"):
+            return False
+        for p in group["params"]:
+            t = local(p)
+            if t.device.type not in devices or not torch.is_floating_point(t) or t.is_sparse:
+                return False
+    return True
+
+
 class SkipGuard:
     """Device-side skip decision and update discard; see the module docstring."""
 
@@ -57,7 +82,11 @@ class SkipGuard:
         self.ema_decay = ema_decay
         self.ema_host: float | None = None
         """Host running mean of the grad norm (updated at flushes), the seed of the device mean."""
-        self.zero_copy = supports_zero_copy(optimizer)
+        self.fusable = fusable(optimizer)
+        """A default Adam/AdamW stepped through the fused kernel while the guard is on (see the module)."""
+        self.zero_copy = supports_zero_copy(optimizer) or self.fusable
+        self._flipped: list[dict[str, Any]] = []
+        self._steps_moved = False
         self._ema: torch.Tensor | None = None
         self._skip: torch.Tensor | None = None
         self._found_inf: Any = _UNSET
@@ -85,6 +114,14 @@ class SkipGuard:
         """The guard is off: forget the device mean and free the fallback's buffers."""
         self._ema = None
         self._snapshot.release()
+        if self._steps_moved:
+            self._move_steps(torch.device("cpu"))
+            self._steps_moved = False
+
+    @property
+    def pending(self) -> torch.Tensor | None:
+        """This step's skip flag between :meth:`before_update` and :meth:`after_update`, else None."""
+        return self._skip
 
     # -- discard -----------------------------------------------------------------------------------------
     def before_update(self, skip: torch.Tensor | None) -> None:
@@ -93,6 +130,8 @@ class SkipGuard:
         if skip is None:
             return
         if self.zero_copy:
+            if self.fusable:
+                self._flip_to_fused()
             self._fold_into_found_inf(skip)
             return
         if not self._warned:
@@ -115,8 +154,33 @@ class SkipGuard:
             else:
                 self.optimizer.found_inf = self._found_inf  # type: ignore[attr-defined]
             self._found_inf = _UNSET
+            for group, saved in zip(self.optimizer.param_groups, self._flipped, strict=False):
+                group.update(saved)
+            self._flipped = []
             return
         self._snapshot.restore(skip)
+
+    def _flip_to_fused(self) -> None:
+        """This step through the fused kernel (restored in :meth:`after_update`)."""
+        self._flipped = [{"fused": g.get("fused"), "foreach": g.get("foreach")} for g in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
+        if not self._steps_moved:
+            self._move_steps(None)
+            self._steps_moved = True
+
+    def _move_steps(self, device: torch.device | None) -> None:
+        """Step counters to their parameter's device (``None``) or back to ``device``, where they differ (the
+        foreach kernel keeps them on the CPU, the fused one needs them beside the parameters)."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p)
+                step = state.get("step") if state else None
+                if state is None or not isinstance(step, torch.Tensor):
+                    continue
+                where = local(p).device if device is None else device
+                if step.device != where:
+                    state["step"] = step.to(where, torch.float32 if device is None else step.dtype)
 
     def _fold_into_found_inf(self, skip: torch.Tensor) -> None:
         """``found_inf = max(found_inf, skip)``: a GradScaler's overflow flag (fused path) is kept."""

@@ -16,7 +16,10 @@ The pre-hook runs inside ``optimizer.step()``:
 5. overrides: effective ``lr = scheduler lr x lr_scale`` (at most ``lr_cap``) and ``beta2`` written into the
    param groups; ``weight_decay`` sets the decaying groups' value, scaling each from its own (groups at 0 stay
    at 0).
-6. on a step sampled for an update signal (:class:`UpdateSignal`: embedding drift, the update norm of
+6. the state-level fixes an intervention turned on (:mod:`stabmon.collect.inplace`): element skip
+   (``skip_theta``) and per-tensor adaptive clipping (``adaptive_clip``) before the global clip, the update-RMS cap
+   (``update_rms_cap``) after the step; the LR re-warm-up (``rewarm_left``) counts down one step each time;
+7. on a step sampled for an update signal (:class:`UpdateSignal`: embedding drift, the update norm of
    :class:`~stabmon.collect.updates.UpdateNorms`), its copy before the update, measured again in the post-hook
    once the update (or the guard's discard) is done. Each signal has its own sampling period
    (:meth:`OptimizerHooks.sample`).
@@ -55,6 +58,7 @@ import torch
 from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.grads import GradNorms, GradResult
 from stabmon.collect.guard import SkipGuard
+from stabmon.collect.inplace import AdaptiveClip, ElementSkip, UpdateCap
 from stabmon.events import Metric
 from stabmon.overrides import Overrides
 
@@ -95,6 +99,9 @@ class OptimizerHooks:
         self.sampled: tuple[UpdateSignal, ...] = ()
         """The update signals measured this step (:meth:`sample`)."""
         self.guard = SkipGuard(optimizer, ema_decay=ema_decay)
+        self.adaptive = AdaptiveClip()
+        self.update_cap = UpdateCap(sharded=grads.sharded is not None)
+        self._capping = False
         self.stepped = False
         self.skip_reported = False
         """The caller said this step's update was skipped (``after_step(skipped=True)``): a loss scaler's
@@ -170,9 +177,12 @@ class OptimizerHooks:
             skip = self.guard.decide(result.total, self.overrides.skip_factor)
             if skip is not None:
                 self.buffer.add([Metric.SKIPPED], skip.to(result.total.dtype))
-            self._clip(result, grad_scale)
+            self._clip(self._state_level(result, grad_scale), grad_scale)
         self.guard.before_update(skip)
         self._apply_overrides()
+        self._capping = self.overrides.update_rms_cap is not None
+        if self._capping:
+            self.update_cap.before(self.optimizer)
         for signal in self.sampled:
             signal.before_update()
 
@@ -188,7 +198,23 @@ class OptimizerHooks:
             self.stepped = False
             self.skip_reported = True
 
+    def _state_level(self, result: GradResult, grad_scale: torch.Tensor | None) -> GradResult:
+        """Element skip and adaptive clipping, when on; the result's global norm then is the clipped one."""
+        o = self.overrides
+        if o.skip_theta is not None:
+            ElementSkip.apply(self.optimizer, o.skip_theta, grad_scale)
+        if o.adaptive_clip is None or result.tensor_sq is None:
+            self.adaptive.off()
+            return result
+        sq = self.adaptive.apply(result.grads, result.tensor_sq, lam=o.adaptive_clip, beta=o.adaptive_clip_beta)
+        return dataclasses.replace(result, total=sq.sum().sqrt(), tensor_sq=sq)
+
     def _finish_update(self) -> None:
+        if self._capping:
+            self._capping = False
+            cap = self.overrides.update_rms_cap
+            if cap is not None:
+                self.update_cap.after(self.optimizer, cap, self._skipped_flag())
         for group, saved in zip(self.optimizer.param_groups, self._saved_groups, strict=False):
             group.update(saved)
         self._saved_groups = []
@@ -198,6 +224,13 @@ class OptimizerHooks:
             names, values = signal.after_update()
             if values is not None:
                 self.buffer.add(names, values)
+
+    def _skipped_flag(self) -> torch.Tensor | None:
+        """This step's update did not happen: the guard's flag or a GradScaler's overflow (fused path)."""
+        flags = [f.to(torch.bool) for f in (self.guard.pending, self.found_inf) if f is not None]
+        if not flags:
+            return None
+        return flags[0] if len(flags) == 1 else flags[0] | flags[1].to(flags[0].device)
 
     def _clip(self, result: GradResult, grad_scale: torch.Tensor | None) -> None:
         max_norm = self.max_norm()
@@ -248,6 +281,8 @@ class OptimizerHooks:
                 saved["weight_decay"] = group["weight_decay"]
                 group["weight_decay"] = group["weight_decay"] * o.weight_decay / base if base else o.weight_decay
             self._saved_groups.append(saved)
+        if o.rewarm_left:
+            o.rewarm_left -= 1
 
     def learn_host(self, grad_norm: float | None, skipped: bool) -> None:
         """Keep the guard's host running mean of the grad norm (updated at flushes)."""
@@ -271,4 +306,5 @@ def _unscaled(result: GradResult, grad_scale: torch.Tensor) -> GradResult:
     """Norms of still-scaled gradients divided by the scale (the gradients themselves are left as they are)."""
     scale = grad_scale.to(result.total.device, result.total.dtype)
     layers = result.layers / scale if result.layers is not None else None
-    return dataclasses.replace(result, total=result.total / scale, layers=layers)
+    tensor_sq = result.tensor_sq / scale.square() if result.tensor_sq is not None else None
+    return dataclasses.replace(result, total=result.total / scale, layers=layers, tensor_sq=tensor_sq)

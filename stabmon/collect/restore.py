@@ -25,6 +25,9 @@ import copy
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+from torch import nn
+
 ROLLBACK = "rollback"
 """Loading the last-known-good checkpoint in the middle of a run."""
 RESUME = "resume"
@@ -93,6 +96,20 @@ class TrainingState(NamedStates):
         super().__init__(states)
         self.exclude = {reason: frozenset(names) for reason, names in (exclude or {}).items()}
         self.required = dict(required or {})
+
+    @property
+    def model(self) -> nn.Module:
+        """The model whose weights the checkpoint holds (what in-place interventions change)."""
+        model = self.states["model"]
+        assert isinstance(model, nn.Module)
+        return model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose state the checkpoint holds."""
+        optimizer = self.states["optimizer"]
+        assert isinstance(optimizer, torch.optim.Optimizer)
+        return optimizer
 
     def mismatch(self, state: Any) -> str | None:
         """Why ``state`` cannot be restored into the model and optimizer (missing or unexpected keys, another

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -51,6 +51,7 @@ from stabmon.collect.restore import ROLLBACK, TrainingState
 from stabmon.collect.run_state import RunState
 from stabmon.diagnose import Diagnosis
 from stabmon.events import Anomaly, Event, Severity
+from stabmon.interventions._state import RunFacts
 from stabmon.overrides import Overrides
 
 STOPPED = Agreement(same=("step", "exit_code"), problems=("checkpoint_error",))
@@ -149,6 +150,37 @@ class LiveTarget:
         self.reports.append(Anomaly(kind="rank_disagreement", metric=f"ranks/{action}", step=self.step,
                                     score=float(len(lines)), severity=Severity.ERROR, detector="rank_policy",
                                     message=f"{action}: " + "; ".join(lines)))
+
+    # -- the optimizer state and the weights, in place (stabmon.interventions._state) -------------------
+    def facts(self) -> RunFacts:
+        """What the state-level interventions can act on in this run."""
+        from stabmon.collect.inplace import adam_like
+        from stabmon.collect.moments import missing_state
+        from stabmon.collect.qk import attention_layers
+        from stabmon.collect.sharding import clean_name
+
+        model, opt = self.state.model, self.state.optimizer
+        return RunFacts(tensors=frozenset(clean_name(n) for n, _ in model.named_parameters()),
+                        second_moment=missing_state(opt, "exp_avg_sq"), adam_update=adam_like(opt),
+                        attention=tuple(attention_layers(model)))
+
+    def reset_moments(self, *, tensors: Sequence[str], second_moment: bool) -> dict[str, Any]:
+        """Zero the first (and second) moments of ``tensors`` (all when empty); returns the audit facts."""
+        from stabmon.collect.moments import reset_moments
+
+        done = reset_moments(self.state.model, self.state.optimizer, names=tensors, second=second_moment)
+        log.warning("stabmon: moments of %d tensors reset at step %d (%s)", len(done), self.step,
+                    ", ".join(tensors) or "all")
+        return {"reset": len(done), "tensors": done[:20]}
+
+    def qk_clip(self, *, layer: str | None, heads: Sequence[int] | None, factor: float) -> dict[str, Any]:
+        """Scale the query/key weights of ``heads`` of ``layer`` so their logits scale by ``factor``."""
+        from stabmon.collect.qk import qk_clip
+
+        facts = qk_clip(self.state.model, layer=layer, heads=heads, factor=factor)
+        log.warning("stabmon: qk_clip at step %d: %s heads %s x %.4g logits", self.step, facts["layer"],
+                    facts["heads"], factor)
+        return facts
 
     # -- checkpoints -------------------------------------------------------------------------------------
     @property

@@ -4,17 +4,22 @@
 custom one (it then becomes usable in runbooks loaded afterwards). :class:`Executor` applies decisions.
 
 >>> sorted(INTERVENTIONS)  # doctest: +NORMALIZE_WHITESPACE
-['alert_only', 'checkpoint_and_stop', 'diagnose', 'rollback', 'scale_lr', 'set_beta2', 'set_clip',
- 'set_weight_decay', 'skip_step']
+['adaptive_clip', 'alert_only', 'checkpoint_and_stop', 'clip_update', 'diagnose', 'qk_clip', 'reset_moments',
+ 'rollback', 'scale_lr', 'set_beta2', 'set_clip', 'set_weight_decay', 'skip_step']
 """
 
 from __future__ import annotations
 
+from stabmon.interventions._state import RunFacts, StateIntervention, StateTarget, not_applicable
+from stabmon.interventions.adaptive_clip import AdaptiveClip
 from stabmon.interventions.alert_only import AlertOnly
 from stabmon.interventions.base import Intervention, InterventionError, Params
 from stabmon.interventions.checkpoint_and_stop import STOP_EXIT_CODE, CheckpointAndStop
+from stabmon.interventions.clip_update import ClipUpdate
 from stabmon.interventions.diagnose import Diagnose
 from stabmon.interventions.executor import Executor
+from stabmon.interventions.qk_clip import QkClip
+from stabmon.interventions.reset_moments import ResetMoments
 from stabmon.interventions.rollback import Rollback
 from stabmon.interventions.scale_lr import ScaleLr
 from stabmon.interventions.set_beta2 import SetBeta2
@@ -26,7 +31,7 @@ from stabmon.interventions.traits import REVERT, Traits, traits_of
 INTERVENTIONS: dict[str, type[Intervention]] = {
     cls.name: cls
     for cls in (ScaleLr, SetClip, SetBeta2, SetWeightDecay, Rollback, CheckpointAndStop, SkipStep, AlertOnly,
-                Diagnose)
+                Diagnose, ResetMoments, AdaptiveClip, ClipUpdate, QkClip)
 }
 
 
@@ -47,7 +52,8 @@ def register(cls: type[Intervention]) -> type[Intervention]:
 
 
 __all__ = [
-    "INTERVENTIONS", "STOP_EXIT_CODE", "AlertOnly", "CheckpointAndStop", "Diagnose", "Executor", "Intervention",
-    "InterventionError", "Params", "Rollback", "ScaleLr", "SetBeta2", "SetClip", "SetWeightDecay", "SkipStep",
-    "REVERT", "Traits", "get_intervention", "register", "traits_of",
+    "INTERVENTIONS", "STOP_EXIT_CODE", "AdaptiveClip", "AlertOnly", "CheckpointAndStop", "ClipUpdate", "Diagnose",
+    "Executor", "Intervention", "InterventionError", "Params", "QkClip", "ResetMoments", "Rollback", "RunFacts",
+    "ScaleLr", "SetBeta2", "SetClip", "SetWeightDecay", "SkipStep", "StateIntervention", "StateTarget",
+    "REVERT", "Traits", "get_intervention", "not_applicable", "register", "traits_of",
 ]

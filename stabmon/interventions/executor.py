@@ -13,11 +13,13 @@ its ``on_failure`` follows. A change that would do nothing or move a value the h
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from stabmon.events import Decision, InterventionRecord
+from stabmon.events import Anomaly, Decision, InterventionRecord
 from stabmon.interventions.base import Intervention, NoChange
 from stabmon.interventions.traits import REVERT, traits_of
 
@@ -53,6 +55,22 @@ class Executor:
         self.errors = 0
         self._applied: dict[str, Intervention] = {}  # intervention record id -> the intervention
         self._released: dict[str, list[Intervention]] = {}  # release record id -> what it gave back
+
+    def with_evidence(self, decision: Decision, anomaly: Anomaly) -> Decision:
+        """``decision`` with ``metric`` (and ``value``, the last evidence value) from ``anomaly`` when its
+        intervention takes its target from the evidence and the rung did not name one."""
+        from stabmon.interventions import INTERVENTIONS
+        from stabmon.interventions._state import StateIntervention
+
+        cls = INTERVENTIONS.get(decision.action)
+        if cls is None or not issubclass(cls, StateIntervention) or not cls.takes_evidence \
+                or "metric" in decision.params:
+            return decision
+        params = {**decision.params, "metric": anomaly.metric}
+        value = anomaly.evidence[-1][1] if anomaly.evidence else None
+        if value is not None and math.isfinite(value):
+            params["value"] = float(value)
+        return dataclasses.replace(decision, params=params)
 
     def execute(self, decision: Decision) -> InterventionRecord | None:
         try:

@@ -6,8 +6,10 @@ they act on the live monitor: overrides are set on its :class:`~stabmon.override
 answered with the checkpoint the run would have gone back to (the last one at a multiple of
 ``checkpoint_interval`` at least ``lookback`` steps before the onset; ``None``: the run saved none, and the
 rollback fails as it did live) and the batch range it would have skipped, and checkpoint-and-stop marks the
-step at which the run would have stopped. The recorded run keeps going (it is a recording), so replay continues
-after a simulated stop or rollback and reports them.
+step at which the run would have stopped, and the state-level changes (``reset_moments``, ``qk_clip``) are
+recorded as what they would have touched (:attr:`SimulatedTarget.state_changes`); the per-step ones
+(``adaptive_clip``, ``clip_update``, ``skip_step``) are overrides like the others. The recorded run keeps going
+(it is a recording), so replay continues after a simulated stop or rollback and reports them.
 
 Timing follows the live monitor, which runs the pipeline at a flush, after a block of ``flush_every`` steps
 has completed: an intervention acts from the step after the block, so ``step`` is the block's last step plus
@@ -56,6 +58,8 @@ class SimulatedTarget:
         self.not_diagnosed: list[int] = []
         """Steps at which a ``diagnose`` rung could not run (see :meth:`diagnose`)."""
         self.stopped_at: int | None = None
+        self.state_changes: list[dict[str, Any]] = []
+        """``reset_moments`` and ``qk_clip`` changes the run would have made (replay has no weights to change)."""
 
     @property
     def step(self) -> int:
@@ -75,6 +79,8 @@ class SimulatedTarget:
                 self.overrides.advance(last.step + 1 - self._step)
             if "lr" in recorded:
                 self.overrides.settle(recorded["lr"])
+            if self.overrides.rewarm_left:  # a re-warm-up in force counts down as the recorded steps pass
+                self.overrides.rewarm_left = max(0, self.overrides.rewarm_left - (last.step + 1 - self._step))
             self._step = last.step + 1
             self._batch_index = None if last.batch_index is None else last.batch_index + 1
 
@@ -123,10 +129,27 @@ class SimulatedTarget:
         return Diagnosis.inconclusive(NOT_DIAGNOSED, onset_step=params.get("onset_step"), step=params.get("step"),
                                       simulated=True, not_run="replay")
 
+    def facts(self) -> None:
+        """A replay knows neither the optimizer nor the model: every state-level rung is taken as applicable."""
+        return None
+
+    def reset_moments(self, *, tensors: Sequence[str], second_moment: bool) -> dict[str, Any]:
+        change = {"simulated": True, "step": self._step, "action": "reset_moments", "tensors": list(tensors) or "all",
+                  "second_moment": second_moment}
+        self.state_changes.append(change)
+        return change
+
+    def qk_clip(self, *, layer: str | None, heads: Sequence[int] | None, factor: float) -> dict[str, Any]:
+        change = {"simulated": True, "step": self._step, "action": "qk_clip", "layer": layer,
+                  "heads": list(heads) if heads else "all", "factor": factor}
+        self.state_changes.append(change)
+        return change
+
     def summary(self) -> dict[str, Any]:
         return {
             "overrides": self.overrides.state_dict(),
             "rollbacks": list(self.rollbacks),
             "stopped_at": self.stopped_at,
             "not_diagnosed": list(self.not_diagnosed),
+            "state_changes": list(self.state_changes),
         }

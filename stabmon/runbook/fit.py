@@ -19,24 +19,30 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from stabmon.interventions import Intervention, ScaleLr, get_intervention
+from stabmon.interventions import INTERVENTIONS, Intervention, RunFacts, ScaleLr, get_intervention, not_applicable
 from stabmon.interventions._override import OverrideIntervention
 from stabmon.interventions.traits import traits_of
 from stabmon.runbook.schema import Runbook
 
 
 def fit_warnings(
-    runbook: Runbook, hparams: Mapping[str, float], *, checkpoints: bool | None = None
+    runbook: Runbook, hparams: Mapping[str, float], *, checkpoints: bool | None = None,
+    facts: RunFacts | None = None,
 ) -> list[str]:
     """One line per rung that cannot act on a run with these ``hparams`` (as
     :meth:`~stabmon.monitor.Monitor.hparams` reports them: a missing key means the optimizer has no such
-    setting). ``checkpoints=False`` also reports rollbacks, which need checkpoints to restore."""
+    setting). ``checkpoints=False`` also reports rollbacks, which need checkpoints to restore; ``facts`` (the
+    live run's optimizer state and model) also the state-level rungs that cannot act (no ``exp_avg_sq``, no
+    recognised attention module, a tensor that does not exist)."""
     out: list[str] = []
     for rule in runbook.rules:
         in_force = dict(hparams)
         ladder: list[Any] = list(rule.ladder)  # one pydantic model per action
         for i, rung in enumerate(ladder, start=1):
             where = f"rule {rule.name} rung {i}: {rung.action}"
+            problem = not_applicable(INTERVENTIONS[rung.action], rung.params.model_dump(), facts) if facts else None
+            if problem is not None:
+                out.append(f"{where} is not applicable ({problem}): it will be skipped")
             if traits_of(rung.action).rewinds_step and checkpoints is False:
                 out.append(f"{where} needs checkpoints (Monitor checkpoint_dir= or checkpoints=): it will fail")
             out += _override_warnings(where, get_intervention(rung.action), rung.params, in_force)

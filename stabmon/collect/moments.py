@@ -1,0 +1,69 @@
+"""Reset Adam/AdamW moments of chosen tensors in place (the ``reset_moments`` intervention's live work).
+
+Tensors are named as the monitor names parameters (:func:`~stabmon.collect.sharding.clean_name`: no DDP/FSDP
+wrapper prefixes) or by a layer prefix (``blocks.1`` names every parameter under it), so the names in an
+anomaly's metric (``grad_norm/blocks.1``) select them. Under FSDP each rank zeroes its own shards of the same
+tensors, so every rank makes the same change.
+
+>>> import torch
+>>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+>>> opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+>>> model(torch.ones(1, 2)).sum().backward(); opt.step()
+>>> reset_moments(model, opt, names=("1",), second=False)
+['1.bias', '1.weight']
+>>> float(opt.state[model[1].weight]["exp_avg"].abs().sum()), bool(opt.state[model[0].weight]["exp_avg"].any())
+(0.0, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from stabmon.collect.sharding import clean_name, local
+
+
+def select(model: nn.Module, names: Sequence[str]) -> dict[str, nn.Parameter]:
+    """The parameters named (or under a named layer); all of them when ``names`` is empty. Raises
+    ``ValueError`` naming what matched nothing."""
+    params = {clean_name(n): p for n, p in model.named_parameters()}
+    if not names:
+        return params
+    out: dict[str, nn.Parameter] = {}
+    for name in names:
+        hits = {n: p for n, p in params.items() if n == name or n.startswith(name + ".")}
+        if not hits:
+            raise ValueError(f"tensors: {name!r} names no parameter or layer of the model")
+        out.update(hits)
+    return out
+
+
+def missing_state(optimizer: torch.optim.Optimizer, key: str) -> str | None:
+    """Why the optimizer holds no ``key`` moment (None: it does, or will after its first step)."""
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW | torch.optim.NAdam | torch.optim.RAdam):
+        if not any(key in st for st in optimizer.state.values()):
+            return f"{type(optimizer).__name__} keeps no {key}"
+    return None
+
+
+def reset_moments(model: nn.Module, optimizer: torch.optim.Optimizer, *, names: Sequence[str],
+                  second: bool) -> list[str]:
+    """Zero ``exp_avg`` (and ``exp_avg_sq`` when ``second``) of the selected parameters; returns the names of
+    those whose state was reset (a parameter not stepped yet has none)."""
+    problem = missing_state(optimizer, "exp_avg")
+    if problem is not None:
+        raise ValueError(f"reset_moments: {problem}")
+    keys = ("exp_avg", "exp_avg_sq") if second else ("exp_avg",)
+    done = []
+    with torch.no_grad():
+        for name, p in sorted(select(model, names).items()):
+            state = optimizer.state.get(p)
+            if not state or "exp_avg" not in state:
+                continue
+            for key in keys:
+                if key in state:
+                    local(state[key]).zero_()
+            done.append(name)
+    return done

@@ -1,0 +1,179 @@
+"""QK-clip (Kimi K2's MuonClip, arXiv 2507.20534): shrink the query/key weights of attention heads whose
+logits grew too large, in place (the ``qk_clip`` intervention's live work).
+
+A head whose max attention logit ``S`` exceeds ``tau`` gets its query and key projections (weights and biases)
+scaled by ``sqrt(tau / S)`` each, so its logits scale by ``tau / S``; other heads are untouched. Recognised
+attention modules: ``nn.MultiheadAttention`` (the packed ``in_proj_weight``, or its separate ``q/k_proj_weight``)
+any module with separate query/key ``nn.Linear`` children (``q_proj``/``k_proj`` as in HF Llama, ``query``/
+``key``, ``q``/``k``, ``wq``/``wk``), and nanoGPT's packed ``nn.Linear`` child (``c_attn``, ``qkv``, ``attn``,
+``in_proj``: query, key and value rows stacked), each with a head count attribute (``num_heads``, ``n_heads``,
+``n_head``, ``num_attention_heads``, or the same on its ``config``). Where keys have fewer heads than queries
+(grouped-query attention), the query head alone takes the whole factor. Register another layout with
+:func:`register_qk`.
+
+>>> import torch
+>>> torch.manual_seed(0) and None
+>>> attn = torch.nn.MultiheadAttention(8, num_heads=2)
+>>> w = attn.in_proj_weight.detach().clone()
+>>> qk_clip(torch.nn.ModuleDict({"attn": attn}), layer="attn", heads=(1,), factor=0.25)
+{'layer': 'attn', 'heads': [1], 'factor': 0.25}
+>>> bool(torch.equal(attn.in_proj_weight[:4], w[:4])), bool(torch.allclose(attn.in_proj_weight[4:8], w[4:8] * 0.5))
+(True, True)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from stabmon.collect.sharding import clean_name
+
+_PAIRS = (("q_proj", "k_proj"), ("query", "key"), ("q", "k"), ("wq", "wk"))
+_HEADS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
+_PACKED = ("c_attn", "qkv", "attn", "in_proj")
+
+
+@dataclass(frozen=True)
+class QK:
+    """Where one attention module keeps its query and key rows: ``(tensor, first row of the block)`` pairs
+    (bias tensors included), the head count of each block, and the head dimension."""
+
+    queries: tuple[tuple[torch.Tensor, int], ...]
+    keys: tuple[tuple[torch.Tensor, int], ...]
+    q_heads: int
+    k_heads: int
+    head_dim: int
+
+
+Finder = Callable[[nn.Module], QK | None]
+_FINDERS: list[Finder] = []
+
+
+def register_qk(finder: Finder) -> Finder:
+    """Add a function that returns the :class:`QK` layout of a user's attention module (or None)."""
+    _FINDERS.insert(0, finder)
+    return finder
+
+
+def _mha(module: nn.Module) -> QK | None:
+    if not isinstance(module, nn.MultiheadAttention):
+        return None
+    e, h = module.embed_dim, module.num_heads
+    bias = module.in_proj_bias
+    if module.in_proj_weight is not None:
+        qs = [(module.in_proj_weight, 0)] + ([(bias, 0)] if bias is not None else [])
+        ks = [(module.in_proj_weight, e)] + ([(bias, e)] if bias is not None else [])
+    else:
+        qs = [(module.q_proj_weight, 0)] + ([(bias, 0)] if bias is not None else [])
+        ks = [(module.k_proj_weight, 0)] + ([(bias, e)] if bias is not None else [])
+    return QK(tuple(qs), tuple(ks), h, h, e // h)
+
+
+def _linear_pair(module: nn.Module) -> QK | None:
+    children = dict(module.named_children())
+    pairs = [(children[q], children[k]) for q, k in _PAIRS if q in children and k in children]
+    linear = [(q, k) for q, k in pairs if isinstance(q, nn.Linear) and isinstance(k, nn.Linear)]
+    heads = _head_count(module)
+    if not linear or heads is None:
+        return None
+    q, k = linear[0]
+    head_dim = q.out_features // heads
+    k_heads = k.out_features // head_dim if head_dim else heads
+
+    def rows(lin: nn.Linear) -> tuple[tuple[torch.Tensor, int], ...]:
+        return ((lin.weight, 0),) + (((lin.bias, 0),) if lin.bias is not None else ())
+
+    return QK(rows(q), rows(k), heads, k_heads, head_dim)
+
+
+def _packed_linear(module: nn.Module) -> QK | None:
+    """nanoGPT's layout: one ``nn.Linear`` child (``c_attn``, ``qkv``, ``attn``, ``in_proj``) with the query,
+    key and value rows stacked (``3 x`` its input width), and the head count on the module."""
+    children = dict(module.named_children())
+    packed = next((children[n] for n in _PACKED if isinstance(children.get(n), nn.Linear)), None)
+    heads = _head_count(module)
+    if not isinstance(packed, nn.Linear) or heads is None or packed.out_features != 3 * packed.in_features:
+        return None
+    e = packed.in_features
+    bias = packed.bias
+    qs = ((packed.weight, 0),) + (((bias, 0),) if bias is not None else ())
+    ks = ((packed.weight, e),) + (((bias, e),) if bias is not None else ())
+    return QK(qs, ks, heads, heads, e // heads)
+
+
+def _head_count(module: nn.Module) -> int | None:
+    for owner in (module, getattr(module, "config", None)):
+        for attr in _HEADS:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def find_qk(module: nn.Module) -> QK | None:
+    """The query/key layout of ``module``, or None when it is no attention module stabmon recognises."""
+    for finder in (*_FINDERS, _mha, _linear_pair, _packed_linear):
+        found = finder(module)
+        if found is not None:
+            return found
+    return None
+
+
+def attention_layers(model: nn.Module) -> list[str]:
+    """Names (without wrapper prefixes) of the model's recognised attention modules."""
+    return [clean_name(n) for n, m in model.named_modules() if find_qk(m) is not None]
+
+
+def qk_clip(model: nn.Module, *, layer: str | None, heads: Sequence[int] | None, factor: float) -> dict:
+    """Scale the query/key rows of ``heads`` (all when None) in ``layer`` (the only recognised attention module
+    when None) so their logits scale by ``factor`` (< 1). Raises ``ValueError`` naming what is not there."""
+    name, qk = _layer(model, layer)
+    chosen = sorted(set(heads)) if heads else list(range(qk.q_heads))
+    bad = [h for h in chosen if not 0 <= h < qk.q_heads]
+    if bad:
+        raise ValueError(f"heads: {bad} out of range for {name} ({qk.q_heads} heads)")
+    grouped = qk.k_heads != qk.q_heads
+    q_factor = factor if grouped else math.sqrt(factor)
+    with torch.no_grad():
+        for h in chosen:
+            for tensor, first in qk.queries:
+                _scale_rows(tensor, first + h * qk.head_dim, qk.head_dim, q_factor)
+            if not grouped:
+                for tensor, first in qk.keys:
+                    _scale_rows(tensor, first + h * qk.head_dim, qk.head_dim, q_factor)
+    return {"layer": name, "heads": chosen, "factor": factor}
+
+
+def _layer(model: nn.Module, layer: str | None) -> tuple[str, QK]:
+    found = [(clean_name(n), m) for n, m in model.named_modules()]
+    if layer is not None:
+        hits = [(n, m) for n, m in found if n == layer]
+        if not hits:
+            raise ValueError(f"layer: {layer!r} names no module of the model")
+        qk = find_qk(hits[0][1])
+        if qk is None:
+            raise ValueError(f"layer: {layer!r} is no recognised attention module (see stabmon.collect.qk)")
+        return layer, qk
+    recognised = [(n, q) for n, m in found if (q := find_qk(m)) is not None]
+    if len(recognised) != 1:
+        raise ValueError(f"layer: the model has {len(recognised)} recognised attention modules; name one")
+    return recognised[0]
+
+
+def _scale_rows(tensor: torch.Tensor, start: int, count: int, factor: float) -> None:
+    """Rows ``[start, start + count)`` of ``tensor`` times ``factor``; on a DTensor sharded along rows, through
+    a row-factor vector laid out like it."""
+    if hasattr(tensor, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        full = torch.ones(tensor.shape[0], *([1] * (tensor.dim() - 1)), dtype=tensor.dtype)
+        full[start:start + count] = factor
+        rows = distribute_tensor(full.to(tensor.to_local().device), tensor.device_mesh,  # type: ignore[attr-defined]
+                                 tensor.placements)  # type: ignore[attr-defined]
+        tensor.mul_(rows)
+        return
+    tensor[start:start + count].mul_(factor)

@@ -1,0 +1,361 @@
+"""State-level interventions on a real tiny model and a real AdamW (fused and foreach): reset_moments,
+adaptive_clip, clip_update, qk_clip and skip_step by element, applied through the executor to a live monitor."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from stabmon.events import Anomaly, Decision, DecisionStatus, Severity
+from stabmon.interventions import Executor, RunFacts, not_applicable
+from stabmon.interventions.adaptive_clip import AdaptiveClip
+from stabmon.interventions.qk_clip import QkClip
+from stabmon.monitor import Monitor, MonitorConfig
+from stabmon.replay.simulate import SimulatedTarget
+from stabmon.runbook import load_runbook
+from stabmon.runbook.fit import fit_warnings
+
+KINDS = [{"fused": True}, {"foreach": True}]
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.attn = nn.MultiheadAttention(16, num_heads=4, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        a, _ = self.attn(h, h, h)
+        return self.head(a).mean()
+
+
+def build(kind: dict[str, bool], **cfg: Any) -> tuple[Tiny, torch.optim.Optimizer, Monitor]:
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **kind)
+    mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None, **cfg))
+    return model, opt, mon
+
+
+def train(model: Tiny, opt: torch.optim.Optimizer, mon: Monitor, steps: int, *, spike: float = 1.0,
+          scaler: Any = None) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        mon.begin_step()
+        loss = model(torch.randn(4, 3, 8, generator=gen) * spike)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+        mon.end_step()
+
+
+def apply(mon: Monitor, action: str, params: dict[str, Any], anomaly: Anomaly | None = None) -> Any:
+    ex = Executor(mon.target)
+    d = Decision(step=mon.target.step, action=action, params=params, status=DecisionStatus.APPLY, runbook="rb",
+                 rule="r", rung=0, reason="test", anomaly_id=anomaly.id if anomaly else None)
+    if anomaly is not None:
+        d = ex.with_evidence(d, anomaly)
+    return ex, ex.execute(d)
+
+
+def spike(metric: str, value: float) -> Anomaly:
+    return Anomaly(kind="spike", metric=metric, step=5, score=9.0, severity=Severity.ERROR, detector="t",
+                   evidence=((4, 1.0), (5, value)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reset_moments_zeroes_the_flagged_layer_from_the_evidence_and_rewarms_the_lr(kind: dict[str, bool]) -> None:
+    model, opt, mon = build(kind)
+    train(model, opt, mon, 3)
+    _, rec = apply(mon, "reset_moments", {"rewarm_steps": 4}, spike("grad_norm/attn", 50.0))
+    assert rec.after["reset"] == 4 and all(n.startswith("attn.") for n in rec.after["tensors"])
+    assert not opt.state[model.attn.in_proj_weight]["exp_avg"].any()
+    assert opt.state[model.attn.in_proj_weight]["exp_avg_sq"].any()  # second moment kept by default
+    assert opt.state[model.head.weight]["exp_avg"].any()  # other tensors untouched
+    lrs = []
+    for _ in range(5):
+        lrs.append(mon.hparams()["lr"])
+        train(model, opt, mon, 1)
+    assert lrs == pytest.approx([0.002, 0.004, 0.006, 0.008, 0.01])
+    assert opt.param_groups[0]["lr"] == 1e-2  # the scheduler-visible LR never changed
+    mon.close()
+
+
+def test_reset_moments_of_a_tensor_that_does_not_exist_is_skipped_not_raised() -> None:
+    model, opt, mon = build({"foreach": True})
+    train(model, opt, mon, 2)
+    _, rec = apply(mon, "reset_moments", {"tensors": ["nope"]})
+    assert "not applicable: tensor 'nope'" in rec.after["not_applied"]
+    assert opt.state[model.head.weight]["exp_avg"].any()
+    mon.close()
+
+
+def test_state_rungs_that_cannot_act_are_reported_at_start_and_skipped_when_they_come() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
+    facts = mon.target.facts()
+    lines = fit_warnings(load_runbook("in-place-first"), mon.hparams(), facts=facts)
+    assert any("reset_moments is not applicable (SGD keeps no exp_avg_sq)" in line for line in lines)
+    assert any("qk_clip is not applicable (the model has no recognised attention module" in line for line in lines)
+    _, rec = apply(mon, "clip_update", {})
+    assert rec.after["not_applied"] == "not applicable: SGD is not Adam/AdamW"
+    assert mon.overrides.update_rms_cap is None
+    mon.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_adaptive_clip_clips_only_the_spiking_tensor_and_reverts_to_off(kind: dict[str, bool]) -> None:
+    model, opt, mon = build(kind)
+    train(model, opt, mon, 3)
+    ex, rec = apply(mon, "adaptive_clip", {})
+    train(model, opt, mon, 3)  # seeds and learns each tensor's running norm
+    ema = mon._hooks.adaptive._ema
+    assert ema is not None and ema.shape[0] == len(list(model.parameters()))
+    seen: list[torch.Tensor] = []
+    handle = opt.register_step_pre_hook(lambda o, a, k: seen.append(model.head.weight.grad.norm().clone()))
+    raw_model = Tiny()
+    raw_model.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(3))
+    raw_model.head.weight.register_hook(lambda g: g * 1000)
+    model.head.weight.register_hook(lambda g: g * 1000)  # one tensor's gradient spikes x1000
+    mon.begin_step()
+    model(x).backward()
+    raw_model(x).backward()
+    opt.step()
+    opt.zero_grad()
+    mon.end_step()
+    handle.remove()
+    # the monitor's pre-hook ran first: the spiking tensor is clipped to ~1.05x its running norm
+    assert float(seen[0]) < float(raw_model.head.weight.grad.norm()) / 100
+    rev = ex.execute(Decision(step=9, action="revert", params={"intervention_id": rec.id},
+                              status=DecisionStatus.APPLY, runbook="rb", rule="r", rung=0, reason="t"))
+    assert rev.after == {"adaptive_clip": None, "adaptive_clip_beta": 0.98} and mon.overrides.adaptive_clip is None
+    train(model, opt, mon, 1)
+    assert mon._hooks.adaptive._ema is None  # off: its running norms are dropped
+    mon.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_clip_update_caps_the_update_rms_of_a_tensor_whose_second_moment_is_far_too_low(
+        kind: dict[str, bool]) -> None:
+    model, opt, mon = build(kind)
+    train(model, opt, mon, 20)
+    apply(mon, "clip_update", {"max_rms": 0.5})
+    p = model.head.weight
+    before = p.detach().clone()
+    model.head.weight.register_hook(lambda g: g * 1e4)  # g^2 >> v: Adam's update jumps to ~3x its usual size
+    train(model, opt, mon, 1)
+    step_rms = float(((p.detach() - before) / 1e-2).square().mean().sqrt())
+    assert step_rms == pytest.approx(0.5, rel=0.02)  # lr x 0.5, weight decay's share included
+    mon.close()
+
+
+def test_skip_step_theta_zeroes_only_the_spiking_elements() -> None:
+    model, opt, mon = build({"foreach": True})
+    train(model, opt, mon, 5)
+    _, rec = apply(mon, "skip_step", {"theta": 5000.0})
+    assert rec.after == {"skip_theta": 5000.0}
+    w = model.head.weight
+    mask = torch.zeros_like(w)
+    mask[0, 3] = 1e6
+    raw: list[torch.Tensor] = []
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    w.register_hook(lambda g: g + mask * g.abs().max().clamp(min=1e-3))
+    w.register_hook(lambda g: raw.append(g.clone()))
+    # the monitor's pre-hook was registered first: this one sees the gradient it left, and the state before the step
+    handle = opt.register_step_pre_hook(
+        lambda o, a, k: seen.append((w.grad.clone(), opt.state[w]["exp_avg_sq"].clone())))
+    train(model, opt, mon, 1)
+    handle.remove()
+    (got, v), g = seen[0], raw[0]
+    assert float(got[0, 3]) == 0.0 and float(g[0, 3]) != 0.0
+    assert torch.equal(got, torch.where((g.square() > 5000.0 * v) & (v > 0), torch.zeros_like(g), g))
+    assert int((got == 0).sum()) < got.numel() // 4  # only the spiking elements
+    mon.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_skip_guard_with_default_and_fused_adamw_under_a_grad_scaler_copies_nothing(kind: dict[str, bool]) -> None:
+    model, opt, mon = build(kind)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    mon.close()
+    mon = Monitor(model, opt, scaler=scaler, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
+    train(model, opt, mon, 4, scaler=scaler)
+    mon._hooks.guard.learn_host(1e-3, False)
+    apply(mon, "skip_step", {"factor": 5.0})
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {k: v.clone() for k, v in opt.state[model.head.weight].items()}
+    train(model, opt, mon, 1, spike=1e3)  # far above 5x the running mean: skipped
+    assert all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
+    assert all(torch.equal(state[k], opt.state[model.head.weight][k]) for k in state)
+    assert mon._hooks.guard.nbytes() == 0 and opt.param_groups[0]["fused"] == kind.get("fused")
+    mon.close()
+
+
+def test_qk_clip_scales_only_the_offending_head_so_its_logits_shrink_to_tau() -> None:
+    model, opt, mon = build({"foreach": True})
+    w = model.attn.in_proj_weight.detach().clone()
+    h = torch.randn(1, 3, 16)
+    q, k = (h @ w[:16].T + model.attn.in_proj_bias[:16]), (h @ w[16:32].T + model.attn.in_proj_bias[16:32])
+    _, rec = apply(mon, "qk_clip", {}, spike("attn_logit/attn/h2", 400.0))
+    assert rec.after == {"layer": "attn", "heads": [2], "factor": 0.25}
+    w2, b2 = model.attn.in_proj_weight.detach(), model.attn.in_proj_bias.detach()
+    q2, k2 = h @ w2[:16].T + b2[:16], h @ w2[16:32].T + b2[16:32]
+    head = slice(8, 12)
+    assert torch.allclose(q2[..., head] @ k2[..., head].mT, 0.25 * (q[..., head] @ k[..., head].mT), atol=1e-5)
+    assert torch.equal(q2[..., :8], q[..., :8]) and torch.equal(w2[32:], w[32:])  # other heads, values untouched
+    mon.close()
+
+
+def test_qk_clip_with_separate_q_k_projections_and_bad_inputs() -> None:
+    class Attn(nn.Module):
+        num_heads = 2
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    model = nn.ModuleDict({"layers": nn.ModuleList([Attn()])})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
+    wq = model.layers[0].q_proj.weight.detach().clone()
+    _, rec = apply(mon, "qk_clip", {"layer": "layers.0", "heads": [0], "max_logit": 200.0, "tau": 50.0})
+    assert rec.after["factor"] == 0.25
+    assert torch.allclose(model.layers[0].q_proj.weight[:4], wq[:4] * 0.5)
+    assert torch.equal(model.layers[0].q_proj.weight[4:], wq[4:])
+    _, rec = apply(mon, "qk_clip", {"layer": "layers.0", "max_logit": 20.0})
+    assert rec.after["not_applied"] == "max logit 20 is not above tau 100"
+    _, rec = apply(mon, "qk_clip", {"layer": "layers.0.q_proj", "max_logit": 200.0})
+    assert "not applicable: layer 'layers.0.q_proj' is no recognised attention module" in rec.after["not_applied"]
+    _, rec = apply(mon, "qk_clip", {"layer": "layers.0", "heads": [7], "max_logit": 200.0})
+    assert rec.after["error"].startswith("ValueError: heads: [7] out of range")
+    mon.close()
+
+
+@pytest.mark.parametrize("params", [{"lambda_rel": 1.0}, {"beta": 1.0}, {"lambda_rel": "1.05"}, {"what": 1}])
+def test_bad_params_are_refused_at_build(params: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        AdaptiveClip(SimulatedTarget(), params, decision_id="d")
+
+
+def test_replay_simulates_every_state_level_rung() -> None:
+    t = SimulatedTarget()
+    ex = Executor(t, simulated=True)
+    for action, params in (("reset_moments", {"tensors": ["blocks.1"]}), ("adaptive_clip", {}),
+                           ("clip_update", {}), ("qk_clip", {"max_logit": 300.0}), ("skip_step", {"theta": 5e3})):
+        rec = ex.execute(Decision(step=1, action=action, params=params, status=DecisionStatus.APPLY, runbook="rb",
+                                  rule="r", rung=0, reason="t"))
+        assert rec.simulated and "error" not in rec.after and "not_applied" not in rec.after, (action, rec.after)
+    assert [c["action"] for c in t.summary()["state_changes"]] == ["reset_moments", "qk_clip"]
+    assert t.overrides.adaptive_clip == 1.05 and t.overrides.update_rms_cap == 1.0 and t.overrides.skip_theta == 5e3
+
+
+def test_facts_name_what_is_missing() -> None:
+    facts = RunFacts(tensors=frozenset({"a.weight"}), second_moment=None, adam_update=None, attention=())
+    assert not_applicable(QkClip, {"layer": None}, facts) == (
+        "the model has no recognised attention module (see stabmon.collect.qk)")
+
+
+def test_a_failed_state_change_logs_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    model, opt, mon = build({"foreach": True})
+    with caplog.at_level(logging.ERROR):
+        apply(mon, "qk_clip", {"layer": "attn", "heads": [9], "max_logit": 500.0})
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+    mon.close()
+
+
+def test_qk_clip_on_a_nanogpt_packed_projection() -> None:
+    class Block(nn.Module):
+        n_head = 2
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.c_attn, self.c_proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    model = nn.ModuleDict({"h": nn.ModuleList([Block(), Block()])})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
+    assert mon.target.facts().attention == ("h.0", "h.1")
+    w = model.h[1].c_attn.weight.detach().clone()
+    _, rec = apply(mon, "qk_clip", {}, spike("attn_logit/h.1/h1", 400.0))
+    assert rec.after == {"layer": "h.1", "heads": [1], "factor": 0.25}
+    scaled = model.h[1].c_attn.weight.detach()
+    assert torch.allclose(scaled[4:8], w[4:8] * 0.5) and torch.allclose(scaled[12:16], w[12:16] * 0.5)
+    assert torch.equal(scaled[:4], w[:4]) and torch.equal(scaled[16:], w[16:])  # head 0 and the values untouched
+    mon.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_skipped_step_stays_skipped_with_every_state_level_fix_on(kind: dict[str, bool]) -> None:
+    model, opt, mon = build(kind)
+    train(model, opt, mon, 5)
+    mon._hooks.guard.learn_host(1e-3, False)
+    for action, params in (("skip_step", {"factor": 5.0, "theta": 5000.0}), ("adaptive_clip", {}),
+                           ("clip_update", {"max_rms": 0.5})):
+        _, rec = apply(mon, action, params)
+        assert "error" not in rec.after and "not_applied" not in rec.after
+    before = [p.detach().clone() for p in model.parameters()]
+    state = [v.clone() for p in model.parameters() for v in opt.state[p].values()]
+    train(model, opt, mon, 1, spike=1e4)  # non-finite or far above the guard's mean: skipped
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(state, [v for p in model.parameters()
+                                                         for v in opt.state[p].values()], strict=True))
+    mon.close()
+
+
+class _Flags:
+    """A detector suite that reports a given anomaly at given steps (the engine and executor are real)."""
+
+    def __init__(self, metric: str, steps: set[int], value: float) -> None:
+        self.metric, self.steps, self.value = metric, steps, value
+
+    def update(self, record: Any) -> list[Anomaly]:
+        if record.step not in self.steps:
+            return []
+        return [Anomaly(kind="spike", metric=self.metric, step=record.step, score=9.0, severity=Severity.ERROR,
+                        detector="t", evidence=((record.step - 1, 1.0), (record.step, self.value)))]
+
+    def enter_grace(self, steps: int | None = None) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("metric", "action", "want"), [
+    ("grad_norm/blocks.1", "reset_moments", {"tensors": ["blocks.1"]}),
+    ("attn_logit/blocks.0.attn/h3", "qk_clip", {"layer": "blocks.0.attn", "heads": [3], "factor": 0.25}),
+])
+def test_in_place_first_acts_on_what_the_anomaly_names(metric: str, action: str, want: dict[str, Any]) -> None:
+    from stabmon.events import InterventionRecord, StepRecord
+    from stabmon.factory import resolve_engine
+    from stabmon.pipeline import Pipeline
+
+    target = SimulatedTarget()
+    pipe = Pipeline(_Flags(metric, {30}, 400.0), resolve_engine("in-place-first", None),
+                    Executor(target, simulated=True))
+    events = []
+    for step in range(40):
+        record = StepRecord(step=step, metrics={"loss": 2.0, "lr": 1e-3})
+        target.begin_block([record])
+        events += pipe.process(record)
+    decision = next(e for e in events if isinstance(e, Decision))
+    record = next(e for e in events if isinstance(e, InterventionRecord))
+    assert decision.action == action and decision.params["metric"] == metric and decision.params["value"] == 400.0
+    assert record.decision_id == decision.id and want.items() <= {**record.after}.items()

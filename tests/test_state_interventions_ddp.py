@@ -1,0 +1,65 @@
+"""reset_moments and adaptive_clip under DDP on two real gloo ranks: rank 0 executes the decision, the other rank
+follows it through the same broadcast the monitor uses, and both make the same change (same tensors reset,
+same per-tensor clipping although each rank's batch differs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from dist_support import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from stabmon.collect.distributed import RankFollower, broadcast
+from stabmon.events import Decision, DecisionStatus
+from stabmon.interventions import Executor
+from stabmon.monitor import Monitor, MonitorConfig
+
+
+def _decide(rank: int, ex: Executor, follower: RankFollower, action: str, params: dict[str, Any]) -> None:
+    if rank == 0:
+        d = Decision(step=0, action=action, params=params, status=DecisionStatus.APPLY, runbook="rb", rule="r",
+                     rung=0, reason="test")
+        rec = ex.execute(d)
+        assert rec is not None and "error" not in rec.after and "not_applied" not in rec.after, rec.after
+        broadcast([(d, rec.id)])
+    else:
+        follower.follow(ex, broadcast(None))
+
+
+def _ranks(rank: int, size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
+    ex, follower = Executor(mon.target), RankFollower()
+    gen = torch.Generator().manual_seed(10 + rank)  # each rank its own batches
+
+    def step(scale: float = 1.0) -> None:
+        mon.begin_step()
+        model(torch.randn(4, 6, generator=gen) * scale).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        mon.end_step()
+
+    for _ in range(3):
+        step()
+    _decide(rank, ex, follower, "reset_moments", {"tensors": ["2"], "second_moment": True})
+    inner = model.module
+    reset = [not opt.state[p]["exp_avg"].any() and not opt.state[p]["exp_avg_sq"].any() for p in inner.parameters()]
+    _decide(rank, ex, follower, "adaptive_clip", {"lambda_rel": 1.05})
+    for i in range(4):
+        step(scale=100.0 if i == 3 else 1.0)  # a spike on the last step
+    out = {"reset": reset, "ema": mon._hooks.adaptive._ema.tolist(), "rewarm_left": mon.overrides.rewarm_left,
+           "params": [p.detach().clone() for p in inner.parameters()]}
+    mon.close()
+    return out
+
+
+def test_reset_moments_and_adaptive_clip_make_the_same_change_on_every_rank() -> None:
+    r0, r1 = run_ranks(_ranks, 2, timeout=180.0)
+    assert r0["reset"] == r1["reset"] == [False, False, True, True]  # the second Linear's weight and bias only
+    assert r0["ema"] == r1["ema"] and len(r0["ema"]) == 4
+    assert r0["rewarm_left"] == r1["rewarm_left"] == 16
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
