@@ -96,7 +96,7 @@ def test_reset_moments_of_a_tensor_that_does_not_exist_is_skipped_not_raised() -
     model, opt, mon = build({"foreach": True})
     train(model, opt, mon, 2)
     _, rec = apply(mon, "reset_moments", {"tensors": ["nope"]})
-    assert "not applicable: tensor 'nope'" in rec.after["not_applied"]
+    assert "not applicable: tensor 'nope'" in rec.not_applied
     assert opt.state[model.head.weight]["exp_avg"].any()
     mon.close()
 
@@ -111,7 +111,7 @@ def test_state_rungs_that_cannot_act_are_reported_at_start_and_skipped_when_they
     assert any("reset_moments is not applicable (SGD keeps no exp_avg_sq)" in line for line in lines)
     assert any("qk_clip is not applicable (the model has no recognised attention module" in line for line in lines)
     _, rec = apply(mon, "clip_update", {})
-    assert rec.after["not_applied"] == "not applicable: SGD is not Adam/AdamW"
+    assert rec.not_applied == "not applicable: SGD is not Adam/AdamW"
     assert mon.overrides.update_rms_cap is None
     mon.close()
 
@@ -122,7 +122,7 @@ def test_adaptive_clip_clips_only_the_spiking_tensor_and_reverts_to_off(kind: di
     train(model, opt, mon, 3)
     ex, rec = apply(mon, "adaptive_clip", {})
     train(model, opt, mon, 3)  # seeds and learns each tensor's running norm
-    ema = mon._hooks.adaptive._ema
+    ema = mon.signals.hooks.adaptive._ema
     assert ema is not None and ema.shape[0] == len(list(model.parameters()))
     seen: list[torch.Tensor] = []
     handle = opt.register_step_pre_hook(lambda o, a, k: seen.append(model.head.weight.grad.norm().clone()))
@@ -144,7 +144,7 @@ def test_adaptive_clip_clips_only_the_spiking_tensor_and_reverts_to_off(kind: di
                               status=DecisionStatus.APPLY, runbook="rb", rule="r", rung=0, reason="t"))
     assert rev.after == {"adaptive_clip": None, "adaptive_clip_beta": 0.98} and mon.overrides.adaptive_clip is None
     train(model, opt, mon, 1)
-    assert mon._hooks.adaptive._ema is None  # off: its running norms are dropped
+    assert mon.signals.hooks.adaptive._ema is None  # off: its running norms are dropped
     mon.close()
 
 
@@ -194,14 +194,14 @@ def test_skip_guard_with_default_and_fused_adamw_under_a_grad_scaler_copies_noth
     mon.close()
     mon = Monitor(model, opt, scaler=scaler, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
     train(model, opt, mon, 4, scaler=scaler)
-    mon._hooks.guard.learn_host(1e-3, False)
+    mon.signals.hooks.guard.learn_host(1e-3, False)
     apply(mon, "skip_step", {"factor": 5.0})
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     state = {k: v.clone() for k, v in opt.state[model.head.weight].items()}
     train(model, opt, mon, 1, spike=1e3)  # far above 5x the running mean: skipped
     assert all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
     assert all(torch.equal(state[k], opt.state[model.head.weight][k]) for k in state)
-    assert mon._hooks.guard.nbytes() == 0 and opt.param_groups[0]["fused"] == kind.get("fused")
+    assert mon.signals.hooks.guard.nbytes() == 0 and opt.param_groups[0]["fused"] == kind.get("fused")
     mon.close()
 
 
@@ -237,11 +237,11 @@ def test_qk_clip_with_separate_q_k_projections_and_bad_inputs() -> None:
     assert torch.allclose(model.layers[0].q_proj.weight[:4], wq[:4] * 0.5)
     assert torch.equal(model.layers[0].q_proj.weight[4:], wq[4:])
     _, rec = apply(mon, "qk_clip", {"layer": "layers.0", "max_logit": 20.0})
-    assert rec.after["not_applied"] == "max logit 20 is not above tau 100"
+    assert rec.not_applied == "max logit 20 is not above tau 100"
     _, rec = apply(mon, "qk_clip", {"layer": "layers.0.q_proj", "max_logit": 200.0})
-    assert "not applicable: layer 'layers.0.q_proj' is no recognised attention module" in rec.after["not_applied"]
+    assert "not applicable: layer 'layers.0.q_proj' is no recognised attention module" in rec.not_applied
     _, rec = apply(mon, "qk_clip", {"layer": "layers.0", "heads": [7], "max_logit": 200.0})
-    assert rec.after["error"].startswith("ValueError: heads: [7] out of range")
+    assert rec.error.startswith("ValueError: heads: [7] out of range")
     mon.close()
 
 
@@ -302,7 +302,7 @@ def test_qk_clip_on_a_nanogpt_packed_projection() -> None:
 def test_a_skipped_step_stays_skipped_with_every_state_level_fix_on(kind: dict[str, bool]) -> None:
     model, opt, mon = build(kind)
     train(model, opt, mon, 5)
-    mon._hooks.guard.learn_host(1e-3, False)
+    mon.signals.hooks.guard.learn_host(1e-3, False)
     for action, params in (("skip_step", {"factor": 5.0, "theta": 5000.0}), ("adaptive_clip", {}),
                            ("clip_update", {"max_rms": 0.5})):
         _, rec = apply(mon, action, params)

@@ -51,7 +51,7 @@ def _ranks(rank: int, size: int) -> dict[str, Any]:
     _decide(rank, ex, follower, "adaptive_clip", {"lambda_rel": 1.05})
     for i in range(4):
         step(scale=100.0 if i == 3 else 1.0)  # a spike on the last step
-    out = {"reset": reset, "ema": mon._hooks.adaptive._ema.tolist(), "rewarm_left": mon.overrides.rewarm_left,
+    out = {"reset": reset, "ema": mon.signals.hooks.adaptive._ema.tolist(), "rewarm_left": mon.overrides.rewarm_left,
            "params": [p.detach().clone() for p in inner.parameters()]}
     mon.close()
     return out

@@ -94,9 +94,9 @@ class RankFollower:
             if record is None:
                 continue
             self.ids[leader_id] = record.id
-            if "error" in record.after:  # rank 0 applied it: this rank now differs from rank 0
+            if record.error is not None:  # rank 0 applied it: this rank now differs from rank 0
                 log.error("stabmon: this rank could not follow rank 0's %s at step %d: %s", decision.action,
-                          decision.step, record.after["error"])
+                          decision.step, record.error)
 
     def state_dict(self) -> dict[str, Any]:
         return {"ids": dict(self.ids)}
