@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,44 @@ class NoValidCheckpointError(RuntimeError):
             details.append(f"{len(later)} registered after it, steps {min(later)}-{max(later)}")
         super().__init__(f"{message} ({'; '.join(details) or 'no checkpoints registered'})")
         self.reasons = dict(reasons)
+
+
+@runtime_checkable
+class CheckpointStore(Protocol):
+    """The one seam between the monitor and where checkpoints live: the monitor's own
+    :class:`CheckpointManager` and the user's :class:`UserCheckpoints` both stand behind it (as torchtitan's
+    checkpointer stands behind its storage). What the rollback, the stop, the periodic save, diagnose and a
+    resume call; ``checkpoints=`` must be one (checked at start)."""
+
+    directory: Path
+    reader: bool
+
+    @property
+    def can_save(self) -> bool: ...
+
+    @property
+    def checkpoints(self) -> list[CheckpointInfo]: ...
+
+    def save(self, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], *, step: int) -> CheckpointInfo: ...
+
+    def register(self, path: str | os.PathLike[str], *, step: int) -> CheckpointInfo: ...
+
+    def candidates(self, before_step: int | None = None) -> list[CheckpointInfo]: ...
+
+    def validate(self, info: CheckpointInfo, check: Callable[[dict[str, Any]], str | None] | None = None
+                 ) -> tuple[dict[str, Any] | None, str | None]: ...
+
+    def last_known_good(
+        self, before_step: int | None = None, *, check: Callable[[dict[str, Any]], str | None] | None = None
+    ) -> tuple[CheckpointInfo, dict[str, Any]]: ...
+
+    def rolled_back(self, target: CheckpointInfo) -> str | None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def adopt(self, state: Mapping[str, Any]) -> int: ...
+
+    def attach(self, *, sink: Any, run_id: str) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.batches import batch_log_for
 from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.build import (
@@ -237,7 +238,7 @@ class Monitor:
         return self.signals.buffer
 
     @property
-    def checkpoints(self) -> Any:
+    def checkpoints(self) -> CheckpointStore | None:
         """The :class:`~stabmon.checkpoints.CheckpointManager`, or None."""
         return self.target.checkpoints
 

@@ -55,6 +55,31 @@ class EngineLike(Protocol):
 
 
 @runtime_checkable
+class ProposingEngine(Protocol):
+    """An engine that can propose instead of apply: its ``mode``, and ``hold(ticks)`` to keep a waiting proposal
+    from expiring while answers cannot be read."""
+
+    mode: str
+
+    def hold(self, ticks: int) -> None: ...
+
+
+@runtime_checkable
+class ReseedableEngine(Protocol):
+    """An engine whose event ids come from a seed: a run continued from a saved state draws a fresh line."""
+
+    def reseed(self) -> None: ...
+
+
+@runtime_checkable
+class RunbookEngine(Protocol):
+    """An engine that runs a :class:`~stabmon.runbook.schema.Runbook` (what it may do is read from it)."""
+
+    @property
+    def runbook(self) -> Any: ...
+
+
+@runtime_checkable
 class ExecutorLike(Protocol):
     """Applies decisions: to the live training state, or simulated in replay."""
 

@@ -67,3 +67,38 @@ class NotifierLike(Protocol):
         """Look at freshly produced events and queue alerts for those that warrant one; never blocks."""
 
     def close(self, timeout: float | None = None) -> None: ...
+
+
+# -- optional capabilities: a sink or notifier that has one says so by its type, never probed by name --
+@runtime_checkable
+class ResumableSink(Protocol):
+    """A sink that can say how far a run it holds got (a resumed run must continue its own step count)."""
+
+    def last_step(self, *, run_id: str) -> int | None: ...
+
+
+@runtime_checkable
+class AnsweringSink(Protocol):
+    """A sink that knows whether it can read humans' answers right now (proposals must not expire while it
+    cannot)."""
+
+    @property
+    def answers_live(self) -> bool: ...
+
+
+@runtime_checkable
+class LocatedSink(Protocol):
+    """A sink with a URL a command line can name (``--db``)."""
+
+    @property
+    def url(self) -> str: ...
+
+
+@runtime_checkable
+class StatefulNotifier(Protocol):
+    """A notifier whose memory (deduplication, rate limits, incidents already alerted) is saved with the run."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+

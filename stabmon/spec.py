@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.config import MonitorConfig
 from stabmon.pipeline import EngineLike
 from stabmon.recipe import check_recipe
@@ -61,7 +62,7 @@ class MonitorSpec:
     """The run's name in the store (None: ``run-<date>-<time>``, or the framework's)."""
     checkpoint_dir: str | None = None
     """A directory for the monitor's own checkpoints (rollback needs checkpoints)."""
-    checkpoints: Any = None
+    checkpoints: CheckpointStore | None = None
     """Checkpoints the user manages (:class:`~stabmon.checkpoints.UserCheckpoints`), instead of
     ``checkpoint_dir``."""
     resume_run_id: str | None = None
@@ -87,6 +88,9 @@ class MonitorSpec:
             check_name("run_name", self.run_name)
         self._set("recipe", check_recipe(self.recipe))
         _check_store(self.store)
+        if self.checkpoints is not None and not isinstance(self.checkpoints, CheckpointStore):
+            raise ValueError(f"checkpoints: expected a CheckpointStore (stabmon.checkpoints.UserCheckpoints or "
+                             f"CheckpointManager), got {type(self.checkpoints).__name__}")
         if self.runbook is not None and not isinstance(self.runbook, EngineLike):
             from stabmon.factory import resolve_runbook
 
@@ -153,8 +157,9 @@ def _check_alerts(notifier: Any, alerts: Any) -> None:
         made.close(timeout=1.0)
 
 
-def _with_cadence(config: MonitorConfig, *, checkpoint_dir: str | None, checkpoints: Any) -> MonitorConfig:
+def _with_cadence(config: MonitorConfig, *, checkpoint_dir: str | None,
+                  checkpoints: CheckpointStore | None) -> MonitorConfig:
     """``config`` with the checkpoint cadence in force (``checkpoint_every=None`` resolved), the value stored
     with the run."""
-    can_save = checkpoint_dir is not None or bool(checkpoints is not None and getattr(checkpoints, "can_save", True))
+    can_save = checkpoint_dir is not None or (checkpoints is not None and checkpoints.can_save)
     return dataclasses.replace(config, checkpoint_every=config.checkpoint_cadence(can_save=can_save))

@@ -311,3 +311,91 @@ def test_the_receiving_rule_catches_imports_types_and_parameters() -> None:
         "m.py:2: f() takes a monitor",
         "m.py:2: names the Monitor type",
     ]
+
+
+# -- no probing of stabmon's own objects: what is optional is a small Protocol, checked with isinstance --
+PROBES_ALLOWED: dict[tuple[str, str], str] = {
+    # torch's objects: private or version-dependent attributes of the optimizer, the loss scaler, DTensor
+    ("stabmon/collect/guard.py", "self.optimizer"): "torch: a fused optimizer's found_inf",
+    ("stabmon/collect/optim.py", "self.optimizer"): "torch: a fused optimizer's grad_scale / found_inf",
+    ("stabmon/collect/optim.py", "scaler"): "torch: GradScaler's per-optimizer stage (private)",
+    ("stabmon/collect/optim.py", "state.get('stage')"): "torch: GradScaler's OptState enum",
+    ("stabmon/collect/record.py", "scaler"): "torch: GradScaler's _scale (private)",
+    ("stabmon/collect/record.py", "value"): "a user's observed value: tensor, numpy or float",
+    ("stabmon/collect/observe.py", "value"): "a user's observed value: tensor, numpy or float",
+    ("stabmon/collect/sharding.py", "t"): "torch: DTensor or plain tensor",
+    ("stabmon/collect/qk.py", "tensor"): "torch: DTensor or plain tensor",
+    ("stabmon/collect/qk.py", "module"): "a user's attention module (head counts by attribute)",
+    ("stabmon/collect/qk.py", "owner"): "a user's attention module or its HF config",
+    ("stabmon/collect/vocab.py", "model"): "a user's model (an HF config, if any)",
+    ("stabmon/collect/vocab.py", "getattr(model, 'config', None)"): "an HF config's vocab_size",
+    ("stabmon/diagnose/rerun.py", "scaler"): "torch: GradScaler's per-optimizer state (private)",
+    ("stabmon/diagnose/experiments.py", "out"): "a user's model output (an HF ModelOutput's loss)",
+    ("stabmon/overrides.py", "out"): "an LR that is a float or a tensor",
+    # frameworks and third-party libraries
+    ("stabmon/integrations/_shared.py", "self.scheduler"): "a framework's LR scheduler",
+    ("stabmon/integrations/hf.py", "optimizer"): "accelerate's AcceleratedOptimizer wrapper",
+    ("stabmon/integrations/hf.py", "output"): "an HF ModelOutput",
+    ("stabmon/integrations/hf.py", "kwargs.get('optimizer')"): "accelerate's step_was_skipped",
+    ("stabmon/integrations/hf.py", "args"): "HF TrainingArguments across versions",
+    ("stabmon/integrations/lightning.py", "trainer"): "Lightning's Trainer across versions",
+    ("stabmon/integrations/lightning.py", "trainer.gradient_clip_algorithm"): "Lightning's enum or str",
+    ("stabmon/integrations/lightning.py", "trainer.precision_plugin"): "Lightning's precision plugins",
+    ("stabmon/integrations/lightning.py", "scaler"): "torch: GradScaler's _scale (private)",
+    ("stabmon/detect/spike.py", "self._mean"): "river: its statistics' internals (the fast path)",
+    ("stabmon/detect/spike.py", "self._var"): "river: its statistics' internals (the fast path)",
+    ("stabmon/detect/spike.py", "self._median"): "river: its statistics' internals (the fast path)",
+    ("stabmon/detect/spike.py", "self._iqr"): "river: its statistics' internals (the fast path)",
+    ("stabmon/detect/trends.py", "drift.PageHinkley()"): "river: PageHinkley's internals, version check",
+    ("stabmon/detect/trends.py", "drift.PageHinkley()._x_mean"): "river: PageHinkley's internals, version check",
+    ("stabmon/alerts/pagerduty.py", "NotifyPagerDuty"): "apprise: the plugin's template arguments",
+    ("stabmon/store/batch.py", "value"): "a numpy or torch scalar",
+    ("stabmon/store/batch.py", "stmt.excluded"): "SQLAlchemy: an upsert's excluded columns",
+    ("stabmon/store/repo.py", "row"): "SQLAlchemy: a row's columns by name",
+    ("stabmon/replay/importers/sniff.py", "mod"): "importer modules discovered by their members",
+    ("stabmon/replay/importers/sniff.py", "m"): "importer modules discovered by their members",
+    ("stabmon/environment.py", "fn"): "a probe function's name for the log",
+    ("stabmon/__init__.py", "monitor"): "the package's lazy attributes (PEP 562)",
+    # reflection by field name over a dataclass or pydantic model of our own (its fields, not a capability)
+    ("stabmon/alerts/config.py", "self"): "its own dataclass fields by name",
+    ("stabmon/collect/memory.py", "self"): "its own dataclass fields by name",
+    ("stabmon/detect/base.py", "self"): "its own state attributes by name (state_dict)",
+    ("stabmon/detect/scorer.py", "cls"): "a class's own methods by name",
+    ("stabmon/diff.py", "self"): "its own dataclass fields by name",
+    ("stabmon/events.py", "event"): "an event dataclass's fields by name",
+    ("stabmon/store/store.py", "self"): "its own settings by name (validation)",
+    ("stabmon/interventions/_override.py", "overrides"): "the Overrides field an intervention names",
+    ("stabmon/interventions/_state.py", "overrides"): "the Overrides fields an intervention names",
+    ("stabmon/interventions/rollback.py", "overrides"): "the Overrides fields a rollback changed",
+    ("stabmon/runbook/fit.py", "params"): "a rung's params model field by name",
+}
+"""Every ``getattr``/``hasattr`` in the package, by (file, the object probed), with why it is not a probe of one
+of stabmon's own protocols. An optional capability of stabmon's own objects is a small runtime-checkable
+Protocol (``sinks.ResumableSink``, ``pipeline.ProposingEngine``, ``checkpoints.CheckpointStore``, ...)."""
+
+
+def probes(root: Path) -> set[tuple[str, str]]:
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("getattr", "hasattr") and node.args:
+                found.add((str(path.relative_to(root.parent)), ast.unparse(node.args[0])))
+    return found
+
+
+def test_no_probe_of_stabmons_own_objects_outside_the_allow_list() -> None:
+    unknown = sorted(probes(PACKAGE) - set(PROBES_ALLOWED))
+    assert unknown == [], ("getattr/hasattr on an object not in PROBES_ALLOWED (use a Protocol, or add it with "
+                           "the reason): " + "; ".join(f"{f}: {o}" for f, o in unknown))
+
+
+def test_the_probe_allow_list_has_no_stale_entries() -> None:
+    assert sorted(set(PROBES_ALLOWED) - probes(PACKAGE)) == []
+
+
+def test_the_probe_check_catches_a_probe_of_an_engine(tmp_path: Path) -> None:
+    pkg = tmp_path / "stabmon"
+    pkg.mkdir()
+    (pkg / "flushing.py").write_text("def f(engine):\n    return getattr(engine, 'hold', None)\n")
+    assert probes(pkg) == {("stabmon/flushing.py", "engine")}

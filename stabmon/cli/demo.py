@@ -77,7 +77,7 @@ def summary(monitor: Any, url: str, result: Any) -> list[str]:
         f"database: {_where(url)}",
         f"run: {monitor.run_id} ({monitor.run_name}), {monitor.step} steps ({result.steps} trained, rolled-back "
         f"ones included) in {result.seconds:.1f}s, exit code {result.exit_code}"
-        + (f", held-out loss {result.val_loss:.4f}" if hasattr(result, "val_loss") else ""),
+        + f", held-out loss {result.val_loss:.4f}",
         "signals:",
         _fmt(_series(recs, "loss"), "loss"),
         _fmt(_series(recs, "grad_norm"), "grad_norm"),

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from stabmon.interventions.traits import traits_of
+from stabmon.pipeline import RunbookEngine
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,9 @@ class BatchLog:
 
 def uses_diagnose(engine: Any) -> bool:
     """Does the engine's runbook have a rung that diagnoses?"""
-    runbook = getattr(engine, "runbook", None)
+    if not isinstance(engine, RunbookEngine):
+        return False
+    runbook = engine.runbook
     return runbook is not None and any(traits_of(a).diagnoses for rule in runbook.rules for a in rule.actions)
 
 

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.activations import ActivationNorms
 from stabmon.collect.attention import AttentionLogits
 from stabmon.collect.buffer import StepBuffer
@@ -225,12 +226,11 @@ def build_outbox(spec: MonitorSpec, *, rank: int, failsafe: Failsafe, run_name: 
                   owns_notifier=owns_notifier)
 
 
-def build_checkpoints(spec: MonitorSpec, outbox: Outbox) -> Any:
+def build_checkpoints(spec: MonitorSpec, outbox: Outbox) -> CheckpointStore | None:
     """The user's checkpoints (attached to the run's store), a manager on ``checkpoint_dir``, or None. Call it
     once the run is open: checkpoint rows name it."""
     if spec.checkpoints is not None:
-        if hasattr(spec.checkpoints, "attach"):
-            spec.checkpoints.attach(sink=outbox.store, run_id=outbox.run_id)
+        spec.checkpoints.attach(sink=outbox.store, run_id=outbox.run_id)
         return spec.checkpoints
     if spec.checkpoint_dir is None:
         return None

@@ -38,8 +38,16 @@ from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.rank_policy import RankPolicy
 from stabmon.collect.wiring import environment
 from stabmon.events import Anomaly, Decision, DecisionStatus, Event, StepRecord
-from stabmon.pipeline import Pipeline
-from stabmon.sinks import NotifierLike, RunRefusedError, Sink
+from stabmon.pipeline import Pipeline, ProposingEngine
+from stabmon.sinks import (
+    AnsweringSink,
+    LocatedSink,
+    NotifierLike,
+    ResumableSink,
+    RunRefusedError,
+    Sink,
+    StatefulNotifier,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +103,10 @@ class Outbox:
 
     def last_step(self) -> int | None:
         """The highest step the store holds for this run (None: none, or a store that cannot say)."""
-        read = getattr(self.store, "last_step", None)
-        if read is None:
+        store = self.store
+        if not isinstance(store, ResumableSink):
             return None
-        value = self.failsafe.call("store", lambda: read(run_id=self.run_id))
+        value = self.failsafe.call("store", lambda: store.last_step(run_id=self.run_id))
         return value if isinstance(value, int) else None
 
     def write_steps(self, records: Sequence[StepRecord]) -> None:
@@ -119,7 +127,7 @@ class Outbox:
     @property
     def answers_live(self) -> bool:
         """False while the store cannot read humans' answers (proposals must not expire meanwhile)."""
-        return bool(getattr(self.store, "answers_live", True))
+        return not isinstance(self.store, AnsweringSink) or bool(self.store.answers_live)
 
     def poll_answers(self) -> list[tuple[str, bool]]:
         store = self.store
@@ -151,7 +159,7 @@ class Outbox:
 
     def proposal_line(self, decision: Decision) -> str:
         """One line for a terminal: what is proposed and the commands that answer it."""
-        url = getattr(self.store, "url", None)
+        url = self.store.url if isinstance(self.store, LocatedSink) else None
         db = f" --db '{url}'" if url else ""
         params = ", ".join(f"{k}={v}" for k, v in decision.params.items())
         return (f"stabmon: proposal {decision.id} waits for an answer: {decision.action}({params}) at step "
@@ -160,13 +168,13 @@ class Outbox:
 
     def notifier_state(self) -> dict[str, Any] | None:
         """Which channels were told about which incident, so a resumed run does not page again."""
-        state_dict = getattr(self.notifier, "state_dict", None)
-        return None if state_dict is None else self.failsafe.call("notifier", state_dict)
+        notifier = self.notifier
+        return self.failsafe.call("notifier", notifier.state_dict) if isinstance(notifier, StatefulNotifier) else None
 
     def load_notifier_state(self, state: dict[str, Any] | None) -> None:
-        load = getattr(self.notifier, "load_state_dict", None)
-        if state is not None and load is not None:
-            self.failsafe.call("notifier", lambda: load(state))
+        notifier = self.notifier
+        if state is not None and isinstance(notifier, StatefulNotifier):
+            self.failsafe.call("notifier", lambda: notifier.load_state_dict(state))
 
     def close(self, status: str) -> None:
         """End the run in the store, then close the notifier and the store where this outbox opened them."""
@@ -246,10 +254,10 @@ class Flusher:
         """Rank 0: detectors, engine and executor on the new records; events to the store and notifier."""
         events: list[Event] = []
         engine = self.pipeline.engine
-        propose = engine is not None and getattr(engine, "mode", self.mode) == "propose"
-        hold = getattr(engine, "hold", None)
-        if propose and not self.outbox.answers_live and hold is not None:
-            hold(len(records))  # answers cannot be read: no proposal may expire meanwhile
+        mode = engine.mode if isinstance(engine, ProposingEngine) else self.mode
+        propose = engine is not None and mode == "propose"
+        if propose and not self.outbox.answers_live and isinstance(engine, ProposingEngine):
+            engine.hold(len(records))  # answers cannot be read: no proposal may expire meanwhile
         for r in records:
             events.extend(self.failsafe.call("pipeline", partial(self.pipeline.process, r)) or [])
         if propose:

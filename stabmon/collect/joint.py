@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.distributed import Join, broadcast
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,8 @@ def _line(error: BaseException | None) -> str | None:
     return f"{type(error).__name__}: {first}"
 
 
-def agreed_checkpoint(manager: Any, before_step: int, *, check: Callable[[dict[str, Any]], str | None] | None,
+def agreed_checkpoint(manager: CheckpointStore, before_step: int, *,
+                      check: Callable[[dict[str, Any]], str | None] | None,
                       gather: Callable[[Any], list[Any]]) -> tuple[Any, dict[str, Any]]:
     """The newest checkpoint at or before ``before_step`` that every rank holds and every rank validates, with
     this rank's loaded state (every rank calls it together). Raises

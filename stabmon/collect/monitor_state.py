@@ -33,11 +33,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
 from stabmon.collect.restore import RESUME, ROLLBACK, NamedStates, Stateful
 from stabmon.collect.run_state import RunState
-from stabmon.pipeline import Pipeline
+from stabmon.pipeline import Pipeline, ReseedableEngine
 
 VERSION = 1
 """The format of the monitor's state; a later format keeps a reader for this one."""
@@ -86,9 +87,9 @@ class PipelineState:
 
     def load_state_dict(self, state: Any) -> None:
         self.pipeline.load_state_dict(state)
-        reseed = getattr(self.pipeline.engine, "reseed", None)
-        if reseed is not None:  # another run may continue from this same state: never share an id
-            reseed()
+        engine = self.pipeline.engine
+        if isinstance(engine, ReseedableEngine):  # another run may continue from this same state: never share an id
+            engine.reseed()
         self.failsafe.call("pipeline", lambda: self.pipeline.detectors.enter_grace(self.grace_steps))
 
 
@@ -108,7 +109,7 @@ class NotifierState:
 class RegistryState:
     """The checkpoint registry: saved as it is, adopted on resume (maybe from another directory)."""
 
-    def __init__(self, checkpoints: Any) -> None:
+    def __init__(self, checkpoints: CheckpointStore) -> None:
         self.checkpoints = checkpoints
 
     def state_dict(self) -> Any:
@@ -125,7 +126,7 @@ def build_monitor_state(
     signals: Mapping[str, Stateful | None],
     follower: Stateful,
     outbox: Outbox,
-    checkpoints: Any,
+    checkpoints: CheckpointStore | None,
     run_name: str,
 ) -> NamedStates:
     """The monitor's entries that exist before the pipeline does; the pipeline's join with

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.data import DataCursor
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
@@ -75,7 +76,7 @@ class LiveTarget:
         outbox: Outbox,
         failsafe: Failsafe,
         stop_code: int,
-        checkpoints: Any = None,
+        checkpoints: CheckpointStore | None = None,
         policy: RankPolicy | None = None,
         channel: RankChannel | None = None,
         reports: deque[Event] | None = None,
@@ -102,14 +103,14 @@ class LiveTarget:
         cannot diagnose."""
 
     @property
-    def checkpoints(self) -> Any:
+    def checkpoints(self) -> CheckpointStore | None:
         """The :class:`~stabmon.checkpoints.CheckpointManager` or :class:`~stabmon.checkpoints.UserCheckpoints`
         (None: no checkpoints, no rollback). On a rank that does not keep the registry (a directory every rank
         shares), it reads rank 0's afresh before each use."""
         return self._checkpoints
 
     @checkpoints.setter
-    def checkpoints(self, manager: Any) -> None:
+    def checkpoints(self, manager: CheckpointStore | None) -> None:
         if manager is not None:
             manager.reader = not self.policy.keeps_registry
         self._checkpoints = manager
@@ -186,7 +187,7 @@ class LiveTarget:
     @property
     def can_save(self) -> bool:
         """There is a checkpoint manager and it can write (user checkpoints without ``save=`` cannot)."""
-        return self.checkpoints is not None and bool(getattr(self.checkpoints, "can_save", True))
+        return self.checkpoints is not None and self.checkpoints.can_save
 
     def saves(self, path: SavePath) -> bool:
         """Whether this rank writes a checkpoint on ``path``: it can, and the rank policy lets it."""
@@ -214,9 +215,10 @@ class LiveTarget:
         if exit_code is not None:
             self.stop_code = exit_code
         self.request_stop(reason)
-        facts = {"path": getattr(info, "path", None), "step": self.step, "exit_code": self.stop_code, "reason": reason}
+        facts = {"path": info.path if info is not None else None, "step": self.step, "exit_code": self.stop_code,
+                 "reason": reason}
         if saves and info is None:
-            where = getattr(self.checkpoints, "directory", "the checkpoint directory")
+            where = self.checkpoints.directory if self.checkpoints is not None else "the checkpoint directory"
             facts["checkpoint_error"] = f"the stop checkpoint could not be written to {where} (see the log)"
             log.error("stabmon: STOPPING WITHOUT A CHECKPOINT at step %d: it could not be written to %s; resume "
                       "from the last checkpoint there, if any", self.step, where)
@@ -246,10 +248,10 @@ class LiveTarget:
         return self._rollback_from(self._own, onset_step=onset_step, lookback=lookback, skip_batches=skip_batches,
                                    checkpoint_dir=checkpoint_dir)
 
-    def _own(self, manager: Any, before_step: int) -> tuple[Any, dict[str, Any]]:
+    def _own(self, manager: CheckpointStore, before_step: int) -> tuple[Any, dict[str, Any]]:
         return manager.last_known_good(before_step=before_step, check=self.state.mismatch)
 
-    def _agreed(self, manager: Any, before_step: int) -> tuple[Any, dict[str, Any]]:
+    def _agreed(self, manager: CheckpointStore, before_step: int) -> tuple[Any, dict[str, Any]]:
         return agreed_checkpoint(manager, before_step, check=self.state.mismatch, gather=self._gather)
 
     def _rollback_from(
@@ -308,7 +310,7 @@ class LiveTarget:
         else:  # a one-shot iterator cannot be rewound: the data keeps flowing forward
             self.cursor.position = from_position
 
-    def _record_timeline(self, manager: Any, target: Any) -> dict[str, str]:
+    def _record_timeline(self, manager: CheckpointStore, target: Any) -> dict[str, str]:
         """The rollback in the registry: later checkpoints abandoned, and the rolled-back state (skip set in
         force) saved at once on the new timeline, so a resume continues from here and not from undone
         training. Returns what could not be recorded (a read-only directory): the restore and the skip stand,

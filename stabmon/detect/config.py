@@ -23,9 +23,16 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, Protocol, TypeVar, get_type_hints, runtime_checkable
 
 T = TypeVar("T")
+
+
+@runtime_checkable
+class CrossChecked(Protocol):
+    """A settings dataclass with checks across its fields (each field's own check is in its metadata)."""
+
+    def validate(self, path: str) -> None: ...
 Check = tuple[Callable[[Any], bool], str]
 
 open_unit: Check = (lambda v: 0.0 < v < 1.0, "must be in (0, 1)")
@@ -108,9 +115,8 @@ def build(cls: type[T], raw: Mapping[str, Any] | None, path: str) -> T:
             raise ValueError(f"{path}.{name} {desc}, got {value!r}")
         values[name] = value
     obj = cls(**values)
-    validate = getattr(obj, "validate", None)
-    if validate is not None:
-        validate(path)
+    if isinstance(obj, CrossChecked):  # settings that must agree with each other
+        obj.validate(path)
     return obj
 
 

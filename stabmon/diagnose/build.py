@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.batches import BatchLog
 from stabmon.collect.grads import GradNorms
 from stabmon.diagnose.experiments import Bench, call_model, run
@@ -55,7 +56,7 @@ def build_diagnoser(
     hooks: Pausable,
     batches: BatchLog | None,
     records: Iterable[StepRecord],
-    checkpoints: Any,
+    checkpoints: CheckpointStore | None,
     check: Callable[[dict[str, Any]], str | None],
     loss_fn: LossFn | None,
     own: Mapping[int, Mapping[str, float]] | None,

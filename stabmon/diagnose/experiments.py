@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.batches import BatchEntry, BatchLog
 from stabmon.collect.grads import GradNorms
 from stabmon.diagnose import verdict as dx
@@ -72,7 +73,7 @@ class Bench:
     loss_fn: LossFn
     batches: BatchLog
     records: Iterable[StepRecord]
-    checkpoints: Any
+    checkpoints: CheckpointStore | None
     check: Callable[[dict[str, Any]], str | None]
     paused: Callable[[], contextlib.AbstractContextManager[Any]]
     scaler: Any = None

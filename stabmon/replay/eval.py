@@ -160,7 +160,7 @@ def _by_step(events: Sequence[Event]) -> list[list[Event]]:
     groups: list[list[Event]] = []
     last: object = object()
     for ev in events:
-        step = getattr(ev, "step", None)
+        step = ev.step
         if not groups or step != last:
             groups.append([])
             last = step

@@ -41,6 +41,7 @@ from stabmon.events import (
     to_dict,
 )
 from stabmon.factory import build_pipeline
+from stabmon.interventions.executor import Executor
 from stabmon.pipeline import Pipeline
 from stabmon.replay.simulate import SimulatedTarget
 
@@ -139,7 +140,7 @@ def replay(
         )
     executor = pipeline.executor
     if target is None:
-        found = getattr(executor, "target", None)
+        found = executor.target if isinstance(executor, Executor) else None
         target = found if isinstance(found, SimulatedTarget) else SimulatedTarget()
     result = ReplayResult(target=target)
     restart_set = set(restarts) if grace_on_restart else set()
