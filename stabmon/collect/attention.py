@@ -51,6 +51,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from stabmon.collect.qk import head_count
 from stabmon.collect.sharding import clean_name
 from stabmon.events import Metric
 
@@ -210,7 +211,7 @@ class AttentionLogits:
                  heads: bool = True) -> None:
         self._watched = find_attention(model, patterns)
         self._sub_batch, self._heads = sub_batch, heads
-        self._n_heads = [_heads_of(w.module) for w in self._watched]
+        self._n_heads = [head_count(w.module) or 0 for w in self._watched]  # 0: per-head names come with values
         self.names = [Metric.ATTN_LOGIT] if self._watched else []
         for w, h in zip(self._watched, self._n_heads, strict=True):
             self.names.append(Metric.ATTN_LOGIT_PREFIX + w.name)
@@ -300,15 +301,3 @@ class AttentionLogits:
                 parts.append(per_head)
         top = torch.cat(layer_max).max().reshape(1)
         return [Metric.ATTN_LOGIT] + names, torch.cat([top, *parts])
-
-
-def _heads_of(module: nn.Module) -> int:
-    """The module's head count when it says so (nn.MultiheadAttention, HF configs, an ``n_head`` attribute),
-    else 0 (per-head names then come only with the values)."""
-    for attr in ("num_heads", "n_head", "n_heads", "num_attention_heads"):
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    config = getattr(module, "config", None)
-    value = getattr(config, "num_attention_heads", None)
-    return value if isinstance(value, int) else 0
