@@ -11,6 +11,16 @@ fired first; ``-`` where a signal never fired). The healthy control shows what f
 
     python benchmarks/lead_time.py                         # every scenario, seeds 0-2, factor 3
     python benchmarks/lead_time.py --scenarios bad-shard,lr-too-high --seeds 5 --factor 2
+
+``--signals``: the signals with lead (second-moment ratio, attention logits, output logits), turned on and
+sampled every 10 steps (:data:`SIGNALS_ON`; they are off by default), judged by the detector suite of
+:data:`SIGNAL_DETECTORS` replayed over the run's records. Per scenario: the median over seeds of ``lead`` =
+loss-spike step - the first ``warning`` (or worse) on a signal's metric, the signal that fired first, and the
+false alarms (warnings on those metrics) per 10k steps of the healthy runs (``healthy`` and each scenario's own
+healthy reference). The loss spike is the first step >= ``--start`` whose loss is non-finite or >
+``--loss-factor`` x the median of its ``--window`` previous values.
+
+    python benchmarks/lead_time.py --signals --seeds 5
 """
 
 from __future__ import annotations
@@ -27,8 +37,14 @@ sys.path[:0] = [str(HERE.parent / "examples")]
 import scenarios as sc  # noqa: E402
 import tiny_gpt  # noqa: E402
 
-from stabmon.collect.config import UpdateConfig  # noqa: E402
-from stabmon.events import Metric  # noqa: E402
+from stabmon.collect.config import (  # noqa: E402
+    AttentionConfig,
+    LogitConfig,
+    MomentConfig,
+    UpdateConfig,
+)
+from stabmon.detect.suite import DetectorSuite  # noqa: E402
+from stabmon.events import Metric, Severity, StepRecord  # noqa: E402
 from stabmon.monitor import Monitor, MonitorConfig  # noqa: E402
 
 
@@ -68,6 +84,77 @@ def first_exceed(values: list[tuple[int, float]], *, factor: float, window: int,
     return None
 
 
+SIGNALS = (Metric.MOMENT_RATIO, Metric.ATTN_LOGIT, Metric.LOGIT_MAX)
+SIGNAL_DETECTORS = {"spike.metrics": [Metric.GRAD_NORM, Metric.LOSS, Metric.MOMENT_RATIO_PREFIX + "*",
+                                      Metric.ATTN_LOGIT_PREFIX + "*", Metric.LOGIT_MAX]}
+"""The detector configuration measured: the default suite with the spike detector also on each signal's
+per-tensor / per-layer / per-head metrics (not the shipped default: see docs/detectors.md)."""
+
+
+SIGNALS_ON = {"moments": MomentConfig(every=10), "attention": AttentionConfig(every=10),
+              "logits": LogitConfig(every=10)}
+"""The signals measured, each sampled every 10 steps (the monitor's defaults leave them off)."""
+
+
+def records(config: tiny_gpt.TrainConfig) -> list[StepRecord]:
+    """The records of one run monitored with :data:`SIGNALS_ON` (observe mode, nothing changed)."""
+    made: list[Monitor] = []
+
+    def factory(model: object, opt: object, sched: object, scaler: object = None) -> Monitor:
+        made.append(Monitor(model, opt, scheduler=sched, scaler=scaler, store=None, runbook=None, mode="observe",  # type: ignore[arg-type]
+                            config=MonitorConfig(clip=config.clip, **SIGNALS_ON)))
+        return made[0]
+
+    tiny_gpt.train(config, monitor=factory)
+    return list(made[0].records)
+
+
+def warnings(recs: list[StepRecord], start: int) -> list[tuple[int, str]]:
+    """(step, metric) of each warning-or-worse anomaly on a signal's metric, replaying the default suite."""
+    suite = DetectorSuite.from_config(overrides=SIGNAL_DETECTORS)
+    out = []
+    for r in recs:
+        for a in suite.update(r):
+            if a.step >= start and a.severity >= Severity.WARNING and a.metric.startswith(SIGNALS):
+                out.append((a.step, a.metric))
+    return out
+
+
+def signal_row(name: str, seeds: int, threads: int, how: dict[str, float]) -> tuple[list[int], list[str], int, int]:
+    """Leads (loss-spike step - first signal warning), the signals that fired first, and the healthy runs'
+    warnings and steps."""
+    s = sc.scenario(name)
+    leads, first, alarms, steps = [], [], 0, 0
+    for seed in range(seeds):
+        if not s.healthy:
+            recs = records(s.config(seed, threads=threads))
+            loss = [(r.step, r.metrics[Metric.LOSS]) for r in recs if Metric.LOSS in r.metrics]
+            spike = first_exceed(loss, factor=how["loss_factor"], window=int(how["window"]), start=int(how["start"]))
+            fired = warnings(recs, int(how["start"]))
+            if spike is not None and fired:
+                leads.append(spike - fired[0][0])
+                first.append(fired[0][1])
+        healthy = records(s.healthy_config(seed, threads=threads) if not s.healthy else s.config(seed, threads=threads))
+        alarms += len(warnings(healthy, int(how["start"])))
+        steps += len(healthy)
+        print(f"  {name} seed {seed}: leads {leads} first {first[-1:] if first else '-'} healthy alarms {alarms}",
+              flush=True)
+    return leads, first, alarms, steps
+
+
+def signals_main(names: list[str], seeds: int, threads: int, how: dict[str, float]) -> None:
+    print(f"signals sampled every 10 steps; loss spike: > {how['loss_factor']:g}x the median of the previous "
+          f"{how['window']:g} losses (from step {how['start']:g})")
+    rows = [(n, *signal_row(n, seeds, threads, how)) for n in names]
+    print("| scenario | median lead (steps) | leads per seed | first signal | healthy false alarms / 10k steps |")
+    print("|---|---|---|---|---|")
+    for name, leads, first, alarms, steps in rows:
+        med = f"{statistics.median(leads):g}" if leads else "-"
+        top = max(set(first), key=first.count) if first else "-"
+        rate = 1e4 * alarms / steps if steps else 0.0
+        print(f"| {name} | {med} | {', '.join(map(str, leads)) or '-'} | {top} | {rate:.1f} ({alarms} in {steps}) |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scenarios", default=",".join(sc.SCENARIOS), help="comma-separated scenario names")
@@ -77,11 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start", type=int, default=20, help="first step judged (after the baseline fills)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--per-layer", action="store_true", help="earliest over the per-layer series")
+    p.add_argument("--signals", action="store_true", help="lead of the signals at warning (see the docstring)")
+    p.add_argument("--loss-factor", type=float, default=1.2, help="--signals: the loss spike's factor")
     args = p.parse_args(argv)
     names = [n for n in args.scenarios.split(",") if n]
     for name in names:
         if name not in sc.SCENARIOS:
             p.error(f"--scenarios: unknown scenario {name!r} (known: {', '.join(sc.SCENARIOS)})")
+    if args.signals:
+        signals_main(names, args.seeds, args.threads,
+                     {"loss_factor": args.loss_factor, "window": args.window, "start": args.start})
+        return 0
     print(f"first step > {args.factor:g}x the median of the previous {args.window} values (from step {args.start})"
           f"{', earliest layer' if args.per_layer else ''}; lead = grad-norm step - update-norm step")
     print(f"{'scenario':<18} {'seed':>4} {'grad_norm':>9} {'update':>7} {'lead':>5}")

@@ -121,6 +121,20 @@ SCENARIOS: dict[str, Scenario] = {
             healthy_changes={"amp": "fp16"},
             rescuable=False,
         ),
+        Scenario(
+            "attn-logit-growth",
+            "Wortsman et al. 2023's attention-logit growth, scaled down: a model without QK-layernorm whose learning "
+            "rate warms up over 150 steps to 100x the stable peak; the max attention logit grows from ~6 to the "
+            "hundreds before the loss turns up, the softmax saturates and the run never comes back",
+            {"lr": LR_TOO_HIGH, "warmup": 150},
+        ),
+        Scenario(
+            "output-logit-divergence",
+            "Wortsman et al. 2023's output-logit divergence, scaled down: no z-loss, no weight decay, and the output "
+            "layer trained at 3000x the learning rate; the output logits run away from log Z = 0 during the warm-up "
+            "and the run ends far above its healthy loss",
+            {"head_lr": 3000.0, "weight_decay": 0.0},
+        ),
         Scenario("healthy", "The stable setting: the healthy control", {}, healthy=True),
     )
 }

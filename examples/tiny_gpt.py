@@ -77,6 +77,9 @@ class TrainConfig:
     """A sustained fault (``flaky_overflow``) strikes on every ``fault_every``-th step from ``fault_step``."""
     eval_batches: int = 4
     """Held-out batches (text drawn with another seed) whose mean loss is :attr:`TrainResult.val_loss`."""
+    head_lr: float = 1.0
+    """Learning-rate multiplier of the output layer (``lm_head``, its own param group): a large one drives the
+    output logits apart (output-logit divergence; there is no z-loss)."""
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd", "threads"):
@@ -90,6 +93,8 @@ class TrainConfig:
             raise ValueError(f"config.norm must be 'pre' or 'post', got {self.norm!r}")
         if not self.lr > 0:
             raise ValueError(f"config.lr must be > 0, got {self.lr}")
+        if not self.head_lr > 0:
+            raise ValueError(f"config.head_lr must be > 0, got {self.head_lr}")
         if self.amp not in (None, "fp16"):
             raise ValueError(f"config.amp must be None or 'fp16', got {self.amp!r}")
         if self.fault is not None and self.fault not in FAULTS:
@@ -206,9 +211,12 @@ def build(config: TrainConfig) -> tuple[GPT, torch.optim.Optimizer, Any, Batches
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     model = GPT(config)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=(0.9, config.beta2), weight_decay=config.weight_decay
-    )
+    if config.head_lr == 1.0:
+        groups: list[dict[str, Any]] = [{"params": list(model.parameters())}]
+    else:  # the output layer in a group of its own, at head_lr x the learning rate
+        body = [p for p in model.parameters() if p is not model.lm_head.weight]
+        groups = [{"params": body}, {"params": [model.lm_head.weight], "lr": config.lr * config.head_lr}]
+    opt = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, config.beta2), weight_decay=config.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config))
     return model, opt, sched, Batches(make_corpus(config.corpus_chars, config.seed), config)
 
@@ -230,6 +238,9 @@ FAULTS = {
     "not cure it: the steps come round again",
 }
 """Faults :class:`TrainConfig` can inject (``fault``): each fails the run by construction, for every seed."""
+ONE_TIME = ("corrupt_weight", "overflow_state", "flaky_activation")
+"""The faults that strike once, at ``fault_step`` (a rollback to before it does not repeat them); the others
+(``freeze_wpe``, ``flaky_overflow``) act on every step, or every ``fault_every``-th one."""
 
 
 class Fault:
@@ -271,7 +282,7 @@ class Fault:
         if self.kind == "flaky_overflow":
             self.armed = step >= self.step and (step - self.step) % self.every == 0
             return
-        if self.fired or step != self.step or self.kind not in ("corrupt_weight", "overflow_state", "flaky_activation"):
+        if self.fired or step != self.step or self.kind not in ONE_TIME:
             return
         self.fired = True
         if self.kind == "flaky_activation":

@@ -69,6 +69,13 @@ class Metric:
     EMB_UPDATE_PREFIX = "emb_update/"  # ||W_t - W_{t-1}|| / ||W_t||
     UPDATE_RATIO = "update_ratio"  # ||Δθ|| / ||θ|| of the step applied (after clipping, overrides, skips)
     UPDATE_RATIO_PREFIX = "update_ratio/"  # the same per layer (the layers of the per-layer grad norms)
+    # signals with lead (sampled steps, off by default; stabmon.collect.moment_ratio / attention / logits)
+    MOMENT_RATIO = "moment_ratio"  # max over tensors of RMS(g² / v̂): Adam's second moment under-estimating g²
+    MOMENT_RATIO_PREFIX = "moment_ratio/"  # the same per tensor: f"moment_ratio/{parameter name}"
+    ATTN_LOGIT = "attn_logit"  # max attention logit q·k·scale over layers and heads (a sampled sub-batch)
+    ATTN_LOGIT_PREFIX = "attn_logit/"  # per layer f"attn_logit/{module}", per head f"attn_logit/{module}/{head}"
+    LOGIT_MAX = "logit_max"  # max |output logit| (a sampled sub-batch)
+    LOGIT_LOGZ = "logit_logz"  # max |log Z| of the output softmax over positions (what z-loss penalises)
     UNTRAINED_LOSS = "untrained_loss"  # ln(output classes): an untrained model's loss, recorded once (collect/vocab)
 
 

@@ -318,6 +318,7 @@ PROBES_ALLOWED: dict[tuple[str, str], str] = {
     # torch's objects: private or version-dependent attributes of the optimizer, the loss scaler, DTensor
     ("stabmon/collect/guard.py", "self.optimizer"): "torch: a fused optimizer's found_inf",
     ("stabmon/collect/optim.py", "self.optimizer"): "torch: a fused optimizer's grad_scale / found_inf",
+    ("stabmon/collect/moment_ratio.py", "self._optimizer"): "torch: a fused optimizer's grad_scale / found_inf",
     ("stabmon/collect/optim.py", "scaler"): "torch: GradScaler's per-optimizer stage (private)",
     ("stabmon/collect/optim.py", "state.get('stage')"): "torch: GradScaler's OptState enum",
     ("stabmon/collect/record.py", "scaler"): "torch: GradScaler's _scale (private)",

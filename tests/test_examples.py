@@ -39,6 +39,17 @@ def test_config_errors_name_the_field(tg: ModuleType) -> None:
         tg.train(tg.TrainConfig(n_embd=30, n_head=4, steps=1))
     with pytest.raises(ValueError, match=r"^config\.norm must be 'pre' or 'post'"):
         tg.build(tg.TrainConfig(norm="mid"))
+    with pytest.raises(ValueError, match=r"^config\.head_lr must be > 0, got 0.0$"):
+        tg.build(tg.TrainConfig(head_lr=0.0))
+
+
+def test_head_lr_puts_the_output_layer_in_a_group_of_its_own(tg: ModuleType) -> None:
+    model, opt, _, _ = tg.build(tg.TrainConfig(lr=1e-3, head_lr=30.0, steps=1))
+    assert [len(g["params"]) for g in opt.param_groups] == [len(list(model.parameters())) - 1, 1]
+    assert opt.param_groups[1]["params"][0] is model.lm_head.weight
+    assert opt.param_groups[1]["initial_lr"] == pytest.approx(0.03)
+    _, plain, _, _ = tg.build(tg.TrainConfig(steps=1))
+    assert len(plain.param_groups) == 1
 
 
 def test_cli_runs_monitored_into_sqlite(

@@ -10,7 +10,14 @@ A new collector measured around the optimizer's update (an :class:`~stabmon.coll
 second-moment ratio, an update norm) is one line in :func:`build_signals`'s ``update_signals``: its sampling
 period (from its own section of :class:`~stabmon.collect.config.MonitorConfig`) and the collector, built from
 the model and the optimizer. If it keeps state, one line adds it to :meth:`Signals.states` (the checkpoint then
-carries it). A collector on the forward pass (activation norms) is armed by the step recorder.
+carries it). A collector on the forward pass (activation norms; a :class:`~stabmon.collect.record.ForwardSignal`:
+attention logits, output-logit scale) is armed by the step recorder on the steps its period divides.
+
+The signals with lead (second-moment ratio, attention logits, output-logit scale) are off by default
+(``every=0``). Turned on, each is checked at start: an optimizer without ``exp_avg_sq``, a model with no
+recognised attention module or no output layer over a vocabulary gets one warning line naming the config
+section ("not applicable") and that signal stays off; a module name in the config that matches nothing is a
+``ValueError`` naming the dotted path.
 
 >>> import torch
 >>> from stabmon.collect.config import MonitorConfig
@@ -21,10 +28,20 @@ carries it). A collector on the forward pass (activation norms) is armed by the 
 >>> signals = build_signals(model, opt, config=MonitorConfig(), run=run, failsafe=Failsafe(run), world_size=1)
 >>> sorted(signals.states()), signals.hooks.overrides is run.overrides
 (['embeddings', 'hooks'], True)
+>>> signals.moments is None, signals.attention is None, signals.logits is None
+(True, True, True)
+>>> from stabmon.collect.config import LogitConfig, MomentConfig
+>>> model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5))
+>>> on = MonitorConfig(moments=MomentConfig(every=10), logits=LogitConfig(every=10))
+>>> signals = build_signals(model, torch.optim.AdamW(model.parameters()), config=on, run=run,
+...                         failsafe=Failsafe(run), world_size=1)
+>>> signals.moments is not None, signals.attention is None, signals.logits.name
+(True, True, '1')
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +50,7 @@ from torch import nn
 
 from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.activations import ActivationNorms
+from stabmon.collect.attention import AttentionLogits
 from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.config import MonitorConfig
 from stabmon.collect.distributed import mean_across_ranks
@@ -40,17 +58,21 @@ from stabmon.collect.embeddings import EmbeddingDrift
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
 from stabmon.collect.grads import GradNorms
+from stabmon.collect.logits import OutputLogits
 from stabmon.collect.memory import DeviceMemory
+from stabmon.collect.moment_ratio import MomentRatios, not_applicable
 from stabmon.collect.monitor_state import EXCLUDED, REQUIRED
 from stabmon.collect.optim import OptimizerHooks
 from stabmon.collect.ranks import RankGather, RankProbe
-from stabmon.collect.record import StepRecorder
+from stabmon.collect.record import ForwardSignal, StepRecorder
 from stabmon.collect.restore import NamedStates, Stateful, TrainingState
 from stabmon.collect.run_state import RunState
 from stabmon.collect.sharding import Layout, ShardedSquares, embedding_counted, layout_of
 from stabmon.collect.updates import UpdateNorms
 from stabmon.collect.wiring import resolve_notifier, resolve_store
 from stabmon.spec import MonitorSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,6 +90,12 @@ class Signals:
     """Under torch.distributed: per-rank probes (:class:`~stabmon.collect.ranks.RankProbe`)."""
     rank_values: RankGather | None
     """Under torch.distributed: per-rank values gathered at each flush."""
+    moments: MomentRatios | None = None
+    """The second-moment ratio (``config.moments``; None: off or not applicable)."""
+    attention: AttentionLogits | None = None
+    """The max attention logit per layer and head (``config.attention``; None: off or not applicable)."""
+    logits: OutputLogits | None = None
+    """The output-logit scale (``config.logits``; None: off or not applicable)."""
 
     def states(self) -> dict[str, Stateful | None]:
         """The collectors' entries in a checkpoint (an absent collector saves None)."""
@@ -88,6 +116,8 @@ class Signals:
             self.probe.remove()
         if self.activations is not None:
             self.activations.disarm()
+        for _, signal in self.recorder.forward:
+            signal.disarm()
 
 
 def build_signals(
@@ -116,9 +146,16 @@ def build_signals(
         rank_values = RankGather(replicated=replicated, keep=config.diagnose.batches)
         buffer = StepBuffer(reduce=mean_across_ranks, gather=rank_values)
         probe = RankProbe(model, grads.params, replicated=replicated)
+    moments = _moment_ratios(model, optimizer, config, grads.sharded)
     update_signals = (  # (sampling period, collector): a new update signal is one line here
         (config.embeddings.every, embeddings),
         (config.updates.every, UpdateNorms(grads) if config.updates.every else None),
+        (config.moments.every, moments),
+    )
+    attention, logits = _attention(model, config), _logits(model, config)
+    forward_signals: tuple[tuple[int, ForwardSignal | None], ...] = (  # the same for a forward signal
+        (config.attention.every, attention),
+        (config.logits.every, logits),
     )
     hooks = OptimizerHooks(
         optimizer,
@@ -131,8 +168,53 @@ def build_signals(
         signals=[(every, signal) for every, signal in update_signals if signal is not None],
     )
     recorder = StepRecorder(buffer, hooks, config=config, failsafe=failsafe, scaler=scaler,
-                            activations=activations, probe=probe)
-    return Signals(layout, buffer, grads, hooks, recorder, activations, embeddings, probe, rank_values)
+                            activations=activations, probe=probe,
+                            forward=[(every, signal) for every, signal in forward_signals if signal is not None])
+    return Signals(layout, buffer, grads, hooks, recorder, activations, embeddings, probe, rank_values,
+                   moments=moments, attention=attention, logits=logits)
+
+
+def _moment_ratios(model: nn.Module, optimizer: torch.optim.Optimizer, config: MonitorConfig,
+                   sharded: ShardedSquares | None) -> MomentRatios | None:
+    """``config.moments``' collector, or None when off or the optimizer keeps no second moment (logged)."""
+    if not config.moments.every:
+        return None
+    problem = not_applicable(optimizer)
+    if problem is not None:
+        log.warning("stabmon: %s", problem)
+        return None
+    return MomentRatios(optimizer, list(model.named_parameters()), per_tensor=config.moments.per_tensor,
+                        sharded=sharded)
+
+
+def _attention(model: nn.Module, config: MonitorConfig) -> AttentionLogits | None:
+    """``config.attention``'s collector, or None when off or the model has no recognised attention (logged)."""
+    a = config.attention
+    if not a.every:
+        return None
+    attention = AttentionLogits(model, a.modules, sub_batch=a.sub_batch, heads=a.heads)
+    if attention.names:
+        return attention
+    if a.modules is not None:
+        raise ValueError(f"config.attention.modules: no recognised attention module matches {a.modules}")
+    log.warning("stabmon: config.attention: the model has no recognised attention module (not applicable; see "
+                "stabmon.collect.attention.register_attention): attention logits are off")
+    return None
+
+
+def _logits(model: nn.Module, config: MonitorConfig) -> OutputLogits | None:
+    """``config.logits``' collector, or None when off or the model has no output layer over a vocabulary
+    (logged); a named module that does not exist raises."""
+    o = config.logits
+    if not o.every:
+        return None
+    if o.module is not None:
+        return OutputLogits(model, o.module, sub_batch=o.sub_batch)
+    try:
+        return OutputLogits(model, sub_batch=o.sub_batch)
+    except ValueError as exc:
+        log.warning("stabmon: %s: output logits are off", exc)
+        return None
 
 
 def build_outbox(spec: MonitorSpec, *, rank: int, failsafe: Failsafe, run_name: str) -> Outbox:

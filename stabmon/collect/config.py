@@ -83,6 +83,71 @@ class UpdateConfig:
 
 
 @dataclass
+class MomentConfig:
+    """Second-moment ratio ``RMS(g² / v̂)`` of each tensor, from Adam/AdamW's ``exp_avg_sq``
+    (:mod:`stabmon.collect.moment_ratio`): high when a tensor's gradient is far above what its second moment
+    expects, which precedes loss spikes (StableAdamW, arXiv 2304.13013)."""
+
+    every: int = 0
+    """Sample every ``every`` steps (0: off, the default until the cost is measured). A sampled step makes one
+    pass over each tensor's gradient and ``exp_avg_sq`` inside the optimizer's pre-hook (one tensor's fp32
+    transient at a time); others pay nothing."""
+    per_tensor: bool = True
+    """Record ``moment_ratio/<parameter>`` for every tensor besides the max over tensors (``moment_ratio``)."""
+
+    def validate(self, path: str) -> None:
+        if self.every < 0:
+            raise ValueError(f"{path}.every must be >= 0, got {self.every}")
+
+
+@dataclass
+class AttentionConfig:
+    """Max attention logit ``q·k / sqrt(d)`` per layer and head on a sub-batch of sampled steps
+    (:mod:`stabmon.collect.attention`): attention-logit growth precedes the divergence of high-LR transformers
+    without QK-layernorm (Wortsman et al. 2023)."""
+
+    every: int = 0
+    """Sample every ``every`` steps (0: off, the default until the cost is measured). Only sampled forward
+    passes are hooked."""
+    sub_batch: int = 1
+    """Sequences of the batch (the first ones) whose query-key products are recomputed."""
+    heads: bool = True
+    """Record ``attn_logit/<layer>/<head>`` for every head besides the per-layer max ``attn_logit/<layer>``."""
+    modules: tuple[str, ...] | None = None
+    """Regular expressions fully matched against module names; None: every recognised attention module
+    (``nn.MultiheadAttention``, modules calling ``F.scaled_dot_product_attention``, Hugging Face GPT-2/Llama
+    attention, classes registered with :func:`stabmon.collect.attention.register_attention`)."""
+
+    def validate(self, path: str) -> None:
+        if self.every < 0:
+            raise ValueError(f"{path}.every must be >= 0, got {self.every}")
+        if self.sub_batch < 1:
+            raise ValueError(f"{path}.sub_batch must be >= 1, got {self.sub_batch}")
+        if self.modules is not None and isinstance(self.modules, str):
+            raise ValueError(f"{path}.modules must be a sequence of patterns, not a string")
+
+
+@dataclass
+class LogitConfig:
+    """Scale of the output logits on a sub-batch of sampled steps (:mod:`stabmon.collect.logits`): ``logit_max``
+    (max |logit|) and ``logit_logz`` (max |log Z|, what z-loss penalises; Wortsman et al. 2023)."""
+
+    every: int = 0
+    """Sample every ``every`` steps (0: off, the default until the cost is measured)."""
+    sub_batch: int = 1
+    """Leading rows (sequences) of the output whose logits are measured."""
+    module: str | None = None
+    """Name of the output layer; None: the model's last ``nn.Linear`` when it maps onto the vocabulary (see
+    :mod:`stabmon.collect.vocab`), else the signal is not applicable."""
+
+    def validate(self, path: str) -> None:
+        if self.every < 0:
+            raise ValueError(f"{path}.every must be >= 0, got {self.every}")
+        if self.sub_batch < 1:
+            raise ValueError(f"{path}.sub_batch must be >= 1, got {self.sub_batch}")
+
+
+@dataclass
 class DiagnoseConfig:
     """What ``diagnose`` (a runbook rung, :mod:`stabmon.diagnose`) keeps while a runbook uses it."""
 
@@ -169,6 +234,9 @@ class MonitorConfig:
     activations: ActivationConfig = field(default_factory=ActivationConfig)
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     updates: UpdateConfig = field(default_factory=UpdateConfig)
+    moments: MomentConfig = field(default_factory=MomentConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    logits: LogitConfig = field(default_factory=LogitConfig)
     diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
     checkpoint_every: int | None = None
     """Save a checkpoint every N steps through the checkpoint manager, and one of the initial state before the
@@ -214,6 +282,9 @@ class MonitorConfig:
         self.activations.validate("config.activations")
         self.embeddings.validate("config.embeddings")
         self.updates.validate("config.updates")
+        self.moments.validate("config.moments")
+        self.attention.validate("config.attention")
+        self.logits.validate("config.logits")
         self.diagnose.validate("config.diagnose")
         self.hang.validate("config.hang")
 
@@ -240,6 +311,9 @@ class MonitorConfig:
             ("activations", ActivationConfig),
             ("embeddings", EmbeddingConfig),
             ("updates", UpdateConfig),
+            ("moments", MomentConfig),
+            ("attention", AttentionConfig),
+            ("logits", LogitConfig),
             ("diagnose", DiagnoseConfig),
             ("hang", HangConfig),
         ):

@@ -20,8 +20,10 @@ The pre-hook runs inside ``optimizer.step()``:
    (``skip_theta``) and per-tensor adaptive clipping (``adaptive_clip``) before the global clip, the update-RMS cap
    (``update_rms_cap``) after the step; the LR re-warm-up (``rewarm_left``) counts down one step each time;
 7. on a step sampled for an update signal (:class:`UpdateSignal`: embedding drift, the update norm of
-   :class:`~stabmon.collect.updates.UpdateNorms`), its copy before the update, measured again in the post-hook
-   once the update (or the guard's discard) is done. Each signal has its own sampling period
+   :class:`~stabmon.collect.updates.UpdateNorms`, the second-moment ratio of
+   :class:`~stabmon.collect.moment_ratio.MomentRatios`), its work before the update on the final gradients
+   (after clipping, before the skip guard hands its flag to the kernel), measured again or returned in the
+   post-hook once the update (or the guard's discard) is done. Each signal has its own sampling period
    (:meth:`OptimizerHooks.sample`).
 
 The post-hook restores the scheduler-visible values (so a scheduler keeps its own trajectory and can never
@@ -178,13 +180,13 @@ class OptimizerHooks:
             if skip is not None:
                 self.buffer.add([Metric.SKIPPED], skip.to(result.total.dtype))
             self._clip(self._state_level(result, grad_scale), grad_scale)
+        for signal in self.sampled:  # the final gradients, before the guard folds its flag into found_inf
+            signal.before_update()
         self.guard.before_update(skip)
         self._apply_overrides()
         self._capping = self.overrides.update_rms_cap is not None
         if self._capping:
             self.update_cap.before(self.optimizer)
-        for signal in self.sampled:
-            signal.before_update()
 
     def after_step(self, *, skipped: bool = False) -> None:
         """The post-step work: scheduler-visible values back, the guard finished, embeddings measured.

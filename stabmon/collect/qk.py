@@ -77,7 +77,7 @@ def _linear_pair(module: nn.Module) -> QK | None:
     children = dict(module.named_children())
     pairs = [(children[q], children[k]) for q, k in _PAIRS if q in children and k in children]
     linear = [(q, k) for q, k in pairs if isinstance(q, nn.Linear) and isinstance(k, nn.Linear)]
-    heads = _head_count(module)
+    heads = head_count(module)
     if not linear or heads is None:
         return None
     q, k = linear[0]
@@ -95,7 +95,7 @@ def _packed_linear(module: nn.Module) -> QK | None:
     key and value rows stacked (``3 x`` its input width), and the head count on the module."""
     children = dict(module.named_children())
     packed = next((children[n] for n in _PACKED if isinstance(children.get(n), nn.Linear)), None)
-    heads = _head_count(module)
+    heads = head_count(module)
     if not isinstance(packed, nn.Linear) or heads is None or packed.out_features != 3 * packed.in_features:
         return None
     e = packed.in_features
@@ -105,7 +105,8 @@ def _packed_linear(module: nn.Module) -> QK | None:
     return QK(qs, ks, heads, heads, e // heads)
 
 
-def _head_count(module: nn.Module) -> int | None:
+def head_count(module: nn.Module) -> int | None:
+    """The head count an attention module (or its HF ``config``) declares, else None."""
     for owner in (module, getattr(module, "config", None)):
         for attr in _HEADS:
             value = getattr(owner, attr, None)

@@ -1,5 +1,7 @@
 """One step's record beyond the norms the optimizer hooks queue: observed values, activation norms, the
-GradScaler's overflow flag and scale, the hyper-parameters in force, per-rank values, step time and throughput.
+forward signals (:class:`ForwardSignal`: attention logits, :mod:`stabmon.collect.attention`; output-logit scale,
+:mod:`stabmon.collect.logits`), the GradScaler's overflow flag and scale, the hyper-parameters in force,
+per-rank values, step time and throughput.
 
 The :class:`~stabmon.monitor.Monitor` opens each step with :meth:`StepRecorder.begin`, hands ``observe()``'s
 values to :meth:`StepRecorder.observe` and closes the step with :meth:`StepRecorder.end`. Values stay on the
@@ -27,8 +29,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -49,6 +51,20 @@ OUTSIDE_MIN = 1e-3
 ``outside_time`` (a loop that calls ``begin_step`` right after ``end_step`` adds no metric)."""
 
 
+class ForwardSignal(Protocol):
+    """A collector hooked on the forward pass of the steps it samples: :meth:`arm` registers its hooks for the
+    step, :meth:`collect` returns its named device values (None: nothing measured) and removes them."""
+
+    @property
+    def armed(self) -> bool: ...
+
+    def arm(self) -> None: ...
+
+    def disarm(self) -> None: ...
+
+    def collect(self) -> tuple[list[str], torch.Tensor | None]: ...
+
+
 class StepRecorder:
     """What a step's record holds besides the hooks' norms; see the module docstring."""
 
@@ -62,9 +78,12 @@ class StepRecorder:
         scaler: Any = None,
         activations: ActivationNorms | None = None,
         probe: RankProbe | None = None,
+        forward: Sequence[tuple[int, ForwardSignal]] = (),
     ) -> None:
         self.buffer, self.hooks, self.config, self.failsafe = buffer, hooks, config, failsafe
         self.scaler, self.activations, self.probe = scaler, activations, probe
+        self.forward = tuple(forward)
+        """(sampling period in steps, signal) for each forward signal."""
         self.started: float | None = None
         """When the step being recorded began (``time.perf_counter``); flushes and checkpoints stay out."""
         self.created = time.time()
@@ -95,6 +114,9 @@ class StepRecorder:
         self._tokens = None
         if self.activations is not None and step % self.config.activations.every == 0:
             self.activations.arm()
+        for every, signal in self.forward:
+            if step % every == 0:
+                signal.arm()
         self.hooks.sample(step)
 
     def discard(self) -> None:
@@ -102,6 +124,8 @@ class StepRecorder:
         self.buffer.discard()
         if self.activations is not None:
             self.activations.disarm()
+        for _, signal in self.forward:
+            signal.disarm()
 
     def observe(self, values: Iterable[tuple[str, Any]], *, tokens: int | None, step: int) -> None:
         if tokens is not None:
@@ -109,7 +133,7 @@ class StepRecorder:
         for name, value in values:
             if value is not None:
                 self._observe_one(name, value, step)
-        self._collect_activations()
+        self._collect_forward()
         scaler = self.scaler
         if scaler is not None and scaler.is_enabled():
             # an overflow step never reaches the pre-hook: keep the values in force before scheduler.step()
@@ -134,7 +158,7 @@ class StepRecorder:
 
     def end(self) -> None:
         """Close the step's record: activations, scaler, hyper-parameters in force, per-rank values, time."""
-        self._collect_activations()
+        self._collect_forward()
         self._record_scaler()
         hooks = self.hooks
         hp = hooks.last_hparams if hooks.stepped else (self._hp_snapshot or hooks.hparams())
@@ -160,12 +184,17 @@ class StepRecorder:
         """The next step's time starts now (after the flush and the checkpoint of the step that ended)."""
         self.started = time.perf_counter()
 
-    def _collect_activations(self) -> None:
+    def _collect_forward(self) -> None:
         acts = self.activations
         if acts is not None and acts.armed:
             names, values = acts.collect()
             if values is not None:
                 self.buffer.add([Metric.ACT_RMS_PREFIX + n for n in names], values)
+        for _, signal in self.forward:
+            if signal.armed:
+                names, values = signal.collect()
+                if values is not None:
+                    self.buffer.add(names, values)
 
     def _record_scaler(self) -> None:
         scaler = self.scaler
