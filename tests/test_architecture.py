@@ -400,3 +400,17 @@ def test_the_probe_check_catches_a_probe_of_an_engine(tmp_path: Path) -> None:
     pkg.mkdir()
     (pkg / "flushing.py").write_text("def f(engine):\n    return getattr(engine, 'hold', None)\n")
     assert probes(pkg) == {("stabmon/flushing.py", "engine")}
+
+
+def test_architecture_places_every_module() -> None:
+    """docs/ARCHITECTURE.md's "Every module" table names each module of the package."""
+    text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    table = text.split("## Every module", 1)[1]
+    missing = [rel for rel in (str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py")))
+               if f"`{rel}`" not in table]
+    assert missing == [], "modules docs/ARCHITECTURE.md does not place: " + ", ".join(missing)
+
+
+def test_architecture_has_a_side_paths_section() -> None:
+    text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    assert "## Side paths" in text and "publish_from_thread" in text and "learn_host" in text

@@ -49,7 +49,8 @@ def run(after: float) -> list[Decision | Outcome]:
 def test_a_run_that_stays_clearly_worse_is_not_resolved_and_escalates() -> None:
     events = run(after=3.0)
     outcomes = [e for e in events if isinstance(e, Outcome)]
-    assert [e.action for e in events if isinstance(e, Decision)] == ["set_clip", "scale_lr"]
+    # each rung that did not resolve it is undone before the next, and the spent ladder leaves nothing in force
+    assert [e.action for e in events if isinstance(e, Decision)] == ["set_clip", "revert", "scale_lr", "revert"]
     assert [o.verdict for o in outcomes] == [Verdict.ESCALATED, Verdict.EXHAUSTED]
     pre = outcomes[0].evidence["pre_incident"]
     assert pre["clearly_worse"] is True and pre["loss_now"] == 3.0

@@ -140,13 +140,17 @@ def test_resume_after_a_kill_keeps_the_override_and_does_not_repeat(tmp_path: Pa
     rc, lines, err = finish(launch(tmp_path, **common, max_steps=120, resume=first["run_id"]))
     assert rc == 0, err
     second = merged(lines)
-    assert second["resumed_from"] == 40 and second["lr_scale"] == 0.5  # the override came back with the state
+    resumed = next(line for line in lines if "resumed_from" in line)
+    assert resumed["resumed_from"] == 40 and resumed["lr_scale"] == 0.5  # the override came back with the state
     assert second["run_id"] == first["run_id"]
-    # every step after the resume used half the scheduler's learning rate
-    assert second["used"] and all(lr == pytest.approx(0.5 * sched_lr, rel=1e-9)
-                                  for _, lr, sched_lr in second["used"])
     events = second["events"]
-    assert decisions(events) == []  # no duplicate intervention, no second change while one is observed
+    # no duplicate intervention, no second change while one is observed: once resolved, only its release
+    (release,) = decisions(events)
+    assert release["action"] == "release" and release["params"]["intervention_ids"] == [
+        next(e["id"] for e in first["events"] if e["type"] == "InterventionRecord")]
+    # every step after the resume, until the release, used half the scheduler's learning rate
+    before = [(lr, sched_lr) for step, lr, sched_lr in second["used"] if step <= release["step"]]
+    assert before and all(lr == pytest.approx(0.5 * sched_lr, rel=1e-9) for lr, sched_lr in before)
     spikes = [e["step"] for e in events if e["type"] == "Anomaly" and e["metric"] == "grad_norm"]
     assert spikes and min(spikes) >= 55  # the new spike is seen; the old evidence does not fire again
     outcomes = [e for e in events if e["type"] == "Outcome"]

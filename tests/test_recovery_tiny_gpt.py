@@ -53,9 +53,13 @@ def test_default_runbook_restarts_a_wrecked_run_with_a_halving_lr_cap_one_attemp
     result = CliRunner().invoke(app, ["trace", monitored.monitor.run_id, "--db", sqlite_url, "--json"])
     assert result.exit_code == 0, result.output
     incidents = json.loads(result.output)["incidents"]
-    changes = [s for inc in incidents for s in inc["steps"]
-               if s["intervention"] is not None and s["decision"]["action"] != "alert_only"]
+    steps = [s for inc in incidents for s in inc["steps"] if s["intervention"] is not None]
+    changes = [s for s in steps if s["decision"]["action"] not in ("alert_only", "release")]
     assert changes, summary
+    # once resolved, the caps are released: the newer ones at once, the first held until the schedule is below
+    # the LR the trouble began at (a warm-up still climbing past the edge would bring it straight back)
+    (release,) = [s for s in steps if s["decision"]["action"] == "release"]
+    assert "lifted_below_lr" in release["intervention"]["after"], release
     for step in changes:  # each a restart from the initial state with the LR capped at half the one in force
         assert step["decision"]["action"] == "rollback" and step["decision"]["params"]["lr_cap"] == 0.5
         assert step["intervention"]["after"]["checkpoint_step"] == 0

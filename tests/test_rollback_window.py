@@ -86,7 +86,7 @@ def test_a_rollback_that_meets_the_same_peak_again_escalates_the_same_incident()
     second_time = [n for s, n in processed if s == 40][1]
     assert second_time > [n for s, n in processed if s == 40][0]  # judged when the run reached S again
     decisions = [e for e in events if isinstance(e, Decision)]
-    assert [d.action for d in decisions] == ["rollback", "scale_lr"]
+    assert [d.action for d in decisions] == ["rollback", "scale_lr", "release"]  # resolved: the LR given back
     assert len({e.incident_id for e in [*decisions, *outcomes]}) == 1  # one incident, not a second one
     assert [o.verdict for o in outcomes] == [Verdict.ESCALATED, Verdict.RESOLVED]
 
@@ -97,7 +97,8 @@ def test_a_rollback_that_holds_is_resolved_only_past_the_step_it_rolled_back_fro
     assert outcome.verdict == Verdict.RESOLVED
     assert outcome.step == 45  # the window ran through steps 30-40 again, then 5 new steps (41-45)
     assert outcome.evidence["observed_steps"] == 16 and outcome.evidence["matching_anomalies"] == 0
-    assert [e.action for e in events if isinstance(e, Decision)] == ["rollback"]
+    # resolved, then the rollback's LR factor is given back (re-warmed), observed after the run leaves the test
+    assert [e.action for e in events if isinstance(e, Decision)] == ["rollback", "release"]
 
 
 def test_replay_keeps_the_usual_window_for_a_simulated_rollback() -> None:

@@ -6,6 +6,7 @@ the monitor: the experiments see only what is passed in.
 
 >>> import torch
 >>> from stabmon.collect.grads import GradNorms
+>>> from stabmon.collect.joint import RankChannel
 >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
 <torch._C.Generator object at ...>
 >>> model = torch.nn.Linear(2, 1)
@@ -15,7 +16,8 @@ the monitor: the experiments see only what is passed in.
 ...     def install(self): pass
 >>> diagnoser = build_diagnoser(model=model, optimizer=opt, scaler=None, grads=GradNorms(model), hooks=Hooks(),
 ...                             batches=None, records=[], checkpoints=None, check=lambda state: None,
-...                             loss_fn=None, own=None, rank=0, world_size=1, timeout=1.0)
+...                             loss_fn=None, own=None, rank=0, world_size=1,
+...                             channel=RankChannel(rank=0, world_size=1, timeout=1.0))
 >>> diagnoser(onset_step=5, step=9, metric="loss", max_batches=4, rtol=1e-4, recur=0.5).summary
 'no batch log: the runbook has no diagnose rung'
 """

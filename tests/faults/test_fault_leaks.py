@@ -53,7 +53,7 @@ def test_no_secret_anywhere(pg_url: str, tmp_path: Path, monkeypatch: pytest.Mon
                    config=StoreConfig(fail_fast=True))
     from stabmon.cli.demo import summary
 
-    outputs = [str(bad.value), *summary(mon, url, SimpleNamespace(steps=12, seconds=1.0, exit_code=0))]
+    outputs = [str(bad.value), *summary(mon, url, SimpleNamespace(steps=12, seconds=1.0, exit_code=0, val_loss=2.0))]
     runner = CliRunner()
     for args in (["runs", "--json"], ["trace", mon.run_id, "--json"], ["events", mon.run_id, "--json"],
                  ["metrics", mon.run_id, "--json"]):

@@ -14,7 +14,7 @@ import torch
 from fault_support import FAST, SpikeDetectors, Tiny, count, proxy_for, report, spike_runbook, stored_steps, train
 
 from stabmon.collect.config import MonitorConfig
-from stabmon.events import Decision, DecisionStatus
+from stabmon.events import Decision, DecisionStatus, InterventionRecord
 from stabmon.monitor import Monitor
 from stabmon.store import StoreConfig, open_store, upgrade
 from stabmon.store.repo import answer_decision, load_steps
@@ -192,7 +192,8 @@ def test_an_approval_given_during_an_outage_is_not_expired(pg_url: str, tmp_path
         store.close()
     statuses = [e.status for e in mon.events if isinstance(e, Decision) and e.id == proposal.id]
     assert DecisionStatus.EXPIRED not in statuses and DecisionStatus.APPROVED in statuses
-    assert mon.overrides.max_norm == 0.5
+    applied = [e for e in mon.events if isinstance(e, InterventionRecord) and e.decision_id == proposal.id]
+    assert [r.after.get("max_norm") for r in applied] == [0.5]  # applied once answered (later given back)
     assert count(pg_url, "select count(*) from decisions where id = :i and status = 'expired'", i=proposal.id) == 0
 
 
