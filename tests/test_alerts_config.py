@@ -392,3 +392,18 @@ def test_apprise_parameters_survive_untouched() -> None:
     assert "severity=error" in url and "overflow=truncate" in url
     slack = ChannelConfig.parse(SLACK + "/#general?stabmon_events=stop")
     assert slack.url == SLACK + "/#general" and slack.events == ("stop",)
+
+
+@pytest.mark.parametrize(("action", "severity"), [("release", Severity.INFO), ("reapply", Severity.WARNING)])
+def test_giving_changes_back_is_news_not_a_page(action: str, severity: Severity) -> None:
+    """A resolved incident's release returns the run to its recipe (info: no channel by default); a re-application
+    after the trouble came back is a warning (Slack, never PagerDuty), with or without its record yet."""
+    a = _anomaly(severity=Severity.ERROR)
+    d = Decision(step=300, action=action, params={"intervention_ids": ["iv1"], "steps": 100}, runbook="default",
+                 status=DecisionStatus.APPLY, rule="instability", rung=1, reason="resolved: release",
+                 anomaly_id="a1", incident_id="inc7", id="d9")
+    rec = InterventionRecord(decision_id="d9", step=300, action=action, before={"lr_scale": 0.5},
+                             after={"lr_scale": 1.0})
+    for events in ([a, d], [a, d, rec]):
+        alerts = [x for x in Composer().compose(run_id="r", run_name="n", events=events) if x.kind == "intervention"]
+        assert [x.severity for x in alerts] == [severity]

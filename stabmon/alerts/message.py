@@ -192,6 +192,10 @@ class Composer:
             kind, severity, verb = "stop", Severity.CRITICAL, "stopping the run"
         elif d.status is DecisionStatus.PROPOSED:
             kind, severity, verb = "proposal", _max(base, Severity.ERROR), "awaiting approval"
+        elif traits.releases:  # the resolved incident's changes given back to the recipe: news, not a page
+            kind, severity, verb = "intervention", Severity.INFO, "released"
+        elif traits.reapplies:  # the trouble came back without them: put back, and said so
+            kind, severity, verb = "intervention", Severity.WARNING, "put back"
         elif record is not None:
             kind = "intervention"
             severity = Severity.WARNING if record.reverted else _max(base, Severity.ERROR)
