@@ -179,3 +179,8 @@ def test_arbitrary_documents_fail_only_with_runbook_errors(doc: object) -> None:
             assert issue.line >= 1 and issue.path and issue.message
     else:
         assert isinstance(rb, Runbook)
+
+
+def test_a_bad_release_setting_is_one_line_naming_it(tmp_path: Path) -> None:
+    p = write(tmp_path, GOOD.replace("mode: apply\n", "mode: apply\nrelease: {steps: -5}\n"))
+    assert error_of(p).startswith(f"{p}:3: release.steps: Input should be greater than or equal to 0")

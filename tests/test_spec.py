@@ -30,6 +30,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "stabmon"
         ({"run_name": ""}, "run_name"),
         ({"alerts": ["nosuch://abc/def"]}, "alerts"),
         ({"notifier": object()}, "notifier: expected an object with handle() and close()"),
+        ({"checkpoints": "ckpt/"}, "checkpoints: expected a CheckpointStore"),
     ],
 )
 def test_a_bad_argument_is_one_line_naming_it(arguments: dict[str, Any], message: str | None) -> None:
