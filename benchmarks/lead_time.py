@@ -13,12 +13,17 @@ fired first; ``-`` where a signal never fired). The healthy control shows what f
     python benchmarks/lead_time.py --scenarios bad-shard,lr-too-high --seeds 5 --factor 2
 
 ``--signals``: the signals with lead (second-moment ratio, attention logits, output logits), turned on and
-sampled every 10 steps (:data:`SIGNALS_ON`; they are off by default), judged by the detector suite of
-:data:`SIGNAL_DETECTORS` replayed over the run's records. Per scenario: the median over seeds of ``lead`` =
-loss-spike step - the first ``warning`` (or worse) on a signal's metric, the signal that fired first, and the
-false alarms (warnings on those metrics) per 10k steps of the healthy runs (``healthy`` and each scenario's own
-healthy reference). The loss spike is the first step >= ``--start`` whose loss is non-finite or >
-``--loss-factor`` x the median of its ``--window`` previous values.
+sampled every 10 steps (:data:`SIGNALS_ON`; they are off by default), judged by the shipped default detector
+suite replayed over the run's records (its ``level`` detector holds ``attn_logit/*`` under 100). Per scenario:
+the median over seeds of ``lead`` = loss departure - the first ``warning`` (or worse) on a signal's metric, the
+signal that fired first, the lead over the first ``error`` the same suite raises on any other metric (what a
+runbook acts on today), and the false alarms (warnings on the signals' metrics) per 10k steps of the healthy runs
+(``healthy`` and each scenario's own healthy reference). The loss *departs* at the first step >= ``--start``
+whose loss is non-finite, > ``--loss-factor`` x the median of its ``--window`` previous values (a spike), or >
+``--loss-factor`` x the lowest loss since ``--start`` (it turned up: a slow divergence has no spike). A run
+whose loss never departs (it stalls instead) has no lead there; the second lead is over the loss *leaving its
+healthy twin* (the median of its last 5 values > ``--loss-factor`` x the twin's at the same steps): where the
+damage shows in the loss, spike or not.
 
     python benchmarks/lead_time.py --signals --seeds 5
 """
@@ -84,11 +89,7 @@ def first_exceed(values: list[tuple[int, float]], *, factor: float, window: int,
     return None
 
 
-SIGNALS = (Metric.MOMENT_RATIO, Metric.ATTN_LOGIT, Metric.LOGIT_MAX)
-SIGNAL_DETECTORS = {"spike.metrics": [Metric.GRAD_NORM, Metric.LOSS, Metric.MOMENT_RATIO_PREFIX + "*",
-                                      Metric.ATTN_LOGIT_PREFIX + "*", Metric.LOGIT_MAX]}
-"""The detector configuration measured: the default suite with the spike detector also on each signal's
-per-tensor / per-layer / per-head metrics (not the shipped default: see docs/detectors.md)."""
+SIGNALS = (Metric.MOMENT_RATIO, Metric.ATTN_LOGIT, Metric.LOGIT_MAX, Metric.LOGIT_LOGZ)
 
 
 SIGNALS_ON = {"moments": MomentConfig(every=10), "attention": AttentionConfig(every=10),
@@ -109,50 +110,102 @@ def records(config: tiny_gpt.TrainConfig) -> list[StepRecord]:
     return list(made[0].records)
 
 
-def warnings(recs: list[StepRecord], start: int) -> list[tuple[int, str]]:
-    """(step, metric) of each warning-or-worse anomaly on a signal's metric, replaying the default suite."""
-    suite = DetectorSuite.from_config(overrides=SIGNAL_DETECTORS)
-    out = []
+def replay(recs: list[StepRecord], start: int) -> tuple[list[tuple[int, str]], int | None]:
+    """(step, metric) of each warning-or-worse anomaly on a signal's metric, and the first error-or-worse step on
+    any other metric, replaying the shipped default suite over the records."""
+    suite = DetectorSuite.from_config()
+    fired, error = [], None
     for r in recs:
         for a in suite.update(r):
-            if a.step >= start and a.severity >= Severity.WARNING and a.metric.startswith(SIGNALS):
-                out.append((a.step, a.metric))
-    return out
+            if a.step < start:
+                continue
+            if a.metric.startswith(SIGNALS):
+                if a.severity >= Severity.WARNING:
+                    fired.append((a.step, a.metric))
+            elif a.severity >= Severity.ERROR and error is None:
+                error = a.step
+    return fired, error
 
 
-def signal_row(name: str, seeds: int, threads: int, how: dict[str, float]) -> tuple[list[int], list[str], int, int]:
-    """Leads (loss-spike step - first signal warning), the signals that fired first, and the healthy runs'
-    warnings and steps."""
+def departure(loss: list[tuple[int, float]], *, factor: float, window: int, start: int) -> int | None:
+    """The first step >= ``start`` whose loss is non-finite, > ``factor`` x the median of the ``window`` previous
+    finite losses, or > ``factor`` x the lowest finite loss from ``start`` on (see the module docstring)."""
+    history: list[float] = []
+    best = math.inf
+    for step, v in loss:
+        if step >= start:
+            if not math.isfinite(v) or (history and v > factor * statistics.median(history)) or v > factor * best:
+                return step
+            best = min(best, v)
+        if math.isfinite(v):
+            history = (history + [v])[-window:]
+    return None
+
+
+def off_twin(loss: list[tuple[int, float]], twin: list[tuple[int, float]], *, factor: float, start: int,
+             smooth: int = 5) -> int | None:
+    """The first step >= ``start`` at which the run's loss (the median of its last ``smooth`` values) is non-finite
+    or > ``factor`` x its healthy twin's at the same step: the damage shows in the loss, spike or not."""
+    theirs = dict(twin)
+    mine: list[float] = []
+    ref: list[float] = []
+    for step, v in loss:
+        mine, ref = (mine + [v])[-smooth:], (ref + [theirs.get(step, math.nan)])[-smooth:]
+        if step < start:
+            continue
+        if not math.isfinite(v):
+            return step
+        if len(mine) == smooth and statistics.median(mine) > factor * statistics.median(ref):
+            return step
+    return None
+
+
+def signal_row(name: str, seeds: int, threads: int, how: dict[str, float]) -> dict[str, object]:
+    """Leads (loss departure - first signal warning; the same against the loss leaving its healthy twin's), leads
+    over today's first error, the signals that fired first, and the healthy runs' warnings and steps."""
     s = sc.scenario(name)
-    leads, first, alarms, steps = [], [], 0, 0
+    start = int(how["start"])
+    leads, over_twin, over_error, first, alarms, steps = [], [], [], [], 0, 0
     for seed in range(seeds):
+        healthy = records(s.healthy_config(seed, threads=threads) if not s.healthy else s.config(seed, threads=threads))
+        alarms += len(replay(healthy, start)[0])
+        steps += len(healthy)
         if not s.healthy:
             recs = records(s.config(seed, threads=threads))
             loss = [(r.step, r.metrics[Metric.LOSS]) for r in recs if Metric.LOSS in r.metrics]
-            spike = first_exceed(loss, factor=how["loss_factor"], window=int(how["window"]), start=int(how["start"]))
-            fired = warnings(recs, int(how["start"]))
-            if spike is not None and fired:
-                leads.append(spike - fired[0][0])
+            twin = [(r.step, r.metrics[Metric.LOSS]) for r in healthy if Metric.LOSS in r.metrics]
+            depart = departure(loss, factor=how["loss_factor"], window=int(how["window"]), start=start)
+            leaves = off_twin(loss, twin, factor=how["loss_factor"], start=start)
+            fired, error = replay(recs, start)
+            if fired:
                 first.append(fired[0][1])
-        healthy = records(s.healthy_config(seed, threads=threads) if not s.healthy else s.config(seed, threads=threads))
-        alarms += len(warnings(healthy, int(how["start"])))
-        steps += len(healthy)
-        print(f"  {name} seed {seed}: leads {leads} first {first[-1:] if first else '-'} healthy alarms {alarms}",
-              flush=True)
-    return leads, first, alarms, steps
+                for out, ref in ((leads, depart), (over_twin, leaves), (over_error, error)):
+                    if ref is not None:
+                        out.append(ref - fired[0][0])
+        print(f"  {name} seed {seed}: leads {leads} over twin {over_twin} over error {over_error} "
+              f"first {first[-1:] or '-'} healthy alarms {alarms}", flush=True)
+    return {"leads": leads, "over_twin": over_twin, "over_error": over_error, "first": first, "alarms": alarms,
+            "steps": steps}
 
 
 def signals_main(names: list[str], seeds: int, threads: int, how: dict[str, float]) -> None:
-    print(f"signals sampled every 10 steps; loss spike: > {how['loss_factor']:g}x the median of the previous "
-          f"{how['window']:g} losses (from step {how['start']:g})")
-    rows = [(n, *signal_row(n, seeds, threads, how)) for n in names]
-    print("| scenario | median lead (steps) | leads per seed | first signal | healthy false alarms / 10k steps |")
-    print("|---|---|---|---|---|")
-    for name, leads, first, alarms, steps in rows:
-        med = f"{statistics.median(leads):g}" if leads else "-"
+    print(f"signals sampled every 10 steps; the loss departs: > {how['loss_factor']:g}x the median of the previous "
+          f"{how['window']:g} losses or {how['loss_factor']:g}x the lowest since step {how['start']:g}")
+    rows = [(n, signal_row(n, seeds, threads, how)) for n in names]
+    print("| scenario | median lead over the loss's departure (steps) | per seed | over its leaving the healthy "
+          "twin | per seed | over today's first error | first signal | healthy false alarms / 10k steps |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in rows:
+        leads, twin, over, first = r["leads"], r["over_twin"], r["over_error"], r["first"]
         top = max(set(first), key=first.count) if first else "-"
-        rate = 1e4 * alarms / steps if steps else 0.0
-        print(f"| {name} | {med} | {', '.join(map(str, leads)) or '-'} | {top} | {rate:.1f} ({alarms} in {steps}) |")
+        rate = 1e4 * r["alarms"] / r["steps"] if r["steps"] else 0.0
+        print(f"| {name} | {_med(leads)} | {', '.join(map(str, leads)) or '-'} | {_med(twin)} | "
+              f"{', '.join(map(str, twin)) or '-'} | {_med(over)} | {top} | "
+              f"{rate:.1f} ({r['alarms']} in {r['steps']}) |")
+
+
+def _med(values: list[int]) -> str:
+    return f"{statistics.median(values):g}" if values else "-"
 
 
 def main(argv: list[str] | None = None) -> int:

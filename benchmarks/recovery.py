@@ -45,6 +45,10 @@ ALONE = {  # each state-level intervention alone: its one rung answers every inc
 ARMS = ("unmonitored", *(f"stabmon:{r}" for r in RUNBOOKS), *(f"stabmon:only-{a}" for a in ALONE), *PEERS)
 RESCUE_TOLERANCE = 0.10
 CHECKPOINT_EVERY = 25
+ATTENTION_EVERY = 10
+"""Every stabmon arm samples the max attention logits every 10 steps (off by default), so that the ``level``
+detector can see attention-logit growth and ``in-place-first`` can answer it with ``qk_clip``; the other runbooks
+only alert on it."""
 
 
 @dataclass
@@ -85,6 +89,7 @@ def alone_runbook(action: str) -> Any:
 def monitored(
     config: tiny_gpt.TrainConfig, runbook: str, ckpt: str, detectors: dict[str, Any] | None = None
 ) -> tiny_gpt.TrainResult:
+    from stabmon.collect.config import AttentionConfig
     from stabmon.monitor import Monitor, MonitorConfig
 
     book: Any = alone_runbook(runbook.removeprefix("only-")) if runbook.startswith("only-") else runbook
@@ -94,7 +99,7 @@ def monitored(
                        detectors=detectors,
                        checkpoint_dir=ckpt, run_name=f"recovery-{runbook}",
                        config=MonitorConfig(clip=config.clip, checkpoint_every=CHECKPOINT_EVERY,
-                                            checkpoint_keep=40,
+                                            checkpoint_keep=40, attention=AttentionConfig(every=ATTENTION_EVERY),
                                             hang_timeout=None))
 
     return tiny_gpt.train(config, monitor=factory)

@@ -19,6 +19,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+QK_RELEASE_RISE = 8.0
+"""A standing QK-clip is given back by raising its bound geometrically to 8x over the release's steps, then
+turning it off: the heads are let grow back gradually, and the trouble, if it returns, is seen while they are
+still bounded (:meth:`Overrides.qk_bound`)."""
+
 
 @dataclass
 class Overrides:
@@ -60,6 +65,14 @@ class Overrides:
     update_rms_cap: float | None = None
     """clip_update: cap the RMS of each tensor's Adam update direction m^/(sqrt(v^)+eps) at this value (the
     step then moves that tensor by lr x update x cap / RMS). None = off."""
+    qk_tau: float | None = None
+    """qk_clip standing (Kimi K2's QK-clip): after every step, each attention head whose max logit on the sampled
+    sub-batch exceeded qk_tau has its query/key rows scaled so that it is back at qk_tau. None = off."""
+    qk_release_steps: int = 0
+    """A standing QK-clip being given back: its bound rises geometrically from qk_tau to QK_RELEASE_RISE x qk_tau
+    over this many steps, then the clip is off (0: not being given back)."""
+    qk_release_done: int = 0
+    """Steps of that rise already taken."""
     rewarm_steps: int = 0
     """Length of the LR re-warm-up in force (reset_moments); 0: none."""
     rewarm_left: int = 0
@@ -96,6 +109,11 @@ class Overrides:
             raise ValueError(f"overrides.adaptive_clip_beta must be in (0, 1), got {self.adaptive_clip_beta}")
         if self.update_rms_cap is not None and not self.update_rms_cap > 0:
             raise ValueError(f"overrides.update_rms_cap must be > 0, got {self.update_rms_cap}")
+        if self.qk_tau is not None and not self.qk_tau > 0:
+            raise ValueError(f"overrides.qk_tau must be > 0, got {self.qk_tau}")
+        if not 0 <= self.qk_release_done <= max(self.qk_release_steps, 0):
+            raise ValueError(f"overrides.qk_release_done must be in [0, qk_release_steps={self.qk_release_steps}], "
+                             f"got {self.qk_release_done}")
         if not 0 <= self.rewarm_left <= self.rewarm_steps:
             raise ValueError(f"overrides.rewarm_left must be in [0, rewarm_steps={self.rewarm_steps}], got "
                              f"{self.rewarm_left}")
@@ -155,6 +173,22 @@ class Overrides:
     def lr_changed(self) -> bool:
         """Whether the learning rate in force differs from the scheduler's."""
         return self.lr_scale != 1.0 or self.lr_cap is not None or self.ramp_from is not None or self.rewarm_left > 0
+
+    def qk_bound(self) -> float | None:
+        """The standing QK-clip's bound in force (None: off), and one step of its release counted.
+
+        >>> o = Overrides(qk_tau=50.0, qk_release_steps=2); o.qk_bound(), round(o.qk_bound(), 2), o.qk_bound(), o.qk_tau
+        (50.0, 141.42, None, None)
+        """
+        tau = self.qk_tau
+        if tau is None or not self.qk_release_steps:
+            return tau
+        done, steps = self.qk_release_done, self.qk_release_steps
+        if done >= steps:
+            self.qk_tau, self.qk_release_steps, self.qk_release_done = None, 0, 0
+            return None
+        self.qk_release_done = done + 1
+        return tau * QK_RELEASE_RISE ** (done / steps)
 
     def scaled_lr(self, lr: Any) -> Any:
         """The learning rate in force for a scheduler's ``lr`` (a float or a tensor): times ``lr_scale``, at most

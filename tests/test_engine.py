@@ -475,9 +475,11 @@ rules:
 """
 
 
-def test_a_repeated_rung_is_tried_again_while_the_incident_persists_then_the_ladder_moves_on() -> None:
-    d = Driver(Engine(loads_runbook(REPEAT), id_seed="r"))
-    d.run(11, anomalous=range(1, 12))  # the spikes never stop
+def test_a_repeated_rung_is_tried_again_while_each_attempt_holds_the_trouble_off_longer() -> None:
+    d = Driver(Engine(loads_runbook(REPEAT.replace("observe: 3", "observe: 6")), id_seed="r"))
+    # attempt 1 (made at 1) is watched over 2-7 and the spike comes back 1 step in; attempt 2 (made at 7) holds it off
+    # 2 steps (10), attempt 3 (made at 13) 3 steps (17): each bought time, so each got its turn
+    d.run(20, anomalous=[1, 3, 10, 17])
     made = rungs(d.events)[:4]
     assert [x.action for x in made] == ["scale_lr", "scale_lr", "scale_lr", "alert_only"]
     # the attempts stack; once the rung is spent all three are undone, newest first, before the next rung
@@ -489,6 +491,28 @@ def test_a_repeated_rung_is_tried_again_while_the_incident_persists_then_the_lad
     judged = outcomes(d.events)
     assert [o.verdict for o in judged[:3]] == [Verdict.ESCALATED] * 3
     assert [o.evidence.get("attempt") for o in judged[:2]] == [1, 2]
+
+
+def test_a_repeat_that_holds_the_trouble_off_no_longer_spends_the_rung() -> None:
+    d = Driver(Engine(loads_runbook(REPEAT.replace("observe: 3", "observe: 6")), id_seed="r"))
+    d.run(20, anomalous=[1, 4, 10])  # attempt 1 held the spike off 2 steps (2-7: back at 4), attempt 2 only 2 (8-13)
+    made = rungs(d.events)[:3]
+    assert [x.action for x in made] == ["scale_lr", "scale_lr", "alert_only"]
+    judged = outcomes(d.events)
+    assert "held the trouble off 2 steps, no longer than attempt 1 (2)" in judged[1].evidence["futile"]
+    reverts = [x for x in decisions(d.events) if x.action == "revert"]
+    assert [x.params["intervention_id"] for x in reverts] == [f"i-{x.id}" for x in reversed(made[:2])]
+
+
+def test_a_repeat_that_kept_the_trouble_away_is_not_stacked_when_only_the_loss_failed() -> None:
+    book = REPEAT.replace("observe: 3", "observe: 4\n        success: {loss_within: 0.1}")
+    d = Driver(Engine(loads_runbook(book), id_seed="r"))
+    d.run(20, loss=2.0)  # a baseline
+    d.run(1, anomalous=[21])
+    d.run(8, loss=3.0)  # no spike after the cut, but the loss stays 50% above its baseline
+    made = rungs(d.events)[:2]
+    assert [x.action for x in made] == ["scale_lr", "alert_only"]
+    assert "the loss did not recover" in outcomes(d.events)[0].evidence["futile"]
 
 
 def test_a_repeated_rung_stops_repeating_once_an_attempt_resolves_it() -> None:

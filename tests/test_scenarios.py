@@ -38,6 +38,12 @@ def _load(path: Path, name: str) -> ModuleType:
 
 
 @cache
+def lead_time() -> ModuleType:
+    """benchmarks/lead_time.py: the same code the published lead table comes from."""
+    return _load(REPO / "benchmarks" / "lead_time.py", "lead_time_benchmark")
+
+
+@cache
 def recovery() -> ModuleType:
     """benchmarks/recovery.py: the same code the published rescue table comes from."""
     return _load(REPO / "benchmarks" / "recovery.py", "recovery_benchmark")
@@ -113,7 +119,8 @@ def test_default_runbook_rescues_a_majority_of_seeds(name: str, tmp_path: Path) 
 
 @pytest.mark.slow
 def test_runbooks_leave_healthy_runs_alone(tmp_path: Path) -> None:
-    runs = [("default", seed) for seed in SEEDS] + [("opt175b", SEEDS[0]), ("palm-rollback", SEEDS[1])]
+    runs = [("default", seed) for seed in SEEDS] + [("opt175b", SEEDS[0]), ("palm-rollback", SEEDS[1]),
+                                                    ("in-place-first", SEEDS[2])]
     for runbook, seed in runs:
         mon = _monitored("healthy", seed, runbook, tmp_path).monitor
         changed = [e for e in mon.events if type(e).__name__ == "InterventionRecord" and changed_training(e)]
@@ -182,3 +189,33 @@ def test_recovery_benchmark_prints_the_table_and_writes_json(tmp_path: Path) -> 
     assert not by_arm["olmo-skip-step"]["rescued"]  # NaN is not a spike to a z-score: the update poisons the run
     bad = subprocess.run([*cmd[:2], "--arms", "nope"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--arms: unknown arm 'nope'" in bad.stderr
+
+
+@pytest.mark.slow
+def test_attention_logit_growth_is_warned_before_the_loss_shows_it() -> None:
+    lt = lead_time()
+    for seed in SEEDS:
+        healthy = lt.records(config("attn-logit-growth", seed, healthy=True))
+        assert lt.replay(healthy, 20)[0] == [], seed  # no warning on the signals of the healthy twin
+        recs = lt.records(config("attn-logit-growth", seed))
+        fired, error = lt.replay(recs, 20)
+        loss = [(r.step, r.metrics["loss"]) for r in recs if "loss" in r.metrics]
+        twin = [(r.step, r.metrics["loss"]) for r in healthy if "loss" in r.metrics]
+        leaves = lt.off_twin(loss, twin, factor=1.2, start=20)
+        assert fired and fired[0][1].startswith("attn_logit/"), seed
+        assert leaves is not None and error is not None and fired[0][0] < min(leaves, error), (seed, fired[0], leaves,
+                                                                                            error)
+
+
+@pytest.mark.slow
+def test_in_place_first_answers_attention_logit_growth_with_a_standing_qk_clip(tmp_path: Path) -> None:
+    firsts, outcomes = [], {}
+    for seed in SEEDS:
+        result = _monitored("attn-logit-growth", seed, "in-place-first", tmp_path)
+        changes = [e for e in result.monitor.events if type(e).__name__ == "InterventionRecord"
+                   and changed_training(e)]
+        firsts.append(changes[0].action if changes else None)
+        unmonitored = recovery().tiny_gpt.train(config("attn-logit-growth", seed)).val_loss
+        outcomes[seed] = (result.val_loss, unmonitored, [c.action for c in changes])
+        assert result.val_loss < unmonitored, outcomes  # never worse than leaving it alone
+    assert firsts.count("qk_clip") >= 2, outcomes  # the cheap fix the evidence points at, before any restart

@@ -210,7 +210,7 @@ def test_qk_clip_scales_only_the_offending_head_so_its_logits_shrink_to_tau() ->
     w = model.attn.in_proj_weight.detach().clone()
     h = torch.randn(1, 3, 16)
     q, k = (h @ w[:16].T + model.attn.in_proj_bias[:16]), (h @ w[16:32].T + model.attn.in_proj_bias[16:32])
-    _, rec = apply(mon, "qk_clip", {}, spike("attn_logit/attn/h2", 400.0))
+    _, rec = apply(mon, "qk_clip", {"standing": False}, spike("attn_logit/attn/2", 400.0))
     assert rec.after == {"layer": "attn", "heads": [2], "factor": 0.25}
     w2, b2 = model.attn.in_proj_weight.detach(), model.attn.in_proj_bias.detach()
     q2, k2 = h @ w2[:16].T + b2[:16], h @ w2[16:32].T + b2[16:32]
@@ -232,15 +232,16 @@ def test_qk_clip_with_separate_q_k_projections_and_bad_inputs() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
     wq = model.layers[0].q_proj.weight.detach().clone()
-    _, rec = apply(mon, "qk_clip", {"layer": "layers.0", "heads": [0], "max_logit": 200.0, "tau": 50.0})
+    once = {"standing": False}
+    _, rec = apply(mon, "qk_clip", {**once, "layer": "layers.0", "heads": [0], "max_logit": 200.0, "tau": 50.0})
     assert rec.after["factor"] == 0.25
     assert torch.allclose(model.layers[0].q_proj.weight[:4], wq[:4] * 0.5)
     assert torch.equal(model.layers[0].q_proj.weight[4:], wq[4:])
-    _, rec = apply(mon, "qk_clip", {"layer": "layers.0", "max_logit": 20.0})
+    _, rec = apply(mon, "qk_clip", {**once, "layer": "layers.0", "max_logit": 20.0})
     assert rec.not_applied == "max logit 20 is not above tau 100"
-    _, rec = apply(mon, "qk_clip", {"layer": "layers.0.q_proj", "max_logit": 200.0})
+    _, rec = apply(mon, "qk_clip", {**once, "layer": "layers.0.q_proj", "max_logit": 200.0})
     assert "not applicable: layer 'layers.0.q_proj' is no recognised attention module" in rec.not_applied
-    _, rec = apply(mon, "qk_clip", {"layer": "layers.0", "heads": [7], "max_logit": 200.0})
+    _, rec = apply(mon, "qk_clip", {**once, "layer": "layers.0", "heads": [7], "max_logit": 200.0})
     assert rec.error.startswith("ValueError: heads: [7] out of range")
     mon.close()
 
@@ -255,12 +256,14 @@ def test_replay_simulates_every_state_level_rung() -> None:
     t = SimulatedTarget()
     ex = Executor(t, simulated=True)
     for action, params in (("reset_moments", {"tensors": ["blocks.1"]}), ("adaptive_clip", {}),
-                           ("clip_update", {}), ("qk_clip", {"max_logit": 300.0}), ("skip_step", {"theta": 5e3})):
+                           ("clip_update", {}), ("qk_clip", {"max_logit": 300.0, "standing": False}), ("qk_clip", {}),
+                           ("skip_step", {"theta": 5e3})):
         rec = ex.execute(Decision(step=1, action=action, params=params, status=DecisionStatus.APPLY, runbook="rb",
                                   rule="r", rung=0, reason="t"))
         assert rec.simulated and "error" not in rec.after and "not_applied" not in rec.after, (action, rec.after)
     assert [c["action"] for c in t.summary()["state_changes"]] == ["reset_moments", "qk_clip"]
     assert t.overrides.adaptive_clip == 1.05 and t.overrides.update_rms_cap == 1.0 and t.overrides.skip_theta == 5e3
+    assert t.overrides.qk_tau == 100.0  # the standing clip: an override
 
 
 def test_facts_name_what_is_missing() -> None:
@@ -272,7 +275,7 @@ def test_facts_name_what_is_missing() -> None:
 def test_a_failed_state_change_logs_one_line(caplog: pytest.LogCaptureFixture) -> None:
     model, opt, mon = build({"foreach": True})
     with caplog.at_level(logging.ERROR):
-        apply(mon, "qk_clip", {"layer": "attn", "heads": [9], "max_logit": 500.0})
+        apply(mon, "qk_clip", {"standing": False, "layer": "attn", "heads": [9], "max_logit": 500.0})
     assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
     mon.close()
 
@@ -290,7 +293,7 @@ def test_qk_clip_on_a_nanogpt_packed_projection() -> None:
     mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
     assert mon.target.facts().attention == ("h.0", "h.1")
     w = model.h[1].c_attn.weight.detach().clone()
-    _, rec = apply(mon, "qk_clip", {}, spike("attn_logit/h.1/h1", 400.0))
+    _, rec = apply(mon, "qk_clip", {"standing": False}, spike("attn_logit/h.1/1", 400.0))
     assert rec.after == {"layer": "h.1", "heads": [1], "factor": 0.25}
     scaled = model.h[1].c_attn.weight.detach()
     assert torch.allclose(scaled[4:8], w[4:8] * 0.5) and torch.allclose(scaled[12:16], w[12:16] * 0.5)
@@ -319,13 +322,13 @@ def test_a_skipped_step_stays_skipped_with_every_state_level_fix_on(kind: dict[s
 class _Flags:
     """A detector suite that reports a given anomaly at given steps (the engine and executor are real)."""
 
-    def __init__(self, metric: str, steps: set[int], value: float) -> None:
-        self.metric, self.steps, self.value = metric, steps, value
+    def __init__(self, metric: str, steps: set[int], value: float, kind: str = "spike") -> None:
+        self.metric, self.steps, self.value, self.kind = metric, steps, value, kind
 
     def update(self, record: Any) -> list[Anomaly]:
         if record.step not in self.steps:
             return []
-        return [Anomaly(kind="spike", metric=self.metric, step=record.step, score=9.0, severity=Severity.ERROR,
+        return [Anomaly(kind=self.kind, metric=self.metric, step=record.step, score=9.0, severity=Severity.ERROR,
                         detector="t", evidence=((record.step - 1, 1.0), (record.step, self.value)))]
 
     def enter_grace(self, steps: int | None = None) -> None:
@@ -338,17 +341,18 @@ class _Flags:
         pass
 
 
-@pytest.mark.parametrize(("metric", "action", "want"), [
-    ("grad_norm/blocks.1", "reset_moments", {"tensors": ["blocks.1"]}),
-    ("attn_logit/blocks.0.attn/h3", "qk_clip", {"layer": "blocks.0.attn", "heads": [3], "factor": 0.25}),
+@pytest.mark.parametrize(("metric", "kind", "action", "want"), [
+    ("grad_norm/blocks.1", "spike", "reset_moments", {"tensors": ["blocks.1"]}),
+    ("attn_logit/blocks.0.attn/3", "level", "qk_clip", {"qk_tau": 50.0}),
 ])
-def test_in_place_first_acts_on_what_the_anomaly_names(metric: str, action: str, want: dict[str, Any]) -> None:
+def test_in_place_first_acts_on_what_the_anomaly_names(metric: str, kind: str, action: str,
+                                                       want: dict[str, Any]) -> None:
     from stabmon.events import InterventionRecord, StepRecord
     from stabmon.factory import resolve_engine
     from stabmon.pipeline import Pipeline
 
     target = SimulatedTarget()
-    pipe = Pipeline(_Flags(metric, {30}, 400.0), resolve_engine("in-place-first", None),
+    pipe = Pipeline(_Flags(metric, {30}, 400.0, kind), resolve_engine("in-place-first", None),
                     Executor(target, simulated=True))
     events = []
     for step in range(40):
@@ -359,3 +363,68 @@ def test_in_place_first_acts_on_what_the_anomaly_names(metric: str, action: str,
     record = next(e for e in events if isinstance(e, InterventionRecord))
     assert decision.action == action and decision.params["metric"] == metric and decision.params["value"] == 400.0
     assert record.decision_id == decision.id and want.items() <= {**record.after}.items()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_standing_qk_clip_holds_each_head_under_tau_until_it_is_given_back(kind: dict[str, bool]) -> None:
+    from stabmon.collect.attention import AttentionLogits
+
+    model, opt, mon = build(kind)
+    with torch.no_grad():
+        model.attn.in_proj_weight[8:12].mul_(60.0)  # head 2's queries: its logits 20x the others'
+    probe = AttentionLogits(model)
+
+    def heads() -> list[float]:
+        probe.arm()
+        with torch.no_grad():
+            model(torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(1)))
+        probe.collect()
+        return probe.last[0].tolist()
+
+    before = heads()
+    w = model.attn.in_proj_weight.detach().clone()
+    ex, rec = apply(mon, "qk_clip", {"tau": 2.0})
+    assert rec.before == {"qk_tau": None} and rec.after == {"qk_tau": 2.0} and mon.overrides.qk_tau == 2.0
+    train(model, opt, mon, 3)
+    after = heads()
+    assert before[2] > 5 * 2.0 and max(before[:2] + before[3:]) < 2.0
+    assert after[2] <= 2.0 * 1.5  # the offending head, back near tau (the steps in between grow it a little)
+    moved = (model.attn.in_proj_weight.detach() - w).abs().amax(dim=1)
+    assert moved[8:12].max() > 10 * moved[:8].max()  # the query rows of head 2 shrank; the others only trained
+    # released: the bound rises 8x over the release's steps, then the clip is off
+    release = Decision(step=mon.target.step, action="release", params={"intervention_ids": [rec.id], "steps": 4},
+                       status=DecisionStatus.APPLY, runbook="rb", rule="r", rung=0, reason="test")
+    released = ex.execute(release)
+    assert released.after == {"qk_tau": 2.0, "release_steps": 4, "rise": 8.0}
+    train(model, opt, mon, 4)
+    assert mon.overrides.qk_tau == 2.0 and mon.overrides.qk_release_done == 4
+    train(model, opt, mon, 1)
+    assert mon.overrides.qk_tau is None and mon.signals.recorder.standing_qk is not None
+    assert not mon.signals.recorder.standing_qk.attention.armed  # nothing hooked once it is off
+    mon.close()
+
+
+def test_a_standing_qk_clip_on_attention_the_monitor_cannot_measure_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    class Packed(nn.Module):  # a QK layout qk_clip knows, in a forward the attention collector cannot see into
+        n_head = 2
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(8, 24)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).split(8, dim=-1)
+            return (torch.tanh(q * k) * v).sum()
+
+    model = Packed()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
+    _, rec = apply(mon, "qk_clip", {})
+    assert rec.after == {"qk_tau": 100.0}
+    with caplog.at_level(logging.WARNING):
+        mon.begin_step()
+        model(torch.randn(2, 8)).backward()
+        opt.step()
+        mon.end_step()
+    assert any("cannot measure this model's attention logits" in r.message for r in caplog.records)
+    mon.close()

@@ -1,6 +1,6 @@
-"""reset_moments and adaptive_clip under DDP on two real gloo ranks: rank 0 executes the decision, the other rank
-follows it through the same broadcast the monitor uses, and both make the same change (same tensors reset,
-same per-tensor clipping although each rank's batch differs)."""
+"""reset_moments, adaptive_clip and the standing qk_clip under DDP on two real gloo ranks: rank 0 executes the
+decision, the other rank follows it through the same broadcast the monitor uses, and both make the same change (same
+tensors reset, same per-tensor clipping and the same per-head QK factors although each rank's batch differs)."""
 
 from __future__ import annotations
 
@@ -63,3 +63,60 @@ def test_reset_moments_and_adaptive_clip_make_the_same_change_on_every_rank() ->
     assert r0["ema"] == r1["ema"] and len(r0["ema"]) == 4
     assert r0["rewarm_left"] == r1["rewarm_left"] == 16
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
+
+
+class Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, num_heads=2, batch_first=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+
+def _qk_ranks(rank: int, size: int) -> dict[str, Any]:
+    from stabmon.collect.attention import AttentionLogits
+
+    torch.manual_seed(0)
+    net = Attn()
+    with torch.no_grad():
+        net.attn.in_proj_weight[:8].mul_(200.0)  # queries far too large: logits in the hundreds
+    model = DistributedDataParallel(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
+    ex, follower = Executor(mon.target), RankFollower()
+    gen = torch.Generator().manual_seed(20 + rank)  # each rank its own batches: its own max logits
+
+    def batch() -> torch.Tensor:
+        return torch.randn(2, 6, 8, generator=gen) * (1.0 + rank)
+
+    def measured() -> torch.Tensor:
+        logits = AttentionLogits(net)
+        logits.arm()
+        with torch.no_grad():
+            net(batch())
+        logits.collect()
+        return logits.last[0]
+
+    before = measured()
+    _decide(rank, ex, follower, "qk_clip", {"tau": 20.0})
+    for _ in range(3):
+        mon.begin_step()
+        model(batch()).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        mon.end_step()
+    out = {"before": before, "after": measured(), "qk_tau": mon.overrides.qk_tau,
+           "params": [p.detach().clone() for p in net.parameters()]}
+    mon.close()
+    return out
+
+
+def test_a_standing_qk_clip_scales_every_rank_by_the_same_factors() -> None:
+    r0, r1 = run_ranks(_qk_ranks, 2, timeout=180.0)
+    assert r0["qk_tau"] == r1["qk_tau"] == 20.0
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))  # still replicas
+    assert r0["before"].max() > 100 and r1["before"].max() > 100
+    # each rank measured its own batch; the factors came from the max over ranks, so no head is left far above tau
+    assert r0["after"].max() < 0.5 * r0["before"].max() and r1["after"].max() < 0.5 * r1["before"].max()

@@ -43,7 +43,7 @@ def _train(model: nn.Module, *, rank: int, size: int, fixes: bool = True) -> Non
             for action, params in (("reset_moments", {"tensors": ["qkv"], "second_moment": True}),
                                    ("adaptive_clip", {}), ("clip_update", {"max_rms": 0.3}),
                                    ("skip_step", {"theta": 50.0}),
-                                   ("qk_clip", {"layer": "", "heads": [1], "max_logit": 400.0})):
+                                   ("qk_clip", {"layer": "", "heads": [1], "max_logit": 400.0, "standing": False})):
                 rec = ex.execute(Decision(step=step, action=action, params=params, status=DecisionStatus.APPLY,
                                           runbook="rb", rule="r", rung=0, reason="t"))
                 assert rec is not None and "error" not in rec.after and "not_applied" not in rec.after, rec.after

@@ -219,12 +219,20 @@ class AttentionLogits:
                 self.names += [f"{Metric.ATTN_LOGIT_PREFIX}{w.name}/{i}" for i in range(h)]
         self._handles: list[Any] = []
         self._values: dict[int, torch.Tensor] = {}
+        #: the per-head maxima of the last collected step, by index into :attr:`watched` (device tensors, never
+        #: read back here): what a standing QK-clip acts on (:class:`stabmon.collect.qk.StandingQkClip`)
+        self.last: dict[int, torch.Tensor] = {}
         self._modes: dict[int, _Capture] = {}
         self._failed: set[int] = set()
 
     @property
     def armed(self) -> bool:
         return bool(self._handles)
+
+    @property
+    def watched(self) -> list[nn.Module]:
+        """The recognised attention modules, in the order of :attr:`last`'s indices."""
+        return [w.module for w in self._watched]
 
     def arm(self) -> None:
         """Hook the recognised modules for the coming forward pass."""
@@ -283,6 +291,7 @@ class AttentionLogits:
         """Disarm and return (names, values): the max over everything, then per module its max and heads."""
         self.disarm()
         values, self._values = self._values, {}
+        self.last = values
         if not values:
             return [], None
         device = next(iter(values.values())).device

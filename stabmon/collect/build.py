@@ -63,6 +63,7 @@ from stabmon.collect.memory import DeviceMemory
 from stabmon.collect.moment_ratio import MomentRatios, not_applicable
 from stabmon.collect.monitor_state import EXCLUDED, REQUIRED
 from stabmon.collect.optim import OptimizerHooks
+from stabmon.collect.qk import StandingQkClip
 from stabmon.collect.ranks import RankGather, RankProbe
 from stabmon.collect.record import ForwardSignal, StepRecorder
 from stabmon.collect.restore import NamedStates, Stateful, TrainingState
@@ -118,6 +119,9 @@ class Signals:
             self.activations.disarm()
         for _, signal in self.recorder.forward:
             signal.disarm()
+        standing = self.recorder.standing_qk
+        if standing is not None and standing.built:
+            standing.attention.disarm()
 
 
 def build_signals(
@@ -169,7 +173,8 @@ def build_signals(
     )
     recorder = StepRecorder(buffer, hooks, config=config, failsafe=failsafe, scaler=scaler,
                             activations=activations, probe=probe,
-                            forward=[(every, signal) for every, signal in forward_signals if signal is not None])
+                            forward=[(every, signal) for every, signal in forward_signals if signal is not None],
+                            standing_qk=_standing_qk(model, attention, config))
     return Signals(layout, buffer, grads, hooks, recorder, activations, embeddings, probe, rank_values,
                    moments=moments, attention=attention, logits=logits)
 
@@ -200,6 +205,15 @@ def _attention(model: nn.Module, config: MonitorConfig) -> AttentionLogits | Non
     log.warning("stabmon: config.attention: the model has no recognised attention module (not applicable; see "
                 "stabmon.collect.attention.register_attention): attention logits are off")
     return None
+
+
+def _standing_qk(model: nn.Module, attention: AttentionLogits | None, config: MonitorConfig) -> StandingQkClip:
+    """The standing QK-clip ``qk_clip`` turns on: on the sampled collector where attention logits are recorded,
+    else on a collector of its own, made when the clip is first turned on and armed only while it is on."""
+    if attention is not None:
+        return StandingQkClip(attention)
+    a = config.attention
+    return StandingQkClip(lambda: AttentionLogits(model, a.modules, sub_batch=a.sub_batch, heads=a.heads))
 
 
 def _logits(model: nn.Module, config: MonitorConfig) -> OutputLogits | None:

@@ -23,14 +23,21 @@ any module with separate query/key ``nn.Linear`` children (``q_proj``/``k_proj``
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from stabmon.collect.sharding import clean_name
+
+if TYPE_CHECKING:
+    from stabmon.collect.attention import AttentionLogits
+
+log = logging.getLogger(__name__)
 
 _PAIRS = (("q_proj", "k_proj"), ("query", "key"), ("q", "k"), ("wq", "wk"))
 _HEADS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
@@ -147,6 +154,99 @@ def qk_clip(model: nn.Module, *, layer: str | None, heads: Sequence[int] | None,
                 for tensor, first in qk.keys:
                     _scale_rows(tensor, first + h * qk.head_dim, qk.head_dim, q_factor)
     return {"layer": name, "heads": chosen, "factor": factor}
+
+
+class StandingQkClip:
+    """QK-clip as Kimi K2 runs it: on every step while ``overrides.qk_tau`` is set, each head whose max attention
+    logit ``S`` (measured on the sampled sub-batch by :class:`~stabmon.collect.attention.AttentionLogits`, armed on
+    every step while it is on) exceeded ``tau`` has its query and key rows scaled by ``sqrt(tau / S)`` after the
+    optimizer step; other heads are untouched (their factor is 1). Device arithmetic only, nothing read back:
+    the per-head factors are ``tau / max(S, tau)``, a non-finite ``S`` leaves its head alone (that is
+    :class:`~stabmon.detect.rules.NonFinite`'s to judge). Under torch.distributed the maxima are reduced (max)
+    over ranks first, so every replica or shard scales by the same factors. A module whose query/key layout is not
+    recognised (:func:`find_qk`) is measured but not clipped.
+
+    >>> import torch
+    >>> from stabmon.collect.attention import AttentionLogits
+    >>> torch.manual_seed(0) and None
+    >>> attn = torch.nn.MultiheadAttention(4, num_heads=2, batch_first=True)
+    >>> with torch.no_grad(): _ = attn.in_proj_weight[:4].mul_(40.0)   # queries far too large
+    >>> logits = AttentionLogits(torch.nn.ModuleDict({"attn": attn}))
+    >>> clip = StandingQkClip(logits)
+    >>> x = torch.randn(1, 6, 4)
+    >>> logits.arm(); _ = attn(x, x, x); _ = logits.collect()
+    >>> before = logits.last[0].clone(); clip.apply(tau=5.0)
+    >>> logits.arm(); _ = attn(x, x, x); _ = logits.collect()
+    >>> bool(before.max() > 5.0), bool(torch.all(logits.last[0] <= 5.0 + 1e-3))
+    (True, True)
+    """
+
+    def __init__(self, attention: AttentionLogits | Callable[[], AttentionLogits]) -> None:
+        self._attention = attention if not callable(attention) else None
+        self._make = attention if callable(attention) else None
+        self._layouts: list[QK | None] | None = None
+
+    @property
+    def attention(self) -> AttentionLogits:
+        """The collector it reads (made on first use when given as a factory: finding the attention modules may
+        import ``transformers``, which a run that never turns the clip on should not pay for)."""
+        if self._attention is None:
+            assert self._make is not None
+            self._attention = self._make()
+            if not self._attention.names:
+                log.warning("stabmon: qk_clip: the monitor cannot measure this model's attention logits (see "
+                            "stabmon.collect.attention.register_attention): the standing clip does nothing")
+        return self._attention
+
+    @property
+    def built(self) -> bool:
+        return self._attention is not None
+
+    def apply(self, *, tau: float) -> None:
+        """Clip the heads the last collected step measured above ``tau`` (nothing when none was measured)."""
+        last, self.attention.last = self.attention.last, {}
+        if self._layouts is None:
+            self._layouts = [find_qk(m) for m in self.attention.watched]
+        for i, maxima in last.items():
+            qk = self._layouts[i]
+            if qk is None or maxima.numel() != qk.q_heads:
+                continue
+            s = maxima.detach().float()
+            if _distributed():
+                s = s.clone()
+                torch.distributed.all_reduce(s, op=torch.distributed.ReduceOp.MAX)
+            s = torch.where(torch.isfinite(s), s, torch.full_like(s, tau)).clamp(min=tau)
+            factor = tau / s  # <= 1 per head; 1 where the head stayed under tau
+            grouped = qk.k_heads != qk.q_heads
+            rows = (factor if grouped else factor.sqrt()).repeat_interleave(qk.head_dim)
+            with torch.no_grad():
+                for tensor, first in qk.queries:
+                    _scale_rows_by(tensor, first, rows)
+                if not grouped:
+                    for tensor, first in qk.keys:
+                        _scale_rows_by(tensor, first, rows)
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+
+
+def _scale_rows_by(tensor: torch.Tensor, start: int, rows: torch.Tensor) -> None:
+    """Rows ``[start, start + len(rows))`` of ``tensor`` times the per-row factors ``rows`` (a device vector); on
+    a DTensor sharded along rows, through a factor vector laid out like it."""
+    count = rows.numel()
+    if hasattr(tensor, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        local_device = tensor.to_local().device  # type: ignore[attr-defined]
+        full = torch.ones(tensor.shape[0], dtype=tensor.dtype, device=local_device)
+        full[start:start + count] = rows.to(device=local_device, dtype=tensor.dtype)
+        full = full.reshape(-1, *([1] * (tensor.dim() - 1)))
+        tensor.mul_(distribute_tensor(full, tensor.device_mesh, tensor.placements))  # type: ignore[attr-defined]
+        return
+    shape = (-1, *([1] * (tensor.dim() - 1)))
+    tensor[start:start + count].mul_(rows.to(device=tensor.device, dtype=tensor.dtype).reshape(shape))
 
 
 def _layer(model: nn.Module, layer: str | None) -> tuple[str, QK]:

@@ -40,6 +40,7 @@ from stabmon.collect.config import MonitorConfig
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.observe import value_problem
 from stabmon.collect.optim import OptimizerHooks
+from stabmon.collect.qk import StandingQkClip
 from stabmon.collect.ranks import RankProbe
 from stabmon.events import Metric
 from stabmon.store.limits import name_problem
@@ -79,11 +80,16 @@ class StepRecorder:
         activations: ActivationNorms | None = None,
         probe: RankProbe | None = None,
         forward: Sequence[tuple[int, ForwardSignal]] = (),
+        standing_qk: StandingQkClip | None = None,
     ) -> None:
         self.buffer, self.hooks, self.config, self.failsafe = buffer, hooks, config, failsafe
         self.scaler, self.activations, self.probe = scaler, activations, probe
         self.forward = tuple(forward)
         """(sampling period in steps, signal) for each forward signal."""
+        self.standing_qk = standing_qk
+        """The standing QK-clip (``overrides.qk_tau``): its attention collector is armed on every step while it is
+        on (only sampled steps are recorded), and it clips after the step."""
+        self._clip_only = False  # the open step's attention is measured for the standing clip alone
         self.started: float | None = None
         """When the step being recorded began (``time.perf_counter``); flushes and checkpoints stay out."""
         self.created = time.time()
@@ -117,6 +123,11 @@ class StepRecorder:
         for every, signal in self.forward:
             if step % every == 0:
                 signal.arm()
+        standing = self.standing_qk
+        self._clip_only = standing is not None and self.hooks.overrides.qk_tau is not None \
+            and not standing.attention.armed
+        if self._clip_only:
+            standing.attention.arm()  # type: ignore[union-attr]
         self.hooks.sample(step)
 
     def discard(self) -> None:
@@ -126,6 +137,8 @@ class StepRecorder:
             self.activations.disarm()
         for _, signal in self.forward:
             signal.disarm()
+        if self.standing_qk is not None and self.standing_qk.built:
+            self.standing_qk.attention.disarm()
 
     def observe(self, values: Iterable[tuple[str, Any]], *, tokens: int | None, step: int) -> None:
         if tokens is not None:
@@ -174,6 +187,10 @@ class StepRecorder:
         if self._tokens is not None and elapsed > 0:
             self.buffer.add_host(Metric.TOKENS_PER_SEC, self._tokens / elapsed)
         self.buffer.end(time=time.time())
+        if self.standing_qk is not None and hooks.stepped and hooks.overrides.qk_tau is not None:
+            tau = hooks.overrides.qk_bound()  # a release in progress raises it step by step, then turns it off
+            if tau is not None:
+                self.standing_qk.apply(tau=tau)  # after the optimizer step, as Kimi K2 does
 
     def note(self, name: str, seconds: float) -> None:
         """Add ``seconds`` to the host value ``name`` of the next step's record (a checkpoint saved between
@@ -195,6 +212,8 @@ class StepRecorder:
                 names, values = signal.collect()
                 if values is not None:
                     self.buffer.add(names, values)
+        if self._clip_only and self.standing_qk is not None and self.standing_qk.attention.armed:
+            self.standing_qk.attention.collect()  # kept for the clip, not recorded (not a sampled step)
 
     def _record_scaler(self) -> None:
         scaler = self.scaler

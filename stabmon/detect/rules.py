@@ -1,4 +1,4 @@
-"""Rule detectors: non-finite values, a metric that stops arriving, fp16 loss-scale collapse.
+"""Rule detectors: non-finite values, a metric that stops arriving, fp16 loss-scale collapse, a value past a bar.
 
 These need no learned baseline to speak of; each is a :class:`~stabmon.detect.scorer.Scorer` whose score is the
 rule's verdict (1: it holds), so the one guard gives them the grace period (or their exemption from it), the
@@ -333,4 +333,67 @@ class LossScaleCollapse(Scorer):
         return Metric.LOSS_SCALE, stream, [{Metric.OVERFLOW: 1.0, Metric.LOSS_SCALE: 0.5}]
 
 
-RULE_DETECTORS: tuple[type[Detector], ...] = (NonFinite, MissingMetric, LossScaleCollapse)
+@dataclass(frozen=True)
+class LevelConfig(DetectorConfig):
+    """Parameters of :class:`Level` (config key ``level``).
+
+    >>> LevelConfig().metrics, LevelConfig().bar, LevelConfig().persist
+    (('attn_logit/*',), 100.0, 3)
+    """
+
+    metrics: tuple[str, ...] = param((Metric.ATTN_LOGIT_PREFIX + "*",), non_empty, "metrics held under the bar")
+    bar: float = param(100.0, positive, "a value above this is out of range (Kimi K2's QK-clip tau for attention "
+                       "logits)")
+    persist: int = param(3, at_least_one, "records in a row above the bar that make it an error")
+
+
+class Level(Scorer):
+    """A value past an absolute bar: ``warning`` on the first record above ``bar``, ``error`` once ``persist``
+    records in a row are above it. No learned baseline: the bar is the judgement, so it needs no grace period
+    and a slow climb is caught as surely as a jump.
+
+    Shipped on the per-layer and per-head max attention logits (``attn_logit/*``, recorded only where
+    ``MonitorConfig.attention`` samples them) with the bar at 100, Kimi K2's QK-clip tau: a healthy model keeps
+    its attention logits in the tens (the tiny GPT of the scenarios: under 10), while attention-logit growth
+    (Wortsman et al. 2023) takes them into the hundreds tens of steps before the loss turns up
+    (``benchmarks/lead_time.py --signals``). A non-finite value is left to :class:`NonFinite`.
+
+    >>> d = Level("attn_logit/blocks.0.attn/1")
+    >>> [d.update(s, {"attn_logit/blocks.0.attn/1": v}) for s, v in enumerate([5.0, 40.0, 90.0])]
+    [None, None, None]
+    >>> [d.update(s, {"attn_logit/blocks.0.attn/1": 150.0}).severity.value for s in (3, 4, 5)]
+    ['warning', 'warning', 'error']
+    """
+
+    name = "level"
+    kind = "level"
+    Config = LevelConfig
+    config: LevelConfig
+    grace_exempt = "an absolute bar needs no baseline"
+
+    def _learn(self, v: float, x: X) -> None:
+        pass
+
+    def _score(self, v: float, x: X) -> float:
+        return v / self.config.bar if math.isfinite(v) else 0.0
+
+    def _grace_score(self, v: float, x: X) -> float:
+        return self._score(v, x)
+
+    @property
+    def threshold(self) -> float:
+        return 1.0 + 1e-12  # strictly above the bar
+
+    def _severity(self, score: float, streak: int) -> Severity:
+        return Severity.ERROR if streak >= self.config.persist else Severity.WARNING
+
+    def _message(self, v: float | None, score: float) -> str:
+        return f"{self.metric} is {v:.4g}, above its bar {self.config.bar:g} ({self._streak} record(s) in a row)"
+
+    @classmethod
+    def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:
+        m = Metric.ATTN_LOGIT_PREFIX + "blocks.0.attn"
+        return m, [{m: 5.0 + 0.01 * i} for i in range(30)], [{m: 500.0}]
+
+
+RULE_DETECTORS: tuple[type[Detector], ...] = (NonFinite, MissingMetric, LossScaleCollapse, Level)

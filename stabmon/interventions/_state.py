@@ -112,12 +112,17 @@ def tensors_of(metric: str | None) -> tuple[str, ...]:
 
 
 def attention_of(metric: str | None) -> tuple[str | None, tuple[int, ...]]:
-    """(layer, heads) an ``attn_logit/<layer>[/h<k>]`` metric names; (None, ()) for any other metric."""
+    """(layer, heads) an ``attn_logit/<layer>[/<k>]`` metric names (the collector's names; ``h<k>`` is read too);
+    (None, ()) for any other metric.
+
+    >>> attention_of("attn_logit/blocks.0.attn/3"), attention_of("attn_logit/blocks.0.attn"), attention_of("loss")
+    (('blocks.0.attn', (3,)), ('blocks.0.attn', ()), (None, ()))
+    """
     if not metric or not metric.startswith("attn_logit/"):
         return None, ()
     parts = metric.split("/")
-    heads = (int(parts[2][1:]),) if len(parts) > 2 and parts[2][:1] == "h" and parts[2][1:].isdigit() else ()
-    return parts[1], heads
+    head = parts[2].removeprefix("h") if len(parts) > 2 else ""
+    return parts[1], (int(head),) if head.isdigit() else ()
 
 
 class OverridesIntervention(StateIntervention):

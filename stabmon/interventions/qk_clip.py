@@ -2,11 +2,24 @@
 QK-clip / MuonClip, arXiv 2507.20534).
 
 When a head's max attention logit ``S`` exceeds ``tau`` (100), its query and key projections are scaled by
-``sqrt(tau / S)`` each (the head's logits by ``tau / S``); other heads are untouched. The layer and head come
-from the rung (``layer``, ``heads``) or from the incident's metric (``attn_logit/<layer>[/h<k>]``) and its last
-value (``S``), filled in by the pipeline; ``max_logit`` overrides ``S``. ``S <= tau`` changes nothing (skipped).
-A model without a recognised attention module, or a layer that is none, makes it "not applicable". The scaled
-weights are trained on from there: the rung cannot be reverted.
+``sqrt(tau / S)`` each (the head's logits by ``tau / S``); other heads are untouched.
+
+**Standing** (the default, as Kimi K2 runs it): the clip is turned on (``overrides.qk_tau``) and from then on,
+after every optimizer step, each head whose max logit on the sampled sub-batch exceeded ``tau`` is scaled back
+to it (:class:`stabmon.collect.qk.StandingQkClip`: measured on every step while on, device arithmetic only). On
+until the incident is judged: reverting it turns the clip off (the weights it scaled stay as trained); releasing
+it (the incident resolved) raises its bound geometrically to 8x tau over the release's steps, then turns it off, so
+the heads grow back gradually and a returning trouble is seen while they are still bounded; the trouble returning
+puts it back on at tau. A model whose attention the monitor cannot measure gets a warning.
+One clip does not hold while the learning rate that grew the logits is still in force: on ``attn-logit-growth``
+a single clip at detection was followed by the same growth and a restart (``docs/recovery.md``).
+
+**Once** (``standing: false``): the offending head is scaled once, now. The layer and head come from the rung
+(``layer``, ``heads``) or from the incident's metric (``attn_logit/<layer>[/<head>]``) and its last value
+(``S``), filled in by the pipeline; ``max_logit`` overrides ``S``; ``S <= tau`` changes nothing (skipped). The
+scaled weights are trained on from there: that part cannot be reverted.
+
+A model without a recognised attention module, or a layer that is none, makes it "not applicable".
 """
 
 from __future__ import annotations
@@ -16,17 +29,21 @@ from typing import Any
 
 from pydantic import Field
 
+from stabmon.events import InterventionRecord
 from stabmon.interventions._state import ATTENTION, StateIntervention, attention_of
 from stabmon.interventions.base import NoChange, Params
+from stabmon.overrides import QK_RELEASE_RISE
 
 
 class QkClipParams(Params):
-    """``tau``: the largest logit a head may keep (Kimi K2: 100). ``layer``: the attention module (None: from the
-    metric, else the model's only one). ``heads``: head indices (empty: from the metric, else all heads of the
-    layer). ``max_logit``: the offending logit (None: the metric's last value). ``metric``/``value``: filled in by
+    """``tau``: the largest logit a head may keep (Kimi K2: 100). ``standing``: clip after every step until the
+    incident is judged (default), or once. For a clip once: ``layer``, the attention module (None: from the
+    metric, else the model's only one); ``heads``, head indices (empty: from the metric, else all heads of the
+    layer); ``max_logit``, the offending logit (None: the metric's last value). ``metric``/``value``: filled in by
     the pipeline."""
 
     tau: float = Field(default=100.0, gt=0)
+    standing: bool = True
     layer: str | None = None
     heads: list[int] = Field(default_factory=list)
     max_logit: float | None = Field(default=None, gt=0)
@@ -35,7 +52,7 @@ class QkClipParams(Params):
 
 
 class QkClip(StateIntervention):
-    """Rescale the offending heads' query/key weights.
+    """Clip the offending heads' query/key weights: from now on after every step (standing), or once.
 
     >>> from stabmon.overrides import Overrides
     >>> class T:
@@ -44,20 +61,39 @@ class QkClip(StateIntervention):
     ...     def facts(self): return None
     ...     def reset_moments(self, **kw): return {}
     ...     def qk_clip(self, *, layer, heads, factor): return {"layer": layer, "heads": heads, "factor": factor}
-    >>> rec = QkClip(T(), {"metric": "attn_logit/blocks.0.attn/h2", "value": 400.0}, decision_id="d").apply()
+    >>> params = {"metric": "attn_logit/blocks.0.attn/2", "value": 400.0}
+    >>> rec = QkClip(T(), {**params, "standing": False}, decision_id="d").apply()
     >>> rec.after["layer"], rec.after["heads"], rec.after["factor"]
     ('blocks.0.attn', [2], 0.25)
+    >>> t = T(); iv = QkClip(t, params, decision_id="s"); rec = iv.apply()
+    >>> rec.before, rec.after, t.overrides.qk_tau
+    ({'qk_tau': None}, {'qk_tau': 100.0}, 100.0)
+    >>> _ = iv.revert(decision_id="r"); t.overrides.qk_tau is None
+    True
     """
 
     name = "qk_clip"
     Params = QkClipParams
-    revertible = False
+    revertible = True
     needs = frozenset({ATTENTION})
+
+    @classmethod
+    def holds(cls, record: InterventionRecord) -> bool:
+        """A standing clip stays on until it is turned off; a clip once is done."""
+        return "qk_tau" in record.after
 
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         p = self.params
         assert isinstance(p, QkClipParams)
         self.check_applicable()
+        if p.standing:
+            overrides = self.target.overrides
+            if overrides.qk_tau == p.tau:
+                raise NoChange(f"a standing qk_clip at tau {p.tau:g} is already on")
+            before = overrides.qk_tau
+            overrides.qk_tau = p.tau
+            self._undo = {"qk_tau": before}
+            return {"qk_tau": before}, {"qk_tau": p.tau}
         layer, heads = attention_of(p.metric)
         layer = p.layer if p.layer is not None else layer
         chosen = list(p.heads) or list(heads) or None
@@ -69,3 +105,27 @@ class QkClip(StateIntervention):
         factor = p.tau / logit
         facts = self.state_target().qk_clip(layer=layer, heads=chosen, factor=factor)
         return {"max_logit": logit, "tau": p.tau}, facts
+
+    def _release(self, steps: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """Give the clip back gradually: its bound rises to ``QK_RELEASE_RISE`` x tau over ``steps`` steps, then
+        it is off (at once when ``steps`` is 0)."""
+        overrides = self.target.overrides
+        if steps < 1 or overrides.qk_tau is None:
+            return self._revert()
+        overrides.qk_release_steps, overrides.qk_release_done = int(steps), 0
+        return {"qk_tau": overrides.qk_tau}, {"qk_tau": overrides.qk_tau, "release_steps": int(steps),
+                                              "rise": QK_RELEASE_RISE}
+
+    def _revert(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        overrides = self.target.overrides
+        now, overrides.qk_tau = overrides.qk_tau, self._undo.get("qk_tau")
+        overrides.qk_release_steps = overrides.qk_release_done = 0
+        return {"qk_tau": now}, {"qk_tau": overrides.qk_tau}
+
+    def _reapply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        p = self.params
+        assert isinstance(p, QkClipParams)
+        overrides = self.target.overrides
+        now, overrides.qk_tau = overrides.qk_tau, p.tau
+        overrides.qk_release_steps = overrides.qk_release_done = 0
+        return {"qk_tau": now}, {"qk_tau": p.tau}

@@ -281,7 +281,8 @@ class Engine:
         done = Outcome(intervention_id=inc.intervention_id, decision_id=inc.current.id, step=step,
                        verdict=Verdict.ESCALATED, evidence={"diagnosis": verdict, "next_rule": rule.name},
                        incident_id=inc.id, id=self._next_id())
-        inc.rule, inc.rung, inc.attempt, inc.trigger = rule.name, 0, 1, f"{inc.trigger}; diagnosed: {verdict}"
+        inc.rule, inc.rung, inc.attempt, inc.held = rule.name, 0, 1, None
+        inc.trigger = f"{inc.trigger}; diagnosed: {verdict}"
         return [done, *self._issue_rung(step)]
 
     def _acting(self, anomalies: Sequence[Anomaly], current: Rule) -> bool:
@@ -346,7 +347,7 @@ class Engine:
             out: list[Decision | Outcome] = [outcome(Verdict.ESCALATED if has_next else Verdict.EXHAUSTED)]
             out.extend(self._revert_in_force(step))  # earlier attempts of this rung did not resolve it either
             if has_next:
-                inc.rung, inc.attempt = inc.rung + 1, 1
+                inc.rung, inc.attempt, inc.held = inc.rung + 1, 1, None
                 return out + self._issue_rung(step)
             self._close()
             return out
@@ -360,9 +361,16 @@ class Engine:
             return [resolved, *released]
         attempt = inc.attempt
         if attempt < rung.repeat and inc.error is None:
-            inc.attempt = attempt + 1  # the same rung again, on top of the last attempt
-            evidence["attempt"] = attempt
-            return [outcome(Verdict.ESCALATED)] + self._issue_rung(step)
+            held, before = judging.held(inc.window), inc.held
+            back = any(r.matched for r in inc.window)  # failed on its loss tests alone: more of it will not help
+            if back and (before is None or held > before):  # it bought time: the next attempt may buy more
+                inc.attempt, inc.held = attempt + 1, held  # the same rung again, on top of the last attempt
+                evidence["attempt"] = attempt
+                return [outcome(Verdict.ESCALATED)] + self._issue_rung(step)
+            evidence["futile"] = (f"attempt {attempt} held the trouble off {held} steps, no longer than attempt "
+                                  f"{attempt - 1} ({before}): repeating the rung does not help" if back else
+                                  f"attempt {attempt} kept the trouble away but the loss did not recover: "
+                                  "more of the same change will not help")
         has_next = inc.rung + 1 < len(rule.ladder)
         if rung.on_failure == "stop":
             out = [outcome(Verdict.STOPPED)]
@@ -374,7 +382,7 @@ class Engine:
         out.extend(self._revert_in_force(step))  # one change in force at a time; none left by a spent ladder
         if has_next:
             inc.rung += 1
-            inc.attempt = 1
+            inc.attempt, inc.held = 1, None
             return out + self._issue_rung(step)
         self._close()
         return out

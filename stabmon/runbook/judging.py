@@ -36,7 +36,7 @@ import math
 import statistics
 from typing import Any
 
-from stabmon.runbook.state import Incident
+from stabmon.runbook.state import Incident, WindowRow
 
 
 def window_over(incident: Incident, observe: int) -> bool:
@@ -131,3 +131,22 @@ def _loss_within(incident: Incident, rung: Any, tail: list[Any], ev: dict[str, A
         return True
     ev["loss_ratio"] = now / incident.baseline if incident.baseline else None
     return now <= incident.baseline * (1 + rung.success.loss_within)
+
+
+def held(window: list[WindowRow]) -> int:
+    """How long a failed attempt held the trouble off: steps from the first record observed after it landed to
+    the first record with an anomaly its rule matches (the whole window where none did; it failed on its other
+    tests). A rung with ``repeat`` is tried again only while each attempt holds the trouble off longer than the one
+    before: a learning-rate cap that comes back at the same step after every rollback is not helping, and halving
+    it again only costs the run more (a fault that is not the learning rate's doing, recurring after every
+    restart).
+
+    >>> rows = [WindowRow(step=s, loss=2.0, signal=None, matched=int(s == 130)) for s in range(100, 140)]
+    >>> held(rows), held(rows[:20])
+    (30, 20)
+    """
+    if not window:
+        return 0
+    first = window[0].step
+    hit = next((r.step for r in window if r.matched), None)
+    return (hit if hit is not None else window[-1].step + 1) - first

@@ -90,6 +90,8 @@ class Incident:
     trigger: str  #: the sentence every decision's reason starts with
     rung: int = 0  #: index of the current rung in the rule's ladder
     attempt: int = 1  #: attempt at the current rung (rungs with ``repeat`` > 1)
+    held: int | None = None  #: steps the last failed attempt of the current rung held the trouble off (a repeat
+    #: must hold it off longer than the attempt before, or the rung is spent: see ``judging.held``)
     phase: str = "idle"  #: "idle" (no decision yet), "proposed" (waiting for an answer) or "observing"
     decision: Decision | None = None  #: the current decision
     decision_tick: int = 0  #: the record counter when a proposal was made (its approval timeout counts from it)
