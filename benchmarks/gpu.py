@@ -13,6 +13,8 @@ start (B: the monitor clips in its optimizer hook):
   bf16-sqlite        the same with a real SQLite store (background writer)
   bf16-every-signal  activation and embedding sampling every step
   bf16-skip-guard    defaults + the skip_step guard on (factor 5)
+  bf16-lead-signals  defaults + the signals with lead (second-moment ratio, attention logits, output-logit scale)
+                     sampled every 10 steps
   fp16-scaler        fp16 autocast + GradScaler, defaults
   bf16-compile       torch.compile'd model (inductor on CUDA, ``--compile-backend``), defaults
 
@@ -74,6 +76,7 @@ class Arm:
     every_signal: bool = False
     skip_factor: float | None = None
     compile: bool = False
+    lead_signals: bool = False
 
 
 ARMS = {
@@ -81,6 +84,7 @@ ARMS = {
     "bf16-sqlite": Arm(store=True),
     "bf16-every-signal": Arm(every_signal=True),
     "bf16-skip-guard": Arm(skip_factor=5.0),
+    "bf16-lead-signals": Arm(lead_signals=True),
     "fp16-scaler": Arm(dtype="fp16"),
     "bf16-compile": Arm(compile=True),
 }
@@ -156,6 +160,7 @@ class Loop:
     """One model + fused AdamW (+ GradScaler), unmonitored or monitored, stepping over fixed batches."""
 
     def __init__(self, arm: Arm, s: Settings, *, monitored: bool, batches: list[tuple[torch.Tensor, ...]]) -> None:
+        from stabmon.collect.config import AttentionConfig, LogitConfig, MomentConfig
         from stabmon.monitor import ActivationConfig, EmbeddingConfig, Monitor, MonitorConfig
 
         torch.manual_seed(0)
@@ -175,6 +180,8 @@ class Loop:
                 hang_timeout=None,
                 activations=ActivationConfig(every=every),
                 embeddings=EmbeddingConfig(every=every),
+                **({"moments": MomentConfig(every=10), "attention": AttentionConfig(every=10),
+                    "logits": LogitConfig(every=10)} if arm.lead_signals else {}),
             )
             store = f"sqlite:///{s.store_dir}/gpu-benchmark.db" if arm.store else None
             self.mon = Monitor(

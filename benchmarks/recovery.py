@@ -8,7 +8,7 @@ seed's healthy run; *wasted steps* are steps trained again after rollbacks, plus
 updates, as a percentage of the run; a *false intervention* is any action that changed training on a healthy
 control.
 
-    python benchmarks/recovery.py                         # 7 scenarios x 5 seeds (0-4) x 9 arms
+    python benchmarks/recovery.py                         # 12 scenarios x 5 seeds (0-4) x 14 arms
     python benchmarks/recovery.py --first-seed 5 --jobs 2 --json recovery.json
     python benchmarks/recovery.py --scenarios bad-shard,healthy --arms unmonitored,stabmon:default
     python benchmarks/recovery.py --arms unmonitored,stabmon:in-place-first,stabmon:only-reset_moments
@@ -39,8 +39,8 @@ from peers import PEERS  # noqa: E402
 
 RUNBOOKS = ("default", "opt175b", "palm-rollback", "in-place-first")
 ALONE = {  # each state-level intervention alone: its one rung answers every incident a runbook acts on
-    "reset_moments": {"rewarm_steps": 20}, "adaptive_clip": {"lambda_rel": 1.05, "beta": 0.98},
-    "clip_update": {"max_rms": 1.0}, "qk_clip": {"tau": 100.0}, "skip_step": {"factor": 5.0, "theta": 5000.0},
+    "reset_moments": {"rewarm_steps": 20, "second_moment": True}, "adaptive_clip": {"lambda_rel": 1.05, "beta": 0.98},
+    "clip_update": {"max_rms": 1.0}, "qk_clip": {"tau": 50.0}, "skip_step": {"factor": 5.0, "theta": 5000.0},
 }
 ARMS = ("unmonitored", *(f"stabmon:{r}" for r in RUNBOOKS), *(f"stabmon:only-{a}" for a in ALONE), *PEERS)
 RESCUE_TOLERANCE = 0.10
@@ -79,7 +79,7 @@ def alone_runbook(action: str) -> Any:
 
     rung = {"action": action, "params": ALONE[action], "observe": 60,
             "success": {"quiet_steps": 60, "loss_within": 0.1}}
-    kinds = ["spike", "regression", "loss_scale_collapse", "nonfinite", "no_progress"]
+    kinds = ["spike", "regression", "loss_scale_collapse", "nonfinite", "no_progress", "level"]
     return Runbook.model_validate({"name": f"only-{action}", "cooldown": 10, "rules": [
         {"name": "trouble", "when": {"kind": kinds, "severity": "error"}, "ladder": [rung]},
         {"name": "other", "when": {"kind": "*", "severity": "warning"}, "ladder": [{"action": "alert_only",

@@ -11,7 +11,7 @@ All scenarios share :data:`BASE`, a smaller and faster version of the example's 
 a 2-block, d=48 model on 32-character windows), so that a benchmark can train hundreds of runs on a CPU.
 
 >>> sorted(SCENARIOS)[:3]
-['activation-drift', 'bad-shard', 'fp16-overflow']
+['activation-drift', 'attn-logit-growth', 'bad-shard']
 >>> config = SCENARIOS["bad-shard"].config(seed=3)
 >>> config.seed, config.bad_batches
 (3, (150, 250))
@@ -134,6 +134,15 @@ SCENARIOS: dict[str, Scenario] = {
             "layer trained at 3000x the learning rate; the output logits run away from log Z = 0 during the warm-up "
             "and the run ends far above its healthy loss",
             {"head_lr": 3000.0, "weight_decay": 0.0},
+        ),
+        Scenario(
+            "second-moment-spike",
+            "SPAM's and StableAdamW's gradient spikes: no clipping and Adam's beta2 at 0.999; at step 60 one batch "
+            "brings a gradient 10^4 times its usual size (g^2 10^8 times the second moment: it under-estimates the "
+            "step by far). The second moment takes it in and, decaying by 0.1% a step, keeps every later update "
+            "about 300x too small: the run stops learning where it was",
+            {"clip": None, "beta2": 0.999, "fault": "grad_spike", "fault_step": 60},
+            healthy_changes={"clip": None, "beta2": 0.999},
         ),
         Scenario("healthy", "The stable setting: the healthy control", {}, healthy=True),
     )

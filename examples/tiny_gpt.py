@@ -232,13 +232,17 @@ FAULTS = {
     "from the same state computes it correctly",
     "freeze_wpe": "the positional embedding never receives a gradient (OPT-175B's frozen positional "
     "embeddings): nothing diverges, it just does not learn",
+    "grad_spike": "a sudden gradient: at fault_step, once, every gradient is 10^4 times its size (a degenerate "
+    "batch, a loss multiplied by mistake). Without clipping, Adam's second moment takes in g^2 10^8 times its "
+    "history; with beta2 0.999 it decays by 0.1% a step, so every later update is ~300x too small for thousands "
+    "of steps: the run stops learning (SPAM's momentum and second-moment spikes)",
     "flaky_overflow": "fp16 only: from fault_step on, every fault_every-th step one element of the output "
     "head's gradient overflows float16 (a kernel whose intermediate passes 65504); the loss stays finite, the "
     "loss scaler skips the step and backs off. Sustained, not the learning rate's doing, and a rollback does "
     "not cure it: the steps come round again",
 }
 """Faults :class:`TrainConfig` can inject (``fault``): each fails the run by construction, for every seed."""
-ONE_TIME = ("corrupt_weight", "overflow_state", "flaky_activation")
+ONE_TIME = ("corrupt_weight", "overflow_state", "flaky_activation", "grad_spike")
 """The faults that strike once, at ``fault_step`` (a rollback to before it does not repeat them); the others
 (``freeze_wpe``, ``flaky_overflow``) act on every step, or every ``fault_every``-th one."""
 
@@ -258,6 +262,13 @@ class Fault:
             model.h[0].register_forward_hook(self._flaky)
         if self.kind == "flaky_overflow":
             model.ln_f.weight.register_hook(self._overflow)
+        if self.kind == "grad_spike":
+            for p in model.parameters():
+                p.register_hook(self._spike)
+
+    def _spike(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """The sudden gradient: while armed (the one step it strikes), every gradient 10^4 times its size."""
+        return grad * 1e4 if self.armed else None
 
     def _overflow(self, grad: torch.Tensor) -> torch.Tensor | None:
         """The sustained fault: while armed (this step strikes), one gradient element is inf."""
@@ -282,10 +293,12 @@ class Fault:
         if self.kind == "flaky_overflow":
             self.armed = step >= self.step and (step - self.step) % self.every == 0
             return
+        if self.kind == "grad_spike":
+            self.armed = False  # one step only
         if self.fired or step != self.step or self.kind not in ONE_TIME:
             return
         self.fired = True
-        if self.kind == "flaky_activation":
+        if self.kind in ("flaky_activation", "grad_spike"):
             self.armed = True
             return
         if self.kind == "corrupt_weight":  # flip the top exponent bit: |w| < 2 becomes |w| x 2^128

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-ARMS = ["bf16-defaults", "bf16-sqlite", "bf16-every-signal", "bf16-skip-guard", "fp16-scaler", "bf16-compile"]
+ARMS = ["bf16-defaults", "bf16-sqlite", "bf16-every-signal", "bf16-skip-guard", "bf16-lead-signals", "fp16-scaler",
+        "bf16-compile"]
 
 
 def _run(tmp_path: Path, *extra: str) -> dict:
@@ -48,7 +49,8 @@ def test_every_arm_runs_and_reports_its_figures(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_arms_count_no_host_sync_outside_flushes(tmp_path: Path) -> None:
-    report = _run(tmp_path, "--device", "cuda", "--arms", "bf16-defaults", "bf16-skip-guard", "fp16-scaler")
+    report = _run(tmp_path, "--device", "cuda", "--arms", "bf16-defaults", "bf16-skip-guard", "bf16-lead-signals",
+                  "fp16-scaler")
     for r in report["arms"]:
         assert r["syncs_monitored"] == 0, r
         assert r["peak_bytes_monitored"] is not None

@@ -83,7 +83,8 @@ def test_fault_config_errors_name_the_field() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["weight-corruption", "fp16-overflow", "bad-shard", "flaky-gpu"])
+@pytest.mark.parametrize("name", ["weight-corruption", "fp16-overflow", "bad-shard", "flaky-gpu",
+                                  "second-moment-spike"])
 def test_fault_scenarios_fail_unmonitored_by_construction(name: str) -> None:
     result = recovery().tiny_gpt.train(config(name, FIRST + 10))
     healthy = healthy_loss(name, FIRST + 10)
@@ -219,3 +220,19 @@ def test_in_place_first_answers_attention_logit_growth_with_a_standing_qk_clip(t
         outcomes[seed] = (result.val_loss, unmonitored, [c.action for c in changes])
         assert result.val_loss < unmonitored, outcomes  # never worse than leaving it alone
     assert firsts.count("qk_clip") >= 2, outcomes  # the cheap fix the evidence points at, before any restart
+
+
+@pytest.mark.slow
+def test_in_place_first_rescues_a_second_moment_spike_without_a_restart(tmp_path: Path) -> None:
+    outcomes = {}
+    for seed in SEEDS:
+        result = _monitored("second-moment-spike", seed, "in-place-first", tmp_path)
+        changes = [e for e in result.monitor.events if type(e).__name__ == "InterventionRecord"
+                   and changed_training(e)]
+        outcomes[seed] = (result.val_loss, healthy_loss("second-moment-spike", seed), [c.action for c in changes],
+                          result.steps)
+    # Adam's moments reset (first and second) and the LR re-warmed: the run learns again, nothing re-trained
+    rescued = [s for s, (loss, healthy, actions, steps) in outcomes.items()
+               if loss <= 1.1 * healthy and actions[:1] == ["reset_moments"] and "rollback" not in actions
+               and steps == config("second-moment-spike", s).steps]
+    assert len(rescued) >= 2, outcomes

@@ -105,7 +105,8 @@ class _RungBase(_Strict):
     """How many times the rung is tried while the incident persists: each attempt applies the change again on
     top of the last one and is judged on its own window, so ``scale_lr {factor: 0.5}`` with ``repeat: 5``
     keeps halving the LR (down to 1/32) until the run is quiet. ``on_failure`` applies after the last
-    attempt; an attempt that failed to apply (an error) is not repeated."""
+    attempt; an attempt that failed to apply (an error) is not repeated, nor one that held the trouble off no
+    longer than the attempt before it, or failed on its loss test alone (``judging.held``: the rung is spent)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> _RungBase:
