@@ -621,3 +621,49 @@ def test_a_bad_approval_timeout_is_a_one_line_error(bad: object) -> None:
     text = f"name: d\napproval: {{timeout: {bad!r}}}\nrules:\n  - name: r\n    ladder: [{{action: alert_only}}]\n"
     with pytest.raises(RunbookError, match=r"approval.timeout"):
         loads_runbook(text)
+
+
+LEVERS = """
+name: levers
+cooldown: 0
+budget: {max_interventions: 20, per_steps: 1000}
+rules:
+  - name: spikes
+    when: {kind: spike, severity: error}
+    ladder:
+      - {action: scale_lr, params: {factor: 0.5}, observe: 3}
+      - {action: set_clip, params: {max_norm: 0.5}, observe: 3}
+      - {action: scale_lr, params: {factor: 0.5}, observe: 3, on_failure: stop}
+"""
+
+
+def test_a_lever_that_did_not_keep_the_trouble_away_is_not_pulled_again() -> None:
+    d = Driver(Engine(loads_runbook(LEVERS), id_seed="l"))
+    d.run(8, anomalous=range(1, 9))  # the spikes never stop
+    made = rungs(d.events)
+    # the LR cut did not keep them away: the second LR cut is passed over, and with nothing left a human is told;
+    # the run is not stopped (the stop belonged to the rung passed over)
+    assert [x.action for x in made][:3] == ["scale_lr", "set_clip", "alert_only"]
+    assert "scale_lr" not in [x.action for x in made[3:]]  # the next incidents begin at set_clip
+    assert "rung 3 (scale_lr) of rule spikes passed over: lr did not keep this trouble away" in made[2].reason
+    assert not d.engine.stopped
+    first = decisions(d.events)[:decisions(d.events).index(made[2])]
+    assert len([x for x in first if x.action == "revert"]) == 2  # nothing of the incident is left in force
+    # a later incident of the same rule does not cut the LR again either (also after a resume)
+    d.run(300)  # quiet: the open incident resolves and is released
+    state = d.engine.state_dict()
+    assert state["incident"] is None
+    assert state["spent"] == {"spikes": ["lr"]}
+    again = Driver(Engine(loads_runbook(LEVERS), id_seed="l2"))
+    again.engine.load_state_dict(state)
+    again.step = d.step
+    again.run(4, anomalous=[again.step + 1])
+    assert [x.action for x in rungs(again.events)][:1] == ["set_clip"]
+    assert "rung 1 (scale_lr) passed over" in rungs(again.events)[0].reason
+
+
+def test_a_lever_that_kept_the_trouble_away_stays_available() -> None:
+    d = Driver(Engine(loads_runbook(LEVERS), id_seed="k"))
+    d.run(1, anomalous=[1])
+    d.run(6)  # quiet after the cut: resolved, then released
+    assert d.engine.state_dict()["spent"] == {}

@@ -177,6 +177,15 @@ class Intervention:
             )
 
     @classmethod
+    def levers(cls, params: Mapping[str, Any]) -> frozenset[str]:
+        """What of training a change with these params pulls on, for the engine: ``"lr"`` (it lowers the learning
+        rate), ``"data"`` (it skips batches). When a rung's change did not keep its trouble away (it came back in
+        the window, or a repeat held it off no longer than the attempt before), its levers are spent for that rule
+        in this run, and a later rung that pulls only spent levers is passed over. None by default (never passed
+        over)."""
+        return frozenset()
+
+    @classmethod
     def holds(cls, record: InterventionRecord) -> bool:
         """Whether the change ``record`` made stays in force until it is undone (what a failed rung's revert and
         a resolved incident's release act on): every revertible change, unless a subclass says otherwise."""

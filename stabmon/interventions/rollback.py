@@ -78,6 +78,13 @@ class Rollback(Intervention):
     rewinds_step = True
 
     @classmethod
+    def levers(cls, params: Mapping[str, Any]) -> frozenset[str]:
+        """``"lr"`` for a restart with the learning rate capped or cut, ``"data"`` for one that skips batches. A
+        plain restart pulls neither: it is never passed over."""
+        lr = params.get("lr_cap") is not None or (params.get("lr_factor") or 1.0) < 1.0
+        return frozenset({"lr"} if lr else set()) | frozenset({"data"} if params.get("skip_batches") else set())
+
+    @classmethod
     def holds(cls, record: InterventionRecord) -> bool:
         """Only a rollback that capped or scaled the learning rate leaves something in force to undo."""
         return any(key in record.after for key in _LR_FIELDS)

@@ -7,6 +7,7 @@ its own trajectory underneath and cannot overwrite the intervention, and the sca
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -46,6 +47,12 @@ class ScaleLr(OverrideIntervention):
     field = "lr_scale"
     direction = -1
     hparam = "lr"
+
+    @classmethod
+    def levers(cls, params: Mapping[str, Any]) -> frozenset[str]:
+        """``{"lr"}`` for a cut (``factor`` or ``scale`` below 1)."""
+        cut = params.get("factor") if params.get("factor") is not None else params.get("scale")
+        return frozenset({"lr"}) if cut is not None and cut < 1 else frozenset()
 
     def _new_value(self, current: Any) -> Any:
         p = self.params

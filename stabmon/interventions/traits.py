@@ -29,8 +29,9 @@ resolved incident holds (:data:`RELEASE`, ``releases``); ``reapply`` puts back w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stabmon.events import InterventionRecord
 
@@ -96,6 +97,22 @@ def traits_of(action: str) -> Traits:
             changes_training=cls.changes_training, stays_in_force=cls.stays_in_force, stops_run=cls.stops_run,
             rewinds_step=cls.rewinds_step, diagnoses=cls.diagnoses, revertible=cls.revertible)
     return traits
+
+
+def levers_of(action: str, params: Mapping[str, Any]) -> frozenset[str]:
+    """What a rung of ``action`` with ``params`` pulls on (its class's ``levers``); none for the pseudo-actions.
+
+    >>> sorted(levers_of("scale_lr", {"factor": 0.5})), sorted(levers_of("rollback", {"skip_batches": 200}))
+    (['lr'], ['data'])
+    """
+    if action in _PSEUDO:
+        return frozenset()
+    cls = _registry().get(action)
+    if cls is None:
+        from stabmon.interventions import get_intervention
+
+        cls = get_intervention(action)  # its KeyError names the known actions
+    return cls.levers(params)
 
 
 def recorded_traits(action: str) -> Traits:

@@ -39,7 +39,7 @@ from stabmon.events import (
 )
 from stabmon.interventions.alert_only import AlertOnly
 from stabmon.interventions.checkpoint_and_stop import CheckpointAndStop
-from stabmon.interventions.traits import REAPPLY, RELEASE, REVERT, changed_training, traits_of
+from stabmon.interventions.traits import REAPPLY, RELEASE, REVERT, changed_training, levers_of, traits_of
 from stabmon.runbook import judging, rejection, verdicts
 from stabmon.runbook.schema import Rule, Runbook, Success
 from stabmon.runbook.state import Incident, Sighting, WindowRow, incident_from_state, incident_state
@@ -87,6 +87,8 @@ class Engine:
         self._lrs: deque[tuple[int, float]] = deque(maxlen=runbook.baseline_steps + _HISTORY_MARGIN)
         self._history: dict[str, list[Sighting]] = {}  # rule name -> its sightings within its horizon
         self._cooldown_until = 0
+        #: rule name -> the levers (``Intervention.levers``) of its changes that did not keep its trouble away
+        self._spent: dict[str, set[str]] = {}
         self._budget: list[int] = []  # ticks at which changes were applied (the budget window's count)
         self._incident: Incident | None = None
         self.stopped = False
@@ -360,9 +362,9 @@ class Engine:
                 self._close()
             return [resolved, *released]
         attempt = inc.attempt
+        back = inc.error is None and any(r.matched for r in inc.window)  # the trouble came back in its window
         if attempt < rung.repeat and inc.error is None:
             held, before = judging.held(inc.window), inc.held
-            back = any(r.matched for r in inc.window)  # failed on its loss tests alone: more of it will not help
             if back and (before is None or held > before):  # it bought time: the next attempt may buy more
                 inc.attempt, inc.held = attempt + 1, held  # the same rung again, on top of the last attempt
                 evidence["attempt"] = attempt
@@ -371,6 +373,9 @@ class Engine:
                                   f"{attempt - 1} ({before}): repeating the rung does not help" if back else
                                   f"attempt {attempt} kept the trouble away but the loss did not recover: "
                                   "more of the same change will not help")
+        if back:  # the rung is spent and what it pulls on did not keep this trouble away: later rungs pulling only
+            # that are passed over, in this incident and the rule's later ones
+            self._spent.setdefault(inc.rule, set()).update(levers_of(rung.action, rung.params.model_dump()))
         has_next = inc.rung + 1 < len(rule.ladder)
         if rung.on_failure == "stop":
             out = [outcome(Verdict.STOPPED)]
@@ -392,6 +397,12 @@ class Engine:
         inc = self._incident
         assert inc is not None
         rule = self.runbook.rule(inc.rule)
+        passed = []
+        while self._passes(rule, inc.rung):  # it pulls only what did not keep this trouble away in this run
+            passed.append(f"rung {inc.rung + 1} ({self._rung(inc).action})")
+            if inc.rung + 1 >= len(rule.ladder):
+                return self._spent_ladder(step, passed)
+            inc.rung, inc.attempt, inc.held = inc.rung + 1, 1, None
         rung = self._rung(inc)
         traits = traits_of(rung.action)
         if traits.changes_training and self._budget_left() <= 0:
@@ -411,9 +422,33 @@ class Engine:
             if onset_lr is not None and "lr_cap" in params:
                 params["onset_lr"] = onset_lr  # the cap is a fraction of the LR at which the trouble began
         reason = f"{inc.trigger}; rung {inc.rung + 1}/{len(rule.ladder)} of rule {rule.name}"
+        if passed:
+            spent = "/".join(sorted(self._spent[rule.name]))
+            reason += f" ({', '.join(passed)} passed over: {spent} did not keep this trouble away earlier in this run)"
         if rung.repeat > 1:
             reason += f" (attempt {inc.attempt} of {rung.repeat})"
         return [self._propose_or_apply(rung.action, params, step, reason)]
+
+    def _passes(self, rule: Rule, index: int) -> bool:
+        """Whether rung ``index`` of ``rule`` pulls only levers spent for the rule in this run (and some)."""
+        spent = self._spent.get(rule.name)
+        if not spent:
+            return False
+        rung: Any = rule.ladder[index]
+        levers = levers_of(rung.action, rung.params.model_dump())
+        return bool(levers) and levers <= spent
+
+    def _spent_ladder(self, step: int, passed: list[str]) -> list[Decision | Outcome]:
+        """The rest of the ladder pulls only what did not keep this trouble away: tell a human, change nothing
+        (no stop either: a run that survives its trouble is not ended for it), and close."""
+        inc = self._incident
+        assert inc is not None
+        spent = "/".join(sorted(self._spent.get(inc.rule, ())))
+        reason = (f"{inc.trigger}; {', '.join(passed)} of rule {inc.rule} passed over: {spent} did not keep this "
+                  "trouble away earlier in this run; nothing more is tried")
+        alert = self._decision(AlertOnly.name, {"message": reason}, DecisionStatus.APPLY, step, reason)
+        self._close()
+        return [alert]
 
     def _issue_stop(self, step: int) -> list[Decision | Outcome]:
         inc = self._incident
@@ -550,6 +585,7 @@ class Engine:
             "lrs": [list(x) for x in self._lrs],
             "history": {rule: [dataclasses.asdict(h) for h in hist] for rule, hist in self._history.items()},
             "cooldown_until": self._cooldown_until, "budget": list(self._budget),
+            "spent": {rule: sorted(levers) for rule, levers in self._spent.items()},
             "incident": None if self._incident is None else incident_state(self._incident),
             "stopped": self.stopped,
         }
@@ -567,6 +603,7 @@ class Engine:
         sighting = (lambda h: Sighting(*h)) if version == 1 else (lambda h: Sighting(**h))
         self._history = {rule: [sighting(h) for h in hist] for rule, hist in state["history"].items()}
         self._cooldown_until, self._budget = state["cooldown_until"], list(state["budget"])
+        self._spent = {rule: set(levers) for rule, levers in state.get("spent", {}).items()}
         incident = state["incident"]
         self._incident = None if incident is None else incident_from_state(incident, version=version)
         self.stopped = bool(state["stopped"])
