@@ -428,3 +428,14 @@ def test_a_standing_qk_clip_on_attention_the_monitor_cannot_measure_says_so(capl
         mon.end_step()
     assert any("cannot measure this model's attention logits" in r.message for r in caplog.records)
     mon.close()
+
+
+def test_a_standing_qk_clip_records_attention_logits_only_on_sampled_steps() -> None:
+    from stabmon.collect.config import AttentionConfig
+
+    model, opt, mon = build({"foreach": True}, attention=AttentionConfig(every=4))
+    apply(mon, "qk_clip", {"tau": 2.0})  # the sampled collector is armed on every step while the clip stands
+    train(model, opt, mon, 9)
+    mon.close()
+    steps = [r.step for r in mon.records if "attn_logit" in r.metrics]
+    assert steps == [s for s in range(9) if s % 4 == 0], steps

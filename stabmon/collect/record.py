@@ -207,13 +207,14 @@ class StepRecorder:
             names, values = acts.collect()
             if values is not None:
                 self.buffer.add([Metric.ACT_RMS_PREFIX + n for n in names], values)
+        if self._clip_only and self.standing_qk is not None and self.standing_qk.attention.armed:
+            # first: the collector may be the sampled one, and this is not a sampled step (kept for the clip only)
+            self.standing_qk.attention.collect()
         for _, signal in self.forward:
             if signal.armed:
                 names, values = signal.collect()
                 if values is not None:
                     self.buffer.add(names, values)
-        if self._clip_only and self.standing_qk is not None and self.standing_qk.attention.armed:
-            self.standing_qk.attention.collect()  # kept for the clip, not recorded (not a sampled step)
 
     def _record_scaler(self) -> None:
         scaler = self.scaler
