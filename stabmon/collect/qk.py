@@ -24,7 +24,6 @@ any module with separate query/key ``nn.Linear`` children (``q_proj``/``k_proj``
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -144,16 +143,23 @@ def qk_clip(model: nn.Module, *, layer: str | None, heads: Sequence[int] | None,
     bad = [h for h in chosen if not 0 <= h < qk.q_heads]
     if bad:
         raise ValueError(f"heads: {bad} out of range for {name} ({qk.q_heads} heads)")
-    grouped = qk.k_heads != qk.q_heads
-    q_factor = factor if grouped else math.sqrt(factor)
-    with torch.no_grad():
-        for h in chosen:
-            for tensor, first in qk.queries:
-                _scale_rows(tensor, first + h * qk.head_dim, qk.head_dim, q_factor)
-            if not grouped:
-                for tensor, first in qk.keys:
-                    _scale_rows(tensor, first + h * qk.head_dim, qk.head_dim, q_factor)
+    per_head = torch.ones(qk.q_heads)
+    per_head[chosen] = factor
+    _scale_heads(qk, per_head)
     return {"layer": name, "heads": chosen, "factor": factor}
+
+
+def _scale_heads(qk: QK, factors: torch.Tensor) -> None:
+    """Scale each query head's logits by its entry of ``factors``: its query and key rows by the square root each,
+    or, where keys have fewer heads than queries (grouped-query attention), its query rows by the whole factor."""
+    grouped = qk.k_heads != qk.q_heads
+    rows = (factors if grouped else factors.sqrt()).repeat_interleave(qk.head_dim)
+    with torch.no_grad():
+        for tensor, first in qk.queries:
+            _scale_rows_by(tensor, first, rows)
+        if not grouped:
+            for tensor, first in qk.keys:
+                _scale_rows_by(tensor, first, rows)
 
 
 class StandingQkClip:
@@ -216,15 +222,7 @@ class StandingQkClip:
                 s = s.clone()
                 torch.distributed.all_reduce(s, op=torch.distributed.ReduceOp.MAX)
             s = torch.where(torch.isfinite(s), s, torch.full_like(s, tau)).clamp(min=tau)
-            factor = tau / s  # <= 1 per head; 1 where the head stayed under tau
-            grouped = qk.k_heads != qk.q_heads
-            rows = (factor if grouped else factor.sqrt()).repeat_interleave(qk.head_dim)
-            with torch.no_grad():
-                for tensor, first in qk.queries:
-                    _scale_rows_by(tensor, first, rows)
-                if not grouped:
-                    for tensor, first in qk.keys:
-                        _scale_rows_by(tensor, first, rows)
+            _scale_heads(qk, tau / s)  # <= 1 per head; 1 where the head stayed under tau
 
 
 def _distributed() -> bool:
@@ -263,18 +261,3 @@ def _layer(model: nn.Module, layer: str | None) -> tuple[str, QK]:
     if len(recognised) != 1:
         raise ValueError(f"layer: the model has {len(recognised)} recognised attention modules; name one")
     return recognised[0]
-
-
-def _scale_rows(tensor: torch.Tensor, start: int, count: int, factor: float) -> None:
-    """Rows ``[start, start + count)`` of ``tensor`` times ``factor``; on a DTensor sharded along rows, through
-    a row-factor vector laid out like it."""
-    if hasattr(tensor, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        full = torch.ones(tensor.shape[0], *([1] * (tensor.dim() - 1)), dtype=tensor.dtype)
-        full[start:start + count] = factor
-        rows = distribute_tensor(full.to(tensor.to_local().device), tensor.device_mesh,  # type: ignore[attr-defined]
-                                 tensor.placements)  # type: ignore[attr-defined]
-        tensor.mul_(rows)
-        return
-    tensor[start:start + count].mul_(factor)

@@ -407,11 +407,8 @@ class Engine:
         traits = traits_of(rung.action)
         if traits.changes_training and self._budget_left() <= 0:
             b = self.runbook.budget
-            reason = (f"{inc.trigger}; budget exhausted ({b.max_interventions} interventions per "
-                      f"{b.per_steps} steps): rung {inc.rung + 1} ({rung.action}) not attempted")
-            alert = self._decision(AlertOnly.name, {"message": reason}, DecisionStatus.APPLY, step, reason)
-            self._close()
-            return [alert]
+            return self._alert_and_close(step, f"{inc.trigger}; budget exhausted ({b.max_interventions} interventions "
+                                         f"per {b.per_steps} steps): rung {inc.rung + 1} ({rung.action}) not attempted")
         params = rung.params.model_dump(exclude_none=True)
         params.update(verdicts.diagnose_params(traits, inc, step))
         if "message" in type(rung.params).model_fields and not params.get("message") and inc.seen:
@@ -444,8 +441,12 @@ class Engine:
         inc = self._incident
         assert inc is not None
         spent = "/".join(sorted(self._spent.get(inc.rule, ())))
-        reason = (f"{inc.trigger}; {', '.join(passed)} of rule {inc.rule} passed over: {spent} did not keep this "
-                  "trouble away earlier in this run; nothing more is tried")
+        return self._alert_and_close(step, f"{inc.trigger}; {', '.join(passed)} of rule {inc.rule} passed over: "
+                                     f"{spent} did not keep this trouble away earlier in this run; nothing more is "
+                                     "tried")
+
+    def _alert_and_close(self, step: int, reason: str) -> list[Decision | Outcome]:
+        """End the incident with an alert that says why nothing more is changed."""
         alert = self._decision(AlertOnly.name, {"message": reason}, DecisionStatus.APPLY, step, reason)
         self._close()
         return [alert]
