@@ -439,3 +439,19 @@ def test_a_standing_qk_clip_records_attention_logits_only_on_sampled_steps() -> 
     mon.close()
     steps = [r.step for r in mon.records if "attn_logit" in r.metrics]
     assert steps == [s for s in range(9) if s % 4 == 0], steps
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"tau": 0.0}, r"tau"), ({"standing": "sometimes"}, r"standing"), ({"heads": ["h2"]}, r"heads")])
+def test_bad_qk_clip_params_are_refused_at_build(params: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        QkClip(SimulatedTarget(), params, decision_id="d")
+
+
+def test_a_bad_standing_bound_is_a_one_line_error() -> None:
+    from stabmon.overrides import Overrides
+
+    with pytest.raises(ValueError, match=r"^overrides\.qk_tau must be > 0, got -1\.0$"):
+        Overrides(qk_tau=-1.0)
+    with pytest.raises(ValueError, match=r"^overrides\.qk_release_done must be in \[0, qk_release_steps=2\], got 3$"):
+        Overrides(qk_tau=50.0, qk_release_steps=2, qk_release_done=3)
