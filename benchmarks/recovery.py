@@ -89,7 +89,7 @@ def alone_runbook(action: str) -> Any:
 def monitored(
     config: tiny_gpt.TrainConfig, runbook: str, ckpt: str, detectors: dict[str, Any] | None = None
 ) -> tiny_gpt.TrainResult:
-    from stabmon.collect.config import AttentionConfig
+    from stabmon.collect.config import AttentionConfig, UpdateConfig
     from stabmon.monitor import Monitor, MonitorConfig
 
     book: Any = alone_runbook(runbook.removeprefix("only-")) if runbook.startswith("only-") else runbook
@@ -100,6 +100,7 @@ def monitored(
                        checkpoint_dir=ckpt, run_name=f"recovery-{runbook}",
                        config=MonitorConfig(clip=config.clip, checkpoint_every=CHECKPOINT_EVERY,
                                             checkpoint_keep=40, attention=AttentionConfig(every=ATTENTION_EVERY),
+                                            updates=UpdateConfig(every=ATTENTION_EVERY),
                                             hang_timeout=None))
 
     return tiny_gpt.train(config, monitor=factory)

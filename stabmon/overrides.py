@@ -16,7 +16,7 @@ ValueError: overrides.lr_scale must be > 0, got 0.0
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 QK_RELEASE_RISE = 8.0
@@ -30,8 +30,10 @@ class Overrides:
     lr_scale: float = 1.0
     """Multiplies the scheduler's learning rate for every param group."""
     lr_cap: float | None = None
-    """Upper bound on every param group's learning rate after ``lr_scale`` (None: no bound). A schedule that
-    keeps rising past the edge of stability (a warm-up set far too long or too high) stays under it."""
+    """Upper bound on the learning rate after ``lr_scale`` (None: no bound). A schedule that keeps rising past the
+    edge of stability (a warm-up set far too long or too high) stays under it. It bounds param group 0's (the LR
+    the monitor records and the runbook judges); every other group keeps its ratio to group 0 under it (a head
+    at 10x, layer-wise LR decay), so a cap never flattens a recipe's per-group learning rates."""
     max_norm: float | None = None
     """Gradient clipping threshold in force; None keeps the monitor's configured ``clip``."""
     beta2: float | None = None
@@ -73,6 +75,11 @@ class Overrides:
     over this many steps, then the clip is off (0: not being given back)."""
     qk_release_done: int = 0
     """Steps of that rise already taken."""
+    layer_lr: dict[str, dict[str, float]] = field(default_factory=dict)
+    """scale_layer_lr: per param group (its index in ``optimizer.param_groups``, as a string), the cut in force:
+    ``factor`` multiplies that group's learning rate. A released cut also has ``lift_below``: it is lifted once
+    the schedule alone gives the group at most that LR, then re-warmed geometrically over ``ramp`` steps
+    (``done`` counts them). See :meth:`settle_layers`."""
     rewarm_steps: int = 0
     """Length of the LR re-warm-up in force (reset_moments); 0: none."""
     rewarm_left: int = 0
@@ -114,6 +121,10 @@ class Overrides:
         if not 0 <= self.qk_release_done <= max(self.qk_release_steps, 0):
             raise ValueError(f"overrides.qk_release_done must be in [0, qk_release_steps={self.qk_release_steps}], "
                              f"got {self.qk_release_done}")
+        for group, cut in self.layer_lr.items():
+            if not (str(group).isdigit() and 0.0 < cut.get("factor", 0.0) <= 1.0):
+                raise ValueError(f"overrides.layer_lr[{group!r}]: expected a param group index with a factor in "
+                                 f"(0, 1], got {cut}")
         if not 0 <= self.rewarm_left <= self.rewarm_steps:
             raise ValueError(f"overrides.rewarm_left must be in [0, rewarm_steps={self.rewarm_steps}], got "
                              f"{self.rewarm_left}")
@@ -169,10 +180,50 @@ class Overrides:
         self.lr_cap, self.cap_until = None, None
         self.ramp(fraction, self.cap_ramp)
 
+    def settle_layers(self, lrs: list[Any]) -> None:
+        """Once per optimizer step, before it, with the schedule's learning rate of each param group: lift a
+        released layer cut once its group's LR is at most ``lift_below``, and move a lifted cut's re-warm-up on
+        (host arithmetic only). A lifted cut climbs from its factor back to 1 geometrically over ``ramp`` steps.
+
+        >>> o = Overrides(layer_lr={"1": {"factor": 0.1, "lift_below": 0.5, "ramp": 2, "done": 0}})
+        >>> o.settle_layers([0.01, 2.0]); o.layer_factor(1)          # the schedule above 0.5: held
+        0.1
+        >>> o.settle_layers([0.01, 0.4]); round(o.layer_factor(1), 4)  # lifted: half-way up (geometric)
+        0.3162
+        >>> o.settle_layers([0.01, 0.4]); o.settle_layers([0.01, 0.4]); o.layer_lr
+        {}
+        """
+        for group, cut in list(self.layer_lr.items()):
+            below = cut.get("lift_below")
+            if below is None:
+                continue
+            i = int(group)
+            lr = lrs[i] if i < len(lrs) else None
+            if not cut.get("done") and isinstance(lr, (int, float)) and lr > below:
+                continue  # not lifted yet: the schedule still gives the group more than the cut allowed
+            done = int(cut.get("done", 0)) + 1
+            if done > int(cut.get("ramp", 0)):
+                del self.layer_lr[group]
+            else:
+                cut["done"] = done
+
+    def layer_factor(self, group: int) -> float:
+        """The layer cut's multiplier of param group ``group``'s learning rate this step (1.0: none)."""
+        cut = self.layer_lr.get(str(group))
+        if cut is None:
+            return 1.0
+        factor = cut["factor"]
+        done = int(cut.get("done", 0))
+        if done:  # lifted, re-warming: factor ** (1 - done / ramp), reaching 1 after ramp steps
+            ramp = max(int(cut.get("ramp", 0)), 1)
+            return factor ** (1.0 - done / ramp)
+        return factor
+
     @property
     def lr_changed(self) -> bool:
         """Whether the learning rate in force differs from the scheduler's."""
-        return self.lr_scale != 1.0 or self.lr_cap is not None or self.ramp_from is not None or self.rewarm_left > 0
+        return (self.lr_scale != 1.0 or self.lr_cap is not None or self.ramp_from is not None or self.rewarm_left > 0
+                or bool(self.layer_lr))
 
     def qk_bound(self) -> float | None:
         """The standing QK-clip's bound in force (None: off), and one step of its release counted.
@@ -190,18 +241,26 @@ class Overrides:
         self.qk_release_done = done + 1
         return tau * QK_RELEASE_RISE ** (done / steps)
 
-    def scaled_lr(self, lr: Any) -> Any:
-        """The learning rate in force for a scheduler's ``lr`` (a float or a tensor): times ``lr_scale``, at most
-        ``lr_cap``.
+    def scaled_lr(self, lr: Any, *, group: int = 0, ref: Any = None) -> Any:
+        """The learning rate in force for param group ``group`` whose schedule gives ``lr`` (a float or a tensor):
+        times ``lr_scale`` and the group's layer cut, at most ``lr_cap``. ``ref`` is group 0's scheduled LR: a
+        group whose LR differs from it is capped at ``lr_cap`` times its ratio to it (None: ``lr_cap`` itself).
 
         >>> Overrides(lr_scale=0.5, lr_cap=0.1).scaled_lr(0.3), Overrides(lr_scale=0.5).scaled_lr(0.1)
         (0.1, 0.05)
         >>> Overrides(rewarm_steps=3, rewarm_left=3).scaled_lr(0.4)  # first step of a 3-step re-warm-up
         0.1
+        >>> Overrides(lr_cap=0.1).scaled_lr(2.0, group=1, ref=0.5)   # a head at 4x keeps its 4x under the cap
+        0.4
         """
         out = lr * (self.lr_scale * self.rewarm_factor)
+        if self.layer_lr:
+            out = out * self.layer_factor(group)
         if self.lr_cap is not None:
-            out = out.clamp(max=self.lr_cap) if hasattr(out, "clamp") else min(out, self.lr_cap)
+            cap = self.lr_cap
+            if isinstance(ref, (int, float)) and isinstance(lr, (int, float)) and ref > 0 and lr != ref:
+                cap = cap * lr / ref
+            out = out.clamp(max=cap) if hasattr(out, "clamp") else min(out, cap)
         if self.ramp_from is not None:
             out = out * self.ramp_from ** (1.0 - self.ramp_done / self.ramp_steps)
         return out
@@ -218,4 +277,5 @@ class Overrides:
         for f in dataclasses.fields(self):
             if f.name in state:
                 setattr(self, f.name, state[f.name])
+        self.layer_lr = {str(k): dict(v) for k, v in self.layer_lr.items()}  # our own copy, keys as saved
         self.validate()

@@ -262,7 +262,7 @@ VALID_PARAMS = {"scale_lr": {"factor": 0.9}, "set_clip": {"max_norm": 1.0}, "set
                 "set_weight_decay": {"weight_decay": 0.1}, "skip_step": {"factor": 5.0}, "rollback": {},
                 "checkpoint_and_stop": {}, "alert_only": {}, "diagnose": {"onset_step": 90, "metric": "loss"},
                 "reset_moments": {"tensors": ["blocks.0"]}, "adaptive_clip": {}, "clip_update": {"max_rms": 1.0},
-                "qk_clip": {"max_logit": 250.0}}
+                "qk_clip": {"max_logit": 250.0}, "scale_layer_lr": {"tensors": ["lm_head"]}}
 
 
 @pytest.mark.parametrize("name", sorted(INTERVENTIONS))

@@ -267,13 +267,16 @@ class OptimizerHooks:
         if o.cap_until is not None and isinstance(lr, (int, float)):
             o.settle(float(lr))  # a released cap lifted once the schedule is below where the trouble began
         self._saved_groups = []
-        decaying = _decaying_group(self.optimizer.param_groups) if o.weight_decay is not None else None
+        groups = self.optimizer.param_groups
+        if o.layer_lr:
+            o.settle_layers([g.get("lr") for g in groups])  # a released layer cut lifted once its group's LR is low
+        decaying = _decaying_group(groups) if o.weight_decay is not None else None
         base = decaying["weight_decay"] if decaying is not None else 0.0
-        for group in self.optimizer.param_groups:
+        for i, group in enumerate(groups):
             saved: dict[str, Any] = {}
             if o.lr_changed and "lr" in group:
                 saved["lr"] = group["lr"]
-                group["lr"] = o.scaled_lr(group["lr"])
+                group["lr"] = o.scaled_lr(group["lr"], group=i, ref=lr)
             if o.beta2 is not None and "betas" in group:
                 saved["betas"] = group["betas"]
                 group["betas"] = (group["betas"][0], o.beta2)

@@ -183,6 +183,25 @@ class LiveTarget:
                     facts["heads"], factor)
         return facts
 
+    def layer_groups(self, tensors: tuple[str, ...]) -> dict[str, Any]:
+        """The optimizer's param groups holding ``tensors`` (names or layer prefixes) with the LR their schedule
+        gives them now, and the share of the model's parameters those groups hold (``scale_layer_lr``)."""
+        from stabmon.collect.moments import select
+
+        wanted = {id(p) for p in select(self.state.model, tensors).values()}
+        groups: dict[int, Any] = {}
+        total = held = 0
+        for i, group in enumerate(self.state.optimizer.param_groups):
+            n = sum(p.numel() for p in group["params"])
+            total += n
+            if any(id(p) in wanted for p in group["params"]):
+                lr = group.get("lr")
+                groups[i] = float(lr) if isinstance(lr, (int, float)) else None
+                held += n
+        if not groups:
+            raise ValueError(f"tensors: {', '.join(tensors)} are in no param group of the optimizer")
+        return {"groups": groups, "share": held / total if total else 1.0}
+
     # -- checkpoints -------------------------------------------------------------------------------------
     @property
     def can_save(self) -> bool:

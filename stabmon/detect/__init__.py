@@ -18,7 +18,7 @@ from stabmon.detect.fleet import Divergence, Straggler
 from stabmon.detect.hang import HangWatchdog
 from stabmon.detect.progress import LossRegression, NoProgress
 from stabmon.detect.rule import Rule
-from stabmon.detect.rules import Level, LossScaleCollapse, MissingMetric, NonFinite
+from stabmon.detect.rules import Level, LossScaleCollapse, MissingMetric, NonFinite, OutOfLine
 from stabmon.detect.scorer import Scorer
 from stabmon.detect.spike import EWSpike, RobustSpike
 from stabmon.detect.suite import DETECTORS, DetectorSuite, parse_config
@@ -34,6 +34,7 @@ __all__ = [
     "FrozenEmbedding",
     "HangWatchdog",
     "Level",
+    "OutOfLine",
     "LossRegression",
     "LossScaleCollapse",
     "MissingMetric",

@@ -16,6 +16,7 @@ from typing import Any
 from stabmon.detect.base import Detector, X
 from stabmon.detect.config import (
     DetectorConfig,
+    above_one,
     at_least_one,
     at_least_two,
     non_empty,
@@ -396,4 +397,90 @@ class Level(Scorer):
         return m, [{m: 5.0 + 0.01 * i} for i in range(30)], [{m: 500.0}]
 
 
-RULE_DETECTORS: tuple[type[Detector], ...] = (NonFinite, MissingMetric, LossScaleCollapse, Level)
+@dataclass(frozen=True)
+class OutOfLineConfig(DetectorConfig):
+    """Parameters of :class:`OutOfLine` (config key ``out_of_line``).
+
+    >>> OutOfLineConfig().metrics, OutOfLineConfig().factor, OutOfLineConfig().min_layers
+    (('update_ratio/*',), 20.0, 3)
+    """
+
+    metrics: tuple[str, ...] = param((Metric.UPDATE_RATIO_PREFIX + "*",), non_empty,
+                                     "per-layer metrics (one family, ``<family>/<layer>``) held in line with "
+                                     "each other")
+    factor: float = param(20.0, above_one, "a layer whose value is this many times the median of its family's "
+                          "values on the same record is out of line (the scenarios' healthy runs: at most 2.4x; "
+                          "100x the stable LR on every layer: at most 6x)")
+    min_layers: int = param(3, at_least_two, "fewest layers of the family on a record for a median to judge by")
+
+
+class OutOfLine(Scorer):
+    """One layer far out of line with the others on the same record: ``warning`` when its value is ``factor``
+    (20) times the median of its family (the values of every ``<family>/<layer>`` metric of the record), the
+    layer itself included. Never an error: a layer that moves faster than the rest is a cause to look at, not
+    damage; the loss detectors say when there is damage, and a runbook rung that acts on one layer
+    (``scale_layer_lr``) takes the layer from this detector's latest report.
+
+    Shipped on the per-layer update ratios ``update_ratio/<layer>`` (``||dtheta|| / ||theta||`` of one step,
+    recorded where ``MonitorConfig.updates`` samples them): a param group whose learning rate is wrong for it (an
+    output layer at 3000x the LR, Wortsman et al. 2023's output-logit divergence) moves its weights 60-1,700x
+    faster than the median layer from its first step, while a healthy run's layers stay within 2.4x of each
+    other and a learning rate 100x too high on every layer within 6x. A layer initialised at zero moves at
+    ratio ~1/k on its k-th step and is out of line for its first steps: a warning, which no shipped runbook acts
+    on alone. Needs no baseline, so no grace period.
+
+    >>> layers = {"update_ratio/h.0": 0.003, "update_ratio/h.1": 0.004, "update_ratio/ln_f": 0.005}
+    >>> d = OutOfLine("update_ratio/lm_head")
+    >>> d.update(0, {**layers, "update_ratio/lm_head": 0.006}) is None
+    True
+    >>> a = d.update(5, {**layers, "update_ratio/lm_head": 0.2})
+    >>> a.severity.value, round(a.score, 2)
+    ('warning', 2.22)
+    """
+
+    name = "out_of_line"
+    kind = "out_of_line"
+    Config = OutOfLineConfig
+    config: OutOfLineConfig
+    grace_exempt = "a comparison across layers on the same record needs no baseline"
+
+    def __init__(self, metric: str, config: Any = None, **kwargs: Any) -> None:
+        super().__init__(metric, config, **kwargs)
+        self._family = metric.rpartition("/")[0] + "/"
+        self._median = 0.0
+
+    def _learn(self, v: float, x: X) -> None:
+        pass
+
+    def _score(self, v: float, x: X) -> float:
+        if not (math.isfinite(v) and v > 0):
+            return 0.0
+        family = self._family
+        values = sorted(u for k, u in x.items() if k.startswith(family) and math.isfinite(u) and u > 0)
+        n = len(values)
+        if n < self.config.min_layers:
+            return 0.0
+        mid = n // 2
+        self._median = values[mid] if n % 2 else 0.5 * (values[mid - 1] + values[mid])
+        return v / (self.config.factor * self._median)
+
+    def _grace_score(self, v: float, x: X) -> float:
+        return self._score(v, x)
+
+    @property
+    def threshold(self) -> float:
+        return 1.0
+
+    def _message(self, v: float | None, score: float) -> str:
+        times = score * self.config.factor
+        return (f"{self.metric} is {v:.4g}, {times:.0f}x the median of its family ({self._median:.4g}); out of "
+                f"line from {self.config.factor:g}x")
+
+    @classmethod
+    def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:
+        others = {Metric.UPDATE_RATIO_PREFIX + f"h.{i}": 0.003 + 0.0001 * i for i in range(4)}
+        m = Metric.UPDATE_RATIO_PREFIX + "lm_head"
+        return m, [{**others, m: 0.004 + 0.0001 * (i % 3)} for i in range(30)], [{**others, m: 0.5}]
+
+
+RULE_DETECTORS: tuple[type[Detector], ...] = (NonFinite, MissingMetric, LossScaleCollapse, Level, OutOfLine)

@@ -121,7 +121,9 @@ class EffectiveLR:
 
         def get_last_lr() -> list[float]:
             in_force = self.overrides()
-            return [float(in_force.scaled_lr(v)) for v in original()]
+            lrs = original()
+            ref = lrs[0] if lrs else None
+            return [float(in_force.scaled_lr(v, group=i, ref=ref)) for i, v in enumerate(lrs)]
 
         self.scheduler.get_last_lr = get_last_lr
         self._installed = True

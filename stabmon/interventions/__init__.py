@@ -5,7 +5,7 @@ custom one (it then becomes usable in runbooks loaded afterwards). :class:`Execu
 
 >>> sorted(INTERVENTIONS)  # doctest: +NORMALIZE_WHITESPACE
 ['adaptive_clip', 'alert_only', 'checkpoint_and_stop', 'clip_update', 'diagnose', 'qk_clip', 'reset_moments',
- 'rollback', 'scale_lr', 'set_beta2', 'set_clip', 'set_weight_decay', 'skip_step']
+ 'rollback', 'scale_layer_lr', 'scale_lr', 'set_beta2', 'set_clip', 'set_weight_decay', 'skip_step']
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from stabmon.interventions.executor import Executor
 from stabmon.interventions.qk_clip import QkClip
 from stabmon.interventions.reset_moments import ResetMoments
 from stabmon.interventions.rollback import Rollback
+from stabmon.interventions.scale_layer_lr import ScaleLayerLr
 from stabmon.interventions.scale_lr import ScaleLr
 from stabmon.interventions.set_beta2 import SetBeta2
 from stabmon.interventions.set_clip import SetClip
@@ -31,7 +32,7 @@ from stabmon.interventions.traits import REVERT, Traits, traits_of
 INTERVENTIONS: dict[str, type[Intervention]] = {
     cls.name: cls
     for cls in (ScaleLr, SetClip, SetBeta2, SetWeightDecay, Rollback, CheckpointAndStop, SkipStep, AlertOnly,
-                Diagnose, ResetMoments, AdaptiveClip, ClipUpdate, QkClip)
+                Diagnose, ResetMoments, AdaptiveClip, ClipUpdate, QkClip, ScaleLayerLr)
 }
 
 
@@ -54,6 +55,6 @@ def register(cls: type[Intervention]) -> type[Intervention]:
 __all__ = [
     "INTERVENTIONS", "STOP_EXIT_CODE", "AdaptiveClip", "AlertOnly", "CheckpointAndStop", "ClipUpdate", "Diagnose",
     "Executor", "Intervention", "InterventionError", "Params", "QkClip", "ResetMoments", "Rollback", "RunFacts",
-    "ScaleLr", "SetBeta2", "SetClip", "SetWeightDecay", "SkipStep", "StateIntervention", "StateTarget",
+    "ScaleLayerLr", "ScaleLr", "SetBeta2", "SetClip", "SetWeightDecay", "SkipStep", "StateIntervention", "StateTarget",
     "REVERT", "Traits", "get_intervention", "not_applicable", "register", "traits_of",
 ]

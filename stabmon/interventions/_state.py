@@ -62,6 +62,10 @@ class StateIntervention(Intervention):
     rewinds_step: ClassVar[bool] = False
     takes_evidence: ClassVar[bool] = True
     """The pipeline fills ``metric``/``value`` from the incident's anomaly when the rung does not give them."""
+    evidence_kinds: ClassVar[tuple[str, ...]] = ()
+    """The only kinds of report whose metric may name the target (empty: any): when the incident's anomaly is of
+    another kind, the newest recent report of these kinds is the evidence (the pipeline reads them:
+    :meth:`~stabmon.interventions.executor.Executor.with_evidence`)."""
     needs: ClassVar[frozenset[str]] = frozenset()
     """What the run must offer: ``second_moment``, ``adam_update``, ``attention``."""
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stabmon.events import Anomaly, Decision, InterventionRecord
@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from stabmon.pipeline import InterventionTarget
 
 log = logging.getLogger(__name__)
+
+EVIDENCE_HORIZON = 100
+"""Steps between a report that names a layer (``evidence_kinds``) and a decision that may still take it as its
+evidence: an older report may no longer hold."""
 
 
 class Executor:
@@ -56,16 +60,25 @@ class Executor:
         self._applied: dict[str, Intervention] = {}  # intervention record id -> the intervention
         self._released: dict[str, list[Intervention]] = {}  # release record id -> what it gave back
 
-    def with_evidence(self, decision: Decision, anomaly: Anomaly) -> Decision:
+    def with_evidence(self, decision: Decision, anomaly: Anomaly, recent: Iterable[Anomaly] = ()) -> Decision:
         """``decision`` with ``metric`` (and ``value``, the last evidence value) from ``anomaly`` when its
-        intervention takes its target from the evidence and the rung did not name one."""
+        intervention takes its target from the evidence and the rung did not name one. An intervention that reads
+        only some kinds of report (``evidence_kinds``) takes the newest of ``recent`` of those kinds within
+        :data:`EVIDENCE_HORIZON` steps of the decision when ``anomaly`` is of another kind, and nothing without
+        one."""
         from stabmon.interventions import INTERVENTIONS
-        from stabmon.interventions._state import StateIntervention
+        from stabmon.interventions._state import StateIntervention, tensors_of
 
         cls = INTERVENTIONS.get(decision.action)
         if cls is None or not issubclass(cls, StateIntervention) or not cls.takes_evidence \
                 or "metric" in decision.params:
             return decision
+        if cls.evidence_kinds and anomaly.kind not in cls.evidence_kinds:
+            named = [a for a in recent if a.kind in cls.evidence_kinds and tensors_of(a.metric)
+                     and abs(decision.step - a.step) <= EVIDENCE_HORIZON]
+            if not named:
+                return decision  # no report of the kinds it reads: it names nothing (the rung is not applicable)
+            anomaly = named[-1]
         params = {**decision.params, "metric": anomaly.metric}
         value = anomaly.evidence[-1][1] if anomaly.evidence else None
         if value is not None and math.isfinite(value):

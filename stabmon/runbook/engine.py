@@ -179,6 +179,7 @@ class Engine:
             inc.error = record.error
         if record.not_applied is not None:  # nothing changed: no window to wait for, no budget spent
             inc.skipped = record.not_applied
+            inc.effective_step = None  # the next rung may follow on the next record, in the same flush
             if self._budget and traits.changes_training:
                 self._budget.pop()
         verdicts.note_verdict(inc, decision, record)

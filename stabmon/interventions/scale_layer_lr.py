@@ -1,0 +1,147 @@
+"""``scale_layer_lr``: cut the learning rate of the param groups that hold the flagged layer, and only theirs.
+
+A learning rate can be wrong for one part of the model only: an output layer trained at many times the LR of the
+rest (no z-loss: Wortsman et al. 2023's output-logit divergence), a head or an embedding given its own LR. Its
+weights then move far faster than every other layer's, and a global answer is the wrong one: a global LR cut
+or cap slows the whole model to calm one group, and a restart brings the same LR back. This rung multiplies the
+learning rate of the param groups holding the flagged tensors by ``factor`` (0.1), in place, and leaves every
+other group as its schedule has it.
+
+Which layer: the rung's ``tensors`` (parameter names or layer prefixes), else the layer of the latest
+``out_of_line`` report (the incident's own anomaly, or the newest report within :data:`~stabmon.interventions.
+executor.EVIDENCE_HORIZON` steps; the detector compares each layer's update ratio ``||dtheta|| / ||theta||`` with
+the other layers', sampled where ``MonitorConfig.updates`` is set), filled in by the pipeline so every rank cuts
+the same groups. Another anomaly's layer (a gradient-norm spike in ``blocks.1``) is no evidence that the layer's
+learning rate is wrong, and is not taken. Without any of them the rung is "not applicable" (skipped, logged) and the ladder moves on, and so
+it is when the groups it would cut hold more than ``max_share`` (half) of the model's parameters: that is a
+global cut, ``scale_lr``'s.
+
+Judged like every rung; reverted (the group's factor back) when it did not resolve the incident. Released when it
+did: the cut holds until the schedule alone gives the group at most the LR the cut gave it when it was made
+(a schedule that decays has then done the cut's work), and is then lifted, re-warmed over the release's steps
+(:meth:`~stabmon.overrides.Overrides.settle_layers`); the trouble coming back puts it back.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import Field
+
+from stabmon.interventions._state import StateIntervention, StateTarget, tensors_of
+from stabmon.interventions.base import NoChange, Params
+
+LAYER_LR = "layer_lr"
+"""The lever this rung pulls: one group's learning rate (not the run's: a later global LR rung still counts)."""
+
+
+class ScaleLayerLrParams(Params):
+    """``factor``: multiplies the flagged groups' learning rate (0.1: a tenth). ``tensors``: parameter names or
+    layer prefixes (empty: from the evidence, see the module docstring). ``max_share``: the largest share of the
+    model's parameters the groups cut may hold. ``metric``/``value``: the evidence (filled in by the pipeline)."""
+
+    factor: float = Field(default=0.1, gt=0, lt=1)
+    tensors: list[str] = Field(default_factory=list)
+    max_share: float = Field(default=0.5, gt=0, le=1)
+    metric: str | None = None
+    value: float | None = None
+
+
+@runtime_checkable
+class GroupTarget(Protocol):
+    """A target that can say which optimizer param groups hold given tensors (the live run's)."""
+
+    def layer_groups(self, tensors: tuple[str, ...]) -> dict[str, Any]:
+        """``{"groups": {index: scheduled lr}, "share": fraction of the model's parameters in those groups}``."""
+
+
+class ScaleLayerLr(StateIntervention):
+    """Cut the learning rate of the flagged layer's param groups.
+
+    >>> from stabmon.overrides import Overrides
+    >>> class T:
+    ...     overrides = Overrides(); step = 20
+    ...     def hparams(self): return {"lr": 1e-3}
+    ...     def facts(self): return None
+    ...     def layer_groups(self, tensors): return {"groups": {1: 9.0}, "share": 0.05}
+    >>> t = T(); rec = ScaleLayerLr(t, {"metric": "update_ratio/lm_head"}, decision_id="d").apply()
+    >>> rec.after["groups"], t.overrides.layer_factor(1), t.overrides.layer_factor(0)
+    ({'1': 0.1}, 0.1, 1.0)
+    """
+
+    name = "scale_layer_lr"
+    Params = ScaleLayerLrParams
+    revertible = True
+    evidence_kinds = ("out_of_line",)
+
+    @classmethod
+    def levers(cls, params: Mapping[str, Any]) -> frozenset[str]:
+        return frozenset({LAYER_LR})
+
+    def check_applicable(self) -> None:
+        if isinstance(self.target, StateTarget):  # a target without state access still takes the override
+            super().check_applicable()
+
+    def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        p = self.params
+        assert isinstance(p, ScaleLayerLrParams)
+        self.check_applicable()
+        tensors = tuple(p.tensors) or tensors_of(p.metric)
+        if not tensors:
+            raise NoChange("not applicable: no layer is flagged (name tensors, or sample the update ratios with "
+                           "MonitorConfig.updates so that the out_of_line detector can name one)")
+        target = self.target
+        if not isinstance(target, GroupTarget):  # a replay knows no param groups: the cut is recorded only
+            return {"tensors": list(tensors)}, {"tensors": list(tensors), "factor": p.factor, "simulated": True}
+        found = target.layer_groups(tensors)
+        groups: dict[int, Any] = found["groups"]
+        share = float(found["share"])
+        if share > p.max_share:
+            raise NoChange(f"not applicable: {', '.join(tensors)} share(s) param group(s) "
+                           f"{', '.join(map(str, sorted(groups)))} with {share:.0%} of the model's parameters: "
+                           f"a cut there is a global one (scale_lr)")
+        overrides = target.overrides
+        old = copy.deepcopy(overrides.layer_lr)
+        new = copy.deepcopy(old)
+        for i in groups:
+            prev = new.get(str(i))
+            factor = prev["factor"] if prev and not prev.get("done") else 1.0  # a cut being lifted starts afresh
+            new[str(i)] = {"factor": factor * p.factor}
+        overrides.layer_lr = new
+        overrides.validate()
+        self._undo = {"old": old, "new": copy.deepcopy(new),
+                      "lrs": {str(i): lr for i, lr in groups.items() if isinstance(lr, (int, float))}}
+        before = {"tensors": list(tensors), "groups": {str(i): old.get(str(i), {}).get("factor", 1.0)
+                                                         for i in groups},
+                  "lr": {str(i): lr for i, lr in groups.items()}}
+        after = {"tensors": list(tensors), "groups": {str(i): new[str(i)]["factor"] for i in groups},
+                 "share": round(share, 6)}
+        return before, after
+
+    def _set(self, value: dict[str, Any]) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        if "old" not in self._undo:
+            raise NoChange("this rung changed no param group (a replay's)")
+        overrides = self.target.overrides
+        before = {"layer_lr": copy.deepcopy(overrides.layer_lr)}
+        overrides.layer_lr = copy.deepcopy(value)
+        return before, {"layer_lr": copy.deepcopy(value)}
+
+    def _revert(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        return self._set(self._undo.get("old", {}))
+
+    def _reapply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        return self._set(self._undo.get("new", {}))
+
+    def _release(self, steps: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """Held until the schedule gives each cut group at most what the cut gave it, then lifted over ``steps``."""
+        if "old" not in self._undo:
+            raise NoChange("this rung changed no param group (a replay's)")
+        released = copy.deepcopy(self._undo["new"])
+        for group, cut in released.items():
+            lr = self._undo["lrs"].get(group)
+            cut["lift_below"] = lr * cut["factor"] if lr is not None else 0.0
+            cut["ramp"], cut["done"] = int(steps), 0
+        before, after = self._set(released)
+        return before, {**after, "lifted_below_lr": {g: c["lift_below"] for g, c in released.items()}}
