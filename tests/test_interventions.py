@@ -437,7 +437,8 @@ def test_a_failed_or_skipped_record_keeps_its_reason_typed_and_stores_it_inside_
 
     failed = InterventionRecord("d1", 7, "rollback", {}, {}, error="FileNotFoundError: gone")
     skipped = InterventionRecord("d2", 8, "set_clip", {"clip": 1.0}, {}, not_applied="would loosen clipping")
-    assert not failed.ok and skipped.ok and not changed_training(failed) and changed_training(skipped)
+    # neither changed the run: a failed change did not happen, a skipped one was not made
+    assert not failed.ok and skipped.ok and not changed_training(failed) and not changed_training(skipped)
     stored = {"error": "FileNotFoundError: gone"}, {"not_applied": "would loosen clipping"}
     for rec, after in zip((failed, skipped), stored, strict=True):
         assert to_dict(rec)["after"] == after and "error" not in to_dict(rec) and "not_applied" not in to_dict(rec)

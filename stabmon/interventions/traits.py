@@ -125,5 +125,6 @@ def recorded_traits(action: str) -> Traits:
 
 
 def changed_training(record: InterventionRecord) -> bool:
-    """Whether this record acted on the run: its action changes training and it did not fail."""
-    return record.error is None and traits_of(record.action).changes_training
+    """Whether this record acted on the run: its action changes training, it did not fail and it was not skipped
+    (a rung not applicable changed nothing)."""
+    return record.error is None and record.not_applied is None and traits_of(record.action).changes_training
