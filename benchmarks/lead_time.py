@@ -12,9 +12,10 @@ fired first; ``-`` where a signal never fired). The healthy control shows what f
     python benchmarks/lead_time.py                         # every scenario, seeds 0-2, factor 3
     python benchmarks/lead_time.py --scenarios bad-shard,lr-too-high --seeds 5 --factor 2
 
-``--signals``: the signals with lead (second-moment ratio, attention logits, output logits), turned on and
-sampled every 10 steps (:data:`SIGNALS_ON`; they are off by default), judged by the shipped default detector
-suite replayed over the run's records (its ``level`` detector holds ``attn_logit/*`` under 100). Per scenario:
+``--signals``: the signals with lead (second-moment ratio, attention logits, output logits, per-layer update
+ratios), turned on and sampled every 10 steps (:data:`SIGNALS_ON`; they are off by default), judged by the shipped
+default detector suite replayed over the run's records (its ``level`` detector holds ``attn_logit/*`` under 100,
+its ``out_of_line`` detector each ``update_ratio/<layer>`` within 20x of the median layer's). Per scenario:
 the median over seeds of ``lead`` = loss departure - the first ``warning`` (or worse) on a signal's metric, the
 signal that fired first, the lead over the first ``error`` the same suite raises on any other metric (what a
 runbook acts on today), and the false alarms (warnings on the signals' metrics) per 10k steps of the healthy runs
@@ -89,11 +90,11 @@ def first_exceed(values: list[tuple[int, float]], *, factor: float, window: int,
     return None
 
 
-SIGNALS = (Metric.MOMENT_RATIO, Metric.ATTN_LOGIT, Metric.LOGIT_MAX, Metric.LOGIT_LOGZ)
+SIGNALS = (Metric.MOMENT_RATIO, Metric.ATTN_LOGIT, Metric.LOGIT_MAX, Metric.LOGIT_LOGZ, Metric.UPDATE_RATIO_PREFIX)
 
 
 SIGNALS_ON = {"moments": MomentConfig(every=10), "attention": AttentionConfig(every=10),
-              "logits": LogitConfig(every=10)}
+              "logits": LogitConfig(every=10), "updates": UpdateConfig(every=10)}
 """The signals measured, each sampled every 10 steps (the monitor's defaults leave them off)."""
 
 

@@ -189,6 +189,18 @@ def test_decision_message_holds_anomaly_evidence_change_and_commands() -> None:
     assert "stabmon approve" not in applied.body
 
 
+def test_a_rung_that_was_not_applicable_is_said_at_info_never_paged_as_applied() -> None:
+    c = Composer()
+    c.compose(run_id="r", run_name="n", events=[_anomaly(severity=Severity.ERROR)])
+    rec = InterventionRecord(decision_id="d3", step=121, action="scale_layer_lr", before={}, after={},
+                             not_applied="not applicable: no layer is flagged", id="i3")
+    [alert] = c.compose(run_id="r", run_name="n",
+                        events=[_decision(DecisionStatus.APPLY, action="scale_layer_lr", did="d3"), rec])
+    assert alert.severity is Severity.INFO and "skipped (not applicable)" in alert.title
+    assert "applied" not in alert.title.replace("not applicable", "")
+    assert "not applicable: no layer is flagged" in alert.body
+
+
 def test_incident_key_is_stable_from_bare_anomaly_to_resolution() -> None:
     c = Composer()
     [first] = c.compose(run_id="r", run_name="n", events=[_anomaly(aid="a1")])

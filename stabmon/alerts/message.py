@@ -196,6 +196,8 @@ class Composer:
             kind, severity, verb = "intervention", Severity.INFO, "released"
         elif traits.reapplies:  # the trouble came back without them: put back, and said so
             kind, severity, verb = "intervention", Severity.WARNING, "put back"
+        elif record is not None and record.not_applied is not None:  # nothing changed: said, never paged
+            kind, severity, verb = "intervention", Severity.INFO, "skipped (not applicable)"
         elif record is not None:
             kind = "intervention"
             severity = Severity.WARNING if record.reverted else _max(base, Severity.ERROR)

@@ -75,7 +75,8 @@ class UpdateConfig:
 
     every: int = 0
     """Sample every ``every`` steps (0: off). A sampled step holds one transient copy of the parameters from
-    the optimizer's pre-hook to its post-hook, which is why it is off unless asked for."""
+    the optimizer's pre-hook to its post-hook, which is why it is off unless asked for. The per-layer ratios feed
+    the ``out_of_line`` detector, which names the layer a ``scale_layer_lr`` rung cuts the LR of."""
 
     def validate(self, path: str) -> None:
         if self.every < 0:
