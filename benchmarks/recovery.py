@@ -41,6 +41,7 @@ RUNBOOKS = ("default", "opt175b", "palm-rollback", "in-place-first")
 ALONE = {  # each state-level intervention alone: its one rung answers every incident a runbook acts on
     "reset_moments": {"rewarm_steps": 20, "second_moment": True}, "adaptive_clip": {"lambda_rel": 1.05, "beta": 0.98},
     "clip_update": {"max_rms": 1.0}, "qk_clip": {"tau": 50.0}, "skip_step": {"factor": 5.0, "theta": 5000.0},
+    "scale_layer_lr": {"factor": 0.01},
 }
 ARMS = ("unmonitored", *(f"stabmon:{r}" for r in RUNBOOKS), *(f"stabmon:only-{a}" for a in ALONE), *PEERS)
 RESCUE_TOLERANCE = 0.10

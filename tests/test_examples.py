@@ -122,3 +122,13 @@ def test_stabmon_demo_fp16_scenario_shows_the_loss_scale_collapse_and_the_rollba
     assert decisions and any(line.strip().startswith("outcome") and "resolved" in line for line in lines)
     for signal in ("grad_norm", "act_rms/h.0", "emb_drift/wte"):  # the four signals the project is named for
         assert any(line.strip().startswith(signal) for line in lines), signal
+
+
+def test_the_demo_says_a_rung_that_was_not_applicable_was_skipped_not_applied() -> None:
+    from stabmon.cli.demo import _describe
+    from stabmon.events import InterventionRecord
+
+    skipped = InterventionRecord("d", 160, "scale_layer_lr", {}, {}, not_applied="not applicable: no layer is flagged")
+    done = InterventionRecord("d", 160, "set_clip", {"clip": 1.0}, {"clip": 0.5})
+    assert _describe(skipped) == "skipped    step 160   scale_layer_lr: not applicable: no layer is flagged"
+    assert _describe(done) == "applied    step 160   set_clip {'clip': 1.0} -> {'clip': 0.5}"

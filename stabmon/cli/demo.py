@@ -111,6 +111,8 @@ def _describe(e: Any) -> str:
         return f"decision   step {e.step:<5} {e.action} {dict(e.params)} [{e.status.value}] rule {e.rule} (id {e.id})"
     if name == "InterventionRecord" and recorded_traits(e.action).diagnoses and "verdict" in e.after:
         return f"diagnosed  step {e.step:<5} verdict {e.after['verdict']}: {e.after.get('summary', '')}"
+    if name == "InterventionRecord" and e.not_applied is not None:
+        return f"skipped    step {e.step:<5} {e.action}: {e.not_applied}"
     if name == "InterventionRecord":
         return f"applied    step {e.step:<5} {e.action} {dict(e.before)} -> {dict(e.stored_after())}"
     return f"outcome    step {e.step:<5} {e.verdict.value}"
