@@ -26,6 +26,7 @@ from stabmon.monitor import Monitor, MonitorConfig
 from stabmon.overrides import Overrides
 from stabmon.pipeline import Pipeline
 from stabmon.replay.simulate import SimulatedTarget
+from stabmon.runbook.trace import build_trace, format_trace
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = {"update_ratio/h.0": 0.003, "update_ratio/h.1": 0.004, "update_ratio/ln_f": 0.005, "update_ratio/wte": 0.002}
@@ -230,13 +231,21 @@ def test_the_pipeline_takes_the_layer_from_a_recent_out_of_line_report_only() ->
             target.begin_block([record])
             events += pipe.process(record)
         decision = next(e for e in events if isinstance(e, Decision) and e.action == "scale_layer_lr")
+        trail.extend(format_trace(build_trace(events)))
         return decision, next(e for e in events if getattr(e, "decision_id", None) == decision.id)
+
+    trail: list[str] = []
 
     regression = Anomaly(kind="regression", metric="loss", step=250, score=2.0, severity=Severity.ERROR, detector="t")
     decision, record = first_cut({200: out_of_line("update_ratio/head", 200), 250: regression})
     assert decision.params["metric"] == "update_ratio/head" and record.after["tensors"] == ["head"]
     decision, record = first_cut({100: out_of_line("update_ratio/head", 100), 250: regression})  # too old
     assert "metric" not in decision.params and record.not_applied.startswith("not applicable: no layer")
+    # the trail says it was skipped, and the next rung (a restart) was decided on the next record
+    assert any(line.startswith("  skipped      step") and "not applicable: no layer" in line for line in trail)
+    rollback = next(e for e in trail[trail.index(next(x for x in trail if x.startswith("  skipped"))):]
+                    if "rollback(" in e)
+    assert "rung 2: rollback" in rollback, trail
 
 
 # -- real training -------------------------------------------------------------------------------------------

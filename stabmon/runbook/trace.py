@@ -105,7 +105,8 @@ def format_trace(trace: dict[str, Any]) -> list[str]:
             elif iv:
                 traits = _traits(d["action"])
                 label = ("revert" if iv["reverted"] else "release" if traits.releases
-                         else "reapply" if traits.reapplies else "intervention")
+                         else "reapply" if traits.reapplies else "skipped" if "not_applied" in iv["after"]
+                         else "intervention")
                 lines.append(f"  {label:<13}step {iv['step']}: {_changes(iv)}")
             if d["status"] == "rejected":
                 lines.append(f"  rejected     {_rejection(s, inc['steps'])}")
