@@ -15,7 +15,7 @@ The protocols below are the plug points; concrete classes live in ``stabmon.dete
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from stabmon.events import Anomaly, Decision, DecisionStatus, Event, InterventionRecord, Outcome, StepRecord
@@ -92,7 +92,7 @@ class EvidenceFiller(Protocol):
     the incident: the decision comes back with those parameters filled in, before it is executed, stored and
     shared with the other ranks (so every rank acts on the same tensors)."""
 
-    def with_evidence(self, decision: Decision, anomaly: Anomaly, recent: Sequence[Anomaly] = ()) -> Decision: ...
+    def with_evidence(self, decision: Decision, anomaly: Anomaly, recent: Iterable[Anomaly] = ()) -> Decision: ...
 
 
 @runtime_checkable
@@ -191,7 +191,7 @@ class Pipeline:
         anomaly = self._anomalies.get(decision.anomaly_id or "")
         if anomaly is None or not isinstance(self.executor, EvidenceFiller):
             return decision
-        return self.executor.with_evidence(decision, anomaly, tuple(self._anomalies.values()))
+        return self.executor.with_evidence(decision, anomaly, self._anomalies.values())
 
     def state_dict(self) -> dict[str, Any]:
         return {

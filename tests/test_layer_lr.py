@@ -5,17 +5,16 @@ shipped runbooks."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from pipeline_support import PlannedReports
 from torch import nn
 
+from stabmon.cli.demo import load_example
 from stabmon.detect import OutOfLine
 from stabmon.detect.rules import OutOfLineConfig
 from stabmon.events import Anomaly, Decision, DecisionStatus, Severity, StepRecord
@@ -28,7 +27,6 @@ from stabmon.pipeline import Pipeline
 from stabmon.replay.simulate import SimulatedTarget
 from stabmon.runbook.trace import build_trace, format_trace
 
-REPO = Path(__file__).resolve().parent.parent
 LAYERS = {"update_ratio/h.0": 0.003, "update_ratio/h.1": 0.004, "update_ratio/ln_f": 0.005, "update_ratio/wte": 0.002}
 
 
@@ -205,26 +203,9 @@ def test_scale_layer_lr_without_evidence_or_on_a_shared_group_is_not_applicable(
 
 
 def test_the_pipeline_takes_the_layer_from_a_recent_out_of_line_report_only() -> None:
-    class Reports:
-        def __init__(self, plan: dict[int, Anomaly]) -> None:
-            self.plan = plan
-
-        def update(self, record: StepRecord) -> list[Anomaly]:
-            a = self.plan.get(record.step)
-            return [a] if a is not None else []
-
-        def enter_grace(self, steps: int | None = None) -> None:
-            pass
-
-        def state_dict(self) -> dict[str, Any]:
-            return {}
-
-        def load_state_dict(self, state: dict[str, Any]) -> None:
-            pass
-
-    def first_cut(plan: dict[int, Anomaly]) -> tuple[Decision, Any]:
+    def first_cut(plan: dict[int, list[Anomaly]]) -> tuple[Decision, Any]:
         target = SimulatedTarget()
-        pipe = Pipeline(Reports(plan), resolve_engine("default", None), Executor(target, simulated=True))
+        pipe = Pipeline(PlannedReports(plan), resolve_engine("default", None), Executor(target, simulated=True))
         events = []
         for step in range(260):
             record = StepRecord(step=step, metrics={"loss": 2.0, "lr": 1e-3})
@@ -237,9 +218,9 @@ def test_the_pipeline_takes_the_layer_from_a_recent_out_of_line_report_only() ->
     trail: list[str] = []
 
     regression = Anomaly(kind="regression", metric="loss", step=250, score=2.0, severity=Severity.ERROR, detector="t")
-    decision, record = first_cut({200: out_of_line("update_ratio/head", 200), 250: regression})
+    decision, record = first_cut({200: [out_of_line("update_ratio/head", 200)], 250: [regression]})
     assert decision.params["metric"] == "update_ratio/head" and record.after["tensors"] == ["head"]
-    decision, record = first_cut({100: out_of_line("update_ratio/head", 100), 250: regression})  # too old
+    decision, record = first_cut({100: [out_of_line("update_ratio/head", 100)], 250: [regression]})  # too old
     assert "metric" not in decision.params and record.not_applied.startswith("not applicable: no layer")
     # the trail says it was skipped, and the next rung (a restart) was decided on the next record
     assert any(line.startswith("  skipped      step") and "not applicable: no layer" in line for line in trail)
@@ -249,15 +230,6 @@ def test_the_pipeline_takes_the_layer_from_a_recent_out_of_line_report_only() ->
 
 
 # -- real training -------------------------------------------------------------------------------------------
-def scenarios() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("scenarios_example", REPO / "examples" / "scenarios.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("runbook", ["default", "in-place-first"])
 def test_output_logit_divergence_is_rescued_in_place_by_cutting_the_output_layers_lr(
@@ -267,7 +239,7 @@ def test_output_logit_divergence_is_rescued_in_place_by_cutting_the_output_layer
     restart. Unmonitored every seed ends 23%+ above its healthy loss (docs/recovery.md)."""
     from stabmon.collect.config import UpdateConfig
 
-    sc = scenarios()
+    sc = load_example("scenarios")
     seed = 11
     scenario = sc.scenario("output-logit-divergence")
     config = scenario.config(seed)

@@ -5,28 +5,16 @@ half the one in force, judges each restart before the next, and keeps halving th
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
+from stabmon.cli.demo import load_example
+
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def scenarios() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("scenarios_example", REPO / "examples" / "scenarios.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_default_runbook_restarts_a_wrecked_run_with_a_halving_lr_cap_one_attempt_at_a_time(
@@ -35,7 +23,7 @@ def test_default_runbook_restarts_a_wrecked_run_with_a_halving_lr_cap_one_attemp
     from stabmon.cli import app
     from stabmon.monitor import Monitor, MonitorConfig
 
-    sc = scenarios()
+    sc = load_example("scenarios")
     seed = 44
     config = sc.scenario("lr-too-high").config(seed)
     healthy = sc.tiny_gpt.train(sc.scenario("lr-too-high").healthy_config(seed))

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from pipeline_support import PlannedReports
 from torch import nn
 
 from stabmon.events import Anomaly, Decision, DecisionStatus, Severity
@@ -319,26 +320,10 @@ def test_a_skipped_step_stays_skipped_with_every_state_level_fix_on(kind: dict[s
     mon.close()
 
 
-class _Flags:
-    """A detector suite that reports a given anomaly at given steps (the engine and executor are real)."""
-
-    def __init__(self, metric: str, steps: set[int], value: float, kind: str = "spike") -> None:
-        self.metric, self.steps, self.value, self.kind = metric, steps, value, kind
-
-    def update(self, record: Any) -> list[Anomaly]:
-        if record.step not in self.steps:
-            return []
-        return [Anomaly(kind=self.kind, metric=self.metric, step=record.step, score=9.0, severity=Severity.ERROR,
-                        detector="t", evidence=((record.step - 1, 1.0), (record.step, self.value)))]
-
-    def enter_grace(self, steps: int | None = None) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+def _flags(metric: str, steps: set[int], value: float, kind: str = "spike") -> PlannedReports:
+    """A detector suite that reports a given error-severity anomaly at given steps."""
+    return PlannedReports({s: [Anomaly(kind=kind, metric=metric, step=s, score=9.0, severity=Severity.ERROR,
+                                       detector="t", evidence=((s - 1, 1.0), (s, value)))] for s in steps})
 
 
 @pytest.mark.parametrize(("metric", "kind", "action", "want"), [
@@ -352,7 +337,7 @@ def test_in_place_first_acts_on_what_the_anomaly_names(metric: str, kind: str, a
     from stabmon.pipeline import Pipeline
 
     target = SimulatedTarget()
-    pipe = Pipeline(_Flags(metric, {30}, 400.0, kind), resolve_engine("in-place-first", None),
+    pipe = Pipeline(_flags(metric, {30}, 400.0, kind), resolve_engine("in-place-first", None),
                     Executor(target, simulated=True))
     events = []
     for step in range(40):

@@ -68,6 +68,9 @@ class StateIntervention(Intervention):
     :meth:`~stabmon.interventions.executor.Executor.with_evidence`)."""
     needs: ClassVar[frozenset[str]] = frozenset()
     """What the run must offer: ``second_moment``, ``adam_update``, ``attention``."""
+    needs_state: ClassVar[bool] = True
+    """False: the change goes through the overrides, so a target without state access still takes it (its
+    applicability is checked only where the target can say what the run offers)."""
 
     @classmethod
     def needs_for(cls, params: Mapping[str, Any]) -> frozenset[str]:
@@ -81,6 +84,8 @@ class StateIntervention(Intervention):
 
     def check_applicable(self) -> None:
         """Raise :class:`NoChange` ("not applicable: ...") when the run cannot take this change."""
+        if not self.needs_state and not isinstance(self.target, StateTarget):
+            return
         facts = self.state_target().facts()
         problem = not_applicable(type(self), self.params.model_dump(), facts) if facts is not None else None
         if problem is not None:
@@ -133,6 +138,7 @@ class OverridesIntervention(StateIntervention):
     """Sets several fields of ``target.overrides`` at once; reverting restores them all."""
 
     revertible = True
+    needs_state = False
 
     def _values(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -161,7 +167,3 @@ class OverridesIntervention(StateIntervention):
         for k, v in self._undo.items():
             setattr(overrides, k, v)
         return current, dict(self._undo)
-
-    def check_applicable(self) -> None:
-        if isinstance(self.target, StateTarget):  # a target without state access still takes the override
-            super().check_applicable()

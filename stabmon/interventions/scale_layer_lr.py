@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import Field
 
-from stabmon.interventions._state import StateIntervention, StateTarget, tensors_of
+from stabmon.interventions._state import StateIntervention, tensors_of
 from stabmon.interventions.base import NoChange, Params
 
 LAYER_LR = "layer_lr"
@@ -75,14 +75,11 @@ class ScaleLayerLr(StateIntervention):
     Params = ScaleLayerLrParams
     revertible = True
     evidence_kinds = ("out_of_line",)
+    needs_state = False
 
     @classmethod
     def levers(cls, params: Mapping[str, Any]) -> frozenset[str]:
         return frozenset({LAYER_LR})
-
-    def check_applicable(self) -> None:
-        if isinstance(self.target, StateTarget):  # a target without state access still takes the override
-            super().check_applicable()
 
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         p = self.params
@@ -120,28 +117,28 @@ class ScaleLayerLr(StateIntervention):
                  "share": round(share, 6)}
         return before, after
 
-    def _set(self, value: dict[str, Any]) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
-        if "old" not in self._undo:
+    def _set(self, which: str) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """Set the layer cuts to what they were before this rung (``"old"``) or after it (``"new"``)."""
+        if which not in self._undo:
             raise NoChange("this rung changed no param group (a replay's)")
         overrides = self.target.overrides
         before = {"layer_lr": copy.deepcopy(overrides.layer_lr)}
-        overrides.layer_lr = copy.deepcopy(value)
-        return before, {"layer_lr": copy.deepcopy(value)}
+        overrides.layer_lr = copy.deepcopy(self._undo[which])
+        return before, {"layer_lr": copy.deepcopy(overrides.layer_lr)}
 
     def _revert(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
-        return self._set(self._undo.get("old", {}))
+        return self._set("old")
 
     def _reapply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
-        return self._set(self._undo.get("new", {}))
+        return self._set("new")
 
     def _release(self, steps: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         """Held until the schedule gives each cut group at most what the cut gave it, then lifted over ``steps``."""
-        if "old" not in self._undo:
-            raise NoChange("this rung changed no param group (a replay's)")
-        released = copy.deepcopy(self._undo["new"])
+        before, _ = self._set("new")
+        released = self.target.overrides.layer_lr
         for group, cut in released.items():
             lr = self._undo["lrs"].get(group)
             cut["lift_below"] = lr * cut["factor"] if lr is not None else 0.0
             cut["ramp"], cut["done"] = int(steps), 0
-        before, after = self._set(released)
-        return before, {**after, "lifted_below_lr": {g: c["lift_below"] for g, c in released.items()}}
+        return before, {"layer_lr": copy.deepcopy(released),
+                        "lifted_below_lr": {g: c["lift_below"] for g, c in released.items()}}
