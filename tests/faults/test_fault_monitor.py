@@ -146,7 +146,11 @@ def test_propose_mode_never_waits_on_a_locked_database(tmp_path: Path) -> None:
            longest_step_s=trained.longest)
     assert trained.longest < STALL_BOUND, f"a training step took {trained.longest:.2f}s"
     assert stored_steps(url, mon.run_id) == list(range(44))
-    assert mon.overrides.max_norm == 0.5  # the answer arrived once the lock was gone
+    # the answer arrived once the lock was gone and the approved change was applied (on a slow machine it arrives
+    # early enough to be judged and released again before the run ends: applied is what this test is about)
+    applied = [e for e in mon.events if isinstance(e, InterventionRecord) and e.action == "set_clip"
+               and not e.reverted and e.after.get("max_norm") == 0.5]
+    assert applied, [e for e in mon.events if isinstance(e, InterventionRecord)]
 
 
 @pytest.mark.postgres
