@@ -5,13 +5,15 @@ For each scenario and seed, on the same batches: the healthy reference (the same
 run left alone, stabmon in apply mode with each shipped runbook, and each peer's automatic response
 (``benchmarks/peers.py``). A run is *rescued* when its final held-out loss is finite and within 10% of the same
 seed's healthy run; *wasted steps* are steps trained again after rollbacks, plus skipped batches and skipped
-updates, as a percentage of the run; a *false intervention* is any action that changed training on a healthy
+updates, plus the passes ``diagnose`` runs (its re-run steps and replayed batches, one step each), as a
+percentage of the run; a *false intervention* is any action that changed training on a healthy
 control.
 
     python benchmarks/recovery.py                         # 12 scenarios x 5 seeds (0-4) x 14 arms
     python benchmarks/recovery.py --first-seed 5 --jobs 2 --json recovery.json
     python benchmarks/recovery.py --scenarios bad-shard,healthy --arms unmonitored,stabmon:default
     python benchmarks/recovery.py --arms unmonitored,stabmon:in-place-first,stabmon:only-reset_moments
+    python benchmarks/recovery.py --arms unmonitored,stabmon:my-runbook.yaml   # a runbook of your own
     python benchmarks/recovery.py --sweep --seeds 10      # the learning-rate sweep behind lr-too-high
 """
 
@@ -37,7 +39,7 @@ import scenarios as sc  # noqa: E402
 import tiny_gpt  # noqa: E402
 from peers import PEERS  # noqa: E402
 
-RUNBOOKS = ("default", "opt175b", "palm-rollback", "in-place-first")
+RUNBOOKS = ("default", "restart-first", "opt175b", "palm-rollback", "in-place-first")
 ALONE = {  # each state-level intervention alone: its one rung answers every incident a runbook acts on
     "reset_moments": {"rewarm_steps": 20, "second_moment": True}, "adaptive_clip": {"lambda_rel": 1.05, "beta": 0.98},
     "clip_update": {"max_rms": 1.0}, "qk_clip": {"tau": 50.0}, "skip_step": {"factor": 5.0, "theta": 5000.0},
@@ -115,13 +117,25 @@ def _stabmon_facts(result: tiny_gpt.TrainResult, steps: int) -> dict[str, Any]:
     changes = [e for e in mon.events if type(e).__name__ == "InterventionRecord" and changed_training(e)]
     decisions = [e for e in mon.events if type(e).__name__ == "Decision"]
     recomputed = result.steps - min(mon.step, steps)
+    diagnosed = sum(diagnose_passes(e.after) for e in mon.events
+                    if type(e).__name__ == "InterventionRecord" and e.action == "diagnose")
     return {
-        "wasted": recomputed + len(mon.cursor.skip),
+        "wasted": recomputed + len(mon.cursor.skip) + diagnosed,
         "detect_step": detect_step(mon.anomalies),
         "interventions": len(changes),
         "actions": [f"{e.action}@{e.step}" for e in decisions if e.action != "revert"][:12],
         "events": len(kinds),
     }
+
+
+def diagnose_passes(after: dict[str, Any]) -> int:
+    """The training passes a diagnosis ran: the steps it re-ran from the checkpoint and the batches it replayed.
+
+    >>> diagnose_passes({"rerun": {"steps": [{}, {}]}, "incident_steps": [5, 6], "reference_steps": [3, 4]})
+    6
+    """
+    return (len((after.get("rerun") or {}).get("steps", ())) + len(after.get("incident_steps", ()))
+            + len(after.get("reference_steps", ())))
 
 
 def detect_step(anomalies: list[Any]) -> int | None:
@@ -296,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         if name not in sc.SCENARIOS:
             p.error(f"--scenarios: unknown scenario {name!r} (known: {', '.join(sc.SCENARIOS)})")
     for arm in arms:
-        if arm not in ARMS:
-            p.error(f"--arms: unknown arm {arm!r} (known: {', '.join(ARMS)})")
+        if arm not in ARMS and not (arm.startswith("stabmon:") and Path(arm.split(":", 1)[1]).is_file()):
+            p.error(f"--arms: unknown arm {arm!r} (known: {', '.join(ARMS)}, or stabmon:PATH of a runbook YAML)")
     cases = [(n, s) for s in seeds for n in names]  # seed by seed: a stopped run still has whole seeds
     rows: list[Row] = []
     with ProcessPoolExecutor(args.jobs) as pool:

@@ -6,6 +6,7 @@ interrupts itself at step 37; the database is read afterwards.
 
 from __future__ import annotations
 
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -37,11 +38,18 @@ LOOP = textwrap.dedent("""
 """)
 
 
+def ctrl_c_delivered() -> None:
+    """In the child before exec: Ctrl-C at its default, so Python turns it into KeyboardInterrupt even where the
+    test runner was started in the background (which ignores SIGINT, and a child inherits that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run(tmp_path: Path, how: str) -> tuple[int, str, int]:
     db = tmp_path / "runs.db"
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
     proc = subprocess.run([sys.executable, str(script), f"sqlite:///{db}", how], capture_output=True, text=True,
+                          preexec_fn=ctrl_c_delivered,
                           timeout=120)
     with sqlite3.connect(db) as con:
         (key, status), = con.execute("SELECT key, status FROM runs").fetchall()

@@ -15,6 +15,7 @@ import tokenize
 from pathlib import Path
 
 import pytest
+from test_interrupts import ctrl_c_delivered
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "nanogpt_style.py"
@@ -97,7 +98,8 @@ def test_ctrl_c_then_resume_stores_every_step_and_decision_once(tmp_path: Path) 
     cmd = [sys.executable, "-u", str(EXAMPLE), "--out-dir", str(tmp_path / "out"), "--db", f"sqlite:///{db}",
            "--no-step-time", "--max-iters", "160", "--seed", str(SEED), "--lr-jump-at", "60"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=ctrl_c_delivered)
     assert proc.stdout is not None
     seen = []
     for line in proc.stdout:  # after the rollback, mid-way through the rest of the run

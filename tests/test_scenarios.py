@@ -113,9 +113,27 @@ def test_default_runbook_rescues_a_majority_of_seeds(name: str, tmp_path: Path) 
         changes = [e for e in result.monitor.events if type(e).__name__ == "InterventionRecord"
                    and changed_training(e)]
         outcomes[seed] = (result.val_loss, healthy_loss(name, seed), [c.action for c in changes])
-        assert changes and changes[0].action == "rollback", outcomes  # it restarts before it changes recipes
+        restarts = [c for c in changes if c.action != "diagnose"]
+        assert restarts and restarts[0].action == "rollback", outcomes  # it restarts before it changes recipes
+        for i, diagnosis in enumerate(changes):
+            if diagnosis.action != "diagnose":
+                continue
+            verdict = diagnosis.after["verdict"]
+            assert verdict == BY_CONSTRUCTION.get(name, verdict), (seed, diagnosis.after["summary"])
+            restart = changes[i + 1]  # the restart the verdict chose
+            assert restart.action == "rollback", outcomes
+            skipped, cap = restart.after.get("skipped"), restart.after.get("lr_cap")
+            assert (verdict, bool(skipped and skipped[1] > skipped[0]), cap is not None) in {
+                ("data", True, False), ("state", False, True), ("hardware_suspect", False, False),
+                ("inconclusive", True, False)}, (seed, verdict, restart.after)
     rescued = [s for s, (loss, healthy, _) in outcomes.items() if loss <= 1.1 * healthy]
     assert len(rescued) >= 2, outcomes
+
+
+BY_CONSTRUCTION = {"bad-shard": "data", "weight-corruption": "hardware_suspect", "fp16-overflow": "hardware_suspect"}
+"""The verdicts the faults force: a corrupted shard stands out from any good state; a flipped exponent and a state
+pushed past float16, injected once, are not computed again when the step is re-run. (A learning rate far too high
+is a run not learning, which is not diagnosed; activation drift's verdict is the evidence's.)"""
 
 
 @pytest.mark.slow

@@ -6,22 +6,29 @@ a re-run draws the same random numbers) and the sample ids a user's ``sample_ids
 runs on the host when the batch is drawn and must return host values (ints or strings: a dataset's indices,
 a document id with an offset); a tensor is refused (reading it back would stall a GPU step).
 
-It exists only when a runbook rung uses ``diagnose`` or a ``sample_ids`` hook is given. Cost: ``capacity``
-batch references kept alive (the loader's own batches, before the loop moves them to a device), plus
-~5 KiB of CPU RNG state per step (and the CUDA generator's seed and offset when CUDA is in use).
+It exists only when a runbook rung uses ``diagnose`` or a ``sample_ids`` hook is given. Cost: at most
+``capacity`` batch references kept alive (the loader's own batches, before the loop moves them to a device),
+and never more than ``max_bytes`` of their tensors (the oldest entries are dropped first; the newest is always
+kept), plus ~5 KiB of CPU RNG state per step (and the CUDA generator's seed and offset when CUDA is in use).
+A tensor's size is its metadata (``nbytes``): nothing is read or synchronised.
 
 >>> log = BatchLog(capacity=2, sample_ids=lambda batch: [f"doc{i}" for i in batch])
 >>> for step, batch in enumerate([[1, 2], [3, 4], [5, 6]]):
 ...     log.remember(step=step, batch_index=10 + step, batch=batch)
 >>> sorted(log.entries), log.entries[2].sample_ids, log.entries[2].batch_index
 ([1, 2], ('doc5', 'doc6'), 12)
+>>> small = BatchLog(capacity=8, max_bytes=100)
+>>> for step in range(3):
+...     small.remember(step=step, batch_index=step, batch=(torch.zeros(10), {"y": torch.zeros(2)}))
+>>> sorted(small.entries), small.bytes  # 48 bytes a batch: two fit under 100
+([1, 2], 96)
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +53,7 @@ class BatchEntry:
     rng: torch.Tensor
     cuda_rng: tuple[torch.Tensor, ...] | None = None
     sample_ids: tuple[Any, ...] | None = None
+    nbytes: int = 0
 
     def describe(self) -> dict[str, Any]:
         """Plain values for the record (the batch itself is not stored)."""
@@ -58,23 +66,37 @@ class BatchEntry:
 class BatchLog:
     """The last ``capacity`` steps' batches; see the module docstring."""
 
-    def __init__(self, capacity: int = 256, sample_ids: SampleIds | None = None) -> None:
+    def __init__(self, capacity: int = 256, sample_ids: SampleIds | None = None, *,
+                 max_bytes: int | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"diagnose.batches must be >= 1, got {capacity}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"diagnose.max_bytes must be >= 1 (or None: no bound), got {max_bytes}")
         if sample_ids is not None and not callable(sample_ids):
             raise ValueError(f"sample_ids: expected a callable batch -> ids, got {type(sample_ids).__name__}")
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._ids = sample_ids
         self.entries: OrderedDict[int, BatchEntry] = OrderedDict()
         self.errors = 0
 
     def remember(self, *, step: int, batch_index: int | None, batch: Any) -> None:
         """Keep this step's batch (a step run again after a rollback replaces its old entry)."""
-        self.entries.pop(step, None)
+        self._drop(step)
         cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None
-        self.entries[step] = BatchEntry(step, batch_index, batch, torch.get_rng_state(), cuda, self._sample_ids(batch))
-        while len(self.entries) > self.capacity:
-            self.entries.popitem(last=False)
+        entry = BatchEntry(step, batch_index, batch, torch.get_rng_state(), cuda, self._sample_ids(batch),
+                           tensor_bytes(batch))
+        self.entries[step] = entry
+        self.bytes += entry.nbytes
+        while len(self.entries) > self.capacity or (
+                self.max_bytes is not None and self.bytes > self.max_bytes and len(self.entries) > 1):
+            self._drop(next(iter(self.entries)))
+
+    def _drop(self, step: int) -> None:
+        gone = self.entries.pop(step, None)
+        if gone is not None:
+            self.bytes -= gone.nbytes
 
     def _sample_ids(self, batch: Any) -> tuple[Any, ...] | None:
         if self._ids is None:
@@ -95,6 +117,24 @@ class BatchLog:
 
     def clear(self) -> None:
         self.entries.clear()
+        self.bytes = 0
+
+
+def tensor_bytes(batch: Any, _depth: int = 0) -> int:
+    """Bytes of the tensors in a batch (nested tuples, lists and mappings; other objects count 0).
+
+    >>> tensor_bytes({"x": torch.zeros(4, dtype=torch.int64), "meta": ["a", (torch.zeros(2),)]})
+    40
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.nbytes
+    if _depth > 8:
+        return 0
+    if isinstance(batch, Mapping):
+        return sum(tensor_bytes(v, _depth + 1) for v in batch.values())
+    if isinstance(batch, (tuple, list)):
+        return sum(tensor_bytes(v, _depth + 1) for v in batch)
+    return 0
 
 
 def uses_diagnose(engine: Any) -> bool:
@@ -105,8 +145,9 @@ def uses_diagnose(engine: Any) -> bool:
     return runbook is not None and any(traits_of(a).diagnoses for rule in runbook.rules for a in rule.actions)
 
 
-def batch_log_for(engine: Any, sample_ids: SampleIds | None, *, capacity: int) -> BatchLog | None:
+def batch_log_for(engine: Any, sample_ids: SampleIds | None, *, capacity: int,
+                  max_bytes: int | None = None) -> BatchLog | None:
     """A batch log when the runbook diagnoses or sample ids are asked for, else None (nothing is kept)."""
     if sample_ids is None and not uses_diagnose(engine):
         return None
-    return BatchLog(capacity, sample_ids)
+    return BatchLog(capacity, sample_ids, max_bytes=max_bytes)

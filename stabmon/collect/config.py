@@ -156,6 +156,11 @@ class DiagnoseConfig:
     """Recent steps whose batch (a reference), RNG state and sample ids the batch log keeps: it must reach
     back from the flush that diagnoses to the checkpoint before the incident (checkpoint interval + the
     incident's length + ``flush_every``), else the verdict is inconclusive."""
+    max_bytes: int | None = 1 << 30
+    """The most bytes of batch tensors the batch log keeps alive (1 GiB; None: no bound). Past it the oldest
+    batches are dropped first; a diagnosis that then cannot reach back to its checkpoint is inconclusive and the
+    runbook goes on to its next rung. Token batches are small (256 batches of 8 x 2048 int64 tokens: 32 MiB);
+    image batches are not."""
     timeout: float = 300.0
     """Under torch.distributed: seconds each of diagnose's own exchanges between the ranks (plans, results,
     verdict; a gloo group of their own) may wait for a rank before the diagnosis is ``inconclusive``."""
@@ -163,6 +168,8 @@ class DiagnoseConfig:
     def validate(self, path: str) -> None:
         if self.batches < 1:
             raise ValueError(f"{path}.batches must be >= 1, got {self.batches}")
+        if self.max_bytes is not None and self.max_bytes < 1:
+            raise ValueError(f"{path}.max_bytes must be >= 1 (or None: no bound), got {self.max_bytes}")
         if not self.timeout > 0:
             raise ValueError(f"{path}.timeout must be > 0 seconds, got {self.timeout}")
 
