@@ -43,7 +43,8 @@ def error_of(path: Path) -> str:
 
 def test_bundled_runbooks_load_and_carry_a_source_header() -> None:
     names = set(bundled_runbooks())
-    assert {"default", "restart-first", "diagnose-first", "in-place-first", "opt175b", "palm-rollback", "propose-only"} <= names
+    assert {"default", "restart-first", "diagnose-first", "in-place-first", "opt175b", "palm-rollback",
+            "propose-only"} <= names
     for name in names:
         rb = load_runbook(name)
         assert rb.name == name

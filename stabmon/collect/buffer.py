@@ -46,15 +46,17 @@ class StepBuffer:
     """Per-step metrics waiting for the next flush; see the module docstring."""
 
     def __init__(
-        self, *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, gather: Gather | None = None
+        self, *, reduce: Callable[[torch.Tensor, Sequence[bool]], torch.Tensor] | None = None,
+        maxed: Callable[[str], bool] | None = None, gather: Gather | None = None,
     ) -> None:
         self._tensors: list[torch.Tensor] = []
         self._steps: list[_Pending] = []
         self._current: _Pending | None = None
         self._pinned: torch.Tensor | None = None
         self.reduce = reduce
-        """Applied to the stacked device vector before the copy (the cross-rank mean under
-        torch.distributed)."""
+        """Applied to the stacked device vector before the copy, with a flag per value saying whether ``maxed``
+        holds for its name (under torch.distributed: the mean over ranks, or the maximum where flagged)."""
+        self.maxed = maxed
         self.gather = gather
         """Under torch.distributed: per-rank values of the flushed steps, gathered before the reduction and
         summarised into extra metrics of each step (:class:`~stabmon.collect.ranks.RankGather`)."""
@@ -121,7 +123,8 @@ class StepBuffer:
         else:
             self._tensors = []
         extra = self._gathered(tensors, steps)
-        values = self._to_host_or_each(tensors) if n_values else []
+        flags = [self.maxed(n) for p in steps for n in p.names] if self.maxed is not None else []
+        values = self._to_host_or_each(tensors, flags) if n_values else []
         records, i = [], 0
         for p, more in zip(steps, extra, strict=True):
             metrics = dict(p.host)
@@ -139,11 +142,11 @@ class StepBuffer:
         return self.gather.gather(flat, [p.names for p in steps], [p.host for p in steps],
                                   steps=[p.step for p in steps])
 
-    def _to_host_or_each(self, tensors: list[torch.Tensor]) -> list[float | None]:
+    def _to_host_or_each(self, tensors: list[torch.Tensor], flags: Sequence[bool]) -> list[float | None]:
         """All values in one copy; if that fails (one unreadable tensor), tensor by tensor, with None for the
         values that cannot be read."""
         try:
-            return list(self._to_host(tensors))
+            return list(self._to_host(tensors, flags))
         except Exception:  # noqa: BLE001 - one bad tensor must not cost the whole flush
             if self.reduce is not None:
                 raise  # under torch.distributed every rank must take part in the same collective
@@ -156,13 +159,13 @@ class StepBuffer:
                 out.extend([None] * t.numel())
         return out
 
-    def _to_host(self, tensors: list[torch.Tensor]) -> list[float]:
+    def _to_host(self, tensors: list[torch.Tensor], flags: Sequence[bool] = ()) -> list[float]:
         device = tensors[0].device
         # float64 when any value is float64, so a finite value beyond float32's range does not become inf
         dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
         flat = torch.cat([t.to(device=device, dtype=dtype) for t in tensors])
         if self.reduce is not None:
-            flat = self.reduce(flat)
+            flat = self.reduce(flat, flags)
         if device.type != "cuda":
             return flat.tolist()
         if self._pinned is None or self._pinned.numel() < flat.numel() or self._pinned.dtype != dtype:

@@ -53,7 +53,7 @@ from stabmon.collect.activations import ActivationNorms
 from stabmon.collect.attention import AttentionLogits
 from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.config import MonitorConfig
-from stabmon.collect.distributed import mean_across_ranks
+from stabmon.collect.distributed import max_over_ranks, reduce_across_ranks
 from stabmon.collect.embeddings import EmbeddingDrift
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
@@ -148,7 +148,7 @@ def build_signals(
     if world_size > 1:
         replicated = layout.kind == "ddp"
         rank_values = RankGather(replicated=replicated, keep=config.diagnose.batches)
-        buffer = StepBuffer(reduce=mean_across_ranks, gather=rank_values)
+        buffer = StepBuffer(reduce=reduce_across_ranks, maxed=max_over_ranks, gather=rank_values)
         probe = RankProbe(model, grads.params, replicated=replicated)
     moments = _moment_ratios(model, optimizer, config, grads.sharded)
     update_signals = (  # (sampling period, collector): a new update signal is one line here

@@ -1,8 +1,10 @@
 """Rank consistency under ``torch.distributed``: reduce metrics, decide on rank 0, apply everywhere.
 
 At each flush every rank reaches the same point (flushes happen at the same step counts). The stacked metric
-vector is averaged across ranks with one ``all_reduce`` before the host copy, so every rank builds identical
-StepRecords; rank 0 alone runs detectors and engine (and writes to the store and the notifier); the decisions
+vector is averaged across ranks with one ``all_reduce`` before the host copy (the values that are each rank's
+maximum over its own inputs, the attention and output logits, take the maximum over ranks instead: a second
+``all_reduce``, only in a flush that holds one), so every rank builds identical StepRecords; rank 0 alone runs
+detectors and engine (and writes to the store and the notifier); the decisions
 it executed are broadcast with ``broadcast_object_list`` and every other rank executes the same decisions
 through its own executor at the same step. Revert decisions name rank 0's intervention ids, which
 :class:`RankFollower` translates to the local ones. With one process (or no process group) all of this is
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from stabmon.events import Decision, Event, InterventionRecord
+from stabmon.events import Decision, Event, InterventionRecord, Metric
 from stabmon.interventions.traits import traits_of
 
 log = logging.getLogger(__name__)
@@ -40,15 +42,34 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def mean_across_ranks(flat: torch.Tensor) -> torch.Tensor:
-    """Average a flat metric vector over all ranks (SUM then divide: gloo has no AVG). NaN on any rank
-    stays."""
+def max_over_ranks(name: str) -> bool:
+    """Is this metric each rank's maximum over its own batch, so that the run's value is the maximum over ranks
+    (a mean would halve one rank's runaway attention logit on two ranks)?
+
+    >>> [max_over_ranks(n) for n in ("attn_logit/h.0/3", "logit_max", "logit_logz", "loss", "grad_norm")]
+    [True, True, True, False, False]
+    """
+    return name == Metric.ATTN_LOGIT or name.startswith(Metric.ATTN_LOGIT_PREFIX) or name in _MAXED
+
+
+_MAXED = frozenset({Metric.LOGIT_MAX, Metric.LOGIT_LOGZ})
+
+
+def reduce_across_ranks(flat: torch.Tensor, maxed: Sequence[bool] = ()) -> torch.Tensor:
+    """Average a flat metric vector over all ranks (SUM then divide: gloo has no AVG); the positions where
+    ``maxed`` is true take the maximum over ranks (:func:`max_over_ranks`). NaN on any rank stays."""
     _, size = world()
     if size == 1:
         return flat
     out = flat.clone()
     torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM)
-    return out / size
+    out = out / size
+    if len(maxed) == flat.numel() and any(maxed):  # the same names on every rank: all take this branch together
+        mask = torch.tensor(list(maxed), dtype=torch.bool, device=flat.device)
+        peak = flat.clone()
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        out = torch.where(mask, peak, out)
+    return out
 
 
 def executed_decisions(events: Sequence[Event]) -> list[tuple[Decision, str]]:
