@@ -5,7 +5,9 @@ Both loops train the same model from the same seed on the same pre-built batches
 monitor's optimizer hooks, which reuse their one fused norm). Blocks of ``--block`` steps alternate A, B, A,
 B... so machine-load drifts hit both; each round's ratio is B/A and the median over rounds is printed for
 
-  (a) the monitor's defaults (activation norms and embedding drift sampled every 10 steps, default detectors),
+  (a) the monitor's defaults (activation norms and embedding drift sampled every 10 steps, default detectors, no
+      runbook; isolated, also with the default runbook and a checkpoint directory, where its diagnose rung keeps a
+      batch log: each step's batch reference and RNG state; no checkpoint is saved in the timed steps),
   (b) every signal every step (activation and embedding sampling every step),
   (c) the defaults with the real SQLite store (background writer) instead of no store,
   (d) the defaults plus the signals with lead (second-moment ratio, attention logits, output-logit scale), each
@@ -25,6 +27,7 @@ noisy on a shared machine). Targets: (a) <= 1.01, (b) <= 1.05. Figures are from 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import statistics
 import sys
@@ -60,6 +63,8 @@ class Loop:
         batches: list[Any],
         monitor_config: MonitorConfig | None,
         store: Any = None,
+        checkpoint_dir: str | None = None,
+        runbook: str | None = None,
     ) -> None:
         self.model, self.opt, self.sched, _ = tg.build(config)
         self.batches, self.clip, self.i = batches, config.clip, 0
@@ -70,6 +75,8 @@ class Loop:
                 self.opt,
                 scheduler=self.sched,
                 store=store,
+                checkpoint_dir=checkpoint_dir,
+                runbook=runbook,
                 config=monitor_config,
                 run_name="overhead-benchmark",
             )
@@ -81,8 +88,8 @@ class Loop:
         for _ in range(n):
             x, y = self.batches[self.i % len(self.batches)]
             self.i += 1
-            if mon is not None:
-                mon.begin_step(batch_index=self.i)
+            if mon is not None:  # the batch, as monitor.steps(loader) hands it (kept where a runbook diagnoses)
+                mon.begin_step(batch_index=self.i, batch=(x, y))
             loss = model(x, y)
             loss.backward()
             if mon is not None:
@@ -157,13 +164,14 @@ class _Timer:
         return timed
 
 
-def isolated(tg: Any, label: str, monitor_config: MonitorConfig, *, steps: int) -> None:
+def isolated(tg: Any, label: str, monitor_config: MonitorConfig, *, steps: int,
+             checkpoint_dir: str | None = None, runbook: str | None = None) -> None:
     """The monitor's own CPU time per step, measured inside its entry points (begin/observe/end_step, the
     optimizer hooks, the activation hooks), next to the clip_grad_norm_ call it replaces, timed inside the
     unmonitored loop (both in situ: the gradients are as warm or cold in the cache as in training)."""
     config = tg.TrainConfig(steps=steps + 20)
     batches = list(tg.Batches(tg.make_corpus(config.corpus_chars, config.seed), config))
-    loop = Loop(tg, config, batches, monitor_config)
+    loop = Loop(tg, config, batches, monitor_config, checkpoint_dir=checkpoint_dir, runbook=runbook)
     mon, timer = loop.mon, _Timer()
     assert mon is not None
     hooks = mon.signals.hooks
@@ -204,6 +212,23 @@ def isolated(tg: Any, label: str, monitor_config: MonitorConfig, *, steps: int) 
         f"net {(mon_ns - clip_ns) / 1e3:+.0f} us = {(mon_ns - clip_ns) / (step_ns - mon_ns + clip_ns) * 100:+.2f}% "
         f"of an unmonitored step ({(step_ns - mon_ns + clip_ns) / 1e6:.2f} ms CPU)"
     )
+
+
+def batch_log(tg: Any, *, steps: int) -> None:
+    """The batch log's own work per step (what a diagnosing runbook adds to ``begin_step``), timed alone: each
+    step's batch reference, its size and the CPU RNG state, kept for the last 256 steps."""
+    from stabmon.collect.batches import BatchLog
+
+    config = tg.TrainConfig(steps=steps)
+    batches = list(tg.Batches(tg.make_corpus(config.corpus_chars, config.seed), config))
+    log = BatchLog(256, max_bytes=1 << 30)
+    for i in range(300):  # fill it: the timed steps also drop the oldest entry
+        log.remember(step=i, batch_index=i, batch=batches[i % len(batches)])
+    t0 = time.thread_time_ns()
+    for i in range(300, 300 + steps):
+        log.remember(step=i, batch_index=i, batch=batches[i % len(batches)])
+    print(f"{'batch log (runbook default)':<40} {(time.thread_time_ns() - t0) / steps / 1e3:.1f} us/step, "
+          f"{log.bytes / 2**20:.2f} MiB of batches kept")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,6 +272,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("isolated (the monitor's own work, timed inside it; insensitive to A/B drift):")
     isolated(tg, "(a) defaults", defaults, steps=args.rounds * args.block)
+    with tempfile.TemporaryDirectory() as tmp:  # checkpoints to diagnose from (none saved): the batch log is kept
+        isolated(tg, "(a) + runbook default's batch log", dataclasses.replace(defaults, checkpoint_every=0),
+                 steps=args.rounds * args.block, checkpoint_dir=tmp, runbook="default")
+    batch_log(tg, steps=args.rounds * args.block)
     isolated(tg, "(b) every signal every step", everything, steps=args.rounds * args.block)
     isolated(tg, "(d) defaults + signals with lead every 10 steps", lead, steps=args.rounds * args.block)
 

@@ -36,7 +36,8 @@ STOP_EXIT_CODE = 86
 """Exit code of a run stopped on purpose by stabmon (``checkpoint_and_stop`` or the kill switch)."""
 HARDWARE_EXIT_CODE = 88
 """Suggested exit code of ``checkpoint_and_stop`` after ``diagnose`` found a step that did not reproduce
-(``hardware_suspect``): the scheduler should restart the job on other machines (runbooks/diagnose-first.yaml)."""
+(``hardware_suspect``): the scheduler should restart the job on other machines (runbooks/default.yaml, when the
+fault comes back after a restart; runbooks/diagnose-first.yaml, at once)."""
 
 REGISTRY_NAME = "registry.json"
 

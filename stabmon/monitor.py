@@ -145,7 +145,7 @@ class Monitor:
         self.pipeline, _ = build_pipeline(self.target, detectors=spec.detectors, runbook=spec.runbook, mode=spec.mode)
         add_pipeline_state(self._state, self.pipeline, failsafe=self.failsafe, grace_steps=cfg.grace_steps)
         self.batches = batch_log_for(self.pipeline.engine, spec.sample_ids, capacity=cfg.diagnose.batches,
-                                     max_bytes=cfg.diagnose.max_bytes)
+                                     max_bytes=cfg.diagnose.max_bytes, checkpoints=checkpoints is not None)
         #: ln(output classes), recorded once with the first step observed (None: unknown, or recorded)
         self._untrained: float | None = untrained_loss(model)
         self.flusher = Flusher(self.pipeline, self.outbox, target=self.target, failsafe=self.failsafe,

@@ -67,6 +67,48 @@ def actions_after(result: Any, record: InterventionRecord) -> list[str]:
     return [e.action for e in later if isinstance(e, InterventionRecord)]
 
 
+def test_the_default_runbook_keeps_a_batch_log_only_with_checkpoints_to_diagnose_from(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    without = Monitor(model, opt, store=None, runbook="default", mode="apply")
+    assert without.batches is None  # every diagnosis would be inconclusive: nothing is kept
+    without.close()
+    with Monitor(model, opt, store=None, runbook="default", mode="apply", checkpoint_dir=str(tmp_path)) as monitor:
+        assert isinstance(monitor.batches, BatchLog) and monitor.batches.max_bytes == 1 << 30
+        for _, batch in monitor.steps([torch.ones(4, 2)] * 3):
+            loss = model(batch).sum()
+            loss.backward()
+            monitor.observe(loss=loss)
+            opt.step()
+            opt.zero_grad()
+        assert sorted(monitor.batches.entries) == [0, 1, 2] and monitor.batches.bytes == 3 * 4 * 2 * 4
+
+
+def test_a_batch_log_bounded_below_the_incident_falls_through_to_the_restart(tmp_path: Path) -> None:
+    """The default runbook on a corrupted shard with a batch log of one batch's bytes: the diagnosis cannot reach
+    back to its checkpoint, says why, and the restart that skips 200 batches follows (as before diagnosing)."""
+    from stabmon.collect.config import DiagnoseConfig
+
+    sc = scenarios()
+    config = sc.scenario("bad-shard").config(SEED, steps=175, threads=THREADS)
+
+    def factory(model: Any, opt: Any, sched: Any) -> Monitor:
+        tight = DiagnoseConfig(max_bytes=1)  # the newest batch only
+        return Monitor(model, opt, scheduler=sched, store=None, runbook="default", mode="apply",
+                       config=MonitorConfig(clip=config.clip, checkpoint_every=25, diagnose=tight),
+                       checkpoint_dir=str(tmp_path / "ckpt"))
+
+    result = sc.tiny_gpt.train(config, monitor=factory)
+    (d,) = diagnoses(result)
+    assert d.after["verdict"] == "inconclusive"
+    assert "is no longer in the batch log (it keeps 256 batches, at most 1 bytes" in d.after["summary"]
+    rollback = actions_after(result, d)
+    assert rollback and rollback[0] == "rollback"
+    restart = next(e for e in result.monitor.events if isinstance(e, InterventionRecord) and e.action == "rollback")
+    start, stop = restart.after["skipped"]
+    assert stop - start == 200
+
+
 def test_a_corrupted_shard_is_data_and_its_batches_are_skipped(tmp_path: Path) -> None:
     result = train("bad-shard", 175, tmp_path, sample_ids=lambda batch: [f"row{i}" for i in range(len(batch[0]))])
     (d,) = diagnoses(result)

@@ -670,6 +670,8 @@ def test_bad_input_is_one_line_naming_the_argument(tmp_path: Any) -> None:
         (dict(hang_timeout=0.0), "config.hang_timeout must be > 0 or None, got 0.0"),
         (dict(history=-1), "config.history must be >= 0, got -1"),
         (dict(diagnose=DiagnoseConfig(timeout=0)), "config.diagnose.timeout must be > 0 seconds, got 0"),
+        (dict(diagnose=DiagnoseConfig(max_bytes=0)),
+         "config.diagnose.max_bytes must be >= 1 (or None: no bound), got 0"),
     ],
 )
 def test_config_errors_name_the_dotted_path(kwargs: dict[str, Any], message: str) -> None:

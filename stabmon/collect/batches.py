@@ -6,7 +6,8 @@ a re-run draws the same random numbers) and the sample ids a user's ``sample_ids
 runs on the host when the batch is drawn and must return host values (ints or strings: a dataset's indices,
 a document id with an offset); a tensor is refused (reading it back would stall a GPU step).
 
-It exists only when a runbook rung uses ``diagnose`` or a ``sample_ids`` hook is given. Cost: at most
+It exists only when a runbook rung uses ``diagnose`` (and the monitor has checkpoints to diagnose from) or a
+``sample_ids`` hook is given. Cost: at most
 ``capacity`` batch references kept alive (the loader's own batches, before the loop moves them to a device),
 and never more than ``max_bytes`` of their tensors (the oldest entries are dropped first; the newest is always
 kept), plus ~5 KiB of CPU RNG state per step (and the CUDA generator's seed and offset when CUDA is in use).
@@ -146,8 +147,9 @@ def uses_diagnose(engine: Any) -> bool:
 
 
 def batch_log_for(engine: Any, sample_ids: SampleIds | None, *, capacity: int,
-                  max_bytes: int | None = None) -> BatchLog | None:
-    """A batch log when the runbook diagnoses or sample ids are asked for, else None (nothing is kept)."""
-    if sample_ids is None and not uses_diagnose(engine):
+                  max_bytes: int | None = None, checkpoints: bool = True) -> BatchLog | None:
+    """A batch log when sample ids are asked for, or when the runbook diagnoses and there are checkpoints to
+    diagnose from (without them every diagnosis is inconclusive); else None (nothing is kept)."""
+    if sample_ids is None and not (checkpoints and uses_diagnose(engine)):
         return None
     return BatchLog(capacity, sample_ids, max_bytes=max_bytes)

@@ -19,7 +19,7 @@ the monitor: the experiments see only what is passed in.
 ...                             loss_fn=None, own=None, rank=0, world_size=1,
 ...                             channel=RankChannel(rank=0, world_size=1, timeout=1.0))
 >>> diagnoser(onset_step=5, step=9, metric="loss", max_batches=4, rtol=1e-4, recur=0.5).summary
-'no batch log: the runbook has no diagnose rung'
+'no batch log: the runbook has no diagnose rung, or the monitor no checkpoints to diagnose from'
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def build_diagnoser(
 ) -> CrossRank:
     """The diagnoser of a live run.
 
-    ``batches``: the batch log (None: the runbook has no diagnose rung, every diagnosis is inconclusive);
+    ``batches``: the batch log (None: the runbook has no diagnose rung or there are no checkpoints, every
+    diagnosis is inconclusive);
     ``records``: the recent step records (read when a diagnosis runs); ``checkpoints``: the checkpoint manager
     (``last_known_good``) and ``check`` its validation of a loaded state; ``hooks``: removed while the
     experiments train; ``loss_fn``: a batch's loss (None: :func:`~stabmon.diagnose.experiments.call_model`);
@@ -98,4 +99,5 @@ def build_diagnoser(
 
 
 def _no_batch_log(**params: Any) -> Diagnosis:
-    return Diagnosis.inconclusive("no batch log: the runbook has no diagnose rung")
+    return Diagnosis.inconclusive(
+        "no batch log: the runbook has no diagnose rung, or the monitor no checkpoints to diagnose from")

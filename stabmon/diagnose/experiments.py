@@ -193,7 +193,9 @@ def _median(values: Sequence[float | None]) -> float:
 def _entry(batches: BatchLog, step: int) -> BatchEntry:
     entry = batches.get(step)
     if entry is None:
-        raise _Missing(f"the batch of step {step} is no longer in the batch log (capacity {batches.capacity})")
+        bound = "" if batches.max_bytes is None else f", at most {batches.max_bytes} bytes"
+        raise _Missing(f"the batch of step {step} is no longer in the batch log (it keeps {batches.capacity} "
+                       f"batches{bound}: MonitorConfig.diagnose)")
     return entry
 
 
