@@ -5,6 +5,7 @@ stored, and measures the training thread's longest step."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -212,6 +213,10 @@ def test_training_starts_while_the_database_is_down(pg_url: str, tmp_path: Path)
         store = open_store(url, config=StoreConfig(spool_dir=str(tmp_path), **FAST))
         mon, model, opt = monitor(store)
         trained = train(mon, model, opt, 30, spike_at=(12,))
+        mon.flush()  # the writer spools what it cannot write; on a loaded machine that can come after the loop
+        deadline = time.monotonic() + 30
+        while store.stats.spooled_rows == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert store.stats.spooled_rows > 0 and stored_steps(pg_url, mon.run_id) == []
         proxy.set("forward")
         mon.close()
