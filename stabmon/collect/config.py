@@ -160,7 +160,9 @@ class DiagnoseConfig:
     """The most bytes of batch tensors the batch log keeps alive (1 GiB; None: no bound). Past it the oldest
     batches are dropped first; a diagnosis that then cannot reach back to its checkpoint is inconclusive and the
     runbook goes on to its next rung. Token batches are small (256 batches of 8 x 2048 int64 tokens: 32 MiB);
-    image batches are not."""
+    image batches are not. A loop that hands over batches already on a GPU keeps them there: the bound is then
+    GPU memory, and a smaller one (or ``batches``) may suit. Objects other than tensors, lists, tuples and
+    mappings count 0 bytes."""
     timeout: float = 300.0
     """Under torch.distributed: seconds each of diagnose's own exchanges between the ranks (plans, results,
     verdict; a gloo group of their own) may wait for a rank before the diagnosis is ``inconclusive``."""
