@@ -83,3 +83,17 @@ def test_attention_and_output_logit_peaks_are_the_maximum_over_ranks(seed: int) 
     reduced = [k for k in r0["records"][0] if k.startswith(("attn_logit", "logit_", "loss"))]
     assert len(reduced) >= 6  # the model's, its layer's, each head's, the output logits', the loss
     assert [[r[k] for k in reduced] for r in r0["records"]] == [[r[k] for k in reduced] for r in r1["records"]]
+
+
+def _reduce(rank: int, size: int) -> list[float]:
+    from stabmon.collect.distributed import reduce_across_ranks
+
+    mine = {0: [1.0, 5.0, 2.0, 7.0, 3.0], 1: [3.0, 1.0, math.nan, math.inf, 3.0]}[rank]
+    maxed = [False, True, True, True, True]  # a mean, then four maxima: plain, NaN on rank 1, inf on rank 1, equal
+    return reduce_across_ranks(torch.tensor(mine), maxed).tolist()
+
+
+def test_the_reduction_takes_the_maximum_where_flagged_and_keeps_a_non_finite_value() -> None:
+    r0, r1 = run_ranks(_reduce, 2, timeout=60.0)
+    assert r0[:2] == [2.0, 5.0] and math.isnan(r0[2]) and r0[3] == math.inf and r0[4] == 3.0
+    assert r1[:2] == r0[:2] and math.isnan(r1[2]) and r1[3:] == r0[3:]

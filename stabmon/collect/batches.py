@@ -7,11 +7,11 @@ runs on the host when the batch is drawn and must return host values (ints or st
 a document id with an offset); a tensor is refused (reading it back would stall a GPU step).
 
 It exists only when a runbook rung uses ``diagnose`` (and the monitor has checkpoints to diagnose from) or a
-``sample_ids`` hook is given. Cost: at most
-``capacity`` batch references kept alive (the loader's own batches, before the loop moves them to a device),
-and never more than ``max_bytes`` of their tensors (the oldest entries are dropped first; the newest is always
-kept), plus ~5 KiB of CPU RNG state per step (and the CUDA generator's seed and offset when CUDA is in use).
-A tensor's size is its metadata (``nbytes``): nothing is read or synchronised.
+``sample_ids`` hook is given. Cost: at most ``capacity`` batch references kept alive (the loader's own
+batches, before the loop moves them to a device), and never more than ``max_bytes`` of their tensors (the
+oldest entries are dropped first; the newest is always kept), plus ~5 KiB of CPU RNG state per step (and the
+CUDA generator's seed and offset when CUDA is in use). A tensor's size is its metadata (``nbytes``): nothing is
+read or synchronised.
 
 >>> log = BatchLog(capacity=2, sample_ids=lambda batch: [f"doc{i}" for i in batch])
 >>> for step, batch in enumerate([[1, 2], [3, 4], [5, 6]]):

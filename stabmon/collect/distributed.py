@@ -4,9 +4,9 @@ At each flush every rank reaches the same point (flushes happen at the same step
 vector is averaged across ranks with one ``all_reduce`` before the host copy (the values that are each rank's
 maximum over its own inputs, the attention and output logits, take the maximum over ranks instead: a second
 ``all_reduce``, only in a flush that holds one), so every rank builds identical StepRecords; rank 0 alone runs
-detectors and engine (and writes to the store and the notifier); the decisions
-it executed are broadcast with ``broadcast_object_list`` and every other rank executes the same decisions
-through its own executor at the same step. Revert decisions name rank 0's intervention ids, which
+detectors and engine (and writes to the store and the notifier); the decisions it executed are broadcast with
+``broadcast_object_list`` and every other rank executes the same decisions through its own executor at the
+same step. Revert decisions name rank 0's intervention ids, which
 :class:`RankFollower` translates to the local ones. With one process (or no process group) all of this is
 skipped.
 
@@ -68,7 +68,7 @@ def reduce_across_ranks(flat: torch.Tensor, maxed: Sequence[bool] = ()) -> torch
         mask = torch.tensor(list(maxed), dtype=torch.bool, device=flat.device)
         peak = flat.clone()
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-        out = torch.where(mask, peak, out)
+        out = torch.where(mask & torch.isfinite(out), peak, out)  # a NaN or inf on any rank stays in the mean
     return out
 
 
