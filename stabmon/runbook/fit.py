@@ -12,9 +12,11 @@ rule instability rung 1: set_clip to 1.5 would not lower clip (1 in force): it w
 rule instability rung 2: set_clip to 1 would not lower clip (1 in force): it will be skipped
 rule instability rung 3: set_beta2 to 0.95 would not lower beta2 (0.95 in force): it will be skipped
 rule instability rung 4: set_weight_decay to 0.1 would not raise weight_decay (0.1 in force): it will be skipped
->>> fit_warnings(load_runbook("palm-rollback"), {}, checkpoints=False)[-1].split(": ")
-['rollback needs checkpoints (Monitor checkpoint_dir= or checkpoints=)', 'rule loss_spike rung 1; rule loss_spike \
-rung 2; rule loss_scale_collapse rung 1 will fail']
+>>> for part in fit_warnings(load_runbook("palm-rollback"), {}, checkpoints=False)[-1].split("; "):
+...     print(part)
+rollback needs checkpoints (Monitor checkpoint_dir= or checkpoints=): rule loss_spike rung 1
+rule loss_spike rung 2
+rule loss_scale_collapse rung 1 will fail
 """
 
 from __future__ import annotations
@@ -34,10 +36,9 @@ def fit_warnings(
 ) -> list[str]:
     """One line per rung that cannot act on a run with these ``hparams`` (as
     :meth:`~stabmon.monitor.Monitor.hparams` reports them: a missing key means the optimizer has no such
-    setting). ``checkpoints=False`` also reports the rollbacks, which need checkpoints to restore (one line for all
-of them); ``facts`` (the
-    live run's optimizer state and model) also the state-level rungs that cannot act (no ``exp_avg_sq``, no
-    recognised attention module, a tensor that does not exist)."""
+    setting). ``checkpoints=False`` also reports the rollbacks, which need checkpoints to restore (one line for
+    all of them); ``facts`` (the live run's optimizer state and model) also the state-level rungs that cannot act
+    (no ``exp_avg_sq``, no recognised attention module, a tensor that does not exist)."""
     out: list[str] = []
     rollbacks: list[str] = []
     for rule in runbook.rules:
