@@ -9,10 +9,11 @@ updates, plus the passes ``diagnose`` runs (its re-run steps and replayed batche
 percentage of the run; a *false intervention* is any action that changed training on a healthy
 control.
 
-    python benchmarks/recovery.py                         # 12 scenarios x 5 seeds (0-4) x 14 arms
+    python benchmarks/recovery.py                         # 12 scenarios x 5 seeds (0-4) x 15 arms
     python benchmarks/recovery.py --first-seed 5 --jobs 2 --json recovery.json
     python benchmarks/recovery.py --scenarios bad-shard,healthy --arms unmonitored,stabmon:default
     python benchmarks/recovery.py --arms unmonitored,stabmon:in-place-first,stabmon:only-reset_moments
+    python benchmarks/recovery.py --arms unmonitored,stabmon:restart-only   # restart-first minus its in-place rung
     python benchmarks/recovery.py --arms unmonitored,stabmon:my-runbook.yaml   # a runbook of your own
     python benchmarks/recovery.py --sweep --seeds 10      # the learning-rate sweep behind lr-too-high
 """
@@ -45,7 +46,8 @@ ALONE = {  # each state-level intervention alone: its one rung answers every inc
     "clip_update": {"max_rms": 1.0}, "qk_clip": {"tau": 50.0}, "skip_step": {"factor": 5.0, "theta": 5000.0},
     "scale_layer_lr": {"factor": 0.01},
 }
-ARMS = ("unmonitored", *(f"stabmon:{r}" for r in RUNBOOKS), *(f"stabmon:only-{a}" for a in ALONE), *PEERS)
+ARMS = ("unmonitored", *(f"stabmon:{r}" for r in RUNBOOKS), "stabmon:restart-only",
+        *(f"stabmon:only-{a}" for a in ALONE), *PEERS)
 RESCUE_TOLERANCE = 0.10
 CHECKPOINT_EVERY = 25
 ATTENTION_EVERY = 10
@@ -89,13 +91,26 @@ def alone_runbook(action: str) -> Any:
                                                                                     "observe": 1}]}]})
 
 
+def restart_only_runbook() -> Any:
+    """``restart-first`` without its in-place rung (``scale_layer_lr``): restarts and LR cuts only, the default
+    before any in-place intervention existed; the baseline an in-place runbook is measured against."""
+    from stabmon.runbook import Runbook, load_runbook
+
+    data = load_runbook("restart-first").model_dump(mode="json", exclude_none=True)
+    for rule in data["rules"]:
+        rule["ladder"] = [rung for rung in rule["ladder"] if rung["action"] != "scale_layer_lr"]
+    return Runbook.model_validate({**data, "name": "restart-only",
+                                   "description": "restart-first without its in-place rung"})
+
+
 def monitored(
     config: tiny_gpt.TrainConfig, runbook: str, ckpt: str, detectors: dict[str, Any] | None = None
 ) -> tiny_gpt.TrainResult:
     from stabmon.collect.config import AttentionConfig, UpdateConfig
     from stabmon.monitor import Monitor, MonitorConfig
 
-    book: Any = alone_runbook(runbook.removeprefix("only-")) if runbook.startswith("only-") else runbook
+    book: Any = (alone_runbook(runbook.removeprefix("only-")) if runbook.startswith("only-") else
+                 restart_only_runbook() if runbook == "restart-only" else runbook)
 
     def factory(model: Any, opt: Any, sched: Any, scaler: Any = None) -> Monitor:
         return Monitor(model, opt, scheduler=sched, scaler=scaler, store=None, runbook=book, mode="apply",

@@ -667,3 +667,89 @@ def test_a_lever_that_kept_the_trouble_away_stays_available() -> None:
     d.run(1, anomalous=[1])
     d.run(6)  # quiet after the cut: resolved, then released
     assert d.engine.state_dict()["spent"] == {}
+
+
+OTHERS = """
+name: others
+cooldown: 0
+rules:
+  - name: logits
+    when: {kind: level, metric: "attn_logit/*", severity: error}
+    ladder:
+      - {action: set_beta2, params: {beta2: 0.95}, observe: 4, success: {quiet_steps: 4}}
+      - {action: scale_lr, params: {factor: 0.5}, observe: 4}
+  - name: instability
+    when: {kind: regression, severity: error}
+    ladder: [{action: set_clip, params: {max_norm: 1.0}, observe: 4}]
+  - name: tell
+    when: {kind: "*", severity: warning}
+    ladder: [{action: alert_only, observe: 1}]
+"""
+
+
+def level(step: int) -> Anomaly:
+    return spike(step, metric="attn_logit/h.0", kind="level")
+
+
+def regression(step: int) -> Anomaly:
+    return spike(step, metric="loss", kind="regression")
+
+
+def test_trouble_another_rule_acts_on_counts_against_the_change_being_observed() -> None:
+    # a change that holds the logits while the loss regresses has not made the run well: the regression fails
+    # the rung (the ladder goes on) instead of waiting, unanswered, behind the clip; the judgement names it
+    d = Driver(Engine(loads_runbook(OTHERS), id_seed="o"))
+    assert [x.action for x in decisions(d.run(1, anomalous=[1], make=level))] == ["set_beta2"]
+    d.run(1, anomalous=[2], make=regression)  # while the clip is observed
+    out = d.run(3)
+    (judged,) = outcomes(out)
+    assert judged.verdict == Verdict.ESCALATED and judged.evidence["matching_anomalies"] == 1
+    assert judged.evidence["other_rules"] == ["regression on loss at step 2 (rule instability)"]
+    assert decisions(out)[-1].action == "scale_lr"  # the next rung, now
+
+
+def test_without_other_trouble_the_change_being_observed_is_judged_on_its_own() -> None:
+    d = Driver(Engine(loads_runbook(OTHERS), id_seed="o"))
+    d.run(1, anomalous=[1], make=level)
+    d.run(1, anomalous=[2], make=lambda s: spike(s, metric="loss", kind="regression", severity=Severity.WARNING))
+    (judged,) = outcomes(d.run(3))  # a warning no rule changes training for does not count against it
+    assert judged.verdict == Verdict.RESOLVED and "other_rules" not in judged.evidence
+
+
+def test_a_diagnosis_after_a_reverted_change_looks_only_at_steps_trained_without_it() -> None:
+    # steps trained under a change since reverted would not reproduce from a checkpoint (the change is gone):
+    # a diagnosis that re-ran them would call a healthy machine a suspect
+    rb = loads_runbook("name: d\ncooldown: 0\nrules:\n  - name: r\n    when: {kind: spike, severity: error}\n"
+                       "    ladder:\n      - {action: scale_lr, params: {factor: 0.5}, observe: 3, "
+                       "on_failure: revert}\n      - {action: diagnose, observe: 1}\n")
+    d = Driver(Engine(rb, id_seed="g"))
+    d.run(4)
+    (cut,) = decisions(d.run(1, anomalous=[5]))  # onset: step 3, the first evidence step
+    assert cut.action == "scale_lr" and cut.step == 5
+    out = d.run(4, anomalous=[6, 7, 8])
+    (diag,) = [x for x in decisions(out) if x.action == "diagnose"]
+    assert diag.params["onset_step"] == 3 and diag.params["step"] == 4  # not the step it was decided at
+    assert diag.step > 5
+
+
+def test_another_trouble_during_a_release_puts_the_change_back_and_opens_its_own_incident() -> None:
+    # the change resolved its incident and is given back; a loss regression arrives meanwhile: it goes back
+    # in (giving it back may have let the trouble in), and the regression gets its own incident at once, the
+    # cooldown notwithstanding - a detector that reports once would never be heard otherwise
+    d = Driver(Engine(loads_runbook(OTHERS.replace("cooldown: 0", "cooldown: 50")), id_seed="r"))
+    d.run(1, anomalous=[1], make=level)
+    out = d.run(4)
+    assert [o.verdict for o in outcomes(out)] == [Verdict.RESOLVED]
+    assert [x.action for x in decisions(out)] == ["release"]
+    out = d.run(1, anomalous=[6], make=regression)
+    assert [o.verdict for o in outcomes(out)] == [Verdict.KEPT]
+    assert [(x.rule, x.action) for x in decisions(out)] == [("logits", "reapply"), ("instability", "set_clip")]
+    assert d.engine.busy
+
+
+def test_its_own_trouble_during_a_release_only_puts_the_change_back() -> None:
+    d = Driver(Engine(loads_runbook(OTHERS), id_seed="r"))
+    d.run(1, anomalous=[1], make=level)
+    d.run(4)
+    out = d.run(1, anomalous=[6], make=level)
+    assert [x.action for x in decisions(out)] == ["reapply"] and not d.engine.busy

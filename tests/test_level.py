@@ -21,6 +21,18 @@ def test_warning_above_the_bar_then_error_when_it_persists() -> None:
     assert found[3].message == f"{HEAD} is 150, above its bar 100 (1 record(s) in a row)"
 
 
+def test_the_evidence_starts_at_the_last_record_under_the_bar() -> None:
+    # a runbook's onset (where a rollback restores to, where a diagnosis looks from) is the first evidence step:
+    # on a metric sampled every 10 steps a window of 20 records would put it 200 steps before the trouble
+    d = Level(HEAD, LevelConfig(persist=3))
+    values = [5.0 + i for i in range(20)] + [150.0, 160.0, 170.0]  # sampled every 10 steps: 0, 10, ..., 220
+    found = [d.update(10 * i, {HEAD: v}) for i, v in enumerate(values)]
+    error = found[-1]
+    assert error is not None and error.severity == Severity.ERROR
+    assert [s for s, _ in error.evidence] == [190, 200, 210, 220]
+    assert [s for s, _ in found[-3].evidence] == [190, 200]
+
+
 def test_non_finite_and_slow_climbs() -> None:
     d = Level(HEAD)
     assert d.update(0, {HEAD: math.nan}) is None and d.update(1, {HEAD: math.inf}) is None  # NonFinite's to judge

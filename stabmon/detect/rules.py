@@ -7,8 +7,10 @@ protect filter, the streak and the evidence, as every other scorer.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
+from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -390,6 +392,14 @@ class Level(Scorer):
 
     def _message(self, v: float | None, score: float) -> str:
         return f"{self.metric} is {v:.4g}, above its bar {self.config.bar:g} ({self._streak} record(s) in a row)"
+
+    def _recent_evidence(self) -> Iterable[tuple[int, float]]:
+        """The records above the bar in a row and the one before them: the trouble began after that record (a
+        runbook's onset, where a rollback restores to and a diagnosis looks from), not at the start of a window
+        that spans ``evidence`` samples, hundreds of steps of a metric sampled every 10."""
+        window = self._evidence
+        keep = min(self.config.evidence, self._streak + 1)
+        return itertools.islice(window, max(0, len(window) - keep), None)
 
     @classmethod
     def example(cls) -> tuple[str, list[dict[str, float]], list[dict[str, float]]]:

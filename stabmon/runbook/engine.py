@@ -46,6 +46,7 @@ from stabmon.runbook.state import Incident, Sighting, WindowRow, incident_from_s
 
 _LOSS, _LR = Metric.LOSS, Metric.LR  # read on every record: module constants, not class attributes
 _HISTORY_MARGIN = 256  # loss history kept beyond baseline_steps, to reach back before a persistent onset
+_OTHERS_KEPT = 8  # anomalies of other rules named in a judged rung's evidence (the count is in ``matched``)
 _STATE_VERSION = 2  # 1: the incident a dict, sightings and window rows lists
 
 
@@ -162,7 +163,9 @@ class Engine:
         if inc is None or inc.current.id != decision.id:
             return
         inc.intervention_id = record.id
-        inc.changed = inc.changed or changed_training(record)
+        if changed_training(record):
+            inc.changed = True
+            inc.changed_at = record.step if inc.changed_at is None else min(inc.changed_at, record.step)
         inc.alerted = inc.alerted or not traits_of(record.action).changes_training
         if not traits.rewinds_step:
             # the change acts from the target's step at application; records of earlier steps still to come
@@ -185,7 +188,8 @@ class Engine:
         verdicts.note_verdict(inc, decision, record)
 
     # -- idle: does a rule fire? --
-    def _maybe_open(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
+    def _maybe_open(self, record: StepRecord, anomalies: Sequence[Anomaly], *,
+                    cooldown: bool = True) -> list[Decision | Outcome]:
         if not anomalies and not self._history:
             return []  # the idle path: nothing new, nothing remembered to expire
         fresh: dict[str, Anomaly] = {}
@@ -200,7 +204,7 @@ class Engine:
             best.score):
                 fresh[rule.name] = a
         self._history = self._within_horizons()
-        if self._tick <= self._cooldown_until:
+        if cooldown and self._tick <= self._cooldown_until:
             return []
         for rule in self.runbook.rules:
             if rule.name in fresh and self._persistent(rule):
@@ -261,11 +265,23 @@ class Engine:
             if record.step != inc.await_step:
                 return []
             inc.await_step = None
-        matched = sum(1 for a in anomalies if rule.when.matches(a))
+        own = sum(1 for a in anomalies if rule.when.matches(a))
+        others = self._others_acting([a for a in anomalies if not rule.when.matches(a)], rule)
+        if others:  # trouble another rule would change training for counts against the change observed as this
+            # rule's own does: the run is not well
+            inc.others = [*inc.others, *others][:_OTHERS_KEPT]
+        matched = own + len(others)
         signal = record.get(inc.metric)
         inc.window.append(WindowRow(record.step, _num(record.get(Metric.LOSS)), _num(signal), matched))
         if inc.releasing and matched:  # the trouble is back while the changes are given back: judge now
-            return self._judge(record.step)
+            out = self._judge(record.step)
+            if not own and self._incident is None:
+                # another trouble than the one the changes answered: they are put back (giving them back may
+                # have let it in), and that trouble opens its own incident now, the cooldown notwithstanding (it
+                # was seen before the changes went back in, and a detector that reports once would not see it
+                # again)
+                out.extend(self._maybe_open(record, anomalies, cooldown=False))
+            return out
         if inc.error is None and inc.skipped is None and not judging.window_over(inc, self._judged(inc).observe):
             return []
         return self._judge(record.step)
@@ -290,11 +306,19 @@ class Engine:
 
     def _acting(self, anomalies: Sequence[Anomaly], current: Rule) -> bool:
         """Does an anomaly call for a rule that changes training, while only an alert is being observed?"""
+        return bool(self._others_acting(anomalies, current))
+
+    def _others_acting(self, anomalies: Sequence[Anomaly], current: Rule) -> list[str]:
+        """The anomalies that another rule, one that changes training, would open an incident for (``"<kind> on
+        <metric> at step <step> (rule <name>)"``). While a change is observed they count against it like the
+        incident's own: a QK-clip that holds the attention logits while the loss regresses has not made the run
+        well, and the regression must not wait until the clip is given back (one incident at a time)."""
+        out = []
         for a in anomalies:
             rule = self._rule_for(a)
             if rule is not None and rule.name != current.name and traits_of(rule.actions[0]).changes_training:
-                return True
-        return False
+                out.append(f"{a.kind} on {a.metric} at step {a.step} (rule {rule.name})")
+        return out
 
     def _supersede(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
         """Close an alert-only incident early (an alert changed nothing, so nothing is left to judge) and let
@@ -501,7 +525,7 @@ class Engine:
         params = {"intervention_ids": [c.intervention_id for c in held], "steps": steps}
         decision = self._decision(RELEASE, params, DecisionStatus.APPLY, step, reason)
         inc.releasing = True
-        inc.phase, inc.decision, inc.window = "observing", _kept(decision), []
+        inc.phase, inc.decision, inc.window, inc.others = "observing", _kept(decision), [], []
         inc.intervention_id = inc.error = inc.skipped = inc.effective_step = inc.await_step = inc.until_step = None
         return [decision]
 
@@ -529,7 +553,7 @@ class Engine:
             return
         if traits.changes_training:
             self._budget.append(self._tick)
-        inc.phase, inc.decision, inc.window, inc.releasing = "observing", _kept(decision), [], False
+        inc.phase, inc.decision, inc.window, inc.releasing, inc.others = "observing", _kept(decision), [], False, []
         inc.intervention_id = inc.error = inc.skipped = inc.effective_step = inc.await_step = inc.until_step = None
 
     def _decision(self, action: str, params: dict[str, Any], status: DecisionStatus, step: int,

@@ -60,6 +60,8 @@ def criteria(incident: Incident, rung: Any) -> tuple[bool, dict[str, Any]]:
                           "matching_anomalies": matched, "metric": incident.metric}
     if incident.until_step is not None:
         ev["rolled_back_from"] = incident.until_step
+    if incident.others:
+        ev["other_rules"] = list(incident.others)
     ok = matched == 0 and len(window) >= rung.observe
     if incident.error is not None:
         ev["error"] = incident.error

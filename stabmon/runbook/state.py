@@ -112,6 +112,10 @@ class Incident:
     seen: str = ""  #: the first line of the opening anomaly's message: what an ``alert_only`` with no text says
     reached: float | None = None  #: the lowest loss before the onset (of the baseline's records)
     noise: float | None = None  #: the pre-incident losses' spread (1.4826 x their MAD; None: under 5 of them)
+    changed_at: int | None = None  #: the step the incident's first change to training took effect (a diagnosis
+    #: re-runs and replays only steps before it: later ones ran under a change that may be reverted since)
+    others: list[str] = field(default_factory=list)  #: anomalies of other rules that change training, seen while
+    #: the current decision was observed (each counted against it as the incident's own; the first few kept)
 
     @property
     def current(self) -> Decision:

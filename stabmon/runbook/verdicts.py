@@ -49,6 +49,8 @@ def diagnose_params(traits: Traits, incident: Incident, step: int) -> dict[str, 
     """What a ``diagnose`` rung is told about the incident (nothing for actions that do not diagnose)."""
     if not traits.diagnoses:
         return {}
+    if incident.changed_at is not None:  # only steps trained as the run is trained now (see Incident.changed_at)
+        step = min(step, incident.changed_at - 1)
     return {"onset_step": incident.onset_step, "step": step, "metric": incident.metric}
 
 
