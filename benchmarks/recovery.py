@@ -14,6 +14,7 @@ control.
     python benchmarks/recovery.py --scenarios bad-shard,healthy --arms unmonitored,stabmon:default
     python benchmarks/recovery.py --arms unmonitored,stabmon:in-place-first,stabmon:only-reset_moments
     python benchmarks/recovery.py --arms unmonitored,stabmon:restart-only   # restart-first minus its in-place rung
+    python benchmarks/recovery.py --signals 0             # at the monitor's defaults: no lead signals sampled
     python benchmarks/recovery.py --arms unmonitored,stabmon:my-runbook.yaml   # a runbook of your own
     python benchmarks/recovery.py --sweep --seeds 10      # the learning-rate sweep behind lr-too-high
 """
@@ -51,9 +52,10 @@ ARMS = ("unmonitored", *(f"stabmon:{r}" for r in RUNBOOKS), "stabmon:restart-onl
 RESCUE_TOLERANCE = 0.10
 CHECKPOINT_EVERY = 25
 ATTENTION_EVERY = 10
-"""Every stabmon arm samples the max attention logits every 10 steps (off by default), so that the ``level``
-detector can see attention-logit growth and ``in-place-first`` can answer it with ``qk_clip``; the other runbooks
-only alert on it."""
+"""Every stabmon arm samples the max attention logits and the per-layer update ratios every 10 steps (both off in
+the monitor's defaults), so that the ``level`` detector can see attention-logit growth (``in-place-first`` answers
+it with ``qk_clip``) and the ``out_of_line`` detector a layer out of line (``scale_layer_lr``). ``--signals 0``
+runs the arms at the monitor's defaults instead."""
 
 
 @dataclass
@@ -104,7 +106,8 @@ def restart_only_runbook() -> Any:
 
 
 def monitored(
-    config: tiny_gpt.TrainConfig, runbook: str, ckpt: str, detectors: dict[str, Any] | None = None
+    config: tiny_gpt.TrainConfig, runbook: str, ckpt: str, detectors: dict[str, Any] | None = None,
+    signals: int = ATTENTION_EVERY,
 ) -> tiny_gpt.TrainResult:
     from stabmon.collect.config import AttentionConfig, UpdateConfig
     from stabmon.monitor import Monitor, MonitorConfig
@@ -117,8 +120,8 @@ def monitored(
                        detectors=detectors,
                        checkpoint_dir=ckpt, run_name=f"recovery-{runbook}",
                        config=MonitorConfig(clip=config.clip, checkpoint_every=CHECKPOINT_EVERY,
-                                            checkpoint_keep=40, attention=AttentionConfig(every=ATTENTION_EVERY),
-                                            updates=UpdateConfig(every=ATTENTION_EVERY),
+                                            checkpoint_keep=40, attention=AttentionConfig(every=signals),
+                                            updates=UpdateConfig(every=signals),
                                             hang_timeout=None))
 
     return tiny_gpt.train(config, monitor=factory)
@@ -179,13 +182,14 @@ class _Counting:
         return action
 
 
-def run_arm(arm: str, config: tiny_gpt.TrainConfig) -> tuple[tiny_gpt.TrainResult, dict[str, Any]]:
+def run_arm(arm: str, config: tiny_gpt.TrainConfig,
+            signals: int = ATTENTION_EVERY) -> tuple[tiny_gpt.TrainResult, dict[str, Any]]:
     if arm == "unmonitored":
         result = tiny_gpt.train(config)
         return result, {"wasted": 0, "detect_step": None, "interventions": 0, "actions": []}
     if arm.startswith("stabmon:"):
         with tempfile.TemporaryDirectory(prefix="stabmon-recovery-") as ckpt:
-            result = monitored(config, arm.split(":", 1)[1], ckpt)
+            result = monitored(config, arm.split(":", 1)[1], ckpt, signals=signals)
         return result, _stabmon_facts(result, config.steps)
     response = _Counting(PEERS[arm](config.steps))
     result = tiny_gpt.train(config, response=response)
@@ -194,7 +198,7 @@ def run_arm(arm: str, config: tiny_gpt.TrainConfig) -> tuple[tiny_gpt.TrainResul
                     "actions": actions}
 
 
-def run_case(scenario: str, seed: int, arms: Iterable[str]) -> list[Row]:
+def run_case(scenario: str, seed: int, arms: Iterable[str], signals: int = ATTENTION_EVERY) -> list[Row]:
     """Every arm of one (scenario, seed); the healthy reference and the unmonitored run first."""
     import torch
 
@@ -207,7 +211,7 @@ def run_case(scenario: str, seed: int, arms: Iterable[str]) -> list[Row]:
     rows = []
     for arm in arms:
         result, facts = (base, {"wasted": 0, "detect_step": None, "interventions": 0, "actions": []}) \
-            if arm == "unmonitored" else run_arm(arm, config)
+            if arm == "unmonitored" else run_arm(arm, config, signals)
         stopped = result.stopped_at is not None
         rows.append(Row(
             scenario=scenario, seed=seed, arm=arm, healthy_control=s.healthy, rescuable=s.rescuable,
@@ -304,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lrs", default="0.03,0.1,0.3,1.0", help="--sweep: peak learning rates")
     p.add_argument("--warmups", default=f"{sc.BASE['warmup']},{sc.BASE['steps']}", help="--sweep: warm-up steps")
     p.add_argument("--table", type=Path, default=None, help="print the tables of a --json file and exit")
+    p.add_argument("--signals", type=int, default=ATTENTION_EVERY,
+                   help="stabmon arms sample attention logits and update ratios every N steps (default "
+                        f"{ATTENTION_EVERY}; 0: the monitor's defaults, neither sampled)")
     args = p.parse_args(argv)
     if args.table is not None:
         rows = [Row(**r) for r in json.loads(args.table.read_text())]
@@ -311,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.seeds < 1 or args.jobs < 1:
         p.error("--seeds and --jobs must be >= 1")
+    if args.signals < 0:
+        p.error(f"--signals must be >= 0, got {args.signals}")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     if args.sweep:
         lrs = [float(v) for v in args.lrs.split(",") if v]
@@ -330,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(n, s) for s in seeds for n in names]  # seed by seed: a stopped run still has whole seeds
     rows: list[Row] = []
     with ProcessPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_case, n, s, arms) for n, s in cases]
+        futures = [pool.submit(run_case, n, s, arms, args.signals) for n, s in cases]
         for done, future in enumerate(as_completed(futures), 1):
             rows.extend(future.result())
             print(f"[{done}/{len(cases)} cases done]", file=sys.stderr, flush=True)

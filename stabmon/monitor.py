@@ -191,8 +191,10 @@ class Monitor:
             return
         from stabmon.runbook.fit import fit_warnings
 
+        c = self.config
+        sampled = {name for name in ("updates", "moments", "attention", "logits") if getattr(c, name).every > 0}
         for line in fit_warnings(runbook, self.hparams(), checkpoints=self.checkpoints is not None,
-                                 facts=self.target.facts()):
+                                 facts=self.target.facts(), sampled=sampled):
             log.warning("stabmon: runbook %s: %s", runbook.name, line)
         rolls_back = any(rung.action == "rollback" for rule in runbook.rules for rung in rule.ladder)
         if rolls_back and self.checkpoints is not None and not self.config.checkpoint_every \

@@ -11,6 +11,7 @@ import torch
 from pipeline_support import PlannedReports
 from torch import nn
 
+from stabmon.collect.config import UpdateConfig
 from stabmon.events import Anomaly, Decision, DecisionStatus, Severity
 from stabmon.interventions import Executor, RunFacts, not_applicable
 from stabmon.interventions.adaptive_clip import AdaptiveClip
@@ -100,6 +101,24 @@ def test_reset_moments_of_a_tensor_that_does_not_exist_is_skipped_not_raised() -
     assert "not applicable: tensor 'nope'" in rec.not_applied
     assert opt.state[model.head.weight]["exp_avg"].any()
     mon.close()
+
+
+def test_rungs_whose_evidence_is_not_sampled_are_reported_at_start_in_one_line_per_section(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # the default runbook's layer-LR cut acts on the per-layer update ratios, off in the monitor's defaults: a
+    # learning rate wrong for one layer then goes to the restarts, and the user is told so before the run starts
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with caplog.at_level(logging.WARNING, logger="stabmon.monitor"):
+        Monitor(model, opt, store=None, runbook="default", config=MonitorConfig(hang_timeout=None)).close()
+    (line,) = [r.getMessage() for r in caplog.records if "samples nothing" in r.getMessage()]
+    assert line.startswith("stabmon: runbook default: MonitorConfig.updates samples nothing (every=0): rule "
+                           "not_learning rung 1 (scale_layer_lr); rule instability rung 1 (scale_layer_lr) will be")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stabmon.monitor"):
+        Monitor(model, opt, store=None, runbook="default",
+                config=MonitorConfig(hang_timeout=None, updates=UpdateConfig(every=10))).close()
+    assert not [r for r in caplog.records if "samples nothing" in r.getMessage()]
 
 
 def test_state_rungs_that_cannot_act_are_reported_at_start_and_skipped_when_they_come() -> None:

@@ -92,6 +92,7 @@ class Intervention:
     stops_run: ClassVar[bool] = False  # it ends the run
     rewinds_step: ClassVar[bool] = False  # it moves the step counter back (a rollback)
     diagnoses: ClassVar[bool] = False  # it returns a verdict the runbook branches on
+    samples: ClassVar[str | None] = None  # the MonitorConfig section whose sampled metrics it acts on (off: idle)
 
     def __init__(
         self,

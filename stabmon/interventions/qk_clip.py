@@ -72,6 +72,7 @@ class QkClip(StateIntervention):
     True
     """
 
+    samples = "attention"  # the per-head max attention logits it holds under tau
     name = "qk_clip"
     Params = QkClipParams
     revertible = True

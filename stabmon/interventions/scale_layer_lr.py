@@ -76,6 +76,7 @@ class ScaleLayerLr(StateIntervention):
     revertible = True
     evidence_kinds = ("out_of_line",)
     needs_state = False
+    samples = "updates"  # the per-layer update ratios the out_of_line detector compares
 
     @classmethod
     def levers(cls, params: Mapping[str, Any]) -> frozenset[str]:

@@ -22,6 +22,7 @@ rule loss_scale_collapse rung 1 will fail
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from stabmon.interventions import INTERVENTIONS, Intervention, RunFacts, ScaleLr, get_intervention, not_applicable
@@ -32,15 +33,18 @@ from stabmon.runbook.schema import Runbook
 
 def fit_warnings(
     runbook: Runbook, hparams: Mapping[str, float], *, checkpoints: bool | None = None,
-    facts: RunFacts | None = None,
+    facts: RunFacts | None = None, sampled: AbstractSet[str] | None = None,
 ) -> list[str]:
     """One line per rung that cannot act on a run with these ``hparams`` (as
     :meth:`~stabmon.monitor.Monitor.hparams` reports them: a missing key means the optimizer has no such
     setting). ``checkpoints=False`` also reports the rollbacks, which need checkpoints to restore (one line for
     all of them); ``facts`` (the live run's optimizer state and model) also the state-level rungs that cannot act
-    (no ``exp_avg_sq``, no recognised attention module, a tensor that does not exist)."""
+    (no ``exp_avg_sq``, no recognised attention module, a tensor that does not exist); ``sampled`` (the
+    ``MonitorConfig`` sections that sample, e.g. ``{"updates"}``) also the rungs that act on what a section off
+    would sample (one line per section)."""
     out: list[str] = []
     rollbacks: list[str] = []
+    idle: dict[str, list[str]] = {}  # MonitorConfig section off -> the rungs that act on what it samples
     for rule in runbook.rules:
         in_force = dict(hparams)
         ladder: list[Any] = list(rule.ladder)  # one pydantic model per action
@@ -49,9 +53,15 @@ def fit_warnings(
             problem = not_applicable(INTERVENTIONS[rung.action], rung.params.model_dump(), facts) if facts else None
             if problem is not None:
                 out.append(f"{where} is not applicable ({problem}): it will be skipped")
+            section = INTERVENTIONS[rung.action].samples
+            if problem is None and sampled is not None and section is not None and section not in sampled:
+                idle.setdefault(section, []).append(f"rule {rule.name} rung {i} ({rung.action})")
             if traits_of(rung.action).rewinds_step and checkpoints is False:
                 rollbacks.append(f"rule {rule.name} rung {i}")
             out += _override_warnings(where, get_intervention(rung.action), rung.params, in_force)
+    for section, rungs in idle.items():  # one line per section, however many rungs: the fix is the same
+        out.append(f"MonitorConfig.{section} samples nothing (every=0): {'; '.join(rungs)} will be skipped "
+                   f"(set MonitorConfig.{section}.every, e.g. 10, for the evidence they act on)")
     if rollbacks:  # one line, however many rungs: the fix is the same
         out.append("rollback needs checkpoints (Monitor checkpoint_dir= or checkpoints=): "
                    f"{'; '.join(rollbacks)} will fail")
