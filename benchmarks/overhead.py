@@ -5,7 +5,8 @@ Both loops train the same model from the same seed on the same pre-built batches
 monitor's optimizer hooks, which reuse their one fused norm). Blocks of ``--block`` steps alternate A, B, A,
 B... so machine-load drifts hit both; each round's ratio is B/A and the median over rounds is printed for
 
-  (a) the monitor's defaults (activation norms and embedding drift sampled every 10 steps, default detectors, no
+  (a) the monitor's defaults (activation norms, embedding drift and, with Adam/AdamW, the per-layer update ratios
+      recomputed from the optimizer state sampled every 10 steps, default detectors, no
       runbook; isolated, also with the default runbook and a checkpoint directory, where its diagnose rung keeps a
       batch log: each step's batch reference and RNG state; no checkpoint is saved in the timed steps),
   (b) every signal every step (activation and embedding sampling every step),
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from stabmon.collect.config import AttentionConfig, LogitConfig, MomentConfig
+from stabmon.collect.config import AttentionConfig, LogitConfig, MomentConfig, UpdateConfig
 from stabmon.monitor import ActivationConfig, EmbeddingConfig, Monitor, MonitorConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -272,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("isolated (the monitor's own work, timed inside it; insensitive to A/B drift):")
     isolated(tg, "(a) defaults", defaults, steps=args.rounds * args.block)
+    isolated(tg, "(a) defaults without the per-layer update ratios (updates.every=0)",
+             dataclasses.replace(defaults, updates=UpdateConfig(every=0)), steps=args.rounds * args.block)
     with tempfile.TemporaryDirectory() as tmp:  # checkpoints to diagnose from (none saved): the batch log is kept
         isolated(tg, "(a) + runbook default's batch log", dataclasses.replace(defaults, checkpoint_every=0),
                  steps=args.rounds * args.block, checkpoint_dir=tmp, runbook="default")

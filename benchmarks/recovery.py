@@ -14,7 +14,7 @@ control.
     python benchmarks/recovery.py --scenarios bad-shard,healthy --arms unmonitored,stabmon:default
     python benchmarks/recovery.py --arms unmonitored,stabmon:in-place-first,stabmon:only-reset_moments
     python benchmarks/recovery.py --arms unmonitored,stabmon:restart-only   # restart-first minus its in-place rung
-    python benchmarks/recovery.py --signals 0             # at the monitor's defaults: no lead signals sampled
+    python benchmarks/recovery.py --signals 0             # at the monitor's defaults
     python benchmarks/recovery.py --arms unmonitored,stabmon:my-runbook.yaml   # a runbook of your own
     python benchmarks/recovery.py --sweep --seeds 10      # the learning-rate sweep behind lr-too-high
 """
@@ -55,7 +55,8 @@ ATTENTION_EVERY = 10
 """Every stabmon arm samples the max attention logits and the per-layer update ratios every 10 steps (both off in
 the monitor's defaults), so that the ``level`` detector can see attention-logit growth (``in-place-first`` answers
 it with ``qk_clip``) and the ``out_of_line`` detector a layer out of line (``scale_layer_lr``). ``--signals 0``
-runs the arms at the monitor's defaults instead."""
+runs the arms at the monitor's defaults instead (no attention logits; the update ratios every 20 steps, as
+``UpdateConfig`` samples them by default with Adam/AdamW)."""
 
 
 @dataclass
@@ -112,6 +113,8 @@ def monitored(
     from stabmon.collect.config import AttentionConfig, UpdateConfig
     from stabmon.monitor import Monitor, MonitorConfig
 
+    # signals=0: the monitor's defaults (no attention logits; update ratios where they cost no copy)
+    sampled = {"attention": AttentionConfig(every=signals), "updates": UpdateConfig(every=signals)} if signals else {}
     book: Any = (alone_runbook(runbook.removeprefix("only-")) if runbook.startswith("only-") else
                  restart_only_runbook() if runbook == "restart-only" else runbook)
 
@@ -120,9 +123,7 @@ def monitored(
                        detectors=detectors,
                        checkpoint_dir=ckpt, run_name=f"recovery-{runbook}",
                        config=MonitorConfig(clip=config.clip, checkpoint_every=CHECKPOINT_EVERY,
-                                            checkpoint_keep=40, attention=AttentionConfig(every=signals),
-                                            updates=UpdateConfig(every=signals),
-                                            hang_timeout=None))
+                                            checkpoint_keep=40, hang_timeout=None, **sampled))
 
     return tiny_gpt.train(config, monitor=factory)
 
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", type=Path, default=None, help="print the tables of a --json file and exit")
     p.add_argument("--signals", type=int, default=ATTENTION_EVERY,
                    help="stabmon arms sample attention logits and update ratios every N steps (default "
-                        f"{ATTENTION_EVERY}; 0: the monitor's defaults, neither sampled)")
+                        f"{ATTENTION_EVERY}; 0: the monitor's defaults)")
     args = p.parse_args(argv)
     if args.table is not None:
         rows = [Row(**r) for r in json.loads(args.table.read_text())]

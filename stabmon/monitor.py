@@ -189,10 +189,14 @@ class Monitor:
         runbook = self.spec.loaded_runbook
         if runbook is None:
             return
+        from stabmon.collect.updates import UpdateNorms
         from stabmon.runbook.fit import fit_warnings
 
         c = self.config
-        sampled = {name for name in ("updates", "moments", "attention", "logits") if getattr(c, name).every > 0}
+        sampled = {name for name, section in (("moments", c.moments), ("attention", c.attention),
+                                              ("logits", c.logits)) if section.every}
+        if any(isinstance(signal, UpdateNorms) for _, signal in self.signals.hooks.signals):
+            sampled.add("updates")  # on by default where it costs no copy (UpdateConfig.every)
         for line in fit_warnings(runbook, self.hparams(), checkpoints=self.checkpoints is not None,
                                  facts=self.target.facts(), sampled=sampled):
             log.warning("stabmon: runbook %s: %s", runbook.name, line)

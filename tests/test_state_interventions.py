@@ -105,20 +105,24 @@ def test_reset_moments_of_a_tensor_that_does_not_exist_is_skipped_not_raised() -
 
 def test_rungs_whose_evidence_is_not_sampled_are_reported_at_start_in_one_line_per_section(
         caplog: pytest.LogCaptureFixture) -> None:
-    # the default runbook's layer-LR cut acts on the per-layer update ratios, off in the monitor's defaults: a
-    # learning rate wrong for one layer then goes to the restarts, and the user is told so before the run starts
+    # the default runbook's layer-LR cut acts on the per-layer update ratios: sampled by default with Adam/AdamW
+    # (no copy), off by default with SGD (a copy of the parameters on a sampled step). Off, a learning rate wrong
+    # for one layer goes to the restarts, and the user is told so before the run starts
+    def unsampled(opt: torch.optim.Optimizer, config: MonitorConfig) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="stabmon.monitor"):
+            Monitor(model, opt, store=None, runbook="default", config=config).close()
+        return [r.getMessage() for r in caplog.records if "samples nothing" in r.getMessage()]
+
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with caplog.at_level(logging.WARNING, logger="stabmon.monitor"):
-        Monitor(model, opt, store=None, runbook="default", config=MonitorConfig(hang_timeout=None)).close()
-    (line,) = [r.getMessage() for r in caplog.records if "samples nothing" in r.getMessage()]
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    (line,) = unsampled(sgd, MonitorConfig(hang_timeout=None))
     assert line.startswith("stabmon: runbook default: MonitorConfig.updates samples nothing (every=0): rule "
                            "not_learning rung 1 (scale_layer_lr); rule instability rung 1 (scale_layer_lr) will be")
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="stabmon.monitor"):
-        Monitor(model, opt, store=None, runbook="default",
-                config=MonitorConfig(hang_timeout=None, updates=UpdateConfig(every=10))).close()
-    assert not [r for r in caplog.records if "samples nothing" in r.getMessage()]
+    assert unsampled(sgd, MonitorConfig(hang_timeout=None, updates=UpdateConfig(every=10))) == []
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert unsampled(adamw, MonitorConfig(hang_timeout=None)) == []
+    assert len(unsampled(adamw, MonitorConfig(hang_timeout=None, updates=UpdateConfig(every=0)))) == 1
 
 
 def test_state_rungs_that_cannot_act_are_reported_at_start_and_skipped_when_they_come() -> None:

@@ -69,7 +69,7 @@ from stabmon.collect.record import ForwardSignal, StepRecorder
 from stabmon.collect.restore import NamedStates, Stateful, TrainingState
 from stabmon.collect.run_state import RunState
 from stabmon.collect.sharding import Layout, ShardedSquares, embedding_counted, layout_of
-from stabmon.collect.updates import UpdateNorms
+from stabmon.collect.updates import AdamUpdateNorms, UpdateNorms
 from stabmon.collect.wiring import resolve_notifier, resolve_store
 from stabmon.spec import MonitorSpec
 
@@ -153,7 +153,7 @@ def build_signals(
     moments = _moment_ratios(model, optimizer, config, grads.sharded)
     update_signals = (  # (sampling period, collector): a new update signal is one line here
         (config.embeddings.every, embeddings),
-        (config.updates.every, UpdateNorms(grads) if config.updates.every else None),
+        _update_norms(optimizer, grads, config, sharded=layout.sharded),
         (config.moments.every, moments),
     )
     attention, logits = _attention(model, config), _logits(model, config)
@@ -177,6 +177,22 @@ def build_signals(
                             standing_qk=_standing_qk(model, attention, config))
     return Signals(layout, buffer, grads, hooks, recorder, activations, embeddings, probe, rank_values,
                    moments=moments, attention=attention, logits=logits)
+
+
+def _update_norms(optimizer: torch.optim.Optimizer, grads: GradNorms, config: MonitorConfig, *,
+                  sharded: bool) -> tuple[int, UpdateNorms | None]:
+    """(period, collector) of ``config.updates``: recomputed from Adam/AdamW's state where it can be (no copy,
+    and on by default there), else from a copy of the parameters (only when asked for)."""
+    from stabmon.collect.config import UPDATE_EVERY
+    from stabmon.collect.inplace import adam_like
+
+    cheap = not sharded and adam_like(optimizer) is None
+    every = config.updates.every
+    if every is None:
+        every = UPDATE_EVERY if cheap else 0
+    if not every:
+        return 0, None
+    return every, AdamUpdateNorms(grads, optimizer) if cheap else UpdateNorms(grads)
 
 
 def _moment_ratios(model: nn.Module, optimizer: torch.optim.Optimizer, config: MonitorConfig,

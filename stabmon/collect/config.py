@@ -73,14 +73,22 @@ class UpdateConfig:
     """Update norm ``||Δθ|| / ||θ||`` (global and per layer) of the step actually applied, on sampled steps
     (:mod:`stabmon.collect.updates`)."""
 
-    every: int = 0
-    """Sample every ``every`` steps (0: off). A sampled step holds one transient copy of the parameters from
-    the optimizer's pre-hook to its post-hook, which is why it is off unless asked for. The per-layer ratios feed
-    the ``out_of_line`` detector, which names the layer a ``scale_layer_lr`` rung cuts the LR of."""
+    every: int | None = None
+    """Sample every ``every`` steps (0: off). None (the default): every :data:`UPDATE_EVERY` steps where it costs
+    no copy, torch's Adam/AdamW (without amsgrad or maximize) on unsharded parameters, whose step is recomputed
+    from the optimizer state after it; off elsewhere. With another optimizer, or sharded parameters, a sampled
+    step holds one transient copy of the parameters from the optimizer's pre-hook to its post-hook, which is
+    why it is on there only when asked for. The per-layer ratios feed the ``out_of_line`` detector, which names
+    the layer a ``scale_layer_lr`` rung cuts the LR of."""
 
     def validate(self, path: str) -> None:
-        if self.every < 0:
-            raise ValueError(f"{path}.every must be >= 0, got {self.every}")
+        if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int)
+                                       or self.every < 0):
+            raise ValueError(f"{path}.every must be None or an int >= 0, got {self.every!r}")
+
+
+UPDATE_EVERY = 20
+"""``UpdateConfig.every``'s period where None turns it on (Adam/AdamW, unsharded)."""
 
 
 @dataclass

@@ -102,13 +102,13 @@ class UpdateCap:
 
     def after(self, optimizer: torch.optim.Optimizer, cap: float, skipped: torch.Tensor | None) -> torch.Tensor | None:
         """Move each over-cap tensor back to a step of ``lr x cap / RMS(u)``; returns the largest RMS seen."""
-        items = list(_adam_params_by_group(optimizer))
+        items = list(adam_params_by_group(optimizer))
         if not items:
             return None
         with torch.no_grad():
             sums, counts, us = [], [], []
             for i, _, st in items:
-                u = _direction(optimizer.param_groups[i], st)
+                u = direction(optimizer.param_groups[i], st)
                 us.append(u)
                 sums.append(u.float().square().sum())
                 counts.append(float(u.numel()))
@@ -128,7 +128,7 @@ class UpdateCap:
         return rms.max()
 
 
-def _direction(group: dict[str, Any], state: dict[str, Any]) -> torch.Tensor:
+def direction(group: dict[str, Any], state: dict[str, Any]) -> torch.Tensor:
     """Adam's update direction ``m^ / (sqrt(v^) + eps)`` from the state after the step."""
     beta1, beta2 = group["betas"]
     step = local(state["step"]).to(torch.float32) if isinstance(state["step"], torch.Tensor) else state["step"]
@@ -151,11 +151,11 @@ def _move_back(group: dict[str, Any], p: torch.Tensor, u: torch.Tensor, lr: Any,
 
 
 def _adam_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
-    for _, p, state in _adam_params_by_group(optimizer):
+    for _, p, state in adam_params_by_group(optimizer):
         yield p, state
 
 
-def _adam_params_by_group(optimizer: torch.optim.Optimizer) -> Iterator[tuple[int, torch.Tensor, dict[str, Any]]]:
+def adam_params_by_group(optimizer: torch.optim.Optimizer) -> Iterator[tuple[int, torch.Tensor, dict[str, Any]]]:
     """(group index, parameter, state) of every parameter with a gradient and Adam moments."""
     for i, group in enumerate(optimizer.param_groups):
         for p in group["params"]:

@@ -61,6 +61,7 @@ from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.grads import GradNorms, GradResult
 from stabmon.collect.guard import SkipGuard
 from stabmon.collect.inplace import AdaptiveClip, ElementSkip, UpdateCap
+from stabmon.collect.updates import AdamUpdateNorms
 from stabmon.events import Metric
 from stabmon.overrides import Overrides
 
@@ -112,6 +113,10 @@ class OptimizerHooks:
         self.found_inf: torch.Tensor | None = None
         """The GradScaler's overflow flag handed to a fused optimizer this step (device tensor), else None."""
         self._saved_groups: list[dict[str, Any]] = []
+        self.lrs_used: list[Any] = []
+        """Each param group's learning rate in force for this step (overrides applied: a float or a tensor)."""
+        self.skipped_now: torch.Tensor | None = None
+        """This step's update did not happen (:meth:`_skipped_flag`), for the update signals that read it."""
         self._handles: list[Any] = []
         self.last_hparams: dict[str, float] = {}
 
@@ -212,6 +217,7 @@ class OptimizerHooks:
         return dataclasses.replace(result, total=sq.sum().sqrt(), tensor_sq=sq)
 
     def _finish_update(self) -> None:
+        self.skipped_now = self._skipped_flag() if self.sampled else None
         if self._capping:
             self._capping = False
             cap = self.overrides.update_rms_cap
@@ -223,6 +229,8 @@ class OptimizerHooks:
         self.overrides.advance()  # a release's re-warm-up counts optimizer steps taken
         self.guard.after_update()
         for signal in self.sampled:
+            if isinstance(signal, AdamUpdateNorms):  # it recomputes the step: tell it the LR and the skip
+                signal.step_taken(self.lrs_used, self.skipped_now)
             names, values = signal.after_update()
             if values is not None:
                 self.buffer.add(names, values)
@@ -286,6 +294,8 @@ class OptimizerHooks:
                 saved["weight_decay"] = group["weight_decay"]
                 group["weight_decay"] = group["weight_decay"] * o.weight_decay / base if base else o.weight_decay
             self._saved_groups.append(saved)
+        if self.sampled:
+            self.lrs_used = [g.get("lr") for g in groups]
         if o.rewarm_left:
             o.rewarm_left -= 1
 

@@ -9,7 +9,9 @@ guard, GradScaler overflow) reads 0. Under FSDP the squared norms of the shards 
 the gradient norms are.
 
 Cost: on a sampled step only, one transient copy of the parameters (their own dtype) from the pre-hook to the
-post-hook, and three fused passes over them; unsampled steps pay nothing (``config.updates.every``).
+post-hook, and three fused passes over them; unsampled steps pay nothing (``config.updates.every``). With torch's
+Adam/AdamW, :class:`AdamUpdateNorms` recomputes the step from the optimizer state instead, with no copy: that one
+is on by default.
 
 >>> import torch
 >>> from stabmon.collect.grads import GradNorms
@@ -23,6 +25,8 @@ post-hook, and three fused passes over them; unsampled steps pay nothing (``conf
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -75,6 +79,76 @@ class UpdateNorms:
             )
         out = torch.zeros(self._n_layers, device=sq.device, dtype=sq.dtype)
         return out.index_add_(0, self._index[1], sq.index_select(0, self._index[0]))
+
+
+class AdamUpdateNorms(UpdateNorms):
+    """The same ratios with no copy of the parameters, for torch's Adam/AdamW: after the step, each tensor's
+    ``Δθ`` is recomputed from the optimizer's state, ``-lr (m^ / (sqrt(v^) + eps))`` and, with decoupled weight
+    decay, ``- lr wd θ_prev`` where ``θ_prev = (θ + lr u) / (1 - lr wd)``: exact for the step torch's kernels
+    (for-loop, foreach, fused) take. ``lr`` is the learning rate in force (overrides applied); a skipped update
+    (the skip guard, a fused GradScaler overflow) reads 0. Cost on a sampled step: one pass over each tensor's
+    moments and weights, one tensor's fp32 transients at a time; nothing on other steps, nothing kept.
+
+    Changes made to the weights after the kernel (``clip_update``'s cap, a standing QK-clip's rescale) are not in
+    it: it is the optimizer's step. Not for sharded parameters (their state is sharded too): the copy is used
+    there (:class:`UpdateNorms`).
+
+    >>> import torch
+    >>> from stabmon.collect.grads import GradNorms
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    >>> opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    >>> exact, cheap = UpdateNorms(GradNorms(model)), AdamUpdateNorms(GradNorms(model), opt)
+    >>> model(torch.ones(1, 2)).sum().backward()
+    >>> exact.before_update(); cheap.before_update(); opt.step()
+    >>> cheap.step_taken([0.1], None)
+    >>> bool(torch.allclose(exact.after_update()[1], cheap.after_update()[1], rtol=1e-4))
+    True
+    """
+
+    def __init__(self, grads: GradNorms, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(grads)
+        self._optimizer = optimizer
+        self._position = {id(p): k for k, p in enumerate(self._params)}
+        self._lrs: list[Any] = []
+        self._skipped: torch.Tensor | None = None
+        self._sampled = False
+
+    def before_update(self) -> None:
+        self._sampled = True
+
+    def step_taken(self, lrs: list[Any], skipped: torch.Tensor | None) -> None:
+        """What the optimizer hooks know of the step just taken: each group's LR in force, and the skip flag."""
+        self._lrs, self._skipped = lrs, skipped
+
+    def after_update(self) -> tuple[list[str], torch.Tensor | None]:
+        if not self._sampled or not self._params:
+            return self.names, None
+        self._sampled = False
+        from stabmon.collect.inplace import adam_params_by_group, direction
+
+        live = [local(p.detach()) for p in self._params]
+        with torch.no_grad():
+            theta = _squares(live)
+            delta = torch.zeros_like(theta)
+            rows, values = [], []
+            for i, p, state in adam_params_by_group(self._optimizer):
+                k = self._position.get(id(p))
+                if k is None or i >= len(self._lrs):
+                    continue
+                group, lr = self._optimizer.param_groups[i], self._lrs[i]
+                u = direction(group, state)
+                wd = float(group.get("weight_decay", 0.0)) if group.get("decoupled_weight_decay", True) else 0.0
+                step = u.mul(lr) if not wd else u.mul(lr).add_((live[k] + lr * u).div_(1 - lr * wd), alpha=lr * wd)
+                rows.append(k)
+                values.append(torch.linalg.vector_norm(step, dtype=torch.float32).square().to(delta.device))
+            if rows:
+                delta[torch.tensor(rows, device=delta.device)] = torch.stack(values)
+            if self._skipped is not None:
+                delta = torch.where(self._skipped.to(delta.device), torch.zeros_like(delta), delta)
+        ratios = [(delta.sum() / theta.sum()).sqrt()]
+        if self._n_layers:
+            ratios.append((self._per_layer(delta) / self._per_layer(theta)).sqrt())
+        return self.names, torch.cat([r.reshape(-1) for r in ratios])
 
 
 def _squares(tensors: list[torch.Tensor]) -> torch.Tensor:
