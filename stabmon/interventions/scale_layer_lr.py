@@ -10,9 +10,10 @@ other group as its schedule has it.
 Which layer: the rung's ``tensors`` (parameter names or layer prefixes), else the layer of the latest
 ``out_of_line`` report (the incident's own anomaly, or the newest report within :data:`~stabmon.interventions.
 executor.EVIDENCE_HORIZON` steps; the detector compares each layer's update ratio ``||dtheta|| / ||theta||`` with
-the other layers', sampled by default with Adam/AdamW and where ``MonitorConfig.updates`` asks), filled in by
-the pipeline so every rank cuts the same groups. Another anomaly's layer (a gradient-norm spike in ``blocks.1``) is no evidence that the layer's
-learning rate is wrong, and is not taken. Without any of them the rung is "not applicable" (skipped, logged)
+the other layers', sampled by default with Adam/AdamW and where ``MonitorConfig.updates`` asks), filled in by the
+pipeline so every rank cuts the same groups. Another anomaly's layer (a gradient-norm spike in ``blocks.1``) is no
+evidence that the layer's learning rate is wrong, and is not taken. Without any of them the rung is "not
+applicable" (skipped, logged)
 and the ladder moves on, and so it is when the groups it would cut hold more than ``max_share`` (half) of the
 model's parameters: that is a global cut, ``scale_lr``'s.
 
