@@ -13,9 +13,8 @@ executor.EVIDENCE_HORIZON` steps; the detector compares each layer's update rati
 the other layers', sampled by default with Adam/AdamW and where ``MonitorConfig.updates`` asks), filled in by the
 pipeline so every rank cuts the same groups. Another anomaly's layer (a gradient-norm spike in ``blocks.1``) is no
 evidence that the layer's learning rate is wrong, and is not taken. Without any of them the rung is "not
-applicable" (skipped, logged)
-and the ladder moves on, and so it is when the groups it would cut hold more than ``max_share`` (half) of the
-model's parameters: that is a global cut, ``scale_lr``'s.
+applicable" (skipped, logged) and the ladder moves on, and so it is when the groups it would cut hold more than
+``max_share`` (half) of the model's parameters: that is a global cut, ``scale_lr``'s.
 
 Judged like every rung; reverted (the group's factor back) when it did not resolve the incident. Released when it
 did: the cut holds until the schedule alone gives the group at most the LR the cut gave it when it was made
