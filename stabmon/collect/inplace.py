@@ -139,15 +139,19 @@ def direction(group: dict[str, Any], state: dict[str, Any]) -> torch.Tensor:
     return (m / bc1) / ((v / bc2).sqrt() + group["eps"])
 
 
+def taken_step(group: dict[str, Any], p: torch.Tensor, u: torch.Tensor, lr: Any) -> torch.Tensor:
+    """What Adam's step of ``lr`` along ``u`` subtracted from ``p`` (``p`` as it is after the step): ``lr u``,
+    plus ``lr wd p_before`` with decoupled weight decay, where ``p_before = (p + lr u) / (1 - lr wd)``."""
+    wd = float(group.get("weight_decay", 0.0)) if group.get("decoupled_weight_decay", True) else 0.0
+    if not wd:
+        return lr * u
+    before = (p + lr * u) / (1 - lr * wd)
+    return lr * (wd * before + u)
+
+
 def _move_back(group: dict[str, Any], p: torch.Tensor, u: torch.Tensor, lr: Any, shrink: torch.Tensor) -> None:
     """Turn a step of ``lr`` into one of ``lr x shrink`` in place."""
-    wd = float(group.get("weight_decay", 0.0)) if group.get("decoupled_weight_decay", True) else 0.0
-    back = (1 - shrink) * lr
-    if wd:
-        old = (p + lr * u) / (1 - lr * wd)
-        p.add_(back * (wd * old + u))
-    else:
-        p.add_(back * u)
+    p.add_((1 - shrink) * taken_step(group, p, u, lr))
 
 
 def _adam_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:

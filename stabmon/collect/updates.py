@@ -124,7 +124,7 @@ class AdamUpdateNorms(UpdateNorms):
         if not self._sampled or not self._params:
             return self.names, None
         self._sampled = False
-        from stabmon.collect.inplace import adam_params_by_group, direction
+        from stabmon.collect.inplace import adam_params_by_group, direction, taken_step
 
         live = [local(p.detach()) for p in self._params]
         with torch.no_grad():
@@ -135,10 +135,8 @@ class AdamUpdateNorms(UpdateNorms):
                 k = self._position.get(id(p))
                 if k is None or i >= len(self._lrs):
                     continue
-                group, lr = self._optimizer.param_groups[i], self._lrs[i]
-                u = direction(group, state)
-                wd = float(group.get("weight_decay", 0.0)) if group.get("decoupled_weight_decay", True) else 0.0
-                step = u.mul(lr) if not wd else u.mul(lr).add_((live[k] + lr * u).div_(1 - lr * wd), alpha=lr * wd)
+                group = self._optimizer.param_groups[i]
+                step = taken_step(group, live[k], direction(group, state), self._lrs[i])
                 rows.append(k)
                 values.append(torch.linalg.vector_norm(step, dtype=torch.float32).square().to(delta.device))
             if rows:

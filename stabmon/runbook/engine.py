@@ -265,8 +265,9 @@ class Engine:
             if record.step != inc.await_step:
                 return []
             inc.await_step = None
-        own = sum(1 for a in anomalies if rule.when.matches(a))
-        others = self._others_acting([a for a in anomalies if not rule.when.matches(a)], rule)
+        mine = [rule.when.matches(a) for a in anomalies]
+        own = sum(mine)
+        others = self._others_acting([a for a, m in zip(anomalies, mine, strict=True) if not m], rule)
         if others:  # trouble another rule would change training for counts against the change observed as this
             # rule's own does: the run is not well
             inc.others = [*inc.others, *others][:_OTHERS_KEPT]
