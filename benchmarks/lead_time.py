@@ -24,7 +24,9 @@ whose loss is non-finite, > ``--loss-factor`` x the median of its ``--window`` p
 ``--loss-factor`` x the lowest loss since ``--start`` (it turned up: a slow divergence has no spike). A run
 whose loss never departs (it stalls instead) has no lead there; the second lead is over the loss *leaving its
 healthy twin* (the median of its last 5 values > ``--loss-factor`` x the twin's at the same steps): where the
-damage shows in the loss, spike or not.
+damage shows in the loss, spike or not. A second table does the same for the first warning on any metric but
+the loss itself (every shipped detector: the grad norm's spikes, the loss scale, ... and the signals), with its
+false alarms on the healthy runs.
 
     python benchmarks/lead_time.py --signals --seeds 5
 """
@@ -111,21 +113,24 @@ def records(config: tiny_gpt.TrainConfig) -> list[StepRecord]:
     return list(made[0].records)
 
 
-def replay(recs: list[StepRecord], start: int) -> tuple[list[tuple[int, str]], int | None]:
-    """(step, metric) of each warning-or-worse anomaly on a signal's metric, and the first error-or-worse step on
-    any other metric, replaying the shipped default suite over the records."""
+def replay(recs: list[StepRecord], start: int) -> tuple[list[tuple[int, str]], int | None, list[tuple[int, str]]]:
+    """(step, metric) of each warning-or-worse anomaly on a signal's metric, the first error-or-worse step on
+    any other metric, and (step, metric) of each warning-or-worse on any metric but the loss itself (the grad
+    norm, the loss scale, ... included), replaying the shipped default suite over the records."""
     suite = DetectorSuite.from_config()
-    fired, error = [], None
+    fired, error, anywhere = [], None, []
     for r in recs:
         for a in suite.update(r):
             if a.step < start:
                 continue
+            if a.severity >= Severity.WARNING and a.metric != Metric.LOSS:
+                anywhere.append((a.step, a.metric))
             if a.metric.startswith(SIGNALS):
                 if a.severity >= Severity.WARNING:
                     fired.append((a.step, a.metric))
             elif a.severity >= Severity.ERROR and error is None:
                 error = a.step
-    return fired, error
+    return fired, error, anywhere
 
 
 def departure(loss: list[tuple[int, float]], *, factor: float, window: int, start: int) -> int | None:
@@ -167,9 +172,12 @@ def signal_row(name: str, seeds: int, threads: int, how: dict[str, float]) -> di
     s = sc.scenario(name)
     start = int(how["start"])
     leads, over_twin, over_error, first, alarms, steps = [], [], [], [], 0, 0
+    any_leads, any_twin, any_first, any_alarms, departed = [], [], [], 0, 0
     for seed in range(seeds):
         healthy = records(s.healthy_config(seed, threads=threads) if not s.healthy else s.config(seed, threads=threads))
-        alarms += len(replay(healthy, start)[0])
+        quiet = replay(healthy, start)
+        alarms += len(quiet[0])
+        any_alarms += len(quiet[2])
         steps += len(healthy)
         if not s.healthy:
             recs = records(s.config(seed, threads=threads))
@@ -177,16 +185,24 @@ def signal_row(name: str, seeds: int, threads: int, how: dict[str, float]) -> di
             twin = [(r.step, r.metrics[Metric.LOSS]) for r in healthy if Metric.LOSS in r.metrics]
             depart = departure(loss, factor=how["loss_factor"], window=int(how["window"]), start=start)
             leaves = off_twin(loss, twin, factor=how["loss_factor"], start=start)
-            fired, error = replay(recs, start)
+            fired, error, anywhere = replay(recs, start)
+            departed += depart is not None
+            if anywhere:
+                any_first.append(anywhere[0][1])
+                for out, ref in ((any_leads, depart), (any_twin, leaves)):
+                    if ref is not None:
+                        out.append(ref - anywhere[0][0])
             if fired:
                 first.append(fired[0][1])
                 for out, ref in ((leads, depart), (over_twin, leaves), (over_error, error)):
                     if ref is not None:
                         out.append(ref - fired[0][0])
         print(f"  {name} seed {seed}: leads {leads} over twin {over_twin} over error {over_error} "
-              f"first {first[-1:] or '-'} healthy alarms {alarms}", flush=True)
+              f"first {first[-1:] or '-'} healthy alarms {alarms}; any metric: leads {any_leads} "
+              f"first {any_first[-1:] or '-'} healthy alarms {any_alarms}", flush=True)
     return {"leads": leads, "over_twin": over_twin, "over_error": over_error, "first": first, "alarms": alarms,
-            "steps": steps}
+            "steps": steps, "any_leads": any_leads, "any_twin": any_twin, "any_first": any_first,
+            "any_alarms": any_alarms, "departed": departed, "seeds": seeds}
 
 
 def signals_main(names: list[str], seeds: int, threads: int, how: dict[str, float]) -> None:
@@ -198,11 +214,25 @@ def signals_main(names: list[str], seeds: int, threads: int, how: dict[str, floa
     print("|---|---|---|---|---|---|---|---|")
     for name, r in rows:
         leads, twin, over, first = r["leads"], r["over_twin"], r["over_error"], r["first"]
-        top = max(set(first), key=first.count) if first else "-"
-        rate = 1e4 * r["alarms"] / r["steps"] if r["steps"] else 0.0
         print(f"| {name} | {_med(leads)} | {', '.join(map(str, leads)) or '-'} | {_med(twin)} | "
-              f"{', '.join(map(str, twin)) or '-'} | {_med(over)} | {top} | "
-              f"{rate:.1f} ({r['alarms']} in {r['steps']}) |")
+              f"{', '.join(map(str, twin)) or '-'} | {_med(over)} | {_top(first)} | {_rate(r['alarms'], r['steps'])} |")
+    print("\nany metric but the loss (every shipped detector: grad norm, loss scale, ... and the signals above):")
+    print("| scenario | seeds whose loss departs | median lead over the loss's departure (steps) | per seed | "
+          "over its leaving the healthy twin | per seed | first metric | healthy false alarms / 10k steps |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in rows:
+        leads, twin = r["any_leads"], r["any_twin"]
+        print(f"| {name} | {r['departed']}/{r['seeds']} | {_med(leads)} | "
+              f"{', '.join(map(str, leads)) or '-'} | {_med(twin)} | {', '.join(map(str, twin)) or '-'} | "
+              f"{_top(r['any_first'])} | {_rate(r['any_alarms'], r['steps'])} |")
+
+
+def _top(names: list[str]) -> str:
+    return max(set(names), key=names.count) if names else "-"
+
+
+def _rate(alarms: int, steps: int) -> str:
+    return f"{1e4 * alarms / steps if steps else 0.0:.1f} ({alarms} in {steps})"
 
 
 def _med(values: list[int]) -> str:

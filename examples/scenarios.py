@@ -66,7 +66,8 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "lr-too-high",
             "OPT-175B's early restarts: a peak learning rate far too high for the model (here 100x the stable "
-            "one, reached after the 30-step warm-up); the loss blows up and the run never comes back",
+            "one, reached after the 30-step warm-up); the attention saturates, the loss stops falling far above the "
+            "healthy run's and the run never comes back (on this small model it stalls rather than spikes)",
             {"lr": LR_TOO_HIGH},
         ),
         Scenario(

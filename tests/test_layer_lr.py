@@ -102,6 +102,22 @@ def test_out_of_line_needs_enough_layers_and_ignores_zero_and_non_finite_values(
         build(OutOfLineConfig, {"factor": 1.0}, "detector.out_of_line")
 
 
+def test_a_layer_that_moved_from_zero_is_judged_from_its_first_record_in_line() -> None:
+    # LoRA's B, a zero-initialised head: inf on its first step (no ratio), then ~1/k whatever its LR
+    d = OutOfLine("update_ratio/lm_head")
+    median = 0.004  # the median of LAYERS with the head among them
+    growing = [float("inf"), 250 * median, 40 * median, 21 * median]
+    assert [d.update(s, {**LAYERS, "update_ratio/lm_head": v}) for s, v in enumerate(growing)] == [None] * 4
+    assert d.update(4, {**LAYERS, "update_ratio/lm_head": 10 * median}) is None  # in line: judged from now on
+    late = d.update(5, {**LAYERS, "update_ratio/lm_head": 30 * median})
+    assert late is not None and late.severity is Severity.WARNING
+    restored = OutOfLine("update_ratio/lm_head")  # the state survives a checkpoint of the suite
+    d2 = OutOfLine("update_ratio/lm_head")
+    d2.update(0, {**LAYERS, "update_ratio/lm_head": float("inf")})
+    restored.load_state_dict(d2.state_dict())
+    assert restored.update(1, {**LAYERS, "update_ratio/lm_head": 40 * median}) is None
+
+
 def test_the_default_suite_watches_every_layers_update_ratio() -> None:
     from stabmon.detect.suite import DetectorSuite
 

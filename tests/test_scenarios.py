@@ -217,7 +217,7 @@ def test_attention_logit_growth_is_warned_before_the_loss_shows_it() -> None:
         healthy = lt.records(config("attn-logit-growth", seed, healthy=True))
         assert lt.replay(healthy, 20)[0] == [], seed  # no warning on the signals of the healthy twin
         recs = lt.records(config("attn-logit-growth", seed))
-        fired, error = lt.replay(recs, 20)
+        fired, error, _ = lt.replay(recs, 20)
         loss = [(r.step, r.metrics["loss"]) for r in recs if "loss" in r.metrics]
         twin = [(r.step, r.metrics["loss"]) for r in healthy if "loss" in r.metrics]
         leaves = lt.off_twin(loss, twin, factor=1.2, start=20)

@@ -1,4 +1,4 @@
-"""The update ratios ``||Δθ|| / ||θ||`` recomputed from Adam/AdamW's state (no copy of the parameters: on by
+"""The update ratios ``||Δθ|| / ||θ_before||`` recomputed from Adam/AdamW's state (no copy of the parameters: on by
 default there) against the step actually taken, measured from a copy: every kernel, decoupled and coupled weight
 decay, an LR override in force, a skipped update."""
 
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from stabmon.collect.config import MonitorConfig, UpdateConfig
+from stabmon.collect.grads import GradNorms
 from stabmon.collect.updates import AdamUpdateNorms, UpdateNorms
 from stabmon.monitor import Monitor
 
@@ -45,7 +46,7 @@ def _measured(opt_cls: type[torch.optim.Optimizer], kind: dict[str, bool], *, wd
         row = {}
         for layer, (i, j) in zip(LAYERS, ((0, 1), (2, 3)), strict=True):
             d = sum(float((after[k] - before[k]).pow(2).sum()) for k in (i, j))
-            t = sum(float(after[k].pow(2).sum()) for k in (i, j))
+            t = sum(float(before[k].pow(2).sum()) for k in (i, j))
             row[layer] = (d / t) ** 0.5
         truth.append(row)
     mon.flush()
@@ -94,3 +95,54 @@ def test_a_bad_period_is_a_one_line_error(bad: Any) -> None:
     with pytest.raises(ValueError, match=r"updates.every must be None or an int >= 0"):
         Monitor(_model(), torch.optim.AdamW(_model().parameters()), store=None,
                 config=MonitorConfig(hang_timeout=None, updates=UpdateConfig(every=bad)))
+
+
+@pytest.mark.parametrize("opt_kind", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
+def test_a_zero_initialised_layer_has_no_ratio_on_its_first_step_and_is_not_out_of_line(
+        opt_kind: dict[str, bool]) -> None:
+    # A Hugging Face GPT-2 whose untied output head starts at zero (as modded-nanogpt's lm_head, a zero-init
+    # classifier head, LoRA's B): its first step is the whole of its weights. Against the weights after the step
+    # that read exactly 1, ~1000x the other layers, and the default suite warned on every such run's first sample.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=40, n_positions=16, n_embd=32, n_layer=2, n_head=2, tie_word_embeddings=False))
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, **opt_kind)
+    mon = Monitor(model, opt, store=None, config=MonitorConfig(hang_timeout=None))  # the defaults: every 20 steps
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(41):
+        mon.begin_step()
+        ids = torch.randint(0, 40, (4, 16), generator=gen)
+        loss = model(input_ids=ids, labels=ids).loss
+        mon.observe(loss=loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mon.end_step()
+    mon.flush()
+    sampled = {r.step: r.metrics for r in mon.records if "update_ratio/lm_head" in r.metrics}
+    mon.close()
+    assert sorted(sampled) == [0, 20, 40]
+    assert sampled[0]["update_ratio/lm_head"] == float("inf")  # moved from zero: no ratio
+    assert 0 < sampled[0]["update_ratio/transformer.h.0"] < 0.1 and 0 < sampled[0]["update_ratio"] < 0.1
+    assert all(0 < m["update_ratio/lm_head"] < 1 for s, m in sampled.items() if s)  # from then on, a ratio
+    assert [a for a in mon.anomalies if a.kind == "out_of_line"] == []
+
+
+def test_the_copy_gives_a_zero_initialised_layer_no_ratio_either() -> None:
+    model = _model()
+    with torch.no_grad():
+        model[0].weight.zero_(), model[0].bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    upd = UpdateNorms(GradNorms(model))
+    model(torch.ones(3, 6)).sum().backward()
+    upd.before_update()
+    opt.step()
+    _, values = upd.after_update()
+    assert values[1].item() == float("inf") and 0 < values[2].item() < 1 and 0 < values[0].item() < 1
+    upd.before_update()  # nothing moves (no gradient): 0 over weights that are not zero
+    model.zero_grad(set_to_none=False)
+    opt.step()
+    assert upd.after_update()[1].tolist() == [0.0, 0.0, 0.0]

@@ -1,10 +1,13 @@
-"""The update norm ``||Δθ|| / ||θ||``, global and per layer: the step the optimizer actually applied.
+"""The update norm ``||Δθ|| / ||θ||``, global and per layer: the step the optimizer actually applied, against
+the weights as they were before it. A layer whose weights were all zero before the step (LoRA's ``B``, a
+zero-initialised output head) has no ratio on that step (``inf``): measured against the weights after it, its
+first step read exactly 1, thousands of times the other layers', and warned on every such run's first sample.
 
 On a sampled step the optimizer pre-hook, after clipping, the skip guard and the overrides have been applied,
 copies the parameters with one fused ``torch._foreach_mul`` (:meth:`UpdateNorms.before_update`); the post-hook,
-after the skip guard restored a discarded update, subtracts the new parameters in place from that copy and takes
-two fused ``torch._foreach_norm`` (of ``Δθ`` and of ``θ``), scatter-added into the same layers as the gradient
-norms (:class:`~stabmon.collect.grads.GradNorms`). Nothing is read back to the host; a skipped update (skip
+after the skip guard restored a discarded update, takes the copy's norms, subtracts the new parameters in place
+from it and takes the norms of ``Δθ`` (two fused ``torch._foreach_norm``), scatter-added into the same layers as
+the gradient norms (:class:`~stabmon.collect.grads.GradNorms`). Nothing is read back to the host; a skipped update (skip
 guard, GradScaler overflow) reads 0. Under FSDP the squared norms of the shards are summed over ranks the way
 the gradient norms are.
 
@@ -60,15 +63,21 @@ class UpdateNorms:
             return self.names, None
         live = [local(p.detach()) for p in self._params]
         with torch.no_grad():
+            theta = _squares(saved)
             torch._foreach_sub_(saved, live)  # saved now holds -Δθ
             delta = _squares(saved)
-            theta = _squares(live)
         if self._squares is not None:
             delta, theta = self._squares(delta), self._squares(theta)
-        ratios = [(delta.sum() / theta.sum()).sqrt()]
+        return self.names, self._ratios(delta, theta)
+
+    def _ratios(self, delta: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+        """sqrt(delta / theta), global first then per layer, from per-tensor squared norms of the step and of the
+        weights before it. A layer whose weights were all zero before the step (zero-initialised: LoRA's B, a
+        zero-init output head) has no ratio: ``inf`` where it moved (:data:`FROM_ZERO`), 0 where it did not."""
+        ratios = [_ratio(delta.sum(), theta.sum())]
         if self._n_layers:
-            ratios.append((self._per_layer(delta) / self._per_layer(theta)).sqrt())
-        return self.names, torch.cat([r.reshape(-1) for r in ratios])
+            ratios.append(_ratio(self._per_layer(delta), self._per_layer(theta)))
+        return torch.cat([r.reshape(-1) for r in ratios])
 
     def _per_layer(self, sq: torch.Tensor) -> torch.Tensor:
         if self._index is None:
@@ -85,9 +94,10 @@ class AdamUpdateNorms(UpdateNorms):
     """The same ratios with no copy of the parameters, for torch's Adam/AdamW: after the step, each tensor's
     ``Δθ`` is recomputed from the optimizer's state, ``-lr (m^ / (sqrt(v^) + eps))`` and, with decoupled weight
     decay, ``- lr wd θ_prev`` where ``θ_prev = (θ + lr u) / (1 - lr wd)``: exact for the step torch's kernels
-    (for-loop, foreach, fused) take. ``lr`` is the learning rate in force (overrides applied); a skipped update
-    (the skip guard, a fused GradScaler overflow) reads 0. Cost on a sampled step: one pass over each tensor's
-    moments and weights, one tensor's fp32 transients at a time; nothing on other steps, nothing kept.
+    (for-loop, foreach, fused) take; ``θ_prev`` is also the ratio's denominator. ``lr`` is the learning rate in
+    force (overrides applied); a skipped update (the skip guard, a fused GradScaler overflow) reads 0. Cost on a
+    sampled step: one pass over each tensor's moments and weights, one tensor's fp32 transients at a time; nothing
+    on other steps, nothing kept.
 
     Changes made to the weights after the kernel (``clip_update``'s cap, a standing QK-clip's rescale) are not in
     it: it is the optimizer's step. Not for sharded parameters (their state is sharded too): the copy is used
@@ -128,9 +138,9 @@ class AdamUpdateNorms(UpdateNorms):
 
         live = [local(p.detach()) for p in self._params]
         with torch.no_grad():
-            theta = _squares(live)
-            delta = torch.zeros_like(theta)
-            rows, values = [], []
+            now = _squares(live)
+            delta = torch.zeros_like(now)
+            rows, steps, befores = [], [], []
             for i, p, state in adam_params_by_group(self._optimizer):
                 k = self._position.get(id(p))
                 if k is None or i >= len(self._lrs):
@@ -138,15 +148,30 @@ class AdamUpdateNorms(UpdateNorms):
                 group = self._optimizer.param_groups[i]
                 step = taken_step(group, live[k], direction(group, state), self._lrs[i])
                 rows.append(k)
-                values.append(torch.linalg.vector_norm(step, dtype=torch.float32).square().to(delta.device))
+                steps.append(torch.linalg.vector_norm(step, dtype=torch.float32).square().to(delta.device))
+                befores.append(torch.linalg.vector_norm(step.add_(live[k]), dtype=torch.float32).square()
+                               .to(delta.device))
             if rows:
-                delta[torch.tensor(rows, device=delta.device)] = torch.stack(values)
+                where = torch.tensor(rows, device=delta.device)
+                delta[where] = torch.stack(steps)
+            theta = now.index_copy(0, where, torch.stack(befores)) if rows else now  # untouched: as before
             if self._skipped is not None:
-                delta = torch.where(self._skipped.to(delta.device), torch.zeros_like(delta), delta)
-        ratios = [(delta.sum() / theta.sum()).sqrt()]
-        if self._n_layers:
-            ratios.append((self._per_layer(delta) / self._per_layer(theta)).sqrt())
-        return self.names, torch.cat([r.reshape(-1) for r in ratios])
+                skipped = self._skipped.to(delta.device)
+                delta = torch.where(skipped, torch.zeros_like(delta), delta)
+                theta = torch.where(skipped, now, theta)
+        return self.names, self._ratios(delta, theta)
+
+
+FROM_ZERO = 1e3
+"""A ratio above this reads ``inf``: the weights before the step were under 1/1000 of the step, i.e. zero but for
+the rounding of recomputing them (``θ + Δθ`` in fp32 leaves ~1e-6 of the step)."""
+
+
+def _ratio(delta: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """sqrt(delta / theta); ``inf`` where the weights were (all but) zero before a step that moved them, 0 where
+    nothing moved."""
+    moved_from_zero = delta > theta * FROM_ZERO**2
+    return torch.where(moved_from_zero, torch.inf, delta / theta.clamp_min(torch.finfo(theta.dtype).tiny)).sqrt()
 
 
 def _squares(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -435,9 +435,12 @@ class OutOfLine(Scorer):
     recorded where ``MonitorConfig.updates`` samples them): a param group whose learning rate is wrong for it (an
     output layer at 3000x the LR, Wortsman et al. 2023's output-logit divergence) moves its weights 60-1,700x
     faster than the median layer from its first step, while a healthy run's layers stay within 2.4x of each
-    other and a learning rate 100x too high on every layer within 6x. A layer initialised at zero moves at
-    ratio ~1/k on its k-th step and is out of line for its first steps: a warning, which no shipped runbook acts
-    on alone. Needs no baseline, so no grace period.
+    other and a learning rate 100x too high on every layer within 6x. Needs no baseline, so no grace period.
+
+    A layer that starts from zero weights (LoRA's ``B``, a zero-initialised output head; its first step reads
+    ``inf``, see :mod:`stabmon.collect.updates`) moves at ratio ~1/k to 1/sqrt(k) on its k-th step whatever its
+    learning rate: out of line by construction, and nothing to learn from. It is judged from the first record on
+    which it is in line, and never before.
 
     >>> layers = {"update_ratio/h.0": 0.003, "update_ratio/h.1": 0.004, "update_ratio/ln_f": 0.005}
     >>> d = OutOfLine("update_ratio/lm_head")
@@ -453,17 +456,28 @@ class OutOfLine(Scorer):
     Config = OutOfLineConfig
     config: OutOfLineConfig
     grace_exempt = "a comparison across layers on the same record needs no baseline"
+    _state_attrs = ("_growing_in",)
 
     def __init__(self, metric: str, config: Any = None, **kwargs: Any) -> None:
         super().__init__(metric, config, **kwargs)
         self._family = metric.rpartition("/")[0] + "/"
         self._median = 0.0
 
+    def _reset(self) -> None:
+        self._growing_in = False  # the layer moved from zero weights and has not been in line since
+
+    def _value(self, x: X) -> float | None:
+        v = x.get(self.metric)
+        if v == math.inf:  # moved from zero weights: see the class docstring
+            self._growing_in = True
+            return None
+        return float(v) if v is not None and math.isfinite(v) else None
+
     def _learn(self, v: float, x: X) -> None:
         pass
 
     def _score(self, v: float, x: X) -> float:
-        if not (math.isfinite(v) and v > 0):
+        if not v > 0:
             return 0.0
         family = self._family
         values = sorted(u for k, u in x.items() if k.startswith(family) and math.isfinite(u) and u > 0)
@@ -472,7 +486,12 @@ class OutOfLine(Scorer):
             return 0.0
         mid = n // 2
         self._median = values[mid] if n % 2 else 0.5 * (values[mid - 1] + values[mid])
-        return v / (self.config.factor * self._median)
+        score = v / (self.config.factor * self._median)
+        if self._growing_in:
+            if score >= 1.0:
+                return 0.0
+            self._growing_in = False
+        return score
 
     def _grace_score(self, v: float, x: X) -> float:
         return self._score(v, x)
