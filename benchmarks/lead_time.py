@@ -26,9 +26,10 @@ whose loss never departs (it stalls instead) has no lead there; the second lead 
 healthy twin* (the median of its last 5 values > ``--loss-factor`` x the twin's at the same steps): where the
 damage shows in the loss, spike or not. A second table does the same for the first warning on any metric but
 the loss itself (every shipped detector: the grad norm's spikes, the loss scale, ... and the signals), with its
-false alarms on the healthy runs.
+false alarms on the healthy runs. ``--real LABELS.csv`` (repeatable) replays a real corpus through the same suite
+and counts its warnings outside the labelled incidents, per metric family: the false alarms there.
 
-    python benchmarks/lead_time.py --signals --seeds 5
+    python benchmarks/lead_time.py --signals --seeds 5 --real ../shared/data/real-finetunes/LABELS.csv
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import argparse
 import math
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -54,6 +56,7 @@ from stabmon.collect.config import (  # noqa: E402
 from stabmon.detect.suite import DetectorSuite  # noqa: E402
 from stabmon.events import Metric, Severity, StepRecord  # noqa: E402
 from stabmon.monitor import Monitor, MonitorConfig  # noqa: E402
+from stabmon.replay.tune import load_runs  # noqa: E402
 
 
 def series(scenario: str, seed: int, threads: int) -> dict[str, list[tuple[int, float]]]:
@@ -227,6 +230,38 @@ def signals_main(names: list[str], seeds: int, threads: int, how: dict[str, floa
               f"{_top(r['any_first'])} | {_rate(r['any_alarms'], r['steps'])} |")
 
 
+def real_alarms(labels: str, pre: int = 100) -> tuple[int, int, int, Counter[str]]:
+    """Runs, records, training steps spanned and warnings-or-worse per metric family (the name before its first
+    ``/``) outside the labelled incidents (``step_start - pre`` to ``step_end``, as ``stabmon eval``), replaying
+    the shipped default suite over each run of a corpus."""
+    runs = load_runs(labels)
+    records = spanned = 0
+    outside: Counter[str] = Counter()
+    for run in runs:
+        windows = [(lb.step_start - pre, lb.step_end) for lb in run.labels if lb.category == "numeric"]
+        suite = DetectorSuite.from_config()
+        records += len(run.records)
+        if run.records:
+            spanned += run.records[-1].step - run.records[0].step + 1
+        for r in run.records:
+            for a in suite.update(r):
+                if a.severity >= Severity.WARNING and not any(lo <= a.step <= hi for lo, hi in windows):
+                    outside[a.metric.split("/")[0]] += 1
+    return len(runs), records, spanned, outside
+
+
+def real_main(corpora: list[str]) -> None:
+    print("\nthe real corpora: warnings outside the labelled incidents, per metric family")
+    print("| corpus | runs | records | training steps spanned | warnings outside incidents (per 10k records; "
+          "per 10k steps) |")
+    print("|---|---|---|---|---|")
+    for labels in corpora:
+        n, records, spanned, outside = real_alarms(labels)
+        found = "; ".join(f"`{k}` {v} ({1e4 * v / records:.2f}; {1e4 * v / spanned:.3f})"
+                          for k, v in sorted(outside.items())) or "none"
+        print(f"| {Path(labels).parent.name} | {n} | {records:,} | {spanned:,} | {found} |")
+
+
 def _top(names: list[str]) -> str:
     return max(set(names), key=names.count) if names else "-"
 
@@ -250,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-layer", action="store_true", help="earliest over the per-layer series")
     p.add_argument("--signals", action="store_true", help="lead of the signals at warning (see the docstring)")
     p.add_argument("--loss-factor", type=float, default=1.2, help="--signals: the loss spike's factor")
+    p.add_argument("--real", action="append", default=[], metavar="LABELS.csv",
+                   help="--signals: also count the warnings outside labelled incidents on this corpus (repeatable)")
     args = p.parse_args(argv)
     names = [n for n in args.scenarios.split(",") if n]
     for name in names:
@@ -258,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.signals:
         signals_main(names, args.seeds, args.threads,
                      {"loss_factor": args.loss_factor, "window": args.window, "start": args.start})
+        real_main(args.real)
         return 0
     print(f"first step > {args.factor:g}x the median of the previous {args.window} values (from step {args.start})"
           f"{', earliest layer' if args.per_layer else ''}; lead = grad-norm step - update-norm step")
