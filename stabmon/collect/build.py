@@ -153,7 +153,7 @@ def build_signals(
     moments = _moment_ratios(model, optimizer, config, grads.sharded)
     update_signals = (  # (sampling period, collector): a new update signal is one line here
         (config.embeddings.every, embeddings),
-        _update_norms(optimizer, grads, config, sharded=layout.sharded),
+        _update_norms(optimizer, grads, config, layout=layout.kind),
         (config.moments.every, moments),
     )
     attention, logits = _attention(model, config), _logits(model, config)
@@ -180,13 +180,14 @@ def build_signals(
 
 
 def _update_norms(optimizer: torch.optim.Optimizer, grads: GradNorms, config: MonitorConfig, *,
-                  sharded: bool) -> tuple[int, UpdateNorms | None]:
+                  layout: str) -> tuple[int, UpdateNorms | None]:
     """(period, collector) of ``config.updates``: recomputed from Adam/AdamW's state where it can be (no copy,
-    and on by default there), else from a copy of the parameters (only when asked for)."""
+    and on by default there: one process, DDP, FSDP2's DTensor shards), else from a copy of the parameters (only
+    when asked for; FSDP1's flat parameters too)."""
     from stabmon.collect.config import UPDATE_EVERY
     from stabmon.collect.inplace import adam_like
 
-    cheap = not sharded and adam_like(optimizer) is None
+    cheap = layout != "fsdp1" and adam_like(optimizer) is None
     every = config.updates.every
     if every is None:
         every = UPDATE_EVERY if cheap else 0

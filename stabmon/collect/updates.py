@@ -100,8 +100,9 @@ class AdamUpdateNorms(UpdateNorms):
     on other steps, nothing kept.
 
     Changes made to the weights after the kernel (``clip_update``'s cap, a standing QK-clip's rescale) are not in
-    it: it is the optimizer's step. Not for sharded parameters (their state is sharded too): the copy is used
-    there (:class:`UpdateNorms`).
+    it: it is the optimizer's step. Under FSDP2 each rank recomputes its own shards (DTensor parameters and state
+    alike) and the per-tensor squares are summed over ranks with one ``all_reduce`` on a sampled step, as the
+    gradient norms are; FSDP1's flat parameters use the copy (:class:`UpdateNorms`).
 
     >>> import torch
     >>> from stabmon.collect.grads import GradNorms
@@ -159,6 +160,8 @@ class AdamUpdateNorms(UpdateNorms):
                 skipped = self._skipped.to(delta.device)
                 delta = torch.where(skipped, torch.zeros_like(delta), delta)
                 theta = torch.where(skipped, now, theta)
+        if self._squares is not None:  # FSDP2: each rank recomputed its own shards; sum them over ranks
+            delta, theta = self._squares(delta), self._squares(theta)
         return self.names, self._ratios(delta, theta)
 
 
