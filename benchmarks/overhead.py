@@ -6,7 +6,7 @@ monitor's optimizer hooks, which reuse their one fused norm). Blocks of ``--bloc
 B... so machine-load drifts hit both; each round's ratio is B/A and the median over rounds is printed for
 
   (a) the monitor's defaults (activation norms, embedding drift and, with Adam/AdamW, the per-layer update ratios
-      recomputed from the optimizer state sampled every 10 steps, default detectors, no
+      recomputed from the optimizer state sampled every 20 steps, default detectors, no
       runbook; isolated, also with the default runbook and a checkpoint directory, where its diagnose rung keeps a
       batch log: each step's batch reference and RNG state; no checkpoint is saved in the timed steps),
   (b) every signal every step (activation and embedding sampling every step),
