@@ -96,8 +96,9 @@ class AdamUpdateNorms(UpdateNorms):
     decay, ``- lr wd θ_prev`` where ``θ_prev = (θ + lr u) / (1 - lr wd)``: exact for the step torch's kernels
     (for-loop, foreach, fused) take; ``θ_prev`` is also the ratio's denominator. ``lr`` is the learning rate in
     force (overrides applied); a skipped update (the skip guard, a fused GradScaler overflow) reads 0. Cost on a
-    sampled step: one pass over each tensor's moments and weights, one tensor's fp32 transients at a time; nothing
-    on other steps, nothing kept.
+    sampled step: foreach kernels over each param group's tensors in chunks of :data:`CHUNK` elements (a larger
+    tensor alone), a few passes over their moments and weights and the chunk's fp32 transients; nothing on other
+    steps, nothing kept.
 
     Changes made to the weights after the kernel (``clip_update``'s cap, a standing QK-clip's rescale) are not in
     it: it is the optimizer's step. Under FSDP2 each rank recomputes its own shards (DTensor parameters and state
@@ -135,27 +136,35 @@ class AdamUpdateNorms(UpdateNorms):
         if not self._sampled or not self._params:
             return self.names, None
         self._sampled = False
-        from stabmon.collect.inplace import adam_params_by_group, direction, taken_step
+        from stabmon.collect.inplace import ADAM_STATE
 
         live = [local(p.detach()) for p in self._params]
         with torch.no_grad():
             now = _squares(live)
+            rows: list[int] = []
+            steps: list[torch.Tensor] = []
+            befores: list[torch.Tensor] = []
+            for i, group in enumerate(self._optimizer.param_groups[:len(self._lrs)]):
+                chunk: list[tuple[int, dict[str, Any]]] = []
+                size = 0
+                for p in group["params"]:
+                    state = self._optimizer.state.get(p)
+                    k = self._position.get(id(p))
+                    if k is None or p.grad is None or not state or not all(n in state for n in ADAM_STATE):
+                        continue
+                    if chunk and size + live[k].numel() > CHUNK:
+                        _adam_step_squares(group, self._lrs[i], chunk, live, rows, steps, befores)
+                        chunk, size = [], 0
+                    chunk.append((k, state))
+                    size += live[k].numel()
+                if chunk:
+                    _adam_step_squares(group, self._lrs[i], chunk, live, rows, steps, befores)
             delta = torch.zeros_like(now)
-            rows, steps, befores = [], [], []
-            for i, p, state in adam_params_by_group(self._optimizer):
-                k = self._position.get(id(p))
-                if k is None or i >= len(self._lrs):
-                    continue
-                group = self._optimizer.param_groups[i]
-                step = taken_step(group, live[k], direction(group, state), self._lrs[i])
-                rows.append(k)
-                steps.append(torch.linalg.vector_norm(step, dtype=torch.float32).square().to(delta.device))
-                befores.append(torch.linalg.vector_norm(step.add_(live[k]), dtype=torch.float32).square()
-                               .to(delta.device))
+            theta = now  # a tensor the step left alone is as it was before
             if rows:
-                where = torch.tensor(rows, device=delta.device)
-                delta[where] = torch.stack(steps)
-            theta = now.index_copy(0, where, torch.stack(befores)) if rows else now  # untouched: as before
+                where = torch.tensor(rows, device=now.device)
+                delta[where] = torch.stack(steps).to(now.device).square()
+                theta = now.index_copy(0, where, torch.stack(befores).to(now.device).square())
             if self._skipped is not None:
                 skipped = self._skipped.to(delta.device)
                 delta = torch.where(skipped, torch.zeros_like(delta), delta)
@@ -163,6 +172,48 @@ class AdamUpdateNorms(UpdateNorms):
         if self._squares is not None:  # FSDP2: each rank recomputed its own shards; sum them over ranks
             delta, theta = self._squares(delta), self._squares(theta)
         return self.names, self._ratios(delta, theta)
+
+
+CHUNK = 1 << 23
+"""Elements recomputed together (one set of fp32 transients, foreach kernels over them); a larger tensor alone."""
+
+
+def _adam_step_squares(group: dict[str, Any], lr: Any, chunk: list[tuple[int, dict[str, Any]]],
+                       live: list[torch.Tensor], rows: list[int], steps: list[torch.Tensor],
+                       befores: list[torch.Tensor]) -> None:
+    """Append the norms of the step Adam took on each tensor of ``chunk`` (position, state) and of the tensor
+    before it, recomputed as torch's kernels take it: ``θ_prev (1 - lr wd) - lr m^ / (sqrt(v^) + eps)``, so the
+    step is ``lr (u + wd θ_prev)`` with ``θ_prev = (θ + lr u) / (1 - lr wd)``. Foreach kernels over the chunk:
+    a few dozen dispatches for it, not a few dozen per tensor."""
+    beta1, beta2 = group["betas"]
+    wd = float(group.get("weight_decay", 0.0)) if group.get("decoupled_weight_decay", True) else 0.0
+    m = [local(state["exp_avg"]) for _, state in chunk]
+    counts = [state["step"] for _, state in chunk]
+    theta = [live[k] for k, _ in chunk]
+    n = [local(c).to(torch.float32) if isinstance(c, torch.Tensor) else torch.tensor(float(c)) for c in counts]
+    bc1 = list(torch._foreach_pow(beta1, n))  # tensor math, never read back: the counters may be on the device
+    torch._foreach_neg_(bc1)
+    torch._foreach_add_(bc1, 1)
+    bc2 = list(torch._foreach_pow(beta2, n))
+    torch._foreach_neg_(bc2)
+    torch._foreach_add_(bc2, 1)
+    torch._foreach_sqrt_(bc2)
+    if n[0].device != m[0].device:  # torch's default kernels keep the counters on the host: copy them over
+        bc1, bc2 = [b.to(m[0].device) for b in bc1], [b.to(m[0].device) for b in bc2]
+    u = torch._foreach_sqrt([local(state["exp_avg_sq"]) for _, state in chunk])
+    torch._foreach_div_(u, bc2)
+    torch._foreach_add_(u, group["eps"])
+    torch._foreach_div_(u, m)  # denominator / m: inverted below, so that m is read once and not copied
+    torch._foreach_reciprocal_(u)
+    torch._foreach_div_(u, bc1)
+    torch._foreach_mul_(u, lr)  # lr u: what the kernel subtracted besides the decay
+    before = torch._foreach_add(theta, u)
+    if wd:
+        torch._foreach_mul_(before, 1 / (1 - lr * wd))
+        torch._foreach_add_(u, torch._foreach_mul(before, lr * wd))
+    rows.extend(k for k, _ in chunk)
+    steps.extend(torch._foreach_norm(u, 2, dtype=torch.float32))
+    befores.extend(torch._foreach_norm(before, 2, dtype=torch.float32))
 
 
 FROM_ZERO = 1e3
