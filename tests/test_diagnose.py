@@ -221,7 +221,7 @@ def test_update_norm_is_the_step_applied_per_layer_and_zero_when_skipped() -> No
             before = [p.detach().clone() for p in model.parameters()]
             opt.step()
             delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before, strict=True)])
-            theta = torch.cat([p.detach().flatten() for p in model.parameters()])
+            theta = torch.cat([b.flatten() for b in before])  # the weights the step was taken from
             expected.append(float(delta.norm() / theta.norm()))
             opt.zero_grad()
     for r in mon.records:
