@@ -75,11 +75,11 @@ class UpdateConfig:
 
     every: int | None = None
     """Sample every ``every`` steps (0: off). None (the default): every :data:`UPDATE_EVERY` steps where it costs
-    no copy, torch's Adam/AdamW (without amsgrad or maximize) on unsharded parameters, whose step is recomputed
-    from the optimizer state after it; off elsewhere. With another optimizer, or sharded parameters, a sampled
-    step holds one transient copy of the parameters from the optimizer's pre-hook to its post-hook, which is
-    why it is on there only when asked for. The per-layer ratios feed the ``out_of_line`` detector, which names
-    the layer a ``scale_layer_lr`` rung cuts the LR of."""
+    no copy, torch's Adam/AdamW (without amsgrad or maximize) in one process, under DDP or FSDP2, whose step is
+    recomputed from the optimizer state after it; off elsewhere. With another optimizer, or FSDP1's flat
+    parameters, a sampled step holds one transient copy of the parameters from the optimizer's pre-hook to its
+    post-hook, which is why it is on there only when asked for. The per-layer ratios feed the ``out_of_line``
+    detector, which names the layer a ``scale_layer_lr`` rung cuts the LR of."""
 
     def validate(self, path: str) -> None:
         if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int)
@@ -88,7 +88,7 @@ class UpdateConfig:
 
 
 UPDATE_EVERY = 20
-"""``UpdateConfig.every``'s period where None turns it on (Adam/AdamW, unsharded)."""
+"""``UpdateConfig.every``'s period where None turns it on (Adam/AdamW; not FSDP1)."""
 
 
 @dataclass

@@ -108,7 +108,7 @@ class UpdateCap:
         with torch.no_grad():
             sums, counts, us = [], [], []
             for i, _, st in items:
-                u = direction(optimizer.param_groups[i], st)
+                u = _direction(optimizer.param_groups[i], st)
                 us.append(u)
                 sums.append(u.float().square().sum())
                 counts.append(float(u.numel()))
@@ -128,7 +128,7 @@ class UpdateCap:
         return rms.max()
 
 
-def direction(group: dict[str, Any], state: dict[str, Any]) -> torch.Tensor:
+def _direction(group: dict[str, Any], state: dict[str, Any]) -> torch.Tensor:
     """Adam's update direction ``m^ / (sqrt(v^) + eps)`` from the state after the step."""
     beta1, beta2 = group["betas"]
     step = local(state["step"]).to(torch.float32) if isinstance(state["step"], torch.Tensor) else state["step"]
@@ -139,7 +139,7 @@ def direction(group: dict[str, Any], state: dict[str, Any]) -> torch.Tensor:
     return (m / bc1) / ((v / bc2).sqrt() + group["eps"])
 
 
-def taken_step(group: dict[str, Any], p: torch.Tensor, u: torch.Tensor, lr: Any) -> torch.Tensor:
+def _taken_step(group: dict[str, Any], p: torch.Tensor, u: torch.Tensor, lr: Any) -> torch.Tensor:
     """What Adam's step of ``lr`` along ``u`` subtracted from ``p`` (``p`` as it is after the step): ``lr u``,
     plus ``lr wd p_before`` with decoupled weight decay, where ``p_before = (p + lr u) / (1 - lr wd)``."""
     wd = float(group.get("weight_decay", 0.0)) if group.get("decoupled_weight_decay", True) else 0.0
@@ -151,7 +151,7 @@ def taken_step(group: dict[str, Any], p: torch.Tensor, u: torch.Tensor, lr: Any)
 
 def _move_back(group: dict[str, Any], p: torch.Tensor, u: torch.Tensor, lr: Any, shrink: torch.Tensor) -> None:
     """Turn a step of ``lr`` into one of ``lr x shrink`` in place."""
-    p.add_((1 - shrink) * taken_step(group, p, u, lr))
+    p.add_((1 - shrink) * _taken_step(group, p, u, lr))
 
 
 def _adam_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:

@@ -136,29 +136,28 @@ class AdamUpdateNorms(UpdateNorms):
         if not self._sampled or not self._params:
             return self.names, None
         self._sampled = False
-        from stabmon.collect.inplace import ADAM_STATE
+        from stabmon.collect.inplace import adam_params_by_group
 
         live = [local(p.detach()) for p in self._params]
+        groups = self._optimizer.param_groups
         with torch.no_grad():
             now = _squares(live)
             rows: list[int] = []
             steps: list[torch.Tensor] = []
             befores: list[torch.Tensor] = []
-            for i, group in enumerate(self._optimizer.param_groups[:len(self._lrs)]):
-                chunk: list[tuple[int, dict[str, Any]]] = []
-                size = 0
-                for p in group["params"]:
-                    state = self._optimizer.state.get(p)
-                    k = self._position.get(id(p))
-                    if k is None or p.grad is None or not state or not all(n in state for n in ADAM_STATE):
-                        continue
-                    if chunk and size + live[k].numel() > CHUNK:
-                        _adam_step_squares(group, self._lrs[i], chunk, live, rows, steps, befores)
-                        chunk, size = [], 0
-                    chunk.append((k, state))
-                    size += live[k].numel()
-                if chunk:
-                    _adam_step_squares(group, self._lrs[i], chunk, live, rows, steps, befores)
+            chunk: list[tuple[int, dict[str, Any]]] = []
+            size, at = 0, -1  # elements in the chunk, and its param group
+            for i, p, state in adam_params_by_group(self._optimizer):
+                k = self._position.get(id(p))
+                if k is None or i >= len(self._lrs):
+                    continue
+                if chunk and (i != at or size + live[k].numel() > CHUNK):
+                    _adam_step_squares(groups[at], self._lrs[at], chunk, live, rows, steps, befores)
+                    chunk, size = [], 0
+                chunk.append((k, state))
+                size, at = size + live[k].numel(), i
+            if chunk:
+                _adam_step_squares(groups[at], self._lrs[at], chunk, live, rows, steps, befores)
             delta = torch.zeros_like(now)
             theta = now  # a tensor the step left alone is as it was before
             if rows:
