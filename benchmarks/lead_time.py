@@ -292,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if name not in sc.SCENARIOS:
             p.error(f"--scenarios: unknown scenario {name!r} (known: {', '.join(sc.SCENARIOS)})")
+    for labels in args.real:
+        if not Path(labels).is_file():
+            p.error(f"--real: no such LABELS.csv: {labels}")
     if args.signals:
         signals_main(names, args.seeds, args.threads,
                      {"loss_factor": args.loss_factor, "window": args.window, "start": args.start})
