@@ -139,19 +139,36 @@ def _value(r: StepRecord, name: str) -> float:
 def _rewinds(data: LedgerInput) -> dict[int, str]:
     """seq of each abandoned step record -> what rewound it (``rollback`` or ``restart``)."""
     rollbacks = sorted(seq for seq, ev in data.events if _is_rollback(ev))
-    out: dict[int, str] = {}
+    out = _abandoned_in_place(data)
     later_min = math.inf
     later_cause = "restart"
     ordered = sorted(data.steps, key=lambda t: t.seq)
     for i in range(len(ordered) - 1, -1, -1):
         t = ordered[i]
         if t.record.step >= later_min:
-            out[t.seq] = later_cause
+            out.setdefault(t.seq, later_cause)
         nxt = ordered[i - 1].seq if i > 0 else -math.inf
         if t.record.step < later_min:
             later_min = t.record.step
             # what opened the timeline this record starts: a rollback between it and the record before it
             later_cause = "rollback" if any(nxt < s < t.seq for s in rollbacks) else "restart"
+    return out
+
+
+def _abandoned_in_place(data: LedgerInput) -> dict[int, str]:
+    """The step records abandoned by a rollback after which a framework's step count went on (HF Trainer,
+    Lightning): the training state came back from its checkpoint's step while the count did not, so the steps
+    from that checkpoint to the rollback, recorded before it, were trained for nothing."""
+    out: dict[int, str] = {}
+    for seq, ev in data.events:
+        if not _is_rollback(ev):
+            continue
+        checkpoint, restored = ev.after.get("checkpoint_step"), ev.after.get("restored_step")
+        if not (isinstance(checkpoint, int) and isinstance(restored, int) and restored > checkpoint):
+            continue  # the count went back with the state: the timelines say what was abandoned
+        for t in data.steps:
+            if t.seq < seq and checkpoint <= t.record.step < restored:
+                out[t.seq] = "rollback"
     return out
 
 

@@ -66,10 +66,11 @@ from stabmon.collect.target import LiveTarget
 from stabmon.collect.vocab import untrained_loss
 from stabmon.collect.wiring import build_pipeline, check_model_and_optimizer, resolve_store
 from stabmon.diagnose import Diagnosis
-from stabmon.diagnose.build import build_diagnoser
+from stabmon.diagnose.build import HookSwitch, build_diagnoser
 from stabmon.events import Anomaly, Event, Metric, StepRecord
 from stabmon.interventions.diagnose import Diagnose
 from stabmon.overrides import Overrides
+from stabmon.pipeline import LadderEngine
 from stabmon.recipe import run_recipe
 from stabmon.spec import MonitorSpec, spec_of
 
@@ -133,7 +134,8 @@ class Monitor:
         self.target = LiveTarget(
             run,
             hparams=self.signals.hooks.hparams,
-            state=build_training_state(model, optimizer, scaler=scaler, scheduler=scheduler, monitor_state=self._state),
+            state=build_training_state(model, optimizer, scaler=scaler, scheduler=scheduler, monitor_state=self._state,
+                                       counts_steps=spec.loop.counts_steps),
             outbox=self.outbox,
             failsafe=self.failsafe,
             stop_code=cfg.exit_code,
@@ -150,11 +152,12 @@ class Monitor:
         self._untrained: float | None = untrained_loss(model)
         self.flusher = Flusher(self.pipeline, self.outbox, target=self.target, failsafe=self.failsafe,
                                mode=spec.mode, follower=follower, kill_switch=kill_switch(cfg.kill_switch),
-                               policy=self.policy, handed=handed)
+                               policy=self.policy, handed=handed, channel=self._channel)
         self.flusher.joiners.update(self.target.joiners)
         self.records: deque[StepRecord] = deque(maxlen=cfg.history)
+        self._hooks = HookSwitch(self.signals.hooks)  # on or off as the loop wants them; a diagnosis keeps that
         self.target.diagnoser = self._diagnoser = build_diagnoser(
-            model=model, optimizer=optimizer, scaler=scaler, grads=self.signals.grads, hooks=self.signals.hooks,
+            model=model, optimizer=optimizer, scaler=scaler, grads=self.signals.grads, hooks=self._hooks,
             batches=self.batches, records=self.records, checkpoints=self.target.checkpoints,
             check=self.target.state.mismatch, loss_fn=spec.loss_fn,
             own=self.signals.rank_values.own if self.signals.rank_values is not None else None,
@@ -164,12 +167,13 @@ class Monitor:
         self._initial_saved = False
         self.activity = LoopActivity()  # pauses in progress, the loop's end: read by the hang watchdog
         self._watchdog = self._start_watchdog(spec.store) if cfg.hang_timeout is not None else None
-        self.signals.hooks.install()
+        self._hooks.install()
         self._exit_guard = ExitGuard(self.close)  # Ctrl-C, SIGTERM or an exit without close(): run interrupted
         if spec.resume:
             self.load_state_dict(dict(spec.resume))
-        if self.rank == 0:
-            self._warn_unfit()
+        self._warn_unfit()
+        #: the loop has not yet said whether it hands batches over: the first step tells
+        self._batches_unknown = spec.loop.batches is None and self.batches is not None
 
     def _start_run(self) -> None:
         """Open (or reopen) the run in the store; every rank takes rank 0's id. A resumed run must continue its
@@ -185,20 +189,15 @@ class Monitor:
         self._resume = ResumeCheck(resume_run_id, last_step=broadcast(last) if self.world_size > 1 else last)
 
     def _warn_unfit(self) -> None:
-        """Say at start which runbook rungs cannot act on this optimizer (they would be skipped or fail)."""
+        """Fit the runbook's ladders to this loop (the rungs that cannot act in it are dropped, one line per
+        reason) and say which rungs would change nothing on this optimizer as it stands."""
         runbook = self.spec.loaded_runbook
         if runbook is None:
             return
-        from stabmon.collect.updates import UpdateNorms
         from stabmon.runbook.fit import fit_warnings
 
-        c = self.config
-        sampled = {name for name, section in (("moments", c.moments), ("attention", c.attention),
-                                              ("logits", c.logits)) if section.every}
-        if any(isinstance(signal, UpdateNorms) for _, signal in self.signals.hooks.signals):
-            sampled.add("updates")  # on by default where it costs no copy (UpdateConfig.every)
-        for line in fit_warnings(runbook, self.hparams(), checkpoints=self.checkpoints is not None,
-                                 facts=self.target.facts(), sampled=sampled):
+        self._fit_ladders(batches=self.spec.loop.batches)
+        for line in fit_warnings(runbook, self.hparams()):
             log.warning("stabmon: runbook %s: %s", runbook.name, line)
         rolls_back = any(rung.action == "rollback" for rule in runbook.rules for rung in rule.ladder)
         if rolls_back and self.checkpoints is not None and not self.config.checkpoint_every \
@@ -207,6 +206,31 @@ class Monitor:
                 "stabmon: config.checkpoint_every=0 and no checkpoint registered in %s: a rollback fails until "
                 "you save one (monitor.save_checkpoint() or checkpoints.register)", self.checkpoints.directory
             )
+
+    def _fit_ladders(self, *, batches: bool | None) -> None:
+        """Drop the rungs that cannot act in this loop (:func:`~stabmon.runbook.fit.unfit_rungs`): never tried,
+        escalated or paged at incident time; one line per reason says which and why."""
+        runbook, engine = self.spec.loaded_runbook, self.pipeline.engine
+        if runbook is None or not isinstance(engine, LadderEngine):
+            return
+        from stabmon.collect.updates import UpdateNorms
+        from stabmon.runbook.fit import unfit_rungs
+
+        c = self.config
+        sampled = {name for name, section in (("moments", c.moments), ("attention", c.attention),
+                                              ("logits", c.logits)) if section.every}
+        if any(isinstance(signal, UpdateNorms) for _, signal in self.signals.hooks.signals):
+            sampled.add("updates")  # on by default where it costs no copy (UpdateConfig.every)
+        unfit = unfit_rungs(runbook, checkpoints=self.checkpoints is not None, facts=self.target.facts(),
+                            sampled=sampled, batches=batches)
+        engine.drop_rungs(unfit)
+        by_reason: dict[str, list[str]] = {}
+        for (rule, index), why in unfit.items():
+            by_reason.setdefault(why, []).append(f"rule {rule} rung {index + 1}")
+        if self.rank == 0:
+            for why, rungs in by_reason.items():
+                log.warning("stabmon: runbook %s: %s dropped from the ladder: %s", runbook.name, ", ".join(rungs),
+                            why)
 
     # -- what the monitor is made of ---------------------------------------------------------------------
     @property
@@ -299,14 +323,14 @@ class Monitor:
     ) -> dict[str, Any]:
         """Restore this rank's last-known-good checkpoint and skip data (:meth:`LiveTarget.rollback_here`;
         under torch.distributed every rank calls it itself)."""
-        return self.target.rollback_here(
+        return self.target.commit_now(self.target.rollback_here(
             onset_step=onset_step, lookback=lookback, skip_batches=skip_batches, checkpoint_dir=checkpoint_dir
-        )
+        ))
 
     def checkpoint_and_stop(self, *, reason: str, exit_code: int | None = None) -> dict[str, Any]:
         """Save a checkpoint and ask the loop to stop with ``exit_code`` (default ``config.exit_code``); under
         torch.distributed on this rank, saving as the rank policy says (:meth:`LiveTarget.stop_here`)."""
-        return self.target.stop_here(reason=reason, exit_code=exit_code)
+        return self.target.commit_now(self.target.stop_here(reason=reason, exit_code=exit_code))
 
     def diagnose(self, **params: Any) -> Diagnosis:
         """Re-run and replay the incident's steps (see :mod:`stabmon.diagnose`); the verdict and its evidence.
@@ -323,8 +347,8 @@ class Monitor:
     def remove_optimizer_hooks(self) -> None:
         """Take the optimizer step pre/post hooks off, for a framework that runs backward inside
         ``optimizer.step(closure)``; it then calls :meth:`before_optimizer_step` and
-        :meth:`after_optimizer_step` itself."""
-        self.signals.hooks.remove()
+        :meth:`after_optimizer_step` itself. They stay off (a diagnosis does not put them back)."""
+        self._hooks.remove()
 
     def before_optimizer_step(self) -> None:
         """The pre-step work (unscale, norms, skip guard, clip, overrides): after backward, before the update."""
@@ -399,8 +423,15 @@ class Monitor:
             if self.checkpoints is not None:
                 self._timed_save()
         self.signals.recorder.begin(step=self.run.step, batch_index=batch_index)
-        if self.batches is not None and batch is not None:
+        if self.batches is not None:  # the RNG state the step starts with, and its batch when the loop has it
             self.batches.remember(step=self.run.step, batch_index=batch_index, batch=batch)
+
+    def hand_batch(self, batch: Any) -> None:
+        """This step's batch, handed over after :meth:`begin_step` (a framework that learns it in the forward):
+        what a ``diagnose`` rung replays. Kept by reference, nothing copied (``MonitorConfig.diagnose`` bounds
+        how many and how many bytes)."""
+        if self.batches is not None and self.signals.buffer.open:
+            self.batches.complete(step=self.run.step, batch=batch)
 
     def observe(self, loss: Any = None, *, tokens: int | None = None, **metrics: Any) -> None:
         """Record this step's loss (and any other named scalars) as device tensors: no host sync.
@@ -416,6 +447,10 @@ class Monitor:
         """Close the step's record; flush when ``config.flush_every`` steps are waiting."""
         if not self.signals.buffer.open:
             return
+        if self._batches_unknown:
+            self._batches_unknown = False
+            if self.batches is not None and not self.batches.handed(self.run.step):
+                self._fit_ladders(batches=False)  # no batch with the first step: a diagnosis could replay none
         self.signals.recorder.end()
         self.run.step += 1
         if self._watchdog is not None:

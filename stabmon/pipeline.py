@@ -15,7 +15,7 @@ The protocols below are the plug points; concrete classes live in ``stabmon.dete
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from stabmon.events import Anomaly, Decision, DecisionStatus, Event, InterventionRecord, Outcome, StepRecord
@@ -80,10 +80,22 @@ class RunbookEngine(Protocol):
 
 
 @runtime_checkable
+class LadderEngine(Protocol):
+    """An engine whose ladders can be fitted to the loop: the rungs that cannot act in it are passed over."""
+
+    def drop_rungs(self, unfit: Mapping[tuple[str, int], str]) -> None: ...
+
+
+@runtime_checkable
 class ExecutorLike(Protocol):
     """Applies decisions: to the live training state, or simulated in replay."""
 
     def execute(self, decision: Decision) -> InterventionRecord | None: ...
+
+    def commit(self, decision: Decision, tell: Callable[[Decision, InterventionRecord], None],
+               into: list[Any]) -> None:
+        """Apply ``decision``, append its record to ``into`` and ``tell`` the engine, as one change: whole or
+        absent."""
 
 
 @runtime_checkable
@@ -143,43 +155,56 @@ class Pipeline:
         self.engine = engine
         self.executor = executor
         self._anomalies: dict[str, Anomaly] = {}  # recent anomalies by id: the evidence a decision may name
+        self._produced: list[Event] = []
 
     def process(self, record: StepRecord) -> list[Event]:
-        """Run one record through the pipeline; return every event it produced, in causal order."""
+        """Run one record through the pipeline; return every event it produced, in causal order. Should a stage
+        raise, what was produced before it (a change already made above all) is still there for
+        :meth:`take_produced`: a change is never left unrecorded."""
+        events: list[Event] = []
+        self._produced = events
         anomalies = self.detectors.update(record)
-        events: list[Event] = list(anomalies)
+        events.extend(anomalies)
         self._remember(anomalies)
         engine = self.engine
         if engine is not None:
             produced = engine.process(record, anomalies)
             if produced:  # most records produce nothing: skip the executor loop
-                events.extend(self._run_engine(produced))
+                self._run_engine(produced, events)
         return events
+
+    def take_produced(self) -> list[Event]:
+        """The events of the last :meth:`process` or :meth:`answer` call, also when it raised part-way."""
+        produced, self._produced = self._produced, []
+        return produced
 
     def answer(self, decision_id: str, approved: bool, step: int) -> list[Event]:
         """Feed a human's answer to a proposal through the engine and executor."""
-        if self.engine is None:
-            return []
-        return self._run_engine(self.engine.answer(decision_id, approved, step))
-
-    def _run_engine(self, produced: Sequence[Decision | Outcome]) -> list[Event]:
-        assert self.engine is not None
         events: list[Event] = []
+        self._produced = events
+        if self.engine is None:
+            return events
+        self._run_engine(self.engine.answer(decision_id, approved, step), events)
+        return events
+
+    def _run_engine(self, produced: Sequence[Decision | Outcome], events: list[Event]) -> None:
+        assert self.engine is not None
         for ev in produced:
             if not isinstance(ev, Decision) or ev.status not in (DecisionStatus.APPLY, DecisionStatus.APPROVED):
                 events.append(ev)
                 continue
             ev = self._with_evidence(ev)
             events.append(ev)
-            if self.executor is None:
-                continue
-            record = self.executor.execute(ev)
-            if record is not None:
-                events.append(record)
-                self.engine.applied(ev, record)
-                if changed_training(record):
-                    self.detectors.enter_grace()
-        return events
+            if self.executor is not None:
+                self.executor.commit(ev, self._tell, events)
+
+    def _tell(self, decision: Decision, record: InterventionRecord) -> None:
+        """The engine learns what applying ``decision`` changed; a change to training restarts the detectors'
+        grace period."""
+        assert self.engine is not None
+        self.engine.applied(decision, record)
+        if changed_training(record):
+            self.detectors.enter_grace()
 
     def _remember(self, anomalies: Sequence[Anomaly]) -> None:
         for a in anomalies:

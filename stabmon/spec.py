@@ -35,6 +35,31 @@ from stabmon.recipe import check_recipe
 from stabmon.store.limits import check_name
 
 MODES = ("propose", "apply", "observe", None)
+
+
+@dataclass(frozen=True)
+class Loop:
+    """What the training loop around a monitor does with the steps and the batches: what a runbook's rungs can
+    count on (a rung that cannot act in this loop is dropped at start, :mod:`stabmon.runbook.fit`).
+
+    ``framework``: None for a loop the monitor counts (``monitor.steps()``, or ``begin_step``/``end_step``);
+    else the framework that counts the optimizer steps (``"hf"``, ``"lightning"``): the monitor follows its count
+    (``sync_step``), and a rollback restores the training state in place while the count goes on (the
+    framework's own step counter, data position and logs do not go back).
+    ``batches``: the loop hands each step's batch to the monitor (``monitor.steps()``, ``begin_step(batch=...)``,
+    the callbacks): what ``diagnose`` re-runs and replays. None: not known until the first step (a plain loop).
+
+    >>> Loop().framework is None, Loop(framework="hf", batches=True).batches
+    (True, True)
+    """
+
+    framework: str | None = None
+    batches: bool | None = None
+
+    @property
+    def counts_steps(self) -> bool:
+        """The monitor counts the steps (a rollback rewinds the count and, where it can, the data)."""
+        return self.framework is None
 DEFAULT_STORE = "default"
 """Sentinel for ``store=``: the default store URL (:func:`stabmon.store.database.resolve_url`)."""
 
@@ -75,6 +100,8 @@ class MonitorSpec:
     """The ids of a batch's samples, recorded with the steps a runbook diagnoses."""
     recipe: Mapping[str, Any] | None = None
     """The run's own settings (its arguments), stored with the run for ``stabmon diff``."""
+    loop: Loop = field(default_factory=Loop)
+    """What the training loop does with steps and batches (:class:`Loop`; the HF and Lightning callbacks say)."""
 
     def __post_init__(self) -> None:
         config = MonitorConfig() if self.config is None else self.config
@@ -82,6 +109,8 @@ class MonitorSpec:
             raise ValueError(f"config: expected a MonitorConfig, got {type(config).__name__}")
         config.validate()
         self._set("config", config)
+        if not isinstance(self.loop, Loop):
+            raise ValueError(f"loop: expected a stabmon.spec.Loop, got {type(self.loop).__name__}")
         if self.mode not in MODES:
             raise ValueError(f"mode: must be one of {', '.join(map(str, MODES))}, got {self.mode!r}")
         if self.run_name is not None:

@@ -257,8 +257,12 @@ def test_a_bad_verdict_condition_is_one_line_naming_file_and_line(tmp_path: Path
 
 def test_sample_ids_must_be_host_values() -> None:
     log = BatchLog(4, sample_ids=lambda batch: torch.arange(3))
-    log.remember(step=0, batch_index=0, batch=None)
+    log.remember(step=0, batch_index=0, batch=[torch.zeros(3)])
     assert log.get(0) is not None and log.get(0).sample_ids is None and log.errors == 1
+    log.remember(step=1, batch_index=1, batch=None)  # the step began without its batch: not handed (yet)
+    assert log.get(1) is None and not log.handed(1) and log.errors == 1
+    log.complete(step=1, batch=[torch.zeros(2)])  # handed after begin_step (a framework's forward)
+    assert log.handed(1) and log.steps() == [0, 1] and log.errors == 2
     with pytest.raises(ValueError, match="sample_ids"):
         BatchLog(4, sample_ids="ids")  # type: ignore[arg-type]
 

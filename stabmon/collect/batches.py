@@ -27,6 +27,7 @@ read or synchronised.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -90,6 +91,9 @@ class BatchLog:
                            tensor_bytes(batch))
         self.entries[step] = entry
         self.bytes += entry.nbytes
+        self._bound()
+
+    def _bound(self) -> None:
         while len(self.entries) > self.capacity or (
                 self.max_bytes is not None and self.bytes > self.max_bytes and len(self.entries) > 1):
             self._drop(next(iter(self.entries)))
@@ -100,7 +104,7 @@ class BatchLog:
             self.bytes -= gone.nbytes
 
     def _sample_ids(self, batch: Any) -> tuple[Any, ...] | None:
-        if self._ids is None:
+        if self._ids is None or batch is None:
             return None
         try:
             ids = self._ids(batch)
@@ -114,7 +118,30 @@ class BatchLog:
             return None
 
     def get(self, step: int) -> BatchEntry | None:
-        return self.entries.get(step)
+        """Step ``step``'s entry, when its batch was handed over."""
+        entry = self.entries.get(step)
+        return entry if entry is not None and entry.batch is not None else None
+
+    def steps(self) -> list[int]:
+        """The steps whose batch was handed over, oldest first."""
+        return [step for step, entry in self.entries.items() if entry.batch is not None]
+
+    def handed(self, step: int) -> bool:
+        """Whether the loop handed step ``step``'s batch over."""
+        return self.get(step) is not None
+
+    def complete(self, *, step: int, batch: Any) -> None:
+        """Hand over step ``step``'s batch after :meth:`remember` (a framework that learns it only in the
+        forward): the entry keeps the RNG state it started with. No entry for that step: remembered now."""
+        entry = self.entries.get(step)
+        if entry is None:
+            self.remember(step=step, batch_index=None, batch=batch)
+            return
+        self.bytes -= entry.nbytes
+        entry = dataclasses.replace(entry, batch=batch, sample_ids=self._sample_ids(batch), nbytes=tensor_bytes(batch))
+        self.entries[step] = entry
+        self.bytes += entry.nbytes
+        self._bound()
 
     def clear(self) -> None:
         self.entries.clear()

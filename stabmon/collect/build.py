@@ -61,7 +61,7 @@ from stabmon.collect.grads import GradNorms
 from stabmon.collect.logits import OutputLogits
 from stabmon.collect.memory import DeviceMemory
 from stabmon.collect.moment_ratio import MomentRatios, not_applicable
-from stabmon.collect.monitor_state import EXCLUDED, REQUIRED
+from stabmon.collect.monitor_state import REQUIRED, excluded
 from stabmon.collect.optim import OptimizerHooks
 from stabmon.collect.qk import StandingQkClip
 from stabmon.collect.ranks import RankGather, RankProbe
@@ -272,13 +272,15 @@ def build_checkpoints(spec: MonitorSpec, outbox: Outbox) -> CheckpointStore | No
 
 
 def build_training_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, *, scaler: Any, scheduler: Any, monitor_state: NamedStates
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, scaler: Any, scheduler: Any, monitor_state: NamedStates,
+    counts_steps: bool = True,
 ) -> TrainingState:
     """What a checkpoint holds, by name, with the monitor's exclusions per reason to load
-    (:data:`~stabmon.collect.monitor_state.EXCLUDED`)."""
+    (:data:`~stabmon.collect.monitor_state.EXCLUDED`; ``counts_steps=False``: a framework counts the steps, and a
+    rollback leaves the count and the data position to it)."""
     return TrainingState(
         {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler, "monitor": monitor_state},
-        exclude=EXCLUDED,
+        exclude=excluded(counts_steps=counts_steps),
         required=REQUIRED,
     )
 

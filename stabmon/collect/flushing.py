@@ -25,6 +25,7 @@ handed to the training thread's next flush instead.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -35,9 +36,11 @@ from typing import Any, Protocol
 
 from stabmon.collect.distributed import Join, RankFollower, broadcast, executed_decisions
 from stabmon.collect.failsafe import Failsafe
+from stabmon.collect.joint import Agreement, RankChannel
 from stabmon.collect.rank_policy import RankPolicy
 from stabmon.collect.wiring import environment
-from stabmon.events import Anomaly, Decision, DecisionStatus, Event, StepRecord
+from stabmon.events import Anomaly, Decision, DecisionStatus, Event, InterventionRecord, Severity, StepRecord
+from stabmon.interventions.commit import FollowUps
 from stabmon.pipeline import Pipeline, ProposingEngine
 from stabmon.sinks import (
     AnsweringSink,
@@ -50,6 +53,10 @@ from stabmon.sinks import (
 )
 
 log = logging.getLogger(__name__)
+
+SAVED = Agreement(problems=("checkpoint_error", "rolled_back_state_not_saved", "follow_up_error"))
+"""After the follow-ups of a joint change (:mod:`stabmon.interventions.commit`): every saving rank wrote its
+checkpoint."""
 
 
 class Outbox:
@@ -116,9 +123,17 @@ class Outbox:
 
     def send(self, events: Sequence[Any]) -> None:
         """Anomalies, decisions, interventions and outcomes to the store and to the notifier."""
-        store, notifier = self.store, self.notifier
+        self.store_events(events)
+        self.notify(events)
+
+    def store_events(self, events: Sequence[Any]) -> None:
+        store = self.store
         if store is not None:
             self.failsafe.call("store", lambda: store.write_events(run_id=self.run_id, events=events))
+
+    def notify(self, events: Sequence[Any]) -> None:
+        """The events to the notifier (its gates decide at once what goes out; delivery is on its threads)."""
+        notifier = self.notifier
         if notifier is not None:
             self.failsafe.call(
                 "alerts", lambda: notifier.handle(run_id=self.run_id, run_name=self.run_name, events=events)
@@ -199,6 +214,7 @@ class FlushTarget(Protocol):
 
     should_stop: bool
     stop_reason: str | None
+    follow_ups: FollowUps
 
     @property
     def step(self) -> int: ...
@@ -224,8 +240,11 @@ class Flusher:
         policy: RankPolicy | None = None,
         handed: deque[Event] | None = None,
         handoff_after: float = 10.0,
+        channel: RankChannel | None = None,
     ) -> None:
         self.pipeline, self.outbox, self.target, self.failsafe = pipeline, outbox, target, failsafe
+        self.channel = channel
+        """The joint actions' exchanges between ranks (None: one process)."""
         self.mode = mode
         self.follower = follower if follower is not None else RankFollower()
         self.kill_switch = kill_switch
@@ -242,16 +261,29 @@ class Flusher:
         publish."""
 
     def flush(self, records: list[StepRecord]) -> list[Event]:
-        """The records (already read back) to the store, then rank 0 decides and every rank follows."""
+        """The records (already read back) to the store, then rank 0 decides and every rank follows; the
+        changes made are then whole (:mod:`stabmon.interventions.commit`): their follow-ups done, their records
+        completed with what the follow-ups found, and only then published."""
         self.outbox.write_steps(records)
         leader = self.policy.leader
         events = self.decide(records) if leader else []
+        joint = False
         if self.policy.distributed:
-            self.share(executed_decisions(events) if leader else None)
+            joint = self.share(executed_decisions(events) if leader else None)
+        if not leader:
+            self.follow_up(joint)
+            return events
+        # the alert gates first: the checkpoint a follow-up writes then remembers who was told of this incident
+        handed = self._take_handed()
+        with self._publishing:
+            self.outbox.notify(_low([*handed, *events]))
+        events = _completed(events, self.follow_up(joint))
+        with self._publishing:
+            self._keep(_low([*handed, *events]))
         return events
 
     def decide(self, records: list[StepRecord]) -> list[Event]:
-        """Rank 0: detectors, engine and executor on the new records; events to the store and notifier."""
+        """Rank 0: detectors, engine and executor on the new records (published by :meth:`flush`)."""
         events: list[Event] = []
         engine = self.pipeline.engine
         mode = engine.mode if isinstance(engine, ProposingEngine) else self.mode
@@ -259,19 +291,39 @@ class Flusher:
         if propose and not self.outbox.answers_live and isinstance(engine, ProposingEngine):
             engine.hold(len(records))  # answers cannot be read: no proposal may expire meanwhile
         for r in records:
-            events.extend(self.failsafe.call("pipeline", partial(self.pipeline.process, r)) or [])
+            # what the pipeline produced before a failure is kept: a change it made is recorded and shared
+            self.failsafe.call("pipeline", partial(self.pipeline.process, r))
+            events.extend(self.pipeline.take_produced())
         if propose:
             events.extend(self._answers())
         self._check_kill_switch()
-        self.publish([*self._take_handed(), *events])
         return events
+
+    def follow_up(self, joint: bool) -> dict[str | None, dict[str, Any]]:
+        """This rank's follow-ups of the changes just committed (a rollback's or a stop's checkpoint); after a
+        joint change (``joint``: rank 0 made one) every rank's problems are gathered and rank 0 reports a rank
+        that could not save."""
+        follow_ups = self.target.follow_ups
+        found = follow_ups.run() if follow_ups.pending else {}
+        if joint and self.channel is not None:
+            mine = {k: v for facts in found.values() for k, v in facts.items()}
+            reports = self.channel.gather(SAVED.summary(self.policy.rank, mine, None))
+            lines = SAVED.disagreements(reports) if self.policy.leader else []
+            if lines:
+                log.error("stabmon: after a joint change the ranks do not agree: %s", "; ".join(lines))
+                self._handed.append(Anomaly(kind="rank_disagreement", metric="ranks/follow_up",
+                                            step=self.target.step, score=float(len(lines)),
+                                            severity=Severity.ERROR, detector="rank_policy",
+                                            message="follow-up: " + "; ".join(lines)))
+        return found
 
     def _answers(self) -> list[Event]:
         """Propose mode: humans' answers from the store, fed to the engine (and executed when approved)."""
         out: list[Event] = []
         for decision_id, approved in self.outbox.poll_answers():
             answer = partial(self.pipeline.answer, decision_id, approved, self.target.step)
-            out.extend(self.failsafe.call("pipeline", answer) or [])
+            self.failsafe.call("pipeline", answer)
+            out.extend(self.pipeline.take_produced())
         return out
 
     def _check_kill_switch(self) -> None:
@@ -279,21 +331,23 @@ class Flusher:
         if switch is not None and not self.target.should_stop and switch.triggered():
             self.target.checkpoint_and_stop(reason=switch.reason())
 
-    def share(self, executed: Any) -> None:
-        """Every rank: apply what rank 0 applied, and stop when rank 0 stops (a collective call)."""
+    def share(self, executed: Any) -> bool:
+        """Every rank: apply what rank 0 applied, and stop when rank 0 stops (a collective call). Returns
+        whether rank 0 left follow-ups of a joint change (then every rank's are compared after they are done)."""
         target = self.target
         leader = self.policy.leader
-        payload = (executed, target.should_stop, target.stop_reason) if leader else None
+        payload = (executed, target.should_stop, target.stop_reason, target.follow_ups.pending) if leader else None
         message = broadcast(payload)
         while isinstance(message, Join):  # rank 0 calls every rank into a joint intervention first
             self._join(message)
             message = broadcast(None)
-        executed, stop, reason = message
+        executed, stop, reason, joint = message
         if not leader:
             follower, executor = self.follower, self.pipeline.executor
             self.failsafe.call("pipeline", lambda: follower.follow(executor, executed))
             if stop and not target.should_stop:  # a stop this rank was not called into: it saves its part
                 self.failsafe.call("checkpoint", lambda: target.stop_here(reason=reason))
+        return bool(joint)
 
     def _join(self, message: Join) -> None:
         joiner = self.joiners.get(message.action)
@@ -327,13 +381,32 @@ class Flusher:
         return taken
 
     def _publish(self, events: Sequence[Event]) -> None:
-        low = [e for e in events if not isinstance(e, StepRecord)]
+        low = _low(events)
+        if low:
+            self.outbox.notify(low)
+            self._keep(low)
+
+    def _keep(self, low: Sequence[Event]) -> None:
+        """Keep the events in memory and in the store; a proposal with no alert channel is said in the log."""
         if not low:
             return
         self.events.extend(low)
         self.anomalies.extend(e for e in low if isinstance(e, Anomaly))
-        self.outbox.send(low)
+        self.outbox.store_events(low)
         if self.outbox.notifier is None:  # no alert channel: the person at the terminal must hear of it
             for d in low:
                 if isinstance(d, Decision) and d.status == DecisionStatus.PROPOSED:
                     log.warning("%s", self.outbox.proposal_line(d))
+
+
+def _low(events: Sequence[Event]) -> list[Event]:
+    """The events that are not step records (those go to the store on their own path)."""
+    return [e for e in events if not isinstance(e, StepRecord)]
+
+
+def _completed(events: list[Event], found: Mapping[str | None, Mapping[str, Any]]) -> list[Event]:
+    """``events`` with each change's record completed by what its follow-ups found."""
+    if not found:
+        return events
+    return [dataclasses.replace(e, after={**e.after, **found[e.id]})
+            if isinstance(e, InterventionRecord) and e.id in found else e for e in events]

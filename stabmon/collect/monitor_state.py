@@ -30,13 +30,14 @@ A resume loads every entry. :data:`EXCLUDED` is the one place these sets are wri
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
 from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
-from stabmon.collect.restore import RESUME, ROLLBACK, NamedStates, Stateful
+from stabmon.collect.restore import RESUME, ROLLBACK, NamedStates, Restorable, Stateful
 from stabmon.collect.run_state import RunState
 from stabmon.pipeline import Pipeline, ReseedableEngine
 
@@ -50,6 +51,19 @@ EXCLUDED: Mapping[str, frozenset[str]] = {
     RESUME: frozenset(),
 }
 """Per reason to load a checkpoint, the entries left as they are (see the module docstring)."""
+
+COUNTED_BY_FRAMEWORK = frozenset({"monitor.step", "monitor.data"})
+"""Also left as they are by a rollback when a framework counts the steps (:class:`~stabmon.spec.Loop`): the
+framework's step count and data position go on, and the monitor follows them."""
+
+
+def excluded(*, counts_steps: bool) -> Mapping[str, frozenset[str]]:
+    """:data:`EXCLUDED`, with :data:`COUNTED_BY_FRAMEWORK` on rollback when the monitor does not count the
+    steps."""
+    if counts_steps:
+        return EXCLUDED
+    return {**EXCLUDED, ROLLBACK: EXCLUDED[ROLLBACK] | COUNTED_BY_FRAMEWORK}
+
 
 REQUIRED = {"monitor": "save monitor.state_dict() under 'monitor'"}
 """What a checkpoint must hold besides the model and optimizer, with the hint its absence gets."""
@@ -73,6 +87,12 @@ class StepCounter:
         self.run.step = int(state)
         self.run.restored = True
 
+    def snapshot(self) -> tuple[int, bool]:
+        return self.run.step, self.run.restored
+
+    def restore(self, snapshot: tuple[int, bool]) -> None:
+        self.run.step, self.run.restored = snapshot
+
 
 class PipelineState:
     """The pipeline's state (detectors and engine); after a load, the engine takes fresh ids (another run may
@@ -91,6 +111,14 @@ class PipelineState:
         if isinstance(engine, ReseedableEngine):  # another run may continue from this same state: never share an id
             engine.reseed()
         self.failsafe.call("pipeline", lambda: self.pipeline.detectors.enter_grace(self.grace_steps))
+
+    def snapshot(self) -> Any:
+        return copy.deepcopy(self.state_dict())
+
+    def restore(self, snapshot: Any) -> None:
+        """The pipeline's state as it was: the engine's ids and the detectors' grace included."""
+        if snapshot is not None:
+            self.pipeline.load_state_dict(snapshot)
 
 
 class NotifierState:
@@ -118,6 +146,17 @@ class RegistryState:
     def load_state_dict(self, state: Any) -> None:
         if state:
             self.checkpoints.adopt(state)
+
+    def snapshot(self) -> Any:
+        checkpoints = self.checkpoints
+        return checkpoints.snapshot() if isinstance(checkpoints, Restorable) else None
+
+    def restore(self, snapshot: Any) -> None:
+        """The registry as it was, adopted checkpoints dropped (a store that cannot say its snapshot keeps
+        them: they are valid checkpoints, not its own to prune)."""
+        checkpoints = self.checkpoints
+        if snapshot is not None and isinstance(checkpoints, Restorable):
+            checkpoints.restore(snapshot)
 
 
 def build_monitor_state(

@@ -36,6 +36,7 @@ public methods, which every rank calls itself).
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -46,20 +47,21 @@ from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.data import DataCursor
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
-from stabmon.collect.joint import Agreement, Joint, RankChannel, agreed_checkpoint
+from stabmon.collect.joint import LANDING, Agreement, Joint, RankChannel, restore_agreed
 from stabmon.collect.rank_policy import RankPolicy, SavePath
 from stabmon.collect.restore import ROLLBACK, TrainingState
 from stabmon.collect.run_state import RunState
 from stabmon.diagnose import Diagnosis
 from stabmon.events import Anomaly, Event, Severity
 from stabmon.interventions._state import RunFacts
+from stabmon.interventions.commit import FollowUps
 from stabmon.overrides import Overrides
 
-STOPPED = Agreement(same=("step", "exit_code"), problems=("checkpoint_error",))
-"""Every rank stopped at rank 0's step with its code, and every saving rank wrote its checkpoint."""
-ROLLED_BACK = Agreement(same=("checkpoint_step", "restored_step"),
-                        problems=("registry_not_updated", "rolled_back_state_not_saved"))
-"""Every rank restored rank 0's checkpoint step, and recorded the rollback where it keeps a registry."""
+STOPPED = Agreement(same=("step", "exit_code"))
+"""Every rank stopped at rank 0's step with its code."""
+ROLLED_BACK = Agreement(same=("checkpoint_step", "restored_step"), problems=("registry_not_updated", LANDING))
+"""Every rank restored rank 0's checkpoint step, and recorded the rollback where it keeps a registry (a rank whose
+checkpoint of a newer agreed step restored another step, refused on every rank, says so)."""
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,8 @@ class LiveTarget:
         self._rollback = joint("rollback", partial(self._rollback_from, choose), agreement=ROLLED_BACK)
         self.should_stop = False
         self.stop_reason: str | None = None
+        self.follow_ups = FollowUps()
+        """The checkpoints this flush's changes leave to write once they are committed."""
         self.diagnoser: Callable[..., Diagnosis] | None = None
         """What the ``diagnose`` intervention calls (:func:`stabmon.diagnose.build.build_diagnoser`'s); None:
         cannot diagnose."""
@@ -228,20 +232,30 @@ class LiveTarget:
         return self._stop(reason=reason, exit_code=exit_code)
 
     def stop_here(self, *, reason: str | None, exit_code: int | None = None) -> dict[str, Any]:
-        """:meth:`checkpoint_and_stop` on this rank alone (it saves when the rank policy lets it)."""
-        saves = self.saves(SavePath.STOP)
-        info = self.save_checkpoint(SavePath.STOP) if saves else None
+        """:meth:`checkpoint_and_stop` on this rank alone. The checkpoint (where the rank policy lets this rank
+        save) is a follow-up: written once the stop is committed, so that it holds the decision to stop."""
+        if self.saves(SavePath.STOP):
+            self.follow_ups.add("checkpoint_and_stop", self._save_stop)
         if exit_code is not None:
             self.stop_code = exit_code
         self.request_stop(reason)
-        facts = {"path": info.path if info is not None else None, "step": self.step, "exit_code": self.stop_code,
-                 "reason": reason}
-        if saves and info is None:
-            where = self.checkpoints.directory if self.checkpoints is not None else "the checkpoint directory"
-            facts["checkpoint_error"] = f"the stop checkpoint could not be written to {where} (see the log)"
-            log.error("stabmon: STOPPING WITHOUT A CHECKPOINT at step %d: it could not be written to %s; resume "
-                      "from the last checkpoint there, if any", self.step, where)
         log.warning("stabmon: stopping the run at step %d: %s", self.step, reason)
+        return {"path": None, "step": self.step, "exit_code": self.stop_code, "reason": reason}
+
+    def _save_stop(self) -> dict[str, Any]:
+        info = self.save_checkpoint(SavePath.STOP)
+        if info is not None:
+            return {"path": info.path}
+        where = self.checkpoints.directory if self.checkpoints is not None else "the checkpoint directory"
+        log.error("stabmon: STOPPING WITHOUT A CHECKPOINT at step %d: it could not be written to %s; resume "
+                  "from the last checkpoint there, if any", self.step, where)
+        return {"checkpoint_error": f"the stop checkpoint could not be written to {where} (see the log)"}
+
+    def commit_now(self, facts: dict[str, Any]) -> dict[str, Any]:
+        """``facts`` of a change made outside a flush (the monitor's public ``rollback`` and
+        ``checkpoint_and_stop``), with what its follow-ups add once they are done."""
+        for found in self.follow_ups.run().values():
+            facts.update(found)
         return facts
 
     def diagnose(self, **params: Any) -> Diagnosis:
@@ -267,21 +281,31 @@ class LiveTarget:
         return self._rollback_from(self._own, onset_step=onset_step, lookback=lookback, skip_batches=skip_batches,
                                    checkpoint_dir=checkpoint_dir)
 
-    def _own(self, manager: CheckpointStore, before_step: int) -> tuple[Any, dict[str, Any]]:
-        return manager.last_known_good(before_step=before_step, check=self.state.mismatch)
+    def _own(self, manager: CheckpointStore, before_step: int, restore: Callable[[dict[str, Any]], int]
+             ) -> tuple[Any, dict[str, Any]]:
+        info, state = manager.last_known_good(before_step=before_step, check=self.state.mismatch)
+        restore(state)
+        return info, {}
 
-    def _agreed(self, manager: CheckpointStore, before_step: int) -> tuple[Any, dict[str, Any]]:
-        return agreed_checkpoint(manager, before_step, check=self.state.mismatch, gather=self._gather)
+    def _agreed(self, manager: CheckpointStore, before_step: int, restore: Callable[[dict[str, Any]], int]
+                ) -> tuple[Any, dict[str, Any]]:
+        return restore_agreed(manager, before_step, rank=self.policy.rank, check=self.state.mismatch,
+                              gather=self._gather, restore=restore, keep=self._keep)
+
+    def _keep(self) -> Callable[[], int]:
+        """What puts this rank's training state back as it is now (a rollback every rank refused together)."""
+        saved, position = copy.deepcopy(self.state.state_dict()), self.cursor.position
+        return partial(self._restore, saved, position)
 
     def _rollback_from(
-        self, choose: Callable[[Any, int], tuple[Any, dict[str, Any]]], *, onset_step: int, lookback: int,
-        skip_batches: int, checkpoint_dir: str | None = None,
+        self, choose: Callable[[Any, int, Callable[[dict[str, Any]], int]], tuple[Any, dict[str, Any]]], *,
+        onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None,
     ) -> dict[str, Any]:
         manager = self._manager(checkpoint_dir)
         from_step, from_position = self.step, self.cursor.position
         # a run younger than the lookback goes back to its oldest checkpoint (the initial state is saved at step 0)
-        info, state = choose(manager, max(0, onset_step - lookback))
-        self._restore(state, from_position)
+        land = partial(self._restore, from_position=from_position)  # returns the step it restored
+        info, landing = choose(manager, max(0, onset_step - lookback), land)
         start = self.cursor.position
         # skipping needs the loop to draw its batches through monitor.steps(); a hand-written loop that
         # samples its own batches (nanoGPT's get_batch) gets no skip, and the record says so
@@ -308,7 +332,7 @@ class LiveTarget:
         }
         if skip_batches and not skip:
             facts["skip_not_applied"] = "the loop does not draw its batches through monitor.steps()"
-        return facts | unrecorded
+        return facts | unrecorded | landing
 
     def _manager(self, checkpoint_dir: str | None) -> Any:
         from stabmon.checkpoints import CheckpointManager
@@ -319,8 +343,9 @@ class LiveTarget:
             raise RuntimeError("rollback needs checkpoints: create the Monitor with checkpoint_dir= or checkpoints=")
         return self.checkpoints
 
-    def _restore(self, state: dict[str, Any], from_position: int) -> None:
-        """The checkpoint's training state (the overrides in force are excluded), the skip set in force kept."""
+    def _restore(self, state: dict[str, Any], from_position: int) -> int:
+        """The checkpoint's training state (the overrides in force are excluded), the skip set in force kept;
+        returns the step restored."""
         skipped_before = set(self.cursor.skip)
         self.state.load(state, reason=ROLLBACK)
         self.cursor.skip |= skipped_before
@@ -328,12 +353,14 @@ class LiveTarget:
             self.cursor.rewind(self.cursor.position)
         else:  # a one-shot iterator cannot be rewound: the data keeps flowing forward
             self.cursor.position = from_position
+        return self.step
 
     def _record_timeline(self, manager: CheckpointStore, target: Any) -> dict[str, str]:
-        """The rollback in the registry: later checkpoints abandoned, and the rolled-back state (skip set in
-        force) saved at once on the new timeline, so a resume continues from here and not from undone
-        training. Returns what could not be recorded (a read-only directory): the restore and the skip stand,
-        and the rollback's record says what is missing."""
+        """The rollback in the registry: later checkpoints abandoned; and, once the rollback is committed (its
+        learning-rate change made, the executor and the engine told), the rolled-back state saved at once on
+        the new timeline (a follow-up), so a resume continues from here and not from undone training, with the
+        change in force. Returns what could not be recorded (a read-only directory): the restore and the skip
+        stand, and the rollback's record says what is missing."""
         own = manager is self.checkpoints
         if not (self.policy.keeps_registry if own else self.policy.leader):
             return {}
@@ -341,9 +368,15 @@ class LiveTarget:
         problem = manager.rolled_back(target)
         if problem is not None:
             missing["registry_not_updated"] = problem
-        if own and self.saves(SavePath.ROLLBACK) and self.save_checkpoint(SavePath.ROLLBACK) is None:
-            missing["rolled_back_state_not_saved"] = "the checkpoint save failed (see the log)"
+        if own and self.saves(SavePath.ROLLBACK):
+            self.follow_ups.add("rollback", self._save_timeline)
         return missing
+
+    def _save_timeline(self) -> dict[str, Any]:
+        info = self.save_checkpoint(SavePath.ROLLBACK)
+        if info is None:
+            return {"rolled_back_state_not_saved": "the checkpoint save failed (see the log)"}
+        return {"rolled_back_state": info.path}
 
 
 def _alone(value: Any) -> list[Any]:

@@ -14,7 +14,8 @@ the monitor: the experiments see only what is passed in.
 >>> class Hooks:
 ...     def remove(self): pass
 ...     def install(self): pass
->>> diagnoser = build_diagnoser(model=model, optimizer=opt, scaler=None, grads=GradNorms(model), hooks=Hooks(),
+>>> diagnoser = build_diagnoser(model=model, optimizer=opt, scaler=None, grads=GradNorms(model),
+...                             hooks=HookSwitch(Hooks()),
 ...                             batches=None, records=[], checkpoints=None, check=lambda state: None,
 ...                             loss_fn=None, own=None, rank=0, world_size=1,
 ...                             channel=RankChannel(rank=0, world_size=1, timeout=1.0))
@@ -41,12 +42,50 @@ from stabmon.diagnose.verdict import Diagnosis
 from stabmon.events import StepRecord
 
 
-class Pausable(Protocol):
-    """Hooks the experiments take off the optimizer while they train (the monitor's optimizer hooks)."""
+class Switchable(Protocol):
+    """Hooks that can be put on the optimizer and taken off (the monitor's optimizer hooks)."""
 
     def remove(self) -> None: ...
 
     def install(self) -> None: ...
+
+
+class Pausable(Switchable, Protocol):
+    """Hooks the experiments take off the optimizer while they train, and put back only if they were on."""
+
+    @property
+    def installed(self) -> bool: ...
+
+
+class HookSwitch:
+    """The monitor's optimizer hooks and whether they are on the optimizer now. A loop may have taken them off
+    (a framework that calls ``before_optimizer_step`` / ``after_optimizer_step`` itself): a diagnosis then must
+    not put them back, or every later step runs the pre-step work twice. Every install and remove goes through
+    it; installing twice registers once.
+
+    >>> class Hooks:
+    ...     def remove(self): print("off")
+    ...     def install(self): print("on")
+    >>> switch = HookSwitch(Hooks()); switch.install(); switch.install(); switch.installed
+    on
+    True
+    >>> switch.remove(); switch.installed
+    off
+    False
+    """
+
+    def __init__(self, hooks: Switchable) -> None:
+        self.hooks = hooks
+        self.installed = False
+
+    def install(self) -> None:
+        if not self.installed:
+            self.hooks.install()
+            self.installed = True
+
+    def remove(self) -> None:
+        self.hooks.remove()
+        self.installed = False
 
 
 def build_diagnoser(
@@ -72,7 +111,8 @@ def build_diagnoser(
     diagnosis is inconclusive);
     ``records``: the recent step records (read when a diagnosis runs); ``checkpoints``: the checkpoint manager
     (``last_known_good``) and ``check`` its validation of a loaded state; ``hooks``: removed while the
-    experiments train; ``loss_fn``: a batch's loss (None: :func:`~stabmon.diagnose.experiments.call_model`);
+    experiments train and put back afterwards if they were on (a loop may have taken them off);
+    ``loss_fn``: a batch's loss (None: :func:`~stabmon.diagnose.experiments.call_model`);
     ``own``: this rank's own recorded values per step (torch.distributed; None in one process). Under
     torch.distributed every rank must call it at the same point; ``channel``: the ranks' own exchanges (the
     monitor's joint-action group)."""
@@ -81,11 +121,14 @@ def build_diagnoser(
 
     @contextlib.contextmanager
     def paused() -> Iterator[None]:
-        hooks.remove()
+        were_on = hooks.installed  # as the loop set them: a framework may drive the step work itself
+        if were_on:
+            hooks.remove()
         try:
             yield
         finally:
-            hooks.install()
+            if were_on:
+                hooks.install()
 
     bench = Bench(model=model, optimizer=optimizer, grads=grads, loss_fn=loss_fn or call_model, batches=batches,
                   records=records, checkpoints=checkpoints, check=check, paused=paused,

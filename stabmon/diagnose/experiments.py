@@ -175,9 +175,15 @@ def _choose(bench: Bench, recorded: dict[int, StepRecord], signal: str, onset: i
     window = [(s, v) for s in range(onset, step + 1) if (v := _value(recorded.get(s), signal)) is not None]
     baseline = [v for s in range(onset - 4 * k, onset) if (v := _value(recorded.get(s), signal)) is not None]
     incident = dx.incident_steps(window, baseline=baseline, limit=k)
-    reference = dx.reference_steps(list(bench.batches.entries), incident, k)
-    if not incident or not reference:
-        raise _Missing(f"no {signal} recorded for the incident (steps {onset}-{step}) or no batches around it")
+    handed = bench.batches.steps()
+    if not handed:
+        raise _Missing("no batch was handed to the monitor (draw them through monitor.steps(loader), or pass "
+                       "begin_step(batch=...) or monitor.hand_batch(batch))")
+    if not incident:
+        raise _Missing(f"no {signal} recorded for the incident (steps {onset}-{step})")
+    reference = dx.reference_steps(handed, incident, k)
+    if not reference:
+        raise _Missing(f"no batches before the incident (steps {onset}-{step}) are still in the batch log")
     return incident, reference, baseline
 
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from stabmon.collect.wiring import resolve_store
+from stabmon.overrides import Overrides
 from stabmon.spec import MonitorSpec
 
 log = logging.getLogger(__name__)
@@ -73,14 +75,21 @@ class MonitorFactory:
         run_name: str | None = None,
         resume_run_id: str | None = None,
         recipe: Any = None,
+        framework: str,
+        loss_fn: Any = None,
     ) -> Any:
         """A Monitor on the framework's objects; ``clip`` (the framework's own max-norm, taken over) applies
         when the config sets none; ``run_name`` (the framework's) applies when the spec has none; ``recipe``: the
-        framework's own settings (its training arguments), stored with the run for ``stabmon diff``."""
+        framework's own settings (its training arguments), stored with the run for ``stabmon diff``;
+        ``framework``: who counts the steps (the callback hands each step's batch over, :class:`~stabmon.spec.Loop`);
+        ``loss_fn``: how a handed batch gives its loss when the spec names none."""
         from stabmon.monitor import Monitor
+        from stabmon.spec import Loop
 
         spec = self.spec
-        changes: dict[str, Any] = {"store": self.open_store()}
+        changes: dict[str, Any] = {"store": self.open_store(), "loop": Loop(framework=framework, batches=True)}
+        if spec.loss_fn is None and loss_fn is not None:
+            changes["loss_fn"] = loss_fn
         if clip is not None and spec.config.clip is None:
             changes["config"] = dataclasses.replace(spec.config, clip=float(clip))
         if spec.run_name is None and run_name is not None:
@@ -95,8 +104,11 @@ class MonitorFactory:
 class EffectiveLR:
     """Make a scheduler's ``get_last_lr()`` report the learning rates in force, the monitor's overrides applied
     (``lr_scale``, ``lr_cap``), so that a framework logging the schedule's value (HF Trainer's ``learning_rate``)
-    logs the one training uses. Only this scheduler object is changed, until :meth:`remove`; the schedule itself
-    is untouched (the monitor applies its overrides around ``optimizer.step()``).
+    logs the one training uses. The scheduler's ``_last_lr`` (the plain list ``get_last_lr()`` returns) holds the
+    values in force from :meth:`install` until :meth:`remove` puts the schedule's own list back, unless the
+    scheduler stepped meanwhile (it then wrote its own new values). Nothing but numbers is ever set on the
+    scheduler: its ``state_dict`` stays picklable and loads with ``weights_only=True`` whenever it is saved. The
+    schedule itself is untouched (the monitor applies its overrides around ``optimizer.step()``).
 
     >>> import torch
     >>> from stabmon.overrides import Overrides
@@ -104,34 +116,41 @@ class EffectiveLR:
     >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     >>> o = Overrides(lr_scale=0.5, lr_cap=0.1)
     >>> patch = EffectiveLR(sched, lambda: o); patch.install()
-    >>> sched.get_last_lr()
-    [0.1]
+    >>> sched.get_last_lr(), sched.state_dict()["_last_lr"]
+    ([0.1], [0.1])
     >>> patch.remove(); sched.get_last_lr()
     [0.4]
     """
 
-    def __init__(self, scheduler: Any, overrides: Any) -> None:
+    def __init__(self, scheduler: Any, overrides: Callable[[], Overrides]) -> None:
         self.scheduler, self.overrides = scheduler, overrides
-        self._installed = False
+        self._own: list[float] | None = None  # the schedule's list while the values in force stand in for it
+        self._shown: list[float] | None = None  # the list of values in force set on the scheduler
 
     def install(self) -> None:
-        original = getattr(self.scheduler, "get_last_lr", None)
-        if original is None or self._installed:
-            return
-
-        def get_last_lr() -> list[float]:
-            in_force = self.overrides()
-            lrs = original()
-            ref = lrs[0] if lrs else None
-            return [float(in_force.scaled_lr(v, group=i, ref=ref)) for i, v in enumerate(lrs)]
-
-        self.scheduler.get_last_lr = get_last_lr
-        self._installed = True
+        lrs = getattr(self.scheduler, "_last_lr", None)
+        if not isinstance(lrs, list) or not lrs or self._shown is not None or any(_on_device(v) for v in lrs):
+            return  # nothing to show, or an LR on an accelerator (reading it would stall the step)
+        in_force = self.overrides()
+        ref = lrs[0]
+        self._own = lrs
+        self._shown = [float(in_force.scaled_lr(_number(v), group=i, ref=_number(ref))) for i, v in enumerate(lrs)]
+        self.scheduler._last_lr = self._shown
 
     def remove(self) -> None:
-        if self._installed:
-            del self.scheduler.get_last_lr  # the instance attribute: the class's method shows again
-            self._installed = False
+        if self._shown is None:
+            return
+        if self.scheduler._last_lr is self._shown:  # the scheduler has not stepped since: its own list back
+            self.scheduler._last_lr = self._own
+        self._own = self._shown = None
+
+
+def _number(value: Any) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _on_device(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type != "cpu"
 
 
 def state_to_bytes(state: dict[str, Any]) -> bytes:
@@ -142,4 +161,5 @@ def state_to_bytes(state: dict[str, Any]) -> bytes:
 
 
 def state_from_bytes(data: bytes) -> dict[str, Any]:
-    return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
+    """The monitor state :func:`state_to_bytes` wrote: plain values and tensors only (``weights_only=True``)."""
+    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")

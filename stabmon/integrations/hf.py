@@ -18,18 +18,27 @@ What the callback does at each Trainer event:
   tensor (no ``.item()``); ``on_pre_optimizer_step`` hands their mean to the monitor (their sum when the Trainer
   passed ``num_items_in_batch``, because the model then normalised by the whole accumulated batch). A custom
   ``compute_loss`` whose model returns no loss can call :meth:`StabmonCallback.observe_loss`.
+- the batch: the same forward hook keeps each training forward's keyword arguments (the Trainer's prepared inputs,
+  references: nothing is copied) and ``on_pre_optimizer_step`` hands the step's micro-batches to the monitor
+  (:class:`MicroBatches`), so a runbook's ``diagnose`` rung can replay and re-run them (their loss: the micro-batch
+  losses summed or averaged as the Trainer did, :func:`micro_batches_loss`).
 - fp16 overflow: a step the loss scaler skipped (accelerate's ``optimizer.step_was_skipped``: a GradScaler's,
   or a DeepSpeed engine's own loss scaling) is recorded with ``overflow = 1``, so the ``inf``/``nan`` grad norm
   of a routine backoff is not an anomaly; a collapsing scale is still one (the loss-scale detector).
-- ``on_save``: flushes the monitor and writes its state (:data:`STATE_FILE`) into the Trainer's
-  ``checkpoint-N`` folder.
+- ``on_save``: flushes the monitor and writes its state (:data:`STATE_FILE`, plain values and tensors: it loads
+  with ``torch.load(weights_only=True)``) into the Trainer's ``checkpoint-N`` folder; a resume with
+  ``Trainer.train(resume_from_checkpoint=...)`` loads it back (overrides, detectors, engine, executor).
+- a rollback (``checkpoint_dir=``): the monitor restores model, optimizer, scheduler and its own state from its
+  last-known-good checkpoint in place; the Trainer's ``global_step``, data position and logs go on counting
+  (:class:`~stabmon.spec.Loop`), and the record names the step the weights came from (``checkpoint_step``).
 - checkpoint-and-stop (a runbook decision or the kill switch): ``control.should_save`` and
   ``control.should_training_stop`` are set, so the Trainer writes a checkpoint (monitor state included) and
   ends; :attr:`StabmonCallback.exit_code` is then the monitor's stop code.
-- the Trainer's logged ``learning_rate`` is the LR in force: at a logging step the scheduler's
-  ``get_last_lr()`` reports the monitor's overrides applied (:class:`~stabmon.integrations._shared.EffectiveLR`,
-  from ``on_optimizer_step`` to ``on_step_end``, or to ``on_log`` when the Trainer logs), so an LR cut or cap
-  shows in the Trainer's logs, TensorBoard and W&B, not only in stabmon's store.
+- the Trainer's logged ``learning_rate`` is the LR in force: the scheduler's ``get_last_lr()`` reports the
+  monitor's overrides applied from ``on_optimizer_step`` (right after it the Trainer reads the LR it logs) to
+  ``on_step_end`` (:class:`~stabmon.integrations._shared.EffectiveLR`: a plain list of numbers, never a patched
+  method, so the scheduler's ``state_dict`` stays savable), and an LR cut or cap shows in the Trainer's logs,
+  TensorBoard and W&B, not only in stabmon's store.
 - ``on_train_end``: closes the monitor and the store and gives ``args.max_grad_norm`` back (and the
   scheduler's own ``get_last_lr``).
 
@@ -69,7 +78,35 @@ log = logging.getLogger(__name__)
 STATE_FILE = "stabmon_monitor.pt"
 """File name of the monitor state inside a Trainer ``checkpoint-N`` folder."""
 
-__all__ = ["STATE_FILE", "StabmonCallback"]
+__all__ = ["STATE_FILE", "MicroBatches", "StabmonCallback", "micro_batches_loss"]
+
+
+class MicroBatches(list):  # type: ignore[type-arg]
+    """One optimizer step's micro-batches: the keyword arguments of each training forward, as the Trainer called
+    the model. ``summed``: the Trainer passed ``num_items_in_batch`` (each micro-batch's loss is already a share
+    of the step's, and they add up); else the step's loss is their mean."""
+
+    def __init__(self, inputs: list[dict[str, Any]], *, summed: bool) -> None:
+        super().__init__(inputs)
+        self.summed = summed
+
+
+def micro_batches_loss(model: Any, batch: Any) -> torch.Tensor:
+    """The loss of a step's :class:`MicroBatches` as the Trainer trained it (``diagnose``'s ``loss_fn``; any
+    other batch: the model's own output, :func:`~stabmon.diagnose.experiments.call_model`).
+
+    >>> lin = torch.nn.Linear(1, 1, bias=False); _ = lin.weight.data.fill_(2.0)
+    >>> model = lambda x, **kw: lin(x).sum()
+    >>> batch = MicroBatches([{"x": torch.ones(1, 1)}, {"x": 3 * torch.ones(1, 1)}], summed=False)
+    >>> float(micro_batches_loss(model, batch).detach())
+    4.0
+    """
+    from stabmon.diagnose.experiments import call_model
+
+    if not isinstance(batch, MicroBatches):
+        return call_model(model, batch)
+    losses = torch.stack([call_model(model, inputs).reshape(()) for inputs in batch])
+    return losses.sum() if batch.summed else losses.mean()
 
 
 def trainer_step(state: Any) -> int:
@@ -109,6 +146,7 @@ class StabmonCallback(TrainerCallback):
         self._saved_max_grad_norm: float | None = None
         self._hook: Any = None
         self._losses: list[torch.Tensor] = []
+        self._inputs: list[dict[str, Any]] = []  # this step's training forwards' keyword arguments
         self._loss_sum = False
         self._warned_no_loss = False
         self._pending_eval: dict[str, float] = {}  # the last evaluation's metrics, recorded with the next step
@@ -141,6 +179,8 @@ class StabmonCallback(TrainerCallback):
             run_name=getattr(args, "run_name", None),
             resume_run_id=(saved or {}).get("run_id"),
             recipe=args.to_dict(),  # the TrainingArguments: stabmon diff names the ones two runs differ in
+            framework="hf",
+            loss_fn=micro_batches_loss,
         )
         if saved is not None:
             self.monitor.load_state_dict(saved)
@@ -153,11 +193,8 @@ class StabmonCallback(TrainerCallback):
         self._finish(args, status=None)
 
     def _report_effective_lr(self, scheduler: Any) -> EffectiveLR | None:
-        """The Trainer logs ``learning_rate`` from ``lr_scheduler.get_last_lr()``: make it the LR in force while
-        the Trainer reads it (installed in :meth:`on_optimizer_step`; transformers 5 reads it right after the
-        optimizer step, 4.x in the log), and only then: the Trainer also saves the scheduler's ``state_dict``,
-        which must not hold the patch, so it is removed in :meth:`on_step_end` unless a log follows, and in
-        :meth:`on_log` (a save comes after the log)."""
+        """The Trainer logs ``learning_rate`` from ``lr_scheduler.get_last_lr()``, read right after the optimizer
+        step: make it the LR in force from :meth:`on_optimizer_step` to :meth:`on_step_end`."""
         if scheduler is None:
             return None
         monitor = self.monitor
@@ -192,7 +229,7 @@ class StabmonCallback(TrainerCallback):
             return
         self.monitor.sync_step(trainer_step(state))
         self.monitor.begin_step(batch_index=state.global_step * args.gradient_accumulation_steps)
-        self._losses = []
+        self._losses, self._inputs = [], []
 
     def _capture_loss(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not module.training:
@@ -203,6 +240,8 @@ class StabmonCallback(TrainerCallback):
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self._losses.append(loss.detach().reshape(()))
             self._loss_sum = kwargs.get("num_items_in_batch") is not None
+            if not args:  # the Trainer calls model(**inputs): these are the micro-batch, as the model saw it
+                self._inputs.append(dict(kwargs))
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Hand one micro-batch's loss in yourself (a custom ``compute_loss`` whose model returns no loss)."""
@@ -227,16 +266,18 @@ class StabmonCallback(TrainerCallback):
         # host floats the Trainer already has (no read-back); named as the trainer_state.json importer names them
         extra = {"epoch": float(state.epoch)} if state.epoch is not None else {}
         self.monitor.observe(loss=loss, **extra, **self._pending_eval)
-        self._losses, self._pending_eval = [], {}
+        if self._inputs:
+            self.monitor.hand_batch(MicroBatches(self._inputs, summed=self._loss_sum))
+        self._losses, self._inputs, self._pending_eval = [], [], {}
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None:
             return
         if getattr(kwargs.get("optimizer"), "step_was_skipped", False) is True:
             self.monitor.after_optimizer_step(skipped=True)  # the loss scaler skipped it: an overflow step
+        if self._effective_lr is not None:
+            self._effective_lr.remove()  # before any checkpoint of this step is written
         self.monitor.end_step()
-        if not control.should_log and self._effective_lr is not None:
-            self._effective_lr.remove()  # no log follows at this step; a checkpoint save may
         if self.monitor.should_stop and not self.stop_requested:
             self.stop_requested = True
             control.should_save = True  # checkpoint (with monitor state, through on_save) ...
@@ -284,7 +325,7 @@ class StabmonCallback(TrainerCallback):
             )
             return None
         try:
-            return torch.load(path, weights_only=False, map_location="cpu")
+            return torch.load(path, weights_only=True, map_location="cpu")
         except Exception:  # noqa: BLE001 - a damaged state file costs the detector history, not the run
             log.exception("stabmon: could not load monitor state from %s; detectors start fresh", path)
             return None

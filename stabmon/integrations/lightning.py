@@ -12,6 +12,13 @@ What the callback does at each Lightning hook:
 - ``on_train_batch_start`` opens the monitor's record of an optimizer step, ``on_train_batch_end`` closes it
   once the optimizer has stepped (with ``accumulate_grad_batches=k``, one record per k batches); the record's
   ``batch_index`` is Lightning's ``batch_idx``.
+- the batch: ``on_train_batch_start`` hands each micro-batch to the monitor (references: nothing is copied), so a
+  runbook's ``diagnose`` rung can replay and re-run the step (its loss: the module's ``training_step`` on each
+  micro-batch, divided by their number as Lightning does, :func:`training_step_loss`; its ``self.log`` calls are
+  dropped while a diagnosis runs).
+- a rollback (``checkpoint_dir=``): the monitor restores module, optimizer, scheduler and its own state from its
+  last-known-good checkpoint in place; Lightning's ``global_step``, data position and logs go on counting
+  (:class:`~stabmon.spec.Loop`), and the record names the step the weights came from (``checkpoint_step``).
 - the loss: ``on_before_backward`` receives each micro-batch's loss tensor (Lightning has already divided it by
   ``accumulate_grad_batches``); their sum goes to the monitor as a device tensor, before the optimizer step
   (``outputs["loss"]`` in ``on_train_batch_end`` arrives after the GradScaler update, too late for the scale).
@@ -62,7 +69,44 @@ except ImportError:  # pragma: no cover - the standalone package, or no extra at
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StabmonCallback"]
+__all__ = ["StabmonCallback", "StepBatches", "training_step_loss"]
+
+
+class StepBatches(list):  # type: ignore[type-arg]
+    """One optimizer step's micro-batches as Lightning gave them: ``(batch_idx, batch)`` pairs."""
+
+
+def training_step_loss(module: Any, batch: Any) -> torch.Tensor:
+    """The loss of a step's :class:`StepBatches` as Lightning trained it: each micro-batch's ``training_step`` loss
+    (its ``"loss"`` when it returns a mapping) divided by their number, summed (``diagnose``'s ``loss_fn``).
+    ``self.log`` and ``self.log_dict`` are dropped meanwhile, so a diagnosis logs nothing of its own.
+
+    >>> class M(torch.nn.Module):
+    ...     def training_step(self, batch, idx):
+    ...         self.log("loss", 0.0)
+    ...         return {"loss": batch.sum()}
+    ...     def log(self, *a, **k): raise AssertionError("logged")
+    >>> float(training_step_loss(M(), StepBatches([(0, torch.ones(2)), (1, 3 * torch.ones(2))])))
+    4.0
+    """
+    from stabmon.diagnose.experiments import call_model
+
+    if not isinstance(batch, StepBatches):
+        return call_model(module, batch)
+    module.log = module.log_dict = _quiet
+    try:
+        losses = []
+        for idx, micro in batch:
+            out = module.training_step(micro, idx)
+            loss = out["loss"] if isinstance(out, dict) else out
+            losses.append(loss.reshape(()))
+        return torch.stack(losses).sum() / len(losses)
+    finally:
+        del module.log, module.log_dict
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """``self.log`` while a diagnosis runs the module's ``training_step``: nothing is logged."""
 
 
 class StabmonCallback(Callback):
@@ -92,6 +136,7 @@ class StabmonCallback(Callback):
         self._took_clip = False
         self._post_handle: Any = None
         self._losses: list[torch.Tensor] = []
+        self._batches = StepBatches()  # this step's micro-batches, handed to the monitor
         self._attempted = False  # on_before_optimizer_step ran in this batch
         self._post_pending = False  # ... and the step post-hook has not run yet
 
@@ -118,6 +163,8 @@ class StabmonCallback(Callback):
             scheduler=configs[0].scheduler if configs else None,
             clip=clip,
             resume_run_id=(pending or {}).get("run_id"),
+            framework="lightning",
+            loss_fn=training_step_loss,
         )
         if pending is not None:
             self.monitor.load_state_dict(pending)
@@ -157,10 +204,13 @@ class StabmonCallback(Callback):
 
     # -- steps -------------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self.monitor is not None and not self.monitor.buffer.open:
+        if self.monitor is None:
+            return
+        if not self.monitor.buffer.open:
             self.monitor.sync_step(trainer.global_step)
             self.monitor.begin_step(batch_index=batch_idx)
-            self._losses = []
+            self._losses, self._batches = [], StepBatches()
+        self._batches.append((batch_idx, batch))
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         if self.monitor is None or not pl_module.training or loss.numel() != 1:
@@ -179,7 +229,9 @@ class StabmonCallback(Callback):
         if self._losses:
             loss = self._losses[0] if len(self._losses) == 1 else torch.stack(self._losses).sum()
         self.monitor.observe(loss=loss)
-        self._losses = []
+        if self._batches:
+            self.monitor.hand_batch(self._batches)
+        self._losses, self._batches = [], StepBatches()
         self.monitor.before_optimizer_step()
         self._attempted = self._post_pending = True
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stabmon.events import Anomaly, Decision, InterventionRecord
 from stabmon.interventions.base import Intervention, NoChange
+from stabmon.interventions.commit import Committing
 from stabmon.interventions.traits import REVERT, traits_of
 
 if TYPE_CHECKING:
@@ -85,7 +86,48 @@ class Executor:
             params["value"] = float(value)
         return dataclasses.replace(decision, params=params)
 
+    def commit(self, decision: Decision, tell: Callable[[Decision, InterventionRecord], None],
+               into: list[Any]) -> None:
+        """The one commit point of a change: apply ``decision`` (:meth:`execute`), append its record to ``into``
+        (first: whatever follows, the change is on the record), then ``tell`` the engine what it changed. The
+        follow-ups it leaves (a rollback's checkpoint) are claimed by its record and done by the flush once every
+        rank has followed. Whole or absent: when the engine cannot take a change that can be undone, it is undone
+        and its record carries the failure (a change that cannot be undone, a restored state, stays on the
+        record as done)."""
+        record = self.execute(decision)
+        if record is None:
+            return
+        into.append(record)
+        try:
+            tell(decision, record)
+        except Exception as exc:  # noqa: BLE001 - never raise into training; never leave a change half-made
+            into[-1] = self._untold(decision, record, exc)
+
+    def _untold(self, decision: Decision, record: InterventionRecord, exc: Exception) -> InterventionRecord:
+        self.errors += 1
+        problem = f"the engine could not take it: {type(exc).__name__}: {_first_line(exc)}"
+        intervention = self._applied.get(record.id)
+        if intervention is None or not record.ok:
+            log.error("stabmon: %s at step %s: %s; the change stands", decision.action, record.step, problem)
+            return record
+        try:
+            intervention.revert(decision_id=decision.id)
+        except Exception as undo:  # noqa: BLE001
+            log.error("stabmon: %s at step %s: %s, and undoing it failed (%s: %s); the change stands",
+                      decision.action, record.step, problem, type(undo).__name__, _first_line(undo))
+            return record
+        del self._applied[record.id]
+        log.error("stabmon: %s at step %s: %s; undone", decision.action, record.step, problem)
+        return dataclasses.replace(record, error=f"{problem} (undone)")
+
     def execute(self, decision: Decision) -> InterventionRecord | None:
+        """Apply (or revert, release, re-apply) ``decision``; its audit record. Never raises."""
+        record = self._execute(decision)
+        if isinstance(self.target, Committing):
+            self.target.follow_ups.claim(record.id)
+        return record
+
+    def _execute(self, decision: Decision) -> InterventionRecord:
         try:
             traits = traits_of(decision.action)
             if traits.undoes:
@@ -136,7 +178,8 @@ class Executor:
     def _release(self, decision: Decision) -> InterventionRecord:
         """Give back the changes named in ``params["intervention_ids"]`` (newest first): each is reverted, and a
         learning rate that comes back up climbs to the schedule over ``params["steps"]`` steps instead of at
-        once. The record shows the values before and after, and the re-warm-up."""
+        once. The record shows the values before and after, and the re-warm-up. Whole or nothing: when one of
+        them cannot be given back, those already given back are put back and every one stays in force."""
         ids = [str(i) for i in decision.params.get("intervention_ids", ())]
         missing = [i for i in ids if i not in self._applied]
         if not ids or missing:
@@ -144,13 +187,21 @@ class Executor:
         lr_now = _lr(self.target)
         before: dict[str, Any] = {}
         after: dict[str, Any] = {}
-        given_back = [self._applied.pop(record_id) for record_id in ids]
         steps = int(decision.params.get("steps", 0))
-        for intervention in given_back:
-            undone = intervention.release(decision_id=decision.id, steps=steps)
-            for key, value in undone.before.items():
-                before.setdefault(key, value)
-            after.update(undone.after)
+        given_back: list[Intervention] = []
+        try:
+            for record_id in ids:
+                intervention = self._applied[record_id]
+                undone = intervention.release(decision_id=decision.id, steps=steps)
+                given_back.append(intervention)
+                for key, value in undone.before.items():
+                    before.setdefault(key, value)
+                after.update(undone.after)
+        except Exception:
+            self._put_back(given_back, decision.id)
+            raise
+        for record_id in ids:
+            del self._applied[record_id]
         lr_back = _lr(self.target)
         if lr_now is not None and lr_back and 0 < lr_now < lr_back and steps > 0:
             self.target.overrides.ramp(lr_now / lr_back, steps)
@@ -161,20 +212,45 @@ class Executor:
         self._released[record.id] = given_back
         return record
 
+    def _put_back(self, given_back: list[Intervention], decision_id: str) -> None:
+        """Undo a release that failed part-way: what it gave back is in force again (oldest first)."""
+        for intervention in reversed(given_back):
+            try:
+                intervention.reapply(decision_id=decision_id)
+            except Exception as exc:  # noqa: BLE001 - said, and kept where a later revert can still find it
+                log.error("stabmon: %s (decision %s) was given back by a release that failed and could not be "
+                          "put back: %s: %s", intervention.name, intervention.decision_id, type(exc).__name__,
+                          _first_line(exc))
+
     def _reapply(self, decision: Decision) -> InterventionRecord:
-        """Put back what the release named in ``params["intervention_id"]`` gave back (the re-warm-up ends)."""
+        """Put back what the release named in ``params["intervention_id"]`` gave back (the re-warm-up ends).
+        Whole or nothing: when one of them cannot be put back, those already put back are given back again and
+        the release stands."""
         release_id = str(decision.params.get("intervention_id"))
-        given_back = self._released.pop(release_id, None)
+        given_back = self._released.get(release_id)
         if given_back is None:
             raise LookupError(f"no release {release_id!r} to undo by this executor")
+        ramp = (self.target.overrides.ramp_from, self.target.overrides.ramp_steps,
+                self.target.overrides.ramp_done)
         self.target.overrides.ramp(1.0, 0)
         before: dict[str, Any] = {}
         after: dict[str, Any] = {}
-        for intervention in reversed(given_back):  # oldest first, as they were applied
-            record = intervention.reapply(decision_id=decision.id)
-            for key, value in record.before.items():
-                before.setdefault(key, value)
-            after.update(record.after)
+        done: list[Intervention] = []
+        try:
+            for intervention in reversed(given_back):  # oldest first, as they were applied
+                record = intervention.reapply(decision_id=decision.id)
+                done.append(intervention)
+                for key, value in record.before.items():
+                    before.setdefault(key, value)
+                after.update(record.after)
+        except Exception:
+            for intervention in reversed(done):
+                intervention.release(decision_id=decision.id, steps=0)
+            o = self.target.overrides
+            o.ramp_from, o.ramp_steps, o.ramp_done = ramp
+            raise
+        del self._released[release_id]
+        for intervention in done:
             assert intervention.record is not None
             self._applied[intervention.record.id] = intervention
         return InterventionRecord(decision_id=decision.id, step=_step(self.target), action=decision.action,

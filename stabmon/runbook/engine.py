@@ -23,7 +23,7 @@ import hashlib
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stabmon.events import (
@@ -93,6 +93,13 @@ class Engine:
         self._budget: list[int] = []  # ticks at which changes were applied (the budget window's count)
         self._incident: Incident | None = None
         self.stopped = False
+        self._unfit: dict[tuple[str, int], str] = {}  # rungs that cannot act in this loop: never issued
+
+    def drop_rungs(self, unfit: Mapping[tuple[str, int], str]) -> None:
+        """The rungs that cannot act in this loop, by ``(rule name, rung index from 0)`` with why
+        (:func:`stabmon.runbook.fit.unfit_rungs`): from now on they are passed over, never tried, escalated to or
+        paged for. A setting of the loop, not state: the monitor says it again at every start."""
+        self._unfit = dict(unfit)
 
     # -- public API --
     @property
@@ -173,7 +180,8 @@ class Engine:
             inc.effective_step = record.step
         elif record.ok:
             # its window lasts until the run has trained past the step it rolled back from (see judging)
-            inc.until_step = int(record.before.get("step", record.step))
+            inc.rewound_by = 0 if record.simulated else _lag(record)
+            inc.until_step = int(record.before.get("step", record.step)) + inc.rewound_by
             if not record.simulated:
                 # a live rollback rewound the step counter: records still to come from the abandoned timeline
                 # (the rest of the flush) are not part of its window, which starts at the restored step
@@ -371,7 +379,7 @@ class Engine:
 
         if inc.skipped is not None:  # the rung changed nothing: straight on to the next one, whatever on_failure
             evidence = {"skipped": inc.skipped, "metric": inc.metric}
-            has_next = inc.rung + 1 < len(rule.ladder)
+            has_next = self._has_next(rule, inc.rung)
             out: list[Decision | Outcome] = [outcome(Verdict.ESCALATED if has_next else Verdict.EXHAUSTED)]
             out.extend(self._revert_in_force(step))  # earlier attempts of this rung did not resolve it either
             if has_next:
@@ -402,7 +410,7 @@ class Engine:
         if back:  # the rung is spent and what it pulls on did not keep this trouble away: later rungs pulling only
             # that are passed over, in this incident and the rule's later ones
             self._spent.setdefault(inc.rule, set()).update(levers_of(rung.action, rung.params.model_dump()))
-        has_next = inc.rung + 1 < len(rule.ladder)
+        has_next = self._has_next(rule, inc.rung)
         if rung.on_failure == "stop":
             out = [outcome(Verdict.STOPPED)]
             return out + self._issue_stop(step)
@@ -424,10 +432,14 @@ class Engine:
         assert inc is not None
         rule = self.runbook.rule(inc.rule)
         passed = []
-        while self._passes(rule, inc.rung):  # it pulls only what did not keep this trouble away in this run
-            passed.append(f"rung {inc.rung + 1} ({self._rung(inc).action})")
+        while (rule.name, inc.rung) in self._unfit or self._passes(rule, inc.rung):
+            if (rule.name, inc.rung) not in self._unfit:  # it pulls only what did not keep this trouble away
+                passed.append(f"rung {inc.rung + 1} ({self._rung(inc).action})")
             if inc.rung + 1 >= len(rule.ladder):
-                return self._spent_ladder(step, passed)
+                if passed:
+                    return self._spent_ladder(step, passed)
+                return self._alert_and_close(step, f"{inc.trigger}; no rung of rule {rule.name} left that can act "
+                                             "in this loop (see the start-up log); nothing is changed")
             inc.rung, inc.attempt, inc.held = inc.rung + 1, 1, None
         rung = self._rung(inc)
         traits = traits_of(rung.action)
@@ -451,6 +463,10 @@ class Engine:
         if rung.repeat > 1:
             reason += f" (attempt {inc.attempt} of {rung.repeat})"
         return [self._propose_or_apply(rung.action, params, step, reason)]
+
+    def _has_next(self, rule: Rule, index: int) -> bool:
+        """Whether a rung after ``index`` of ``rule`` can act in this loop."""
+        return any((rule.name, i) not in self._unfit for i in range(index + 1, len(rule.ladder)))
 
     def _passes(self, rule: Rule, index: int) -> bool:
         """Whether rung ``index`` of ``rule`` pulls only levers spent for the rule in this run (and some)."""
@@ -528,6 +544,7 @@ class Engine:
         inc.releasing = True
         inc.phase, inc.decision, inc.window, inc.others = "observing", _kept(decision), [], []
         inc.intervention_id = inc.error = inc.skipped = inc.effective_step = inc.await_step = inc.until_step = None
+        inc.rewound_by = 0
         return [decision]
 
     def _judge_release(self, step: int, ok: bool, outcome: Any) -> list[Decision | Outcome]:
@@ -556,6 +573,7 @@ class Engine:
             self._budget.append(self._tick)
         inc.phase, inc.decision, inc.window, inc.releasing, inc.others = "observing", _kept(decision), [], False, []
         inc.intervention_id = inc.error = inc.skipped = inc.effective_step = inc.await_step = inc.until_step = None
+        inc.rewound_by = 0
 
     def _decision(self, action: str, params: dict[str, Any], status: DecisionStatus, step: int,
                   reason: str) -> Decision:
@@ -646,6 +664,16 @@ class _Judged:
 
 def _num(value: float | None) -> float | None:
     return None if value is None else float(value)
+
+
+def _lag(record: InterventionRecord) -> int:
+    """How far a live rollback's restored training lags the step count: 0 when the count went back with it (a
+    loop the monitor counts); the steps it went back when a framework's count went on."""
+    after = record.after
+    restored, checkpoint = after.get("restored_step"), after.get("checkpoint_step")
+    if not isinstance(restored, int) or not isinstance(checkpoint, int):
+        return 0
+    return max(0, restored - checkpoint)
 
 
 def _kept(decision: Decision) -> Decision:

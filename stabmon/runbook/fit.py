@@ -31,6 +31,52 @@ from stabmon.interventions.traits import traits_of
 from stabmon.runbook.schema import Runbook
 
 
+def unfit_rungs(
+    runbook: Runbook, *, checkpoints: bool | None = None, facts: RunFacts | None = None,
+    sampled: AbstractSet[str] | None = None, batches: bool | None = None,
+) -> dict[tuple[str, int], str]:
+    """The rungs that cannot act in this loop, by ``(rule name, rung index from 0)``, with why: the engine passes
+    over them without trying, escalating or paging (:meth:`~stabmon.runbook.engine.Engine.drop_rungs`). What is
+    not known is not held against a rung (a None argument). ``checkpoints=False``: no checkpoint store (a rollback
+    has nothing to restore, a diagnosis nothing to re-run from); ``facts``: the run's model and optimizer state
+    (a state-level rung that finds nothing to act on); ``sampled``: the ``MonitorConfig`` sections that sample (a
+    rung whose evidence a section off would sample); ``batches=False``: the loop hands no batch to the monitor
+    (a diagnosis has nothing to replay).
+
+    >>> from stabmon.runbook import load_runbook
+    >>> dropped = unfit_rungs(load_runbook("default"), checkpoints=False, batches=False)
+    >>> dropped[("nonfinite", 0)], dropped[("nonfinite", 1)]
+    ('diagnose needs checkpoints to re-run from (Monitor checkpoint_dir= or checkpoints=)', 'rollback needs checkpoints (Monitor checkpoint_dir= or checkpoints=)')
+    """
+    out: dict[tuple[str, int], str] = {}
+    for rule in runbook.rules:
+        for i, rung in enumerate(rule.ladder):
+            why = _cannot_act(rung, checkpoints=checkpoints, facts=facts, sampled=sampled, batches=batches)
+            if why is not None:
+                out[(rule.name, i)] = why
+    return out
+
+
+def _cannot_act(rung: Any, *, checkpoints: bool | None, facts: RunFacts | None,
+                sampled: AbstractSet[str] | None, batches: bool | None) -> str | None:
+    cls = INTERVENTIONS[rung.action]
+    traits = traits_of(rung.action)
+    if facts is not None and (problem := not_applicable(cls, rung.params.model_dump(), facts)) is not None:
+        return f"{rung.action} is not applicable ({problem})"
+    section = cls.samples
+    if sampled is not None and section is not None and section not in sampled:
+        return (f"{rung.action} acts on what MonitorConfig.{section} samples, and it samples nothing (every=0; "
+                f"set e.g. MonitorConfig.{section}.every=10)")
+    if traits.rewinds_step and checkpoints is False:
+        return "rollback needs checkpoints (Monitor checkpoint_dir= or checkpoints=)"
+    if traits.diagnoses and checkpoints is False:
+        return f"{rung.action} needs checkpoints to re-run from (Monitor checkpoint_dir= or checkpoints=)"
+    if traits.diagnoses and batches is False:
+        return (f"{rung.action} needs the batches: this loop hands none to the monitor (draw them through "
+                "monitor.steps(loader), or pass begin_step(batch=...))")
+    return None
+
+
 def fit_warnings(
     runbook: Runbook, hparams: Mapping[str, float], *, checkpoints: bool | None = None,
     facts: RunFacts | None = None, sampled: AbstractSet[str] | None = None,

@@ -44,7 +44,8 @@ def window_over(incident: Incident, observe: int) -> bool:
     window = incident.window
     if incident.until_step is None:
         return len(window) >= observe
-    if window and window[-1].matched and window[-1].step >= incident.onset_step:  # it did not hold: judge now
+    if window and window[-1].matched and window[-1].step >= incident.onset_step + incident.rewound_by:
+        # it did not hold: judge now
         return True
     return sum(1 for w in window if w.step >= incident.until_step) >= observe
 
@@ -54,7 +55,7 @@ def criteria(incident: Incident, rung: Any) -> tuple[bool, dict[str, Any]]:
     window = incident.window
     k = rung.success.quiet_steps or rung.observe
     tail = window[-k:]
-    scope = tail if incident.until_step is None else _from_onset(window, incident.onset_step, k)
+    scope = tail if incident.until_step is None else _from_onset(window, incident.onset_step + incident.rewound_by, k)
     matched = sum(w.matched for w in scope)
     ev: dict[str, Any] = {"observed_steps": len(window), "judged_steps": len(scope),
                           "matching_anomalies": matched, "metric": incident.metric}

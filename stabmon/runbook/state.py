@@ -103,6 +103,8 @@ class Incident:
     effective_step: int | None = None  #: records of earlier steps predate the change: not observed
     await_step: int | None = None  #: a live rollback: observing starts at the record of this (restored) step
     until_step: int | None = None  #: a rollback: the step it rolled back from; its window runs past it (judging)
+    rewound_by: int = 0  #: a live rollback that left the step count to a framework: how far the restored training
+    #: lags the count (its restored step minus its checkpoint's); the onset comes back that much later (judging)
     changed: bool = False  #: a decision of this incident changed training
     alerted: bool = False  #: a decision of this incident was only an alert
     stop: bool = False  #: the pending decision is the runbook's checkpoint-and-stop
