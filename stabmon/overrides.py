@@ -180,10 +180,12 @@ class Overrides:
         self.lr_cap, self.cap_until = None, None
         self.ramp(fraction, self.cap_ramp)
 
-    def settle_layers(self, lrs: list[Any]) -> None:
-        """Once per optimizer step, before it, with the schedule's learning rate of each param group: lift a
-        released layer cut once its group's LR is at most ``lift_below``, and move a lifted cut's re-warm-up on
-        (host arithmetic only). A lifted cut climbs from its factor back to 1 geometrically over ``ramp`` steps.
+    def settle_layers(self, lrs: list[float | None]) -> None:
+        """Once per optimizer step, before it, with the schedule's learning rate of each param group as a host
+        float: lift a released layer cut once its group's LR is at most ``lift_below``, and move a lifted cut's
+        re-warm-up on (host arithmetic only). A lifted cut climbs from its factor back to 1 geometrically over
+        ``ramp`` steps. An LR given as None is not known on the host (a tensor on an accelerator, not read between
+        flushes): that group's cut is held, never lifted on a guess; a cut of a group that no longer exists goes.
 
         >>> o = Overrides(layer_lr={"1": {"factor": 0.1, "lift_below": 0.5, "ramp": 2, "done": 0}})
         >>> o.settle_layers([0.01, 2.0]); o.layer_factor(1)          # the schedule above 0.5: held
@@ -192,15 +194,19 @@ class Overrides:
         0.3162
         >>> o.settle_layers([0.01, 0.4]); o.settle_layers([0.01, 0.4]); o.layer_lr
         {}
+        >>> o = Overrides(layer_lr={"1": {"factor": 0.1, "lift_below": 0.5, "ramp": 0, "done": 0}})
+        >>> o.settle_layers([0.01, None]); o.layer_factor(1)           # not known on the host: held
+        0.1
         """
         for group, cut in list(self.layer_lr.items()):
             below = cut.get("lift_below")
             if below is None:
                 continue
             i = int(group)
-            lr = lrs[i] if i < len(lrs) else None
-            if not cut.get("done") and isinstance(lr, (int, float)) and lr > below:
-                continue  # not lifted yet: the schedule still gives the group more than the cut allowed
+            if not cut.get("done") and i < len(lrs):
+                lr = lrs[i]
+                if lr is None or lr > below:
+                    continue  # not lifted yet: the schedule still gives the group more than the cut allowed
             done = int(cut.get("done", 0)) + 1
             if done > int(cut.get("ramp", 0)):
                 del self.layer_lr[group]
@@ -252,18 +258,41 @@ class Overrides:
         0.1
         >>> Overrides(lr_cap=0.1).scaled_lr(2.0, group=1, ref=0.5)   # a head at 4x keeps its 4x under the cap
         0.4
+
+        A tensor ``lr`` gives a tensor on its device, computed there (nothing is read back); its cap keeps the
+        ratio to a tensor or float ``ref`` the same way.
+
+        >>> import torch
+        >>> Overrides(lr_cap=0.1).scaled_lr(torch.tensor(2.0), group=1, ref=torch.tensor(0.5))
+        tensor(0.4000)
         """
         out = lr * (self.lr_scale * self.rewarm_factor)
         if self.layer_lr:
             out = out * self.layer_factor(group)
-        if self.lr_cap is not None:
-            cap = self.lr_cap
-            if isinstance(ref, (int, float)) and isinstance(lr, (int, float)) and ref > 0 and lr != ref:
-                cap = cap * lr / ref
-            out = out.clamp(max=cap) if hasattr(out, "clamp") else min(out, cap)
+        if self.lr_cap is not None and hasattr(out, "clamp"):
+            out = out.clamp(max=self._tensor_cap(lr, ref))
+        elif self.lr_cap is not None:
+            out = min(out, self._cap_for(lr, ref))
         if self.ramp_from is not None:
             out = out * self.ramp_from ** (1.0 - self.ramp_done / self.ramp_steps)
         return out
+
+    def _cap_for(self, lr: float, ref: Any) -> float:
+        """``lr_cap`` for a group whose schedule gives ``lr`` while group 0's gives ``ref``: times their ratio."""
+        cap = self.lr_cap
+        assert cap is not None
+        if isinstance(ref, (int, float)) and ref > 0 and lr != ref:
+            return cap * lr / ref
+        return cap
+
+    def _tensor_cap(self, lr: Any, ref: Any) -> Any:
+        """:meth:`_cap_for` of a tensor ``lr`` (``ref`` a tensor or a float): the ratio is a tensor on ``lr``'s
+        device (1 where ``ref`` is 0), never read back."""
+        cap = self.lr_cap
+        assert cap is not None
+        if ref is None or ref is lr:
+            return cap
+        return (lr / ref).nan_to_num(nan=1.0, posinf=1.0, neginf=1.0) * cap
 
     @property
     def rewarm_factor(self) -> float:

@@ -11,6 +11,12 @@ global, per-layer and non-finite values of the unsharded model, and clips its sh
 Parameter names are taken without wrapper prefixes (:func:`~stabmon.collect.sharding.clean_name`), so layer
 names do not depend on the parallelism.
 
+A sparse gradient (``nn.Embedding(sparse=True)``) enters the fused pass as its values (:func:`dense_view`): it is
+coalesced first, in place of the parameter's ``.grad`` (duplicate rows summed: the optimizer sees the same
+gradient, and SparseAdam's own coalesce is then free), so the norm of its values is its true norm, and clipping
+scales those values in place, i.e. the sparse gradient itself. Coalescing a sparse tensor on an accelerator reads
+its number of rows back (the one sync a sparse gradient costs; torch's own clipping and SparseAdam pay it too).
+
 >>> import torch
 >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
 >>> norms = GradNorms(model)
@@ -163,7 +169,7 @@ class GradNorms:
         """Norms of the current gradients, or None when no parameter has one."""
         if self._squares is not None:
             return self._compute_sharded(self._squares)
-        every = [p.grad for p in self._params]
+        every = [dense_view(p) for p in self._params]
         present = tuple(g is not None for g in every)
         grads = [g for g in every if g is not None]
         if not grads:
@@ -183,7 +189,7 @@ class GradNorms:
     def _compute_sharded(self, squares: ShardedSquares) -> GradResult:
         """Every rank, every step (a collective): local shards' squared norms summed over ranks, one value per
         parameter (0 where this rank holds no gradient), then the same reductions as one process."""
-        every = [None if p.grad is None else local(p.grad) for p in self._params]
+        every = [None if (g := dense_view(p)) is None else local(g) for p in self._params]
         grads = [g for g in every if g is not None]
         device = grads[0].device if grads else local(self._params[0]).device
         mine = torch.zeros(len(every), device=device, dtype=torch.float32)
@@ -232,6 +238,40 @@ class GradNorms:
             by_device.setdefault(g.device, []).append(g)
         for dev, grads in by_device.items():
             torch._foreach_mul_(grads, coef.to(dev))
+
+
+def dense_view(p: torch.Tensor) -> torch.Tensor | None:
+    """``p``'s gradient as a strided tensor with the same L2 norm whose in-place scaling scales the gradient:
+    the gradient itself, or a sparse gradient's values. A sparse COO gradient is coalesced first (duplicate
+    entries summed, so its values' norm is its norm) and put back as ``p.grad``.
+
+    >>> emb = torch.nn.Embedding(4, 2, sparse=True)
+    >>> emb(torch.tensor([1, 1])).sum().backward()
+    >>> dense_view(emb.weight).tolist(), emb.weight.grad.is_coalesced()
+    ([[2.0, 2.0]], True)
+    """
+    g = p.grad
+    if g is None or g.layout == torch.strided:
+        return g
+    if g.layout != torch.sparse_coo:  # compressed layouts (CSR, ...) hold each entry once
+        return g.values()
+    if not g.is_coalesced():
+        with torch.no_grad():
+            g = g.coalesce()
+        p.grad = g
+    return g.values()  # of a coalesced tensor: a view, scaled in place with it
+
+
+def gradient_entries(p: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``p``'s gradient, ``like``) for a strided gradient; for a sparse one, (its values, the elements of
+    ``like``, a tensor shaped as ``p`` such as Adam's ``exp_avg_sq``, at its entries), both shaped as the values:
+    element-wise work on the pair then touches only the rows the gradient has, and writes into the gradient."""
+    g = dense_view(p)
+    assert g is not None, "gradient_entries: the parameter has no gradient"
+    grad = p.grad
+    if grad is None or grad.layout != torch.sparse_coo:
+        return g, like
+    return g, like[tuple(grad.indices())]  # coalesced by dense_view
 
 
 @dataclass

@@ -17,7 +17,10 @@
   ``torch._foreach_copy_`` into buffers allocated once, when the guard first acts, and restored after the step
   with ``torch.where(skip, saved, current, out=current)`` per tensor: bit-identical, NaN-safe, no per-step
   allocation; while the guard is on, it holds one copy of the parameters and optimizer state
-  (:meth:`SkipGuard.nbytes`), released when the guard turns off.
+  (:meth:`SkipGuard.nbytes`), released when the guard turns off. Sparse optimizer state (SGD's momentum buffer
+  of a parameter with sparse gradients) cannot be restored in place without a host sync (its size changes): on a
+  flagged step the sparse gradients of those parameters are zeroed before the update instead (``masked_fill``,
+  NaN-safe), so that state takes nothing of the discarded step and only decays (logged once).
 
 >>> import torch
 >>> p = torch.nn.Parameter(torch.ones(3))
@@ -40,6 +43,7 @@ from typing import Any
 
 import torch
 
+from stabmon.collect.grads import dense_view
 from stabmon.collect.sharding import local
 
 log = logging.getLogger(__name__)
@@ -92,6 +96,7 @@ class SkipGuard:
         self._found_inf: Any = _UNSET
         self._snapshot = _Snapshot()
         self._warned = False
+        self._warned_sparse = False
 
     # -- decision ----------------------------------------------------------------------------------------
     def decide(self, total: torch.Tensor, factor: float | None) -> torch.Tensor | None:
@@ -142,6 +147,24 @@ class SkipGuard:
                 type(self.optimizer).__name__,
             )
         self._snapshot.save(self.optimizer, skip.device)
+        self._hold_sparse_state(skip)
+
+    def _hold_sparse_state(self, skip: torch.Tensor) -> None:
+        """Zero, where ``skip``, the sparse gradients of parameters whose optimizer state is sparse (see the
+        module docstring)."""
+        held = _sparse_state_params(self.optimizer)
+        if not held:
+            return
+        if not self._warned_sparse:
+            self._warned_sparse = True
+            log.info("stabmon: skip_step guard on %s: its sparse optimizer state cannot be restored without a host "
+                     "sync; on a skipped step the sparse gradients it is built from are zeroed instead",
+                     type(self.optimizer).__name__)
+        with torch.no_grad():
+            for p in held:
+                values = dense_view(p)  # coalesced: its values are the gradient's
+                if values is not None:
+                    values.masked_fill_(skip.to(values.device), 0)
 
     def after_update(self) -> None:
         """After the update: restore the optimizer's own ``found_inf``, or the snapshot where skipped."""
@@ -249,8 +272,8 @@ class _Snapshot:
 
 
 def _updated_tensors(optimizer: torch.optim.Optimizer, device: torch.device) -> list[torch.Tensor]:
-    """Parameters with a gradient and their state tensors on ``device`` (a state tensor elsewhere, such as
-    Adam's CPU step counter beside CUDA parameters, cannot be restored without a host sync)."""
+    """Parameters with a gradient and their strided state tensors on ``device`` (a state tensor elsewhere, such
+    as Adam's CPU step counter beside CUDA parameters, or a sparse one, cannot be restored without a host sync)."""
     out: list[torch.Tensor] = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -258,6 +281,19 @@ def _updated_tensors(optimizer: torch.optim.Optimizer, device: torch.device) -> 
                 continue
             out.append(local(p))  # a DTensor's shard: restored in place on every rank alike
             for v in optimizer.state.get(p, {}).values():
-                if isinstance(v, torch.Tensor) and local(v).device == device:
+                if isinstance(v, torch.Tensor) and v.layout == torch.strided and local(v).device == device:
                     out.append(local(v))
+    return out
+
+
+def _sparse_state_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters with a sparse gradient whose optimizer state holds a sparse tensor."""
+    out: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None or p.grad.layout != torch.sparse_coo:
+                continue
+            state = optimizer.state.get(p, {})
+            if any(isinstance(v, torch.Tensor) and v.layout != torch.strided for v in state.values()):
+                out.append(p)
     return out

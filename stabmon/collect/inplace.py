@@ -11,7 +11,9 @@ Three per-step mechanisms, each off (and free) until an override turns it on:
 * :class:`ElementSkip` (``overrides.skip_theta``, SPAM arXiv 2501.06842): gradient elements with
   ``g^2 > theta x v`` (``v``: Adam's ``exp_avg_sq``, where non-zero) are zeroed before the step, one tensor at a
   time (temporaries of the largest tensor only). Element-wise, so a shard is judged on its own elements alike on
-  every rank.
+  every rank, and a sparse gradient (SparseAdam) on the rows it has. ``v`` is the moving average even under
+  amsgrad, not its running max: a spike judged against the max would be let into the moments, and into the max
+  for good.
 * :class:`UpdateCap` (``overrides.update_rms_cap``, StableAdamW arXiv 2304.13013, Levanter's update clipping):
   after an Adam/AdamW step, each tensor whose update direction ``u = m^ / (sqrt(v^) + eps)`` has an RMS above
   ``cap`` is moved back so that it took ``lr x s`` instead of ``lr``, with ``s = cap / RMS(u)``:
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 
 from stabmon.collect.distributed import world
+from stabmon.collect.grads import gradient_entries
 from stabmon.collect.sharding import local
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq")
@@ -77,7 +80,8 @@ class ElementSkip:
         counts = []
         with torch.no_grad():
             for p, state in _adam_params(optimizer):
-                g, v = local(p.grad), local(state["exp_avg_sq"])  # type: ignore[arg-type]
+                g, v = gradient_entries(p, local(state["exp_avg_sq"]))  # a sparse gradient: the rows it has
+                g = local(g)
                 limit = v * theta if scale is None else v * (theta * scale.to(v.device).square())
                 mask = (g.float().square() > limit) & (v > 0)
                 g.masked_fill_(mask, 0)

@@ -1,8 +1,10 @@
 """Second-moment ratio of Adam/AdamW: ``RMS over elements of g² / v̂`` per tensor, the max over tensors, and
 which tensor.
 
-``v̂`` is the optimizer's ``exp_avg_sq`` before this step's update, bias-corrected with its own step count
-(``v / (1 - β2^t)``) and floored at ``eps²`` (the group's ``eps``: Adam adds it to ``sqrt(v)``). On a healthy
+``v̂`` is the optimizer's ``exp_avg_sq`` before this step's update (under amsgrad its running max
+``max_exp_avg_sq``, the one the step divides by), bias-corrected with its own step count (``v / (1 - β2^t)``)
+and floored at ``eps²`` (the group's ``eps``: Adam adds it to ``sqrt(v)``). A sparse gradient (SparseAdam) is
+measured on the rows it has: the others add nothing to the sum. On a healthy
 tensor the ratio stays near 1 (its gradient is what its second moment expects); a tensor whose gradient is
 suddenly far larger than the average of its recent squares (a rare token's row, a layer that has been quiet)
 reads 10-1000x. Adam then takes steps of up to ``1/sqrt(1-β2)`` times the learning rate on it until the second
@@ -45,15 +47,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from stabmon.collect.grads import gradient_entries
 from stabmon.collect.sharding import ShardedSquares, clean_name, local
 from stabmon.events import Metric
 
 log = logging.getLogger(__name__)
 
 SECOND_MOMENT = "exp_avg_sq"
-"""The optimizer-state key of Adam's second moment (torch's Adam, AdamW, NAdam, RAdam; fused and foreach)."""
+"""The optimizer-state key of Adam's second moment (torch's Adam, AdamW, NAdam, RAdam, SparseAdam; fused and
+foreach)."""
+RUNNING_MAX = "max_exp_avg_sq"
+"""The state key of amsgrad's running max of the second moment: what an amsgrad step divides by."""
 
-_KEEPS_SECOND_MOMENT = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam)
+_KEEPS_SECOND_MOMENT = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
+                        torch.optim.SparseAdam)
 
 
 def not_applicable(optimizer: torch.optim.Optimizer) -> str | None:
@@ -119,13 +126,14 @@ class MomentRatios:
         found = False
         for p, group in self._params:
             state = self._state.get(p)
-            v = state.get(SECOND_MOMENT) if state else None
+            v = _second_moment(state, group) if state and group is not None else None
             if p.grad is None or v is None or group is None or not state:
                 sums.append(torch.zeros((), device=local(p.detach()).device))
                 counts.append(0.0)
                 continue
             found = True
-            sums.append(_ratio_sum(local(p.grad.detach()), local(v), state.get("step"), group))
+            g, v = gradient_entries(p, local(v))  # a sparse gradient: the rows it has (the others add 0)
+            sums.append(_ratio_sum(local(g.detach()), v, state.get("step"), group))
             counts.append(float(local(p.detach()).numel()))
         if not found:
             self._check_state()
@@ -153,6 +161,14 @@ class MomentRatios:
             self.off = True
             log.warning("stabmon: config.moments: the optimizer's state holds no %s (not applicable): moment "
                         "ratios are off", SECOND_MOMENT)
+
+
+def _second_moment(state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor | None:
+    """The second moment the update divides by: amsgrad's running max where the group uses it, else
+    ``exp_avg_sq`` (None: the state keeps neither)."""
+    if group.get("amsgrad") and state.get(RUNNING_MAX) is not None:
+        return state[RUNNING_MAX]
+    return state.get(SECOND_MOMENT)
 
 
 def _ratio_sum(g: torch.Tensor, v: torch.Tensor, step: object, group: dict[str, Any]) -> torch.Tensor:

@@ -29,7 +29,22 @@ The pre-hook runs inside ``optimizer.step()``:
 The post-hook restores the scheduler-visible values (so a scheduler keeps its own trajectory and can never
 undo an override) and lets the guard finish: with fused Adam/AdamW the flagged update never happened (the flag
 was the kernel's ``found_inf``); with any other optimizer the guard restores parameters and state from its
-preallocated snapshot.
+preallocated snapshot. A value the pre-hook writes replaces the group's entry for the step (a tensor LR by a
+tensor on its device, so fused and capturable kernels get what they expect) and the post-hook puts the group's
+own object back: a tensor LR is the same tensor after every step, its value untouched.
+
+When ``optimizer.step()`` raises after the pre-hook (inside the optimizer, in a hook after the monitor's, in a
+closure), the post-hook never runs; :meth:`OptimizerHooks.abandon_unfinished` then does its work when the step's
+record closes or, at the latest, before the next step's pre-hook: each group gets its scheduler's value back
+where it still holds the one written for the failed step (a value a scheduler wrote since is kept), the guard's
+handoff to the kernel is withdrawn. An override is never applied on top of itself.
+
+Learning rates held as tensors (``Adam(params, lr=torch.tensor(0.01))``, filled in place by schedulers): the
+LR in force is computed on the tensor's device. Where the schedule must be known on the host (lifting a
+released LR cap or layer cut, the ``lr`` of :meth:`OptimizerHooks.hparams`), a CPU tensor's value is read (host
+memory: no sync); a tensor on an accelerator is never read between flushes: a released cap or cut is then held,
+not lifted on a guess (logged once), and the recorded ``lr`` is queued as a device value
+(:meth:`OptimizerHooks.lr_on_device`) and copied with the step's other values at the flush.
 
 >>> import torch
 >>> from stabmon.collect.buffer import StepBuffer
@@ -52,7 +67,9 @@ preallocated snapshot.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -64,6 +81,8 @@ from stabmon.collect.inplace import AdaptiveClip, ElementSkip, UpdateCap
 from stabmon.collect.updates import AdamUpdateNorms
 from stabmon.events import Metric
 from stabmon.overrides import Overrides
+
+log = logging.getLogger(__name__)
 
 
 class UpdateSignal(Protocol):
@@ -112,13 +131,19 @@ class OptimizerHooks:
         self._post_pending = False  # before_step ran and after_step has not yet undone its changes
         self.found_inf: torch.Tensor | None = None
         """The GradScaler's overflow flag handed to a fused optimizer this step (device tensor), else None."""
-        self._saved_groups: list[dict[str, Any]] = []
+        self._swaps: list[dict[str, _Swap]] = []
+        """Per param group, the entries the pre-hook replaced for this step."""
+        self._rewarm_taken = False  # the pre-hook counted a step of the re-warm-up down
+        self._unread_logged = False
+        self._abandon_logged = False
         self.lrs_used: list[Any] = []
         """Each param group's learning rate in force for this step (overrides applied: a float or a tensor)."""
         self.skipped_now: torch.Tensor | None = None
         """This step's update did not happen (:meth:`_skipped_flag`), for the update signals that read it."""
         self._handles: list[Any] = []
         self.last_hparams: dict[str, float] = {}
+        self.last_lr_on_device: torch.Tensor | None = None
+        """This step's :meth:`lr_on_device` (a tensor LR on an accelerator), else None."""
 
     def sample(self, step: int) -> None:
         """Choose the update signals measured at ``step``: each on the steps its period divides."""
@@ -141,22 +166,39 @@ class OptimizerHooks:
         return o.max_norm if o.max_norm is not None else self.clip
 
     def hparams(self) -> dict[str, float]:
-        """Effective values for param group 0 as the next step will use them."""
+        """Effective values for param group 0 as the next step will use them, as host floats. A value held as a
+        tensor on an accelerator is left out (reading it would wait for the device; the recorded ``lr`` then comes
+        from :meth:`lr_on_device`)."""
         o = self.overrides
         group = self.optimizer.param_groups[0]
         out: dict[str, float] = {}
         lr = group.get("lr")
-        if isinstance(lr, (int, float)):
+        if isinstance(lr, torch.Tensor):
+            if on_host(lr):
+                out["lr"] = float(o.scaled_lr(lr, ref=lr))
+        elif isinstance(lr, (int, float)):
             out["lr"] = float(o.scaled_lr(float(lr)))
         betas = group.get("betas")
-        if betas is not None:
-            out["beta2"] = float(o.beta2 if o.beta2 is not None else betas[1])
+        beta2 = o.beta2 if o.beta2 is not None else (host_value(betas[1]) if betas is not None else None)
+        if beta2 is not None:
+            out["beta2"] = float(beta2)
         decaying = _decaying_group(self.optimizer.param_groups)
-        if decaying is not None:
-            out["weight_decay"] = float(o.weight_decay if o.weight_decay is not None else decaying["weight_decay"])
+        decay = o.weight_decay if o.weight_decay is not None else (
+            host_value(decaying["weight_decay"]) if decaying is not None else None)
+        if decay is not None:
+            out["weight_decay"] = float(decay)
         mn = self.max_norm()
         out["clip"] = float(mn) if mn is not None else float("inf")
         return out
+
+    def lr_on_device(self) -> torch.Tensor | None:
+        """Param group 0's learning rate in force as a one-element tensor on its device when the group holds a
+        tensor LR on an accelerator (which :meth:`hparams` leaves out), computed there with no host read; else
+        None."""
+        lr = self.optimizer.param_groups[0].get("lr")
+        if not isinstance(lr, torch.Tensor) or on_host(lr):
+            return None
+        return self.overrides.scaled_lr(lr, ref=lr).detach().reshape(1)
 
     # -- hooks -------------------------------------------------------------------------------------------
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -168,10 +210,12 @@ class OptimizerHooks:
     def before_step(self) -> None:
         """The pre-step work (steps 1-5 of the module docstring); the step pre-hook, or called by a framework
         that runs backward inside ``optimizer.step(closure)``."""
+        self.abandon_unfinished()
         self.stepped = True
         self._post_pending = True
         grad_scale = self._scaled_handoff()
         self.last_hparams = self.hparams()
+        self.last_lr_on_device = self.lr_on_device()
         result = self.grads.compute()
         skip = None
         if result is not None:
@@ -205,6 +249,31 @@ class OptimizerHooks:
             self.stepped = False
             self.skip_reported = True
 
+    def abandon_unfinished(self) -> None:
+        """Undo the pre-step work of a step whose post-step work never ran (``optimizer.step()`` raised after
+        the pre-hook): each param group gets its scheduler's value back where it still holds the one written for
+        that step (a value a scheduler wrote since, by assignment or a tensor's ``fill_``, is kept), the skip
+        guard finishes (its handoff to a fused kernel withdrawn, its snapshot restored where it flagged the
+        step), and the re-warm-up step counted down is given back. No host read. Nothing to do after a step that
+        finished; called before each step's pre-step work and when a step's record closes."""
+        if not self._post_pending:
+            return
+        self._post_pending = False
+        if not self._abandon_logged:
+            self._abandon_logged = True
+            log.warning("stabmon: optimizer.step() did not finish (it raised after the monitor's pre-step work): "
+                        "the param groups get their scheduled values back; overrides apply afresh next step")
+        for group, swaps in zip(self.optimizer.param_groups, self._swaps, strict=False):
+            for key, swap in swaps.items():
+                swap.undo(group, key)
+        self._swaps = []
+        self.guard.after_update()
+        self._capping = False
+        if self._rewarm_taken:
+            o = self.overrides
+            o.rewarm_left = min(o.rewarm_left + 1, o.rewarm_steps)
+        self._rewarm_taken = False
+
     def _state_level(self, result: GradResult, grad_scale: torch.Tensor | None) -> GradResult:
         """Element skip and adaptive clipping, when on; the result's global norm then is the clipped one."""
         o = self.overrides
@@ -223,9 +292,11 @@ class OptimizerHooks:
             cap = self.overrides.update_rms_cap
             if cap is not None:
                 self.update_cap.after(self.optimizer, cap, self._skipped_flag())
-        for group, saved in zip(self.optimizer.param_groups, self._saved_groups, strict=False):
-            group.update(saved)
-        self._saved_groups = []
+        for group, swaps in zip(self.optimizer.param_groups, self._swaps, strict=False):
+            for key, swap in swaps.items():
+                group[key] = swap.saved
+        self._swaps = []
+        self._rewarm_taken = False
         self.overrides.advance()  # a release's re-warm-up counts optimizer steps taken
         self.guard.after_update()
         for signal in self.sampled:
@@ -271,33 +342,61 @@ class OptimizerHooks:
 
     def _apply_overrides(self) -> None:
         o = self.overrides
-        lr = self.optimizer.param_groups[0].get("lr")
-        if o.cap_until is not None and isinstance(lr, (int, float)):
-            o.settle(float(lr))  # a released cap lifted once the schedule is below where the trouble began
-        self._saved_groups = []
         groups = self.optimizer.param_groups
+        lr = groups[0].get("lr")
+        if o.cap_until is not None:
+            self._settle_cap(lr)  # a released cap lifted once the schedule is below where the trouble began
+        self._swaps = []
         if o.layer_lr:
-            o.settle_layers([g.get("lr") for g in groups])  # a released layer cut lifted once its group's LR is low
+            o.settle_layers(self._schedule_on_host(groups))  # a released layer cut lifted once its group's LR is low
         decaying = _decaying_group(groups) if o.weight_decay is not None else None
         base = decaying["weight_decay"] if decaying is not None else 0.0
         for i, group in enumerate(groups):
-            saved: dict[str, Any] = {}
+            swaps: dict[str, _Swap] = {}
             if o.lr_changed and "lr" in group:
-                saved["lr"] = group["lr"]
-                group["lr"] = o.scaled_lr(group["lr"], group=i, ref=lr)
+                swaps["lr"] = _Swap.of(group["lr"], o.scaled_lr(group["lr"], group=i, ref=lr))
             if o.beta2 is not None and "betas" in group:
-                saved["betas"] = group["betas"]
-                group["betas"] = (group["betas"][0], o.beta2)
+                swaps["betas"] = _Swap.of(group["betas"], _with_beta2(group["betas"], o.beta2))
             if o.weight_decay is not None and "weight_decay" in group and (group["weight_decay"] or not base):
                 # relative to each group's own value; groups without decay (norms, biases) keep 0 unless no
                 # group decays at all
-                saved["weight_decay"] = group["weight_decay"]
-                group["weight_decay"] = group["weight_decay"] * o.weight_decay / base if base else o.weight_decay
-            self._saved_groups.append(saved)
+                wd = group["weight_decay"] * o.weight_decay / base if base else o.weight_decay
+                swaps["weight_decay"] = _Swap.of(group["weight_decay"], wd)
+            for key, swap in swaps.items():
+                group[key] = swap.written
+            self._swaps.append(swaps)
         if self.sampled:
             self.lrs_used = [g.get("lr") for g in groups]
+        self._rewarm_taken = o.rewarm_left > 0
         if o.rewarm_left:
             o.rewarm_left -= 1
+
+    def _settle_cap(self, lr: Any) -> None:
+        """:meth:`~stabmon.overrides.Overrides.settle` on the schedule's LR read on the host; a tensor LR on an
+        accelerator is not read: the released cap is held."""
+        value = host_value(lr)
+        if value is None:
+            self._not_read(lr, "a released LR cap")
+            return
+        self.overrides.settle(value)
+
+    def _schedule_on_host(self, groups: list[dict[str, Any]]) -> list[float | None]:
+        """Each group's scheduled LR as a host float (None: a tensor on an accelerator, not read: its released
+        layer cut is held)."""
+        values = [host_value(g.get("lr")) for g in groups]
+        for group, value in zip(groups, values, strict=True):
+            if value is None:
+                self._not_read(group.get("lr"), "a released layer cut")
+        return values
+
+    def _not_read(self, lr: Any, what: str) -> None:
+        """Say once why a release waits: the schedule is a tensor the hooks do not read."""
+        if self._unread_logged or not isinstance(lr, torch.Tensor):
+            return
+        self._unread_logged = True
+        log.warning("stabmon: the learning rate is a tensor on %s: reading it between flushes would wait for the "
+                    "device, so %s is held, not lifted, while it is; give the optimizer a float or CPU tensor "
+                    "lr for releases to follow the schedule", lr.device, what)
 
     def learn_host(self, grad_norm: float | None, skipped: bool) -> None:
         """Keep the guard's host running mean of the grad norm (updated at flushes)."""
@@ -308,6 +407,60 @@ class OptimizerHooks:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.guard.load_state_dict(state)
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s value costs no device sync (a CPU tensor)."""
+    return t.device.type == "cpu"
+
+
+def host_value(value: Any) -> float | None:
+    """A param-group value as a host float without waiting for a device: a number as it is, a one-element CPU
+    tensor's value; None for a tensor elsewhere (reading it would wait for the device) or anything else.
+
+    >>> host_value(0.1), host_value(torch.tensor(0.5)), host_value(torch.tensor(0.5, device="meta")), host_value(None)
+    (0.1, 0.5, None, None)
+    """
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().reshape(())) if on_host(value) and value.numel() == 1 else None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+@dataclass
+class _Swap:
+    """One param-group entry the pre-hook replaced for a step: the group's own value, the one written, and for
+    a written tensor a copy of its value (a scheduler fills a tensor LR in place, so the object alone cannot
+    say whether it was written to since)."""
+
+    saved: Any
+    written: Any
+    copy: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, saved: Any, written: Any) -> _Swap:
+        copy = written.detach().clone() if isinstance(written, torch.Tensor) else None
+        return cls(saved, written, copy)
+
+    def undo(self, group: dict[str, Any], key: str) -> None:
+        """After a step that never finished: the group's own value back where the group still holds the one
+        written; a value assigned since is kept, and a written tensor filled since hands its new value to the
+        group's own tensor (on the device: no host read)."""
+        current = group.get(key)
+        if current is not self.written:
+            return
+        if self.copy is not None and isinstance(self.saved, torch.Tensor) and isinstance(current, torch.Tensor):
+            with torch.no_grad():
+                self.saved.copy_(torch.where(current == self.copy, self.saved, current))
+        group[key] = self.saved
+
+
+def _with_beta2(betas: Any, beta2: float) -> tuple[Any, Any]:
+    """``betas`` with the second replaced by ``beta2``, a tensor like the group's own where it holds tensors
+    (torch's Adam takes both as floats or both as tensors)."""
+    old = betas[1]
+    return (betas[0], torch.full_like(old, beta2) if isinstance(old, torch.Tensor) else beta2)
 
 
 def _decaying_group(groups: list[dict[str, Any]]) -> dict[str, Any] | None:

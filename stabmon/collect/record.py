@@ -97,6 +97,7 @@ class StepRecorder:
         self._carry: dict[str, float] = {}
         self._scale_snapshot: torch.Tensor | None = None
         self._hp_snapshot: dict[str, float] | None = None
+        self._lr_snapshot: torch.Tensor | None = None
         self._tokens: int | None = None
 
     @property
@@ -117,6 +118,7 @@ class StepRecorder:
         self.hooks.stepped = self.hooks.skip_reported = False
         self._scale_snapshot = None
         self._hp_snapshot = None
+        self._lr_snapshot = None
         self._tokens = None
         if self.activations is not None and step % self.config.activations.every == 0:
             self.activations.arm()
@@ -151,6 +153,7 @@ class StepRecorder:
         if scaler is not None and scaler.is_enabled():
             # an overflow step never reaches the pre-hook: keep the values in force before scheduler.step()
             self._hp_snapshot = self.hooks.hparams()
+            self._lr_snapshot = self.hooks.lr_on_device()
             if getattr(scaler, "_scale", None) is not None:
                 self._scale_snapshot = scaler._scale.detach().clone()
 
@@ -170,13 +173,18 @@ class StepRecorder:
             errors[f"observe:{name[:64]}"] += 1
 
     def end(self) -> None:
-        """Close the step's record: activations, scaler, hyper-parameters in force, per-rank values, time."""
+        """Close the step's record: activations, scaler, hyper-parameters in force, per-rank values, time. A
+        step whose ``optimizer.step()`` raised after the pre-hook has that hook's changes undone here
+        (:meth:`~stabmon.collect.optim.OptimizerHooks.abandon_unfinished`)."""
+        self.hooks.abandon_unfinished()
         self._collect_forward()
         self._record_scaler()
         hooks = self.hooks
         hp = hooks.last_hparams if hooks.stepped else (self._hp_snapshot or hooks.hparams())
         for name, value in hp.items():
             self.buffer.add_host(name, value)
+        if Metric.LR not in hp and (lr := self._device_lr()) is not None:
+            self.buffer.add([Metric.LR], lr)  # a tensor LR on an accelerator: copied with the rest at the flush
         if self.probe is not None:
             local_norm = hooks.grads.last_local_total if hooks.stepped else None
             before_flush = len(self.buffer) + 1 >= self.config.flush_every
@@ -191,6 +199,15 @@ class StepRecorder:
             tau = hooks.overrides.qk_bound()  # a release in progress raises it step by step, then turns it off
             if tau is not None:
                 self.standing_qk.apply(tau=tau)  # after the optimizer step, as Kimi K2 does
+
+    def _device_lr(self) -> torch.Tensor | None:
+        """The step's LR in force as a device value where the host values leave it out (a tensor LR on an
+        accelerator: :meth:`~stabmon.collect.optim.OptimizerHooks.lr_on_device`), taken when the host values
+        were."""
+        hooks = self.hooks
+        if hooks.stepped:
+            return hooks.last_lr_on_device
+        return self._lr_snapshot if self._hp_snapshot is not None else hooks.lr_on_device()
 
     def note(self, name: str, seconds: float) -> None:
         """Add ``seconds`` to the host value ``name`` of the next step's record (a checkpoint saved between
