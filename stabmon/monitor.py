@@ -51,7 +51,7 @@ from stabmon.collect.build import (
 )
 from stabmon.collect.config import ActivationConfig, EmbeddingConfig, GradConfig, MonitorConfig
 from stabmon.collect.data import DataCursor
-from stabmon.collect.distributed import RankFollower, broadcast, world
+from stabmon.collect.distributed import PeerLost, RankFollower, broadcast, world
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Flusher
 from stabmon.collect.hangs import HangReporter, LoopActivity, start_watchdog, write_last_words
@@ -164,6 +164,7 @@ class Monitor:
             rank=self.rank, world_size=self.world_size, channel=self._channel)
         self.flusher.joiners[Diagnose.name] = self._diagnoser.join
         self._closed = False
+        self._flushing = False
         self._initial_saved = False
         self.activity = LoopActivity()  # pauses in progress, the loop's end: read by the hang watchdog
         self._watchdog = self._start_watchdog(spec.store) if cfg.hang_timeout is not None else None
@@ -457,8 +458,11 @@ class Monitor:
             self._watchdog.beat(self.run.step - 1)
         every = self.config.checkpoint_every
         if every and self.checkpoints is not None and self.run.step % every == 0:
-            self._timed_save()
-        if len(self.signals.buffer) >= self.config.flush_every:
+            step = self.run.step
+            self.flush()  # the state saved then covers every step it holds (detectors, engine, store)
+            if self.run.step == step:  # (a rollback in that flush has saved its own state already)
+                self._timed_save()
+        elif len(self.signals.buffer) >= self.config.flush_every:
             self.flush()
         self.signals.recorder.restart_clock()  # flush and checkpoint time stay out of the next step's time
 
@@ -470,7 +474,13 @@ class Monitor:
         for r in records:
             self.signals.hooks.learn_host(r.get(Metric.GRAD_NORM), bool(r.get(Metric.SKIPPED)))
         self.records.extend(records)
-        self.flusher.flush(records)
+        self._flushing = True
+        try:
+            self.flusher.flush(records)
+        except PeerLost:  # said once, in one line, where it happened: this rank goes on without the others
+            pass
+        finally:
+            self._flushing = False
         return records
 
     def _start_watchdog(self, store: Any) -> Any:
@@ -549,7 +559,11 @@ class Monitor:
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter, data position, overrides, detector/engine/executor state, guard and embedding
-        baselines, the alert gates' memory (:mod:`stabmon.collect.monitor_state` lists every entry)."""
+        baselines, the alert gates' memory (:mod:`stabmon.collect.monitor_state` lists every entry). The steps
+        waiting for a flush are flushed first, so the state covers every completed step (a resume from it
+        loses none of them)."""
+        if not self._flushing and len(self.signals.buffer):
+            self.flush()
         return self._state.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
