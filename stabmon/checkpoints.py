@@ -197,16 +197,27 @@ class CheckpointManager:
             log.exception("stabmon: could not record checkpoint %s in the store", info.path)
 
     def _add(self, info: CheckpointInfo) -> CheckpointInfo:
+        """Register ``info`` and prune: the registry is written before old files are deleted, so that, stopped
+        at any point (SIGTERM), it never lists a file that is gone."""
         self._entries = [e for e in self._entries if e.path != info.path] + [info]
-        self._prune()
+        pruned = self._prune()
         self._write_registry()
+        self._delete(pruned)
         self._record(info)
         return info
 
-    def _prune(self) -> None:
+    def _prune(self) -> list[CheckpointInfo]:
+        """Take the oldest of this manager's own checkpoints past ``keep`` out of the registry; returns them
+        (their files are deleted once the registry is written)."""
         own = sorted((e for e in self._entries if e.own), key=lambda e: (not e.abandoned, e.step, e.timeline))
-        for old in own[: max(0, len(own) - self.keep)]:
+        pruned = own[: max(0, len(own) - self.keep)]
+        for old in pruned:
             self._entries.remove(old)
+        return pruned
+
+    @staticmethod
+    def _delete(pruned: list[CheckpointInfo]) -> None:
+        for old in pruned:
             try:
                 Path(old.path).unlink(missing_ok=True)
             except OSError:
@@ -214,8 +225,18 @@ class CheckpointManager:
 
     # -- saving --
     def save(self, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], *, step: int) -> CheckpointInfo:
-        """Write ``state`` (or what ``state()`` returns) and register it with its byte count."""
-        path = Path(self._save(state, step))
+        """Write ``state`` (or what ``state()`` returns) and register it with its byte count. Ctrl-C or SIGTERM
+        during the write is raised as what it is (see :func:`interruption`), never as a failed save, and
+        nothing is registered."""
+        try:
+            path = Path(self._save(state, step))
+        except Exception as exc:
+            interrupt = interruption(exc)
+            if interrupt is None:
+                raise
+            log.warning("stabmon: the checkpoint save for step %d was interrupted (%s); nothing was registered",
+                        step, type(interrupt).__name__)
+            raise interrupt from None
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint save for step {step} wrote no file at {path}")
         info = CheckpointInfo(step=step, path=str(path), nbytes=path.stat().st_size, own=self.owns_saves,
@@ -353,10 +374,26 @@ class CheckpointManager:
         known = {e.path for e in self._entries}
         new = [CheckpointInfo(**{**e, "own": False}) for e in state.get("checkpoints", ()) if e["path"] not in known]
         if new:
-            self._entries += new
+            before = self.registry_snapshot()
+            self._entries = self._entries + new
             self.timeline = max(self.timeline, *(e.timeline for e in new))
-            self._write_registry()
+            try:
+                self._write_registry()
+            except BaseException:
+                self._entries, self.timeline = before
+                raise
         return len(new)
+
+    def registry_snapshot(self) -> tuple[list[CheckpointInfo], int]:
+        """The registry as it is now (entries and timeline), for :meth:`restore_registry`."""
+        return list(self._entries), self.timeline
+
+    def restore_registry(self, snapshot: tuple[list[CheckpointInfo], int]) -> None:
+        """The registry of a :meth:`registry_snapshot` (a resume that failed after adopting checkpoints),
+        written back."""
+        entries, self.timeline = snapshot
+        self._entries = list(entries)
+        self._write_registry()
 
     def reload(self) -> None:
         """Read the registry file again (another process, rank 0, keeps it)."""
@@ -491,6 +528,31 @@ def unwritable(directory: Path) -> str | None:
         return f"{type(exc).__name__}: {exc.strerror or exc}"
     os.close(fd)
     Path(probe).unlink(missing_ok=True)
+    return None
+
+
+def interruption(exc: BaseException) -> BaseException | None:
+    """The Ctrl-C (``KeyboardInterrupt``) or SIGTERM (``SystemExit``, from the monitor's handler) that ``exc``
+    is or was raised while handling, else None. ``torch.save`` interrupted in the middle of writing closes its
+    zip writer on the way out, and that raises a ``RuntimeError`` of its own ("unexpected pos ..."), which hides
+    the interrupt from anyone who catches errors and carries on.
+
+    >>> try:
+    ...     try:
+    ...         raise KeyboardInterrupt
+    ...     finally:
+    ...         raise RuntimeError("unexpected pos 4004672 vs 4004624")
+    ... except RuntimeError as exc:
+    ...     type(interruption(exc)).__name__, interruption(ValueError("bad"))
+    ('KeyboardInterrupt', None)
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (KeyboardInterrupt, SystemExit)):
+            return current
+        seen.add(id(current))
+        current = current.__context__
     return None
 
 

@@ -94,6 +94,13 @@ class DataCursor:
         return {"position": self.position, "skip": sorted(self.skip)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.position = int(state["position"])
-        self.skip = set(state.get("skip", []))
-        self._rewind = True
+        position, skip = int(state["position"]), set(state.get("skip", []))
+        self.position, self.skip, self._rewind = position, skip, True
+
+    def snapshot(self) -> tuple[int, set[int], bool]:
+        """Position, skip set and a rewind pending, as they are now (a failed load puts them back)."""
+        return self.position, set(self.skip), self._rewind
+
+    def restore(self, snapshot: tuple[int, set[int], bool]) -> None:
+        position, skip, self._rewind = snapshot
+        self.position, self.skip = position, set(skip)

@@ -34,10 +34,10 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from stabmon.checkpoints import CheckpointStore
+from stabmon.checkpoints import CheckpointManager, CheckpointStore
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
-from stabmon.collect.restore import RESUME, ROLLBACK, NamedStates, Restorable, Stateful
+from stabmon.collect.restore import RESUME, ROLLBACK, NamedStates, Stateful
 from stabmon.collect.run_state import RunState
 from stabmon.pipeline import Pipeline, ReseedableEngine
 
@@ -149,14 +149,14 @@ class RegistryState:
 
     def snapshot(self) -> Any:
         checkpoints = self.checkpoints
-        return checkpoints.snapshot() if isinstance(checkpoints, Restorable) else None
+        return checkpoints.registry_snapshot() if isinstance(checkpoints, CheckpointManager) else None
 
     def restore(self, snapshot: Any) -> None:
-        """The registry as it was, adopted checkpoints dropped (a store that cannot say its snapshot keeps
-        them: they are valid checkpoints, not its own to prune)."""
+        """The registry as it was, adopted checkpoints dropped (another kind of store keeps them: they are
+        valid checkpoints, not its own to prune)."""
         checkpoints = self.checkpoints
-        if snapshot is not None and isinstance(checkpoints, Restorable):
-            checkpoints.restore(snapshot)
+        if snapshot is not None and isinstance(checkpoints, CheckpointManager):
+            checkpoints.restore_registry(snapshot)
 
 
 def build_monitor_state(
