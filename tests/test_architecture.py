@@ -36,6 +36,9 @@ ALLOWED: tuple[tuple[str, str], ...] = (
     # river's stats wrap a compiled statistic in a Python object whose update/get only forward to it; the spike
     # detectors call it directly (no Python call around each), the wrapper itself where a release has none
     (r"self\._(mean|var|median|iqr)", r"_ewmean|_ewvar|_rolling_quantile|_rolling_iqr"),
+    # a torch LR scheduler keeps the list get_last_lr() returns private; the HF callback shows the LR in force
+    # there while the Trainer reads it (a plain list of numbers: no method patched onto the user's scheduler)
+    (r"self\.scheduler", r"_last_lr"),
 )
 
 OWN = {"self", "cls"}

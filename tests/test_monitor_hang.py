@@ -23,6 +23,7 @@ from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Flusher, Outbox
 from stabmon.events import Anomaly, Severity, StepRecord
 from stabmon.factory import NullDetectors
+from stabmon.interventions.commit import FollowUps
 from stabmon.monitor import Monitor
 from stabmon.pipeline import Pipeline
 from stabmon.store import open_store, repo
@@ -222,7 +223,7 @@ def test_the_watchdog_hands_its_events_to_the_next_flush_when_a_publish_is_stuck
     outbox = Outbox(StuckOnce(), None, failsafe=safe, run_name="stuck")  # type: ignore[arg-type]
 
     class Target:
-        should_stop, stop_reason, step = False, None, 0
+        should_stop, stop_reason, step, follow_ups = False, None, 0, FollowUps()
 
     flusher = Flusher(Pipeline(NullDetectors()), outbox, target=Target(), failsafe=safe, handoff_after=0.2)
     stuck = threading.Thread(target=flusher.publish, args=([anomaly("spike", 1)],))

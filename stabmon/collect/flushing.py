@@ -15,8 +15,9 @@ handed to the training thread's next flush instead.
 >>> from stabmon.collect.failsafe import Failsafe
 >>> from stabmon.factory import NullDetectors
 >>> from stabmon.pipeline import Pipeline
+>>> from stabmon.interventions.commit import FollowUps
 >>> class Target:
-...     should_stop, stop_reason = False, None
+...     should_stop, stop_reason, follow_ups = False, None, FollowUps()
 >>> outbox = Outbox(None, None, failsafe=Failsafe(), run_name="doc")
 >>> flusher = Flusher(Pipeline(NullDetectors()), outbox, target=Target(), failsafe=outbox.failsafe)
 >>> flusher.flush([StepRecord(step=0, metrics={"loss": 1.0})]), flusher.events

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -72,33 +72,26 @@ class MonitorFactory:
         scaler: Any = None,
         scheduler: Any = None,
         clip: float | None = None,
-        run_name: str | None = None,
-        resume_run_id: str | None = None,
-        recipe: Any = None,
         framework: str,
-        loss_fn: Any = None,
+        defaults: Mapping[str, Any] | None = None,
+        changes: Mapping[str, Any] | None = None,
     ) -> Any:
         """A Monitor on the framework's objects; ``clip`` (the framework's own max-norm, taken over) applies
-        when the config sets none; ``run_name`` (the framework's) applies when the spec has none; ``recipe``: the
-        framework's own settings (its training arguments), stored with the run for ``stabmon diff``;
-        ``framework``: who counts the steps (the callback hands each step's batch over, :class:`~stabmon.spec.Loop`);
-        ``loss_fn``: how a handed batch gives its loss when the spec names none."""
+        when the config sets none; ``framework``: who counts the steps (the callback hands each step's batch over,
+        :class:`~stabmon.spec.Loop`); ``defaults``: spec fields the framework knows (its ``run_name``, how a handed
+        batch gives its ``loss_fn``) that apply where the spec leaves them None; ``changes``: spec fields of this
+        ``train()``/``fit()`` (``resume_run_id``, the framework's own settings as ``recipe``) that apply where they
+        are not None."""
         from stabmon.monitor import Monitor
         from stabmon.spec import Loop
 
         spec = self.spec
-        changes: dict[str, Any] = {"store": self.open_store(), "loop": Loop(framework=framework, batches=True)}
-        if spec.loss_fn is None and loss_fn is not None:
-            changes["loss_fn"] = loss_fn
+        fields: dict[str, Any] = {"store": self.open_store(), "loop": Loop(framework=framework, batches=True)}
         if clip is not None and spec.config.clip is None:
-            changes["config"] = dataclasses.replace(spec.config, clip=float(clip))
-        if spec.run_name is None and run_name is not None:
-            changes["run_name"] = run_name
-        if resume_run_id is not None:
-            changes["resume_run_id"] = resume_run_id
-        if recipe is not None:
-            changes["recipe"] = recipe
-        return Monitor(model, optimizer, spec.replace(**changes), scaler=scaler, scheduler=scheduler)
+            fields["config"] = dataclasses.replace(spec.config, clip=float(clip))
+        fields.update({k: v for k, v in (defaults or {}).items() if v is not None and getattr(spec, k) is None})
+        fields.update({k: v for k, v in (changes or {}).items() if v is not None})
+        return Monitor(model, optimizer, spec.replace(**fields), scaler=scaler, scheduler=scheduler)
 
 
 class EffectiveLR:

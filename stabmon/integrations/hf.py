@@ -176,11 +176,10 @@ class StabmonCallback(TrainerCallback):
             scaler=getattr(optimizer, "scaler", None),
             scheduler=kwargs.get("lr_scheduler"),
             clip=clip,
-            run_name=getattr(args, "run_name", None),
-            resume_run_id=(saved or {}).get("run_id"),
-            recipe=args.to_dict(),  # the TrainingArguments: stabmon diff names the ones two runs differ in
             framework="hf",
-            loss_fn=micro_batches_loss,
+            defaults={"run_name": getattr(args, "run_name", None), "loss_fn": micro_batches_loss},
+            # the TrainingArguments as the recipe: stabmon diff names the ones two runs differ in
+            changes={"resume_run_id": (saved or {}).get("run_id"), "recipe": args.to_dict()},
         )
         if saved is not None:
             self.monitor.load_state_dict(saved)

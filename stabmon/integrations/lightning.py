@@ -162,9 +162,9 @@ class StabmonCallback(Callback):
             scaler=getattr(trainer.precision_plugin, "scaler", None),
             scheduler=configs[0].scheduler if configs else None,
             clip=clip,
-            resume_run_id=(pending or {}).get("run_id"),
             framework="lightning",
-            loss_fn=training_step_loss,
+            defaults={"loss_fn": training_step_loss},
+            changes={"resume_run_id": (pending or {}).get("run_id")},
         )
         if pending is not None:
             self.monitor.load_state_dict(pending)

@@ -3,9 +3,9 @@ checkpoint.
 
 A checkpoint that a change writes "so that a resume continues from here" must hold the change itself: the
 learning-rate cap the rollback rung set, the executor that can revert it and the engine that observes it. So
-the change does not save while it is applied; it leaves a :class:`FollowUp`, and the flush runs the follow-ups
-once the change is whole: applied, told to the engine, recorded, and followed by every rank
-(the flush of a live run, :meth:`stabmon.collect.flushing.Flusher.flush`). Each follow-up returns facts for the change's record (where the
+the change does not save while it is applied; it leaves a :class:`FollowUp`, and the flush of a live run
+(:meth:`stabmon.collect.flushing.Flusher.flush`) runs the follow-ups once the change is whole: applied, told to
+the engine, recorded, and followed by every rank. Each follow-up returns facts for the change's record (where the
 checkpoint went, or why it could not be written); a follow-up that raises is caught and its failure becomes a
 fact, never an exception into training.
 

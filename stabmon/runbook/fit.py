@@ -45,8 +45,9 @@ def unfit_rungs(
 
     >>> from stabmon.runbook import load_runbook
     >>> dropped = unfit_rungs(load_runbook("default"), checkpoints=False, batches=False)
-    >>> dropped[("nonfinite", 0)], dropped[("nonfinite", 1)]
-    ('diagnose needs checkpoints to re-run from (Monitor checkpoint_dir= or checkpoints=)', 'rollback needs checkpoints (Monitor checkpoint_dir= or checkpoints=)')
+    >>> print(dropped[("nonfinite", 0)]); print(dropped[("nonfinite", 1)])
+    diagnose needs checkpoints to re-run from (Monitor checkpoint_dir= or checkpoints=)
+    rollback needs checkpoints (Monitor checkpoint_dir= or checkpoints=)
     """
     out: dict[tuple[str, int], str] = {}
     for rule in runbook.rules:
