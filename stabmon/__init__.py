@@ -9,7 +9,8 @@ try:
 except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0+unknown"
 
-__all__ = ["Monitor", "MonitorConfig", "MonitorSpec", "UserCheckpoints", "__version__", "init_process_group"]
+__all__ = ["Monitor", "MonitorConfig", "MonitorSpec", "UserCheckpoints", "__version__", "init_process_group",
+           "resume_checkpoint"]
 
 
 def __getattr__(name: str) -> object:
@@ -26,6 +27,10 @@ def __getattr__(name: str) -> object:
         from stabmon.collect import restarts
 
         return restarts.init_process_group
+    if name == "resume_checkpoint":  # the step every rank resumes from after a torchrun restart
+        from stabmon.collect import restarts
+
+        return restarts.resume_checkpoint
     if name == "UserCheckpoints":
         from stabmon import checkpoints
 

@@ -273,8 +273,8 @@ class Invariants:
         judged = {o.decision_id for o in outcomes}
         for r in records:
             traits = traits_of(r.action)
-            if r.reverted or traits.releases or traits.stops_run or traits.undoes:
-                continue
+            if r.reverted or traits.releases or traits.reapplies or traits.stops_run or traits.undoes:
+                continue  # judged as part of another's outcome (a release's "kept" names the release) or none
             assert r.decision_id in judged, f"{self.cell}: {r.action} at step {r.step} has no outcome"
         if stopped:
             assert any(traits_of(r.action).stops_run for r in records), f"{self.cell}: no stop recorded"

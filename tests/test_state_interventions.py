@@ -327,6 +327,26 @@ def test_qk_clip_on_a_nanogpt_packed_projection() -> None:
     mon.close()
 
 
+def test_qk_clip_on_hugging_face_gpt2s_conv1d_projection() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
+    assert mon.target.facts().attention == ("transformer.h.0.attn", "transformer.h.1.attn")
+    conv = model.transformer.h[1].attn.c_attn  # weight (16, 48): query, key and value columns side by side
+    w, b = conv.weight.detach().clone(), conv.bias.detach().clone()
+    _, rec = apply(mon, "qk_clip", {"standing": False}, spike("attn_logit/transformer.h.1.attn/1", 400.0))
+    assert rec.after == {"layer": "transformer.h.1.attn", "heads": [1], "factor": 0.25}
+    scaled, bias = conv.weight.detach(), conv.bias.detach()
+    for cols in (slice(8, 16), slice(24, 32)):  # head 1 of the queries and of the keys: sqrt(0.25) each
+        assert torch.allclose(scaled[:, cols], w[:, cols] * 0.5) and torch.allclose(bias[cols], b[cols] * 0.5)
+    for cols in (slice(0, 8), slice(16, 24), slice(32, 48)):  # head 0 and the values untouched
+        assert torch.equal(scaled[:, cols], w[:, cols]) and torch.equal(bias[cols], b[cols])
+    mon.close()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_skipped_step_stays_skipped_with_every_state_level_fix_on(kind: dict[str, bool]) -> None:
     model, opt, mon = build(kind)

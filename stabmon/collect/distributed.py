@@ -14,6 +14,12 @@ An intervention whose work every rank must do together (``diagnose`` re-runs ste
 sends a :class:`Join` through that same broadcast first: the other ranks, waiting there for rank 0's
 decisions, do the work with rank 0, then wait again for the decisions.
 
+A peer that is gone (its process killed, its node lost) makes the next collective fail. Every collective the
+monitor calls goes through :func:`collective`: the first failure is said in one line and raises
+:class:`PeerLost`, which the monitor's callers take quietly (no traceback: the training's own collectives, or
+the launcher, end the process); after it the monitor calls no collective in this process, each raising
+:class:`PeerLost` at once instead of waiting on a peer that is not there.
+
 >>> world()
 (0, 1)
 """
@@ -22,16 +28,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 
+from stabmon.collect.failsafe import Reported
 from stabmon.events import Decision, Event, InterventionRecord, Metric
 from stabmon.interventions.traits import traits_of
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def world() -> tuple[int, int]:
@@ -40,6 +50,47 @@ def world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+class PeerLost(Reported, RuntimeError):
+    """A collective of the monitor's failed, or one failed before in this process: another rank is gone (its
+    process died, or its connection broke) or out of step, and the process group cannot be used again. Said
+    once, in one line, where it first happened (:func:`collective`); ``what``: the collective that raised it."""
+
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"{what}: another rank is gone ({why})")
+        self.what, self.why = what, why
+
+
+@dataclass
+class Peers:
+    """Whether this process can still reach the other ranks: the first of the monitor's collectives that fails
+    says not (``lost``: why). One per process, as the process group it describes."""
+
+    lost: str | None = None
+
+
+PEERS = Peers()
+"""This process's :class:`Peers` (:func:`~stabmon.collect.restarts.init_process_group` starts it afresh)."""
+
+
+def collective(what: str, call: Callable[[], T]) -> T:
+    """``call()``, one of the monitor's collectives (``what`` names it in the log). When it fails, the peers are
+    lost: one line says so and :class:`PeerLost` is raised, here and, without calling, from every later one.
+
+    >>> collective("a gather", lambda: [1])
+    [1]
+    """
+    if PEERS.lost is not None:
+        raise PeerLost(what, PEERS.lost)
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - any failure leaves the ranks' collectives out of line
+        PEERS.lost = (str(exc).splitlines() or [""])[0][:300] or type(exc).__name__
+        log.error("stabmon: rank %d: %s failed, another rank is gone (%s: %s); stabmon calls no more "
+                  "collectives in this process", world()[0], what, type(exc).__name__, PEERS.lost)
+        log.debug("stabmon: %s failed", what, exc_info=True)
+        raise PeerLost(what, PEERS.lost) from exc
 
 
 def max_over_ranks(name: str) -> bool:
@@ -61,13 +112,14 @@ def reduce_across_ranks(flat: torch.Tensor, maxed: Sequence[bool] = ()) -> torch
     _, size = world()
     if size == 1:
         return flat
+    dist = torch.distributed
     out = flat.clone()
-    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM)
+    collective("the flush's mean over ranks", partial(dist.all_reduce, out, op=dist.ReduceOp.SUM))
     out = out / size
     if len(maxed) == flat.numel() and any(maxed):  # the same names on every rank: all take this branch together
         mask = torch.tensor(list(maxed), dtype=torch.bool, device=flat.device)
         peak = flat.clone()
-        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        collective("the flush's maximum over ranks", partial(dist.all_reduce, peak, op=dist.ReduceOp.MAX))
         out = torch.where(mask & torch.isfinite(out), peak, out)  # a NaN or inf on any rank stays in the mean
     return out
 
@@ -91,9 +143,9 @@ class Join:
 
 
 def broadcast(payload: Any) -> Any:
-    """Rank 0's ``payload`` on every rank."""
+    """Rank 0's ``payload`` on every rank (:class:`PeerLost` when a peer is gone)."""
     box = [payload]
-    torch.distributed.broadcast_object_list(box, src=0)
+    collective("the broadcast from rank 0", partial(torch.distributed.broadcast_object_list, box, src=0))
     return box[0]
 
 

@@ -2,7 +2,9 @@
 
 Store writes, alert delivery, checkpoint saves and the pipeline are all called through one :class:`Failsafe`
 owned by the :class:`~stabmon.monitor.Monitor`; its ``errors`` counter is ``monitor.errors``. Only an explicit
-stop (a runbook's checkpoint-and-stop, the kill switch, the hang watchdog's exit code) ends a run.
+stop (a runbook's checkpoint-and-stop, the kill switch, the hang watchdog's exit code) ends a run, or Ctrl-C and
+SIGTERM: an error raised while one was being handled (``torch.save`` closing its writer on the way out) is the
+interrupt, raised as such (:func:`~stabmon.checkpoints.interruption`), never a failure to carry on from.
 """
 
 from __future__ import annotations
@@ -13,9 +15,16 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
+from stabmon.checkpoints import interruption
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class Reported(Exception):
+    """An error already said in the log, in one line, where it happened (a peer rank gone:
+    :class:`~stabmon.collect.distributed.PeerLost`): the failsafe counts it and adds no traceback."""
 
 
 class HasStep(Protocol):
@@ -46,9 +55,13 @@ class Failsafe:
             return fn()
         except let_through:
             raise
-        except Exception:  # noqa: BLE001 - never raise into training
+        except Exception as exc:  # noqa: BLE001 - never raise into training
+            interrupt = interruption(exc)
+            if interrupt is not None:  # Ctrl-C or SIGTERM that a library turned into an error: still a stop
+                raise interrupt from None
             self.errors[what] += 1
-            log.exception("stabmon: %s failed at step %d (continuing)", what, self._current_step())
+            if not isinstance(exc, Reported):
+                log.exception("stabmon: %s failed at step %d (continuing)", what, self._current_step())
             return None
 
     def call_within(self, what: str, fn: Callable[[], T], timeout: float) -> T | None:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol
 
-from stabmon.collect.distributed import Join, RankFollower, broadcast, executed_decisions
+from stabmon.collect.distributed import Join, PeerLost, RankFollower, broadcast, executed_decisions
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.joint import Agreement, RankChannel
 from stabmon.collect.rank_policy import RankPolicy
@@ -270,7 +270,11 @@ class Flusher:
         events = self.decide(records) if leader else []
         joint = False
         if self.policy.distributed:
-            joint = self.share(executed_decisions(events) if leader else None)
+            try:
+                joint = self.share(executed_decisions(events) if leader else None)
+            except PeerLost:  # said in one line where it failed; what rank 0 decided is still recorded below
+                if not leader:
+                    raise
         if not leader:
             self.follow_up(joint)
             return events
@@ -278,8 +282,10 @@ class Flusher:
         handed = self._take_handed()
         with self._publishing:
             self.outbox.notify(_low([*handed, *events]))
-        events = _completed(events, self.follow_up(joint))
+        found, disagreements = self.follow_up(joint)
+        events = [*_completed(events, found), *disagreements]
         with self._publishing:
+            self.outbox.notify(disagreements)
             self._keep(_low([*handed, *events]))
         return events
 
@@ -300,23 +306,28 @@ class Flusher:
         self._check_kill_switch()
         return events
 
-    def follow_up(self, joint: bool) -> dict[str | None, dict[str, Any]]:
-        """This rank's follow-ups of the changes just committed (a rollback's or a stop's checkpoint); after a
-        joint change (``joint``: rank 0 made one) every rank's problems are gathered and rank 0 reports a rank
-        that could not save."""
+    def follow_up(self, joint: bool) -> tuple[dict[str | None, dict[str, Any]], list[Event]]:
+        """This rank's follow-ups of the changes just committed (a rollback's or a stop's checkpoint): their facts by
+        record. After a joint change (``joint``: rank 0 made one) every rank's problems are gathered: on rank 0 a
+        rank that could not save is named on the change's record (``rank_disagreements``) and in a
+        ``rank_disagreement`` anomaly, returned to publish with the records."""
         follow_ups = self.target.follow_ups
+        actions = follow_ups.actions
         found = follow_ups.run() if follow_ups.pending else {}
-        if joint and self.channel is not None:
-            mine = {k: v for facts in found.values() for k, v in facts.items()}
-            reports = self.channel.gather(SAVED.summary(self.policy.rank, mine, None))
-            lines = SAVED.disagreements(reports) if self.policy.leader else []
-            if lines:
-                log.error("stabmon: after a joint change the ranks do not agree: %s", "; ".join(lines))
-                self._handed.append(Anomaly(kind="rank_disagreement", metric="ranks/follow_up",
-                                            step=self.target.step, score=float(len(lines)),
-                                            severity=Severity.ERROR, detector="rank_policy",
-                                            message="follow-up: " + "; ".join(lines)))
-        return found
+        if not (joint and self.channel is not None):
+            return found, []
+        mine = {k: v for facts in found.values() for k, v in facts.items()}
+        reports = self.channel.gather(SAVED.summary(self.policy.rank, mine, None))
+        lines = [line for line in SAVED.disagreements(reports) if not line.startswith("rank 0")] \
+            if self.policy.leader else []
+        if not lines:
+            return found, []
+        log.error("stabmon: after %s the ranks do not agree: %s", "/".join(actions), "; ".join(lines))
+        for facts in found.values():
+            facts["rank_disagreements"] = [*facts.get("rank_disagreements", []), *lines]
+        return found, [Anomaly(kind="rank_disagreement", metric="ranks/" + "/".join(actions), step=self.target.step,
+                               score=float(len(lines)), severity=Severity.ERROR, detector="rank_policy",
+                               message="/".join(actions) + ": " + "; ".join(lines))]
 
     def _answers(self) -> list[Event]:
         """Propose mode: humans' answers from the store, fed to the engine (and executed when approved)."""

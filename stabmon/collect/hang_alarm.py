@@ -58,8 +58,9 @@ class PeerAlarm:
     def ring(self, *, rank: int) -> None:
         try:
             self.store.set(self.key, str(rank))
-        except Exception:  # noqa: BLE001 - the job may already be going down
-            log.exception("stabmon: could not tell the other ranks about the hang")
+        except Exception as exc:  # noqa: BLE001 - the job may already be going down: one line, no traceback
+            log.error("stabmon: could not tell the other ranks about the hang (%s: %s)", type(exc).__name__,
+                      (str(exc).splitlines() or [""])[0])
 
     def rung(self) -> bool:
         try:

@@ -6,7 +6,8 @@ scaled by ``sqrt(tau / S)`` each, so its logits scale by ``tau / S``; other head
 attention modules: ``nn.MultiheadAttention`` (the packed ``in_proj_weight``, or its separate ``q/k_proj_weight``)
 any module with separate query/key ``nn.Linear`` children (``q_proj``/``k_proj`` as in HF Llama, ``query``/
 ``key``, ``q``/``k``, ``wq``/``wk``), and nanoGPT's packed ``nn.Linear`` child (``c_attn``, ``qkv``, ``attn``,
-``in_proj``: query, key and value rows stacked), each with a head count attribute (``num_heads``, ``n_heads``,
+``in_proj``: query, key and value rows stacked; Hugging Face GPT-2's ``Conv1D`` ``c_attn``, its columns stacked),
+each with a head count attribute (``num_heads``, ``n_heads``,
 ``n_head``, ``num_attention_heads``, or the same on its ``config``). Where keys have fewer heads than queries
 (grouped-query attention), the query head alone takes the whole factor. Register another layout with
 :func:`register_qk`.
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from stabmon.collect.sharding import clean_name
+from stabmon.collect.sharding import clean_name, is_sharded
 
 if TYPE_CHECKING:
     from stabmon.collect.attention import AttentionLogits
@@ -111,6 +112,26 @@ def _packed_linear(module: nn.Module) -> QK | None:
     return QK(qs, ks, heads, heads, e // heads)
 
 
+def _packed_conv1d(module: nn.Module) -> QK | None:
+    """Hugging Face GPT-2's layout: the same packed child (``c_attn``) as a ``Conv1D``, whose weight is
+    ``(input width, 3 x input width)``: the query, key and value blocks are its columns, scaled through its
+    transpose (a view: the weight itself changes). Not on a sharded (DTensor) weight."""
+    children = dict(module.named_children())
+    packed = next((children[n] for n in _PACKED if type(children.get(n)).__name__ == "Conv1D"), None)
+    heads = head_count(module)
+    if packed is None or heads is None:
+        return None
+    params = dict(packed.named_parameters(recurse=False))
+    weight, bias = params.get("weight"), params.get("bias")
+    if weight is None or weight.dim() != 2 or is_sharded(weight) or weight.shape[1] != 3 * weight.shape[0]:
+        return None
+    e = weight.shape[0]
+    columns = weight.t()
+    qs = ((columns, 0),) + (((bias, 0),) if bias is not None else ())
+    ks = ((columns, e),) + (((bias, e),) if bias is not None else ())
+    return QK(qs, ks, heads, heads, e // heads)
+
+
 def head_count(module: nn.Module) -> int | None:
     """The head count an attention module (or its HF ``config``) declares, else None."""
     for owner in (module, getattr(module, "config", None)):
@@ -123,7 +144,7 @@ def head_count(module: nn.Module) -> int | None:
 
 def find_qk(module: nn.Module) -> QK | None:
     """The query/key layout of ``module``, or None when it is no attention module stabmon recognises."""
-    for finder in (*_FINDERS, _mha, _linear_pair, _packed_linear):
+    for finder in (*_FINDERS, _mha, _linear_pair, _packed_linear, _packed_conv1d):
         found = finder(module)
         if found is not None:
             return found

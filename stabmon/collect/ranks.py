@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from stabmon.collect.buffer import StepBuffer
-from stabmon.collect.distributed import world
+from stabmon.collect.distributed import collective, world
 from stabmon.events import Metric
 
 FIELDS = (Metric.STEP_TIME, Metric.BUSY_TIME, Metric.LOSS, Metric.GRAD_NORM_LOCAL, Metric.PARAM_CHECKSUM)
@@ -75,7 +75,7 @@ class RankGather:
         rank, size = world()
         if size > 1:
             parts = [torch.empty_like(block) for _ in range(size)]
-            torch.distributed.all_gather(parts, block)
+            collective("the flush's gather of every rank's values", lambda: torch.distributed.all_gather(parts, block))
             block = torch.stack(parts)
         else:
             block = block.unsqueeze(0)

@@ -58,6 +58,11 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "placements") and hasattr(t, "device_mesh")
 
 
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a shard of a larger tensor on this rank)."""
+    return _is_dtensor(t)
+
+
 def _dtensor_counted_here(p: torch.Tensor) -> bool:
     """Whether this rank counts its local part of a DTensor: on a mesh dimension it is replicated along,
     only the replica at coordinate 0 does (shards and partial sums are counted by every rank)."""

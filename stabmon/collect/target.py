@@ -293,9 +293,12 @@ class LiveTarget:
                               gather=self._gather, restore=restore, keep=self._keep)
 
     def _keep(self) -> Callable[[], int]:
-        """What puts this rank's training state back as it is now (a rollback every rank refused together)."""
-        saved, position = copy.deepcopy(self.state.state_dict()), self.cursor.position
-        return partial(self._restore, saved, position)
+        """What puts this rank's training state back as it is now (a rollback every rank refused together): a
+        copy of it, the optimizer's state by reference (a load builds that anew and leaves these tensors as
+        they are), so one copy of the weights is held while the ranks agree."""
+        now = self.state.state_dict()
+        saved = {name: value if name == "optimizer" else copy.deepcopy(value) for name, value in now.items()}
+        return partial(self._restore, saved, self.cursor.position)
 
     def _rollback_from(
         self, choose: Callable[[Any, int, Callable[[dict[str, Any]], int]], tuple[Any, dict[str, Any]]], *,

@@ -89,7 +89,7 @@ class MonitorFactory:
         fields: dict[str, Any] = {"store": self.open_store(), "loop": Loop(framework=framework, batches=True)}
         if clip is not None and spec.config.clip is None:
             fields["config"] = dataclasses.replace(spec.config, clip=float(clip))
-        fields.update({k: v for k, v in (defaults or {}).items() if v is not None and getattr(spec, k) is None})
+        fields.update({k: v for k, v in (defaults or {}).items() if v is not None and vars(spec)[k] is None})
         fields.update({k: v for k, v in (changes or {}).items() if v is not None})
         return Monitor(model, optimizer, spec.replace(**fields), scaler=scaler, scheduler=scheduler)
 

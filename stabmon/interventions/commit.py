@@ -49,6 +49,11 @@ class FollowUps:
     def pending(self) -> bool:
         return bool(self._pending)
 
+    @property
+    def actions(self) -> list[str]:
+        """The actions whose follow-ups are pending, in order, each once."""
+        return list(dict.fromkeys(f.action for f in self._pending))
+
     def add(self, action: str, run: Callable[[], dict[str, Any]]) -> None:
         """Leave ``run`` to do once ``action`` is committed."""
         self._pending.append(FollowUp(action, run))
