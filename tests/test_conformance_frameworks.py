@@ -141,14 +141,15 @@ def _hf_params(action: str) -> dict[str, Any]:
     return ACTIONS[action]
 
 
+HF_CELLS = [(a, "default", e) for a in sorted(ACTIONS) for e in EVENTS] + [
+    (a, "lambda", "resume") for a in sorted(ACTIONS)]
+"""The Trainer's default scheduler on every event; a custom ``LambdaLR`` (its own state_dict) on the resume."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("event", EVENTS)
-@pytest.mark.parametrize("sched", ["default", "lambda"])
-@pytest.mark.parametrize("action", sorted(ACTIONS))
+@pytest.mark.parametrize(("action", "sched", "event"), HF_CELLS)
 def test_hf_trainer(action: str, sched: str, event: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,
                     monkeypatch: pytest.MonkeyPatch) -> None:
-    if sched == "lambda" and event != "resume":
-        pytest.skip("the custom LambdaLR is checked on the resume event (the others are the scheduler's alike)")
     import conformance_support
 
     cell = Invariants(f"hf-{sched}/{action}/{event}")

@@ -93,6 +93,10 @@ def _max(a: Severity, b: Severity) -> Severity:
     return a if a >= b else b
 
 
+def _min(a: Severity, b: Severity) -> Severity:
+    return a if a <= b else b
+
+
 class Composer:
     """Builds :class:`Alert` objects from events; remembers recent events to link later ones.
 
@@ -198,6 +202,10 @@ class Composer:
             kind, severity, verb = "intervention", Severity.WARNING, "put back"
         elif record is not None and record.not_applied is not None:  # nothing changed: said, never paged
             kind, severity, verb = "intervention", Severity.INFO, "skipped (not applicable)"
+        elif record is not None and record.error is not None:  # nothing changed: the next rung (which pages when
+            kind, severity, verb = "intervention", Severity.WARNING, "failed"  # it changes something) follows
+        elif record is not None and traits.diagnoses:  # a verdict, nothing changed in the run: said, not paged
+            kind, severity, verb = "intervention", _min(base, Severity.WARNING), "diagnosed"
         elif record is not None:
             kind = "intervention"
             severity = Severity.WARNING if record.reverted else _max(base, Severity.ERROR)
