@@ -195,16 +195,13 @@ class Pipeline:
                 continue
             ev = self._with_evidence(ev)
             events.append(ev)
-            if self.executor is not None:
-                self.executor.commit(ev, self._tell, events)
-
-    def _tell(self, decision: Decision, record: InterventionRecord) -> None:
-        """The engine learns what applying ``decision`` changed; a change to training restarts the detectors'
-        grace period."""
-        assert self.engine is not None
-        self.engine.applied(decision, record)
-        if changed_training(record):
-            self.detectors.enter_grace()
+            if self.executor is None:
+                continue
+            made = len(events)
+            self.executor.commit(ev, self.engine.applied, events)  # the change whole: applied, recorded, told
+            record = events[-1] if len(events) > made else None
+            if isinstance(record, InterventionRecord) and changed_training(record):
+                self.detectors.enter_grace()  # (should this fail, the change and its record stand)
 
     def _remember(self, anomalies: Sequence[Anomaly]) -> None:
         for a in anomalies:
