@@ -97,12 +97,12 @@ def test_the_fault_ruins_the_run_unmonitored(tmp_path: Path, healthy: float) -> 
 @pytest.mark.slow
 @pytest.mark.parametrize("sched", ["default", "lambda"])
 def test_a_new_users_trainer_is_rescued_from_its_checkpoints(sched: str, tmp_path: Path, healthy: float) -> None:
+    from test_alerts_support import Receiver
+
     from stabmon.events import InterventionRecord
     from stabmon.goodput import compute_ledger, load_input
     from stabmon.store import open_store
     from stabmon.store.repo import list_checkpoints, load_events
-
-    from test_alerts_support import Receiver
 
     pager = Receiver()  # a paging channel: errors and worse only, as PagerDuty's default
     try:
