@@ -188,6 +188,31 @@ def test_without_checkpoints_the_verdict_is_inconclusive_and_the_ladder_goes_on(
     assert ev["verdict"] == "inconclusive" and "checkpoint" in ev["summary"]
 
 
+def test_a_loop_that_hands_no_batch_is_told_so_and_its_diagnose_rungs_are_dropped(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level("WARNING", logger="stabmon"):
+        mon = Monitor(model, opt, store=None, runbook="diagnose-first", mode="apply", checkpoint_dir=str(tmp_path),
+                      config=MonitorConfig(checkpoint_every=10, hang_timeout=None),
+                      loss_fn=lambda m, b: m(b[0]).pow(2).mean())
+        for step in range(30):  # a hand-written loop: it samples its own batches and hands none over
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            mon.begin_step()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            mon.observe(loss=loss)
+            opt.step()
+            opt.zero_grad()
+            mon.end_step()
+        ev = mon.diagnose(onset_step=15, step=25, metric="loss", max_batches=4, rtol=1e-4, recur=0.5).as_after()
+        mon.close()
+    # the verdict says what is missing (before: "no loss recorded for the incident", though the losses were)
+    assert ev["verdict"] == "inconclusive" and ev["summary"].startswith("no batch was handed to the monitor"), ev
+    dropped = [r.getMessage() for r in caplog.records if "dropped from the ladder" in r.getMessage()]
+    assert len(dropped) == 1 and "diagnose needs the batches" in dropped[0], dropped  # said once, at the first step
+
+
 # -- the verdict logic, pure ------------------------------------------------------------------------------------
 def test_incident_steps_are_the_ones_that_rose_else_the_last_ones() -> None:
     window = [(1, 2.0), (2, 2.1), (3, math.nan), (4, math.inf)]
