@@ -100,3 +100,33 @@ def exit_codes(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 1
         if p.is_alive():
             p.kill()
     return codes
+
+
+class Scripted:
+    """Test double of the runbook engine: one decision (``action`` with ``params``), applied the first time the
+    record of step ``at`` comes through (``once=False``: every time it does)."""
+
+    def __init__(self, action: str, params: dict[str, Any], at: int, *, once: bool = True) -> None:
+        self.action, self.params, self.at, self.once = action, params, at, once
+        self.done = False
+
+    def process(self, record: Any, anomalies: Any) -> list[Any]:
+        from stabmon.events import Decision, DecisionStatus
+
+        if record.step != self.at or (self.once and self.done):
+            return []
+        self.done = True
+        return [Decision(step=record.step, action=self.action, params=dict(self.params), status=DecisionStatus.APPLY,
+                         runbook="t", rule="r", rung=0, reason="scripted")]
+
+    def answer(self, decision_id: str, approved: bool, step: int) -> list[Any]:
+        return []
+
+    def applied(self, decision: Any, record: Any) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass

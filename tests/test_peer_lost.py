@@ -14,41 +14,17 @@ import os
 import signal
 import sqlite3
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from dist_support import exit_codes
+from dist_support import Scripted, exit_codes
 from torch import nn
 
 from stabmon.collect.config import MonitorConfig
-from stabmon.events import Decision, DecisionStatus, StepRecord
 from stabmon.monitor import Monitor
 
 pytestmark = pytest.mark.slow
 STEPS = 12
-
-
-class Scripted:
-    """Test double of the engine: one rollback, applied when the record of step 4 comes through."""
-
-    def process(self, record: StepRecord, anomalies: Any) -> list[Any]:
-        if record.step != 4:
-            return []
-        return [Decision(step=record.step, action="rollback", params={"lookback": 0, "onset_step": 4},
-                         status=DecisionStatus.APPLY, runbook="t", rule="r", rung=0, reason="scripted")]
-
-    def answer(self, decision_id: str, approved: bool, step: int) -> list[Any]:
-        return []
-
-    def applied(self, decision: Any, record: Any) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 class Lines(logging.Handler):
@@ -70,7 +46,8 @@ def _survive(rank: int, size: int, root: str) -> None:
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     mon = Monitor(model, opt, store=f"sqlite:///{root}/stabmon.db", detectors=False, mode="apply",
-                  runbook=Scripted(), checkpoint_dir=f"{root}/ckpt-rank{rank}",
+                  runbook=Scripted("rollback", {"lookback": 0, "onset_step": 4}, at=4, once=False),
+                  checkpoint_dir=f"{root}/ckpt-rank{rank}",
                   config=MonitorConfig(flush_every=2, checkpoint_every=4, hang_timeout=None))
     if rank == 1:  # killed when rank 0 calls it in
         mon.flusher.joiners["rollback"] = lambda params: os.kill(os.getpid(), signal.SIGKILL)

@@ -14,41 +14,16 @@ from typing import Any
 
 import pytest
 import torch
-from dist_support import run_ranks
+from dist_support import Scripted, run_ranks
 from torch import nn
 
 from stabmon.checkpoints import STOP_EXIT_CODE, UserCheckpoints
 from stabmon.collect.config import MonitorConfig
-from stabmon.events import Anomaly, Decision, DecisionStatus, InterventionRecord, StepRecord
+from stabmon.events import Anomaly, InterventionRecord
 from stabmon.monitor import Monitor
 
 pytestmark = pytest.mark.slow
 STEPS = 16
-
-
-class Scripted:
-    """Test double of the engine: one decision, applied when the record of ``at`` comes through."""
-
-    def __init__(self, action: str, params: dict[str, Any], at: int) -> None:
-        self.action, self.params, self.at = action, params, at
-
-    def process(self, record: StepRecord, anomalies: Any) -> list[Any]:
-        if record.step != self.at:
-            return []
-        return [Decision(step=record.step, action=self.action, params=dict(self.params), status=DecisionStatus.APPLY,
-                         runbook="t", rule="r", rung=0, reason="scripted")]
-
-    def answer(self, decision_id: str, approved: bool, step: int) -> list[Any]:
-        return []
-
-    def applied(self, decision: Any, record: Any) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 def _model(kind: str) -> nn.Module:

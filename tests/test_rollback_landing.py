@@ -18,44 +18,18 @@ from typing import Any
 
 import pytest
 import torch
-from dist_support import run_ranks
+from dist_support import Scripted, run_ranks
 from torch import nn
 
 from stabmon.checkpoints import UserCheckpoints
 from stabmon.collect.config import MonitorConfig
-from stabmon.events import Anomaly, Decision, DecisionStatus, InterventionRecord, StepRecord
+from stabmon.events import Anomaly, InterventionRecord
 from stabmon.monitor import Monitor
 
 pytestmark = pytest.mark.slow
 STEPS = 16
 DECIDED_AT = 12
 """The scripted rollback's record: applied at the flush after step 13 (records 12 and 13), onset step 11."""
-
-
-class Scripted:
-    """Test double of the engine: one rollback, applied the first time the record of :data:`DECIDED_AT` comes
-    through."""
-
-    done = False
-
-    def process(self, record: StepRecord, anomalies: Any) -> list[Any]:
-        if record.step != DECIDED_AT or self.done:
-            return []
-        self.done = True
-        return [Decision(step=record.step, action="rollback", params={"lookback": 0, "onset_step": 11},
-                         status=DecisionStatus.APPLY, runbook="t", rule="r", rung=0, reason="scripted")]
-
-    def answer(self, decision_id: str, approved: bool, step: int) -> list[Any]:
-        return []
-
-    def applied(self, decision: Any, record: Any) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 def _model() -> nn.Module:
@@ -92,7 +66,7 @@ def _train(rank: int, size: int, root: str, fault: str) -> dict[str, Any]:
 
     ckpts = UserCheckpoints(directory, save=save, load=lambda p: torch.load(p, weights_only=False), keep=10)
     mon = Monitor(model, opt, store=f"sqlite:///{root}/stabmon.db", detectors=False, mode="apply", checkpoints=ckpts,
-                  runbook=Scripted(),
+                  runbook=Scripted("rollback", {"lookback": 0, "onset_step": 11}, at=DECIDED_AT),
                   config=MonitorConfig(flush_every=2, checkpoint_every=5, hang_timeout=None))
     before: dict[int, dict[str, torch.Tensor]] = {}  # each step's parameters as the step begins
     after: dict[int, dict[str, torch.Tensor]] = {}  # ... and once it has been taken

@@ -3,6 +3,7 @@ from the store, and a tiny monitored training loop that measures the training th
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import threading
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 import torch
 from sqlalchemy.engine import make_url
@@ -164,6 +166,31 @@ class Tiny(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.relu(self.a(x)))
+
+
+SEED = int(os.environ.get("STABMON_TEST_SEED", "0"))
+THREADS = int(os.environ.get("STABMON_TEST_THREADS", "0"))  # 0: torch's own default
+
+
+@pytest.fixture
+def test_threads() -> Iterator[None]:
+    """torch on ``STABMON_TEST_THREADS`` threads for the test, as it was afterwards (use it with
+    ``pytestmark = pytest.mark.usefixtures("test_threads")``)."""
+    before = torch.get_num_threads()
+    if THREADS:
+        torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(before)
+
+
+def seeded_tiny() -> torch.nn.Module:
+    """The fault suite's tiny model, its weights moved by ``STABMON_TEST_SEED``: what is checked holds for every
+    seed (and every thread count, ``STABMON_TEST_THREADS``)."""
+    model = Tiny()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(SEED)), alpha=0.1)
+    return model
 
 
 def data(n: int) -> list[torch.Tensor]:

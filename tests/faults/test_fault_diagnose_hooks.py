@@ -11,41 +11,18 @@ step used is read back from the weights, bit for bit, on every machine and seed.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from fault_support import Tiny, data
+from fault_support import data, seeded_tiny, test_threads  # noqa: F401 (test_threads: the fixture)
 
 from stabmon.monitor import Monitor, MonitorConfig
 
 LR = 0.05
-SEED = int(os.environ.get("STABMON_TEST_SEED", "0"))
-THREADS = int(os.environ.get("STABMON_TEST_THREADS", "0"))  # 0: torch's own default
-
-
-@pytest.fixture(autouse=True)
-def _threads() -> Iterator[None]:
-    """torch on ``STABMON_TEST_THREADS`` threads for the test, as it was afterwards."""
-    before = torch.get_num_threads()
-    if THREADS:
-        torch.set_num_threads(THREADS)
-    yield
-    torch.set_num_threads(before)
-
-
-def _model() -> torch.nn.Module:
-    """The fault suite's tiny model, its weights moved by ``STABMON_TEST_SEED``: what is checked holds for every
-    seed (and every thread count, ``STABMON_TEST_THREADS``)."""
-    model = Tiny()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(SEED)), alpha=0.1)
-    return model
+pytestmark = pytest.mark.usefixtures("test_threads")
 
 
 def _update(model: torch.nn.Module, opt: torch.optim.Optimizer, take_step: Any) -> float:
@@ -70,7 +47,7 @@ def _framework_step(mon: Monitor, opt: torch.optim.Optimizer) -> None:
 
 @pytest.mark.parametrize("hooks_on", [False, True])
 def test_a_diagnosis_leaves_the_optimizer_hooks_as_the_loop_set_them(tmp_path: Path, hooks_on: bool) -> None:
-    model = _model()
+    model = seeded_tiny()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     batches = data(40)
     with Monitor(model, opt, store=None, runbook="diagnose-first", mode="observe",

@@ -17,41 +17,19 @@ import copy
 import math
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from fault_support import Tiny, data
+from fault_support import data, seeded_tiny, test_threads  # noqa: F401 (test_threads: the fixture)
 
 from stabmon.collect.restore import RESUME, ROLLBACK
 from stabmon.monitor import Monitor, MonitorConfig
 
 TOP = ("optimizer", "scaler", "scheduler")
 MONITOR = ("step", "data", "overrides", "hooks", "follower", "checkpoints", "pipeline", "executor")
-SEED = int(os.environ.get("STABMON_TEST_SEED", "0"))
-THREADS = int(os.environ.get("STABMON_TEST_THREADS", "0"))  # 0: torch's own default
-
-
-@pytest.fixture(autouse=True)
-def _threads() -> Iterator[None]:
-    """torch on ``STABMON_TEST_THREADS`` threads for the test, as it was afterwards."""
-    before = torch.get_num_threads()
-    if THREADS:
-        torch.set_num_threads(THREADS)
-    yield
-    torch.set_num_threads(before)
-
-
-def _model() -> torch.nn.Module:
-    """The fault suite's tiny model, its weights moved by ``STABMON_TEST_SEED``: what is checked holds for every
-    seed (and every thread count, ``STABMON_TEST_THREADS``)."""
-    model = Tiny()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(SEED)), alpha=0.1)
-    return model
+pytestmark = pytest.mark.usefixtures("test_threads")
 
 
 class Injected(RuntimeError):
@@ -75,7 +53,7 @@ def run(tmp_path: Path) -> Any:
     """A monitor at step 20 with overrides in force and batches to skip, and the checkpoint it saved at step 10
     (read from its file: a load like a rollback's or a resume's; its registry names one more checkpoint, in
     another directory, which a resume adopts)."""
-    model = _model()
+    model = seeded_tiny()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
