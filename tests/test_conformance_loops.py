@@ -82,13 +82,17 @@ def _plain(tmp: Path, action: str, *, event: str, state: dict[str, Any] | None =
     return monitor, probe
 
 
-def _resumed_state(path: str, action: str) -> dict[str, Any]:
-    """What a resume from checkpoint ``path`` reconstructs, in fresh objects (nothing written anywhere)."""
+def _resumed_state(path: str, action: str, *, scheduled: bool = True) -> dict[str, Any]:
+    """What a resume from checkpoint ``path`` reconstructs, in fresh objects (nothing written anywhere);
+    ``scheduled``: the loop has a scheduler object (nanoGPT writes its own schedule into the param groups)."""
     state = torch.load(path, weights_only=True, map_location="cpu")
     model, optimizer, scheduler = tiny_setup(SEED + 7)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    if scheduled:
+        scheduler.load_state_dict(state["scheduler"])
+    else:
+        scheduler = None
     monitor = stabmon.Monitor(model, optimizer, scheduler=scheduler, store=None, runbook=forced_runbook(action),
                               mode="apply", config=_config(), resume=state["monitor"])
     try:
@@ -203,19 +207,6 @@ def _nanogpt(tmp: Path, action: str, *, event: str, resume: dict[str, Any] | Non
     return monitor, probe
 
 
-def _nanogpt_resumed(path: str, action: str) -> dict[str, Any]:
-    checkpoint = torch.load(path, weights_only=True, map_location="cpu")
-    model, optimizer, _ = tiny_setup(SEED + 7)
-    model.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    monitor = stabmon.Monitor(model, optimizer, store=None, runbook=forced_runbook(action), mode="apply",
-                              config=_config(), resume=checkpoint["monitor"])
-    try:
-        return live_state(model=model, optimizer=optimizer, scheduler=None, monitor=monitor)
-    finally:
-        monitor.close()
-
-
 @pytest.mark.parametrize("event", EVENTS)
 @pytest.mark.parametrize("action", sorted(ACTIONS))
 def test_nanogpt_shaped_loop(action: str, event: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -234,7 +225,7 @@ def test_nanogpt_shaped_loop(action: str, event: str, tmp_path: Path, caplog: py
         newest = checkpoints.latest()
         assert newest is not None
         if event != "continue" or stopped:
-            cell.resumed(probe.at(newest.path), _nanogpt_resumed(newest.path, action))
+            cell.resumed(probe.at(newest.path), _resumed_state(newest.path, action, scheduled=False))
         if event != "continue" and not stopped:
             state = torch.load(newest.path, weights_only=True, map_location="cpu")
             monitor, probe = _nanogpt(tmp_path, action, event=event, resume=state, fault=fault, probe=probe)
@@ -244,6 +235,6 @@ def test_nanogpt_shaped_loop(action: str, event: str, tmp_path: Path, caplog: py
     assert cell.checkpoints(files) >= 2
     for path in files:
         if Probe.key(path) in probe.snapshots:
-            cell.resumed(probe.at(path), _nanogpt_resumed(path, action))
+            cell.resumed(probe.at(path), _resumed_state(path, action, scheduled=False))
     cell.store(f"sqlite:///{tmp_path / 'run.db'}", monitor.run_id, action=action, stopped=stopped)
     cell.quiet_log(caplog.records)
