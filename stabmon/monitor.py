@@ -457,12 +457,14 @@ class Monitor:
         if self._watchdog is not None:
             self._watchdog.beat(self.run.step - 1)
         every = self.config.checkpoint_every
+        flush = len(self.signals.buffer) >= self.config.flush_every
         if every and self.checkpoints is not None and self.run.step % every == 0:
             step = self.run.step
-            self.flush()  # the state saved then covers every step it holds (detectors, engine, store)
-            if self.run.step == step:  # (a rollback in that flush has saved its own state already)
+            if flush:  # both due: the flush first, and the checkpoint holds what it decided
+                self.flush()
+            if self.run.step == step:  # (a rollback in that flush saved the state it restored already)
                 self._timed_save()
-        elif len(self.signals.buffer) >= self.config.flush_every:
+        elif flush:
             self.flush()
         self.signals.recorder.restart_clock()  # flush and checkpoint time stay out of the next step's time
 
@@ -476,7 +478,7 @@ class Monitor:
         self.records.extend(records)
         self._flushing = True
         try:
-            self.flusher.flush(records)
+            self.flusher.flush(records, stored=self.signals.buffer.take_stored())
         except PeerLost:  # said once, in one line, where it happened: this rank goes on without the others
             pass
         finally:
@@ -538,8 +540,16 @@ class Monitor:
 
     # -- state -------------------------------------------------------------------------------------------
     def _timed_save(self) -> None:
-        """A checkpoint at the cadence, its seconds on the next step's record (the goodput ledger's)."""
+        """A checkpoint at the cadence, its seconds on the next step's record (the goodput ledger's). It holds
+        every completed step (:meth:`_cover_pending`; every rank is here together, so under torch.distributed the
+        waiting steps are flushed first)."""
         started = time.perf_counter()
+        if self.world_size > 1 and len(self.signals.buffer):
+            step = self.run.step
+            self.flush()
+            if self.run.step != step:  # a rollback in that flush saved the state it restored already
+                return
+        self._cover_pending()
         self.save_checkpoint()
         self.signals.recorder.note(Metric.CHECKPOINT_TIME, time.perf_counter() - started)
 
@@ -559,16 +569,28 @@ class Monitor:
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter, data position, overrides, detector/engine/executor state, guard and embedding
-        baselines, the alert gates' memory (:mod:`stabmon.collect.monitor_state` lists every entry). The steps
-        waiting for a flush are flushed first, so the state covers every completed step (a resume from it
-        loses none of them)."""
-        if not self._flushing and len(self.signals.buffer):
-            self.flush()
+        baselines, the alert gates' memory (:mod:`stabmon.collect.monitor_state` lists every entry), and the
+        completed steps not flushed yet (read to the host now; a resumed run flushes them first), so a resume
+        from it loses no step."""
+        self._cover_pending()
         return self._state.state_dict()
 
+    def _cover_pending(self) -> None:
+        """Before the monitor's state is written between flushes: the steps waiting for the flush go with it. In
+        one process they are read to the host and stay pending (the flush cadence, and so every decision's
+        timing, is unchanged); under torch.distributed that read is a collective, so where every rank writes
+        together (the cadence's checkpoint) they are flushed, and elsewhere (a user's save on one rank) they
+        stay on the device and the next flush has them."""
+        if self._flushing or not len(self.signals.buffer):
+            return
+        if self.world_size == 1:
+            self.failsafe.call("collect", self.signals.buffer.settle)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (a resume: every entry)."""
+        """Restore a :meth:`state_dict` (a resume: every entry). Its completed steps not flushed when it was
+        written are flushed by this run, unless the store holds them already."""
         self._state.load_state_dict(state)
+        self.signals.buffer.mark_stored(self._resume.last_step)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def close(self, status: str | None = None) -> None:

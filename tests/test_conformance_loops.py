@@ -39,13 +39,13 @@ class Crash(RuntimeError):
     """The loop's own failure (a node lost): the run ends as failed, and is resumed."""
 
 
-def _config() -> MonitorConfig:
-    return MonitorConfig(clip=1.0, flush_every=5, checkpoint_every=10, attention=AttentionConfig(every=5))
+def _config(flush_every: int = 5) -> MonitorConfig:
+    return MonitorConfig(clip=1.0, flush_every=flush_every, checkpoint_every=10, attention=AttentionConfig(every=5))
 
 
 # -- a plain loop -------------------------------------------------------------------------------------------
 def _plain(tmp: Path, action: str, *, event: str, state: dict[str, Any] | None = None,
-           fault: Fault | None = None, probe: Probe | None = None) -> tuple[Any, Any]:
+           fault: Fault | None = None, probe: Probe | None = None, flush_every: int = 5) -> tuple[Any, Any]:
     """Train to :data:`STEPS` (from ``state``, a checkpoint, when given); the event ends it early."""
     model, optimizer, scheduler = tiny_setup(SEED + (1 if state is not None else 0))
     if state is not None:
@@ -55,7 +55,7 @@ def _plain(tmp: Path, action: str, *, event: str, state: dict[str, Any] | None =
     fault = fault or Fault()
     monitor = stabmon.Monitor(model, optimizer, scheduler=scheduler, store=f"sqlite:///{tmp / 'run.db'}",
                               runbook=forced_runbook(action), mode="apply", checkpoint_dir=str(tmp / "ckpt"),
-                              config=_config(), run_name=f"plain-{action}",
+                              config=_config(flush_every), run_name=f"plain-{action}",
                               resume=state["monitor"] if state is not None else None)
     manager = monitor.checkpoints
     assert isinstance(manager, CheckpointManager)
@@ -238,3 +238,35 @@ def test_nanogpt_shaped_loop(action: str, event: str, tmp_path: Path, caplog: py
             cell.resumed(probe.at(path), _resumed_state(path, action, scheduled=False))
     cell.store(f"sqlite:///{tmp_path / 'run.db'}", monitor.run_id, action=action, stopped=stopped)
     cell.quiet_log(caplog.records)
+
+
+@pytest.mark.parametrize("action", ["rollback", "scale_lr"])
+def test_a_checkpoint_between_flushes_holds_the_steps_not_flushed_yet(action: str, tmp_path: Path) -> None:
+    """Checkpoints every 10 steps, flushes every 7: a checkpoint is written with steps waiting for their flush.
+    They go with it (read to the host, still waiting: the flush cadence, and every decision's timing, as without
+    checkpoints), so the crashed run's resume flushes them first: every step is stored once."""
+    from stabmon.store import open_store
+    from stabmon.store.repo import load_steps
+
+    cell = Invariants(f"plain-flush7/{action}/resume")
+    fault = Fault()
+    monitor, probe = _plain(tmp_path, action, event="resume", fault=fault, flush_every=7)
+    manager = monitor.checkpoints
+    assert manager is not None
+    newest = manager.latest()
+    assert newest is not None
+    state = torch.load(newest.path, weights_only=True, map_location="cpu")
+    assert state["monitor"]["pending"], "the newest checkpoint was written between flushes"
+    cell.resumed(probe.at(newest.path), _resumed_state(newest.path, action))
+    monitor, probe = _plain(tmp_path, action, event="resume", state=state, fault=fault, probe=probe, flush_every=7)
+    store = open_store(f"sqlite:///{tmp_path / 'run.db'}")
+    try:
+        with store.session() as session:
+            steps = [r.step for r in load_steps(session=session, run_id=monitor.run_id)]
+    finally:
+        store.close()
+    assert set(steps) == set(range(STEPS))  # every step is stored ...
+    if action != "rollback":  # ... once, but those the crash made the resume train again (restart)
+        again = set(range(newest.step, STOP_AT))
+        assert sorted(steps) == sorted([*range(STEPS), *again]), sorted(steps)
+    cell.store(f"sqlite:///{tmp_path / 'run.db'}", monitor.run_id, action=action)

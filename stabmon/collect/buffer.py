@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -51,6 +51,8 @@ class StepBuffer:
     ) -> None:
         self._tensors: list[torch.Tensor] = []
         self._steps: list[_Pending] = []
+        self._ready: list[StepRecord] = []  # closed steps already on the host, still waiting for the flush
+        self._stored: set[int] = set()  # ids of loaded ones the store holds already
         self._current: _Pending | None = None
         self._pinned: torch.Tensor | None = None
         self.reduce = reduce
@@ -66,7 +68,7 @@ class StepBuffer:
         return self._current is not None
 
     def __len__(self) -> int:
-        return len(self._steps)
+        return len(self._ready) + len(self._steps)
 
     def begin(self, *, step: int, batch_index: int | None) -> None:
         self._current = _Pending(step=step, batch_index=batch_index)
@@ -110,9 +112,43 @@ class StepBuffer:
         self._steps.append(self._current)
         self._current = None
 
+    def settle(self) -> list[StepRecord]:
+        """The closed steps' records on the host now (one copy, as a drain makes), still waiting for the flush:
+        what a checkpoint written between flushes holds of them (:meth:`state_dict`). One process only: under
+        torch.distributed a drain is a collective every rank must reach (there, flush before saving)."""
+        self._ready = self.drain()
+        return list(self._ready)
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """The closed steps waiting for the flush, as plain values (:meth:`settle` first)."""
+        return [{"step": r.step, "metrics": dict(r.metrics), "batch_index": r.batch_index, "time": r.time}
+                for r in self._ready]
+
+    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        """A resume: the steps its checkpoint holds that were never flushed wait for this run's first flush."""
+        self._ready = [StepRecord(step=int(r["step"]), metrics={k: float(v) for k, v in r["metrics"].items()},
+                                  batch_index=r.get("batch_index"), time=r.get("time")) for r in state or []]
+
+    def mark_stored(self, last_step: int | None) -> None:
+        """A resume into a run that already holds steps up to ``last_step``: the loaded steps it holds were
+        flushed by the process that wrote them after its checkpoint (only a process that died before its next
+        flush left them unstored). They still go through the detectors and the engine (the state they resume
+        had not seen them), but not to the store again (:meth:`take_stored`)."""
+        if last_step is not None:
+            self._stored = {id(r) for r in self._ready if r.step <= last_step}
+
+    def take_stored(self) -> set[int]:
+        """The ids of the drained records the store holds already (see :meth:`mark_stored`), once."""
+        stored, self._stored = self._stored, set()
+        return stored
+
     def drain(self) -> list[StepRecord]:
         """One device-to-host copy of everything queued by closed steps; returns their records, oldest
-        first."""
+        first (those :meth:`settle` read already first of all)."""
+        ready, self._ready = self._ready, []
+        return ready + self._drain()
+
+    def _drain(self) -> list[StepRecord]:
         steps, self._steps = self._steps, []
         n_values = sum(len(p.names) for p in steps)
         tensors = self._tensors[: len(self._tensors)]

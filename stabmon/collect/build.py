@@ -27,7 +27,7 @@ section ("not applicable") and that signal stays off; a module name in the confi
 >>> run = RunState()
 >>> signals = build_signals(model, opt, config=MonitorConfig(), run=run, failsafe=Failsafe(run), world_size=1)
 >>> sorted(signals.states()), signals.hooks.overrides is run.overrides
-(['embeddings', 'hooks'], True)
+(['embeddings', 'hooks', 'pending'], True)
 >>> signals.moments is None, signals.attention is None, signals.logits is None
 (True, True, True)
 >>> from stabmon.collect.config import LogitConfig, MomentConfig
@@ -99,8 +99,9 @@ class Signals:
     """The output-logit scale (``config.logits``; None: off or not applicable)."""
 
     def states(self) -> dict[str, Stateful | None]:
-        """The collectors' entries in a checkpoint (an absent collector saves None)."""
-        return {"hooks": self.hooks, "embeddings": self.embeddings}
+        """The collectors' entries in a checkpoint (an absent collector saves None); ``pending``: the steps a
+        checkpoint written between flushes holds that were not flushed yet (:meth:`StepBuffer.settle`)."""
+        return {"hooks": self.hooks, "embeddings": self.embeddings, "pending": self.buffer}
 
     def device_memory(self) -> DeviceMemory:
         """Bytes held on the device right now, per signal."""

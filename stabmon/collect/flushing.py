@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol
 
@@ -261,11 +261,12 @@ class Flusher:
         """Events from outside a flush (the watchdog's thread, a joint action's disagreements) for the next
         publish."""
 
-    def flush(self, records: list[StepRecord]) -> list[Event]:
+    def flush(self, records: list[StepRecord], *, stored: Collection[int] = ()) -> list[Event]:
         """The records (already read back) to the store, then rank 0 decides and every rank follows; the
         changes made are then whole (:mod:`stabmon.interventions.commit`): their follow-ups done, their records
-        completed with what the follow-ups found, and only then published."""
-        self.outbox.write_steps(records)
+        completed with what the follow-ups found, and only then published. ``stored``: ids of records the
+        store holds already (a resume's steps its crashed process had flushed): not written again."""
+        self.outbox.write_steps([r for r in records if id(r) not in stored] if stored else records)
         leader = self.policy.leader
         events = self.decide(records) if leader else []
         joint = False

@@ -11,6 +11,7 @@ entry           owner                                                   on rollb
 ``overrides``   its overrides                                           kept as they are
 ``hooks``       the optimizer hooks (the skip guard's baseline)         restored
 ``embeddings``  embedding drift's reference rows                        restored
+``pending``     the steps not flushed yet when it was written          kept as they are
 ``pipeline``    detectors and runbook engine                            kept as they are
 ``executor``    interventions in force, to revert                       kept as they are
 ``follower``    decisions the other ranks have followed                 kept as they are
@@ -46,7 +47,8 @@ VERSION = 1
 
 EXCLUDED: Mapping[str, frozenset[str]] = {
     ROLLBACK: frozenset(
-        f"monitor.{name}" for name in ("overrides", "pipeline", "executor", "follower", "notifier", "checkpoints")
+        f"monitor.{name}"
+        for name in ("overrides", "pipeline", "executor", "follower", "notifier", "checkpoints", "pending")
     ),
     RESUME: frozenset(),
 }
