@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -228,10 +229,11 @@ class CheckpointManager:
         """Write ``state`` (or what ``state()`` returns) and register it with its byte count. Ctrl-C or SIGTERM
         during the write is raised as what it is (see :func:`interruption`), never as a failed save, and
         nothing is registered."""
+        handled = sys.exc_info()[1]
         try:
             path = Path(self._save(state, step))
         except Exception as exc:
-            interrupt = interruption(exc)
+            interrupt = interruption(exc, handled=handled)
             if interrupt is None:
                 raise
             log.warning("stabmon: the checkpoint save for step %d was interrupted (%s); nothing was registered",
@@ -531,11 +533,14 @@ def unwritable(directory: Path) -> str | None:
     return None
 
 
-def interruption(exc: BaseException) -> BaseException | None:
+def interruption(exc: BaseException, *, handled: BaseException | None = None) -> BaseException | None:
     """The Ctrl-C (``KeyboardInterrupt``) or SIGTERM (``SystemExit``, from the monitor's handler) that ``exc``
     is or was raised while handling, else None. ``torch.save`` interrupted in the middle of writing closes its
     zip writer on the way out, and that raises a ``RuntimeError`` of its own ("unexpected pos ..."), which hides
-    the interrupt from anyone who catches errors and carries on.
+    the interrupt from anyone who catches errors and carries on. ``handled``: the exception being handled when
+    the call that raised ``exc`` began (``sys.exc_info()[1]`` then): an interrupt already on its way (the monitor
+    closing as ``interrupted`` from ``__exit__``) is not a new one, and a failure during that close is only a
+    failure.
 
     >>> try:
     ...     try:
@@ -549,6 +554,8 @@ def interruption(exc: BaseException) -> BaseException | None:
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
+        if current is handled:
+            return None
         if isinstance(current, (KeyboardInterrupt, SystemExit)):
             return current
         seen.add(id(current))

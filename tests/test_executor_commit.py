@@ -214,3 +214,28 @@ def test_a_reapply_that_fails_half_way_leaves_the_release_standing(flaky: type[F
     assert executor.state_dict()["applied"] == {} and list(executor.state_dict()["released"]) == [release.id]
     again = executor.execute(_decision("reapply", {"intervention_id": release.id}))
     assert again is not None and again.ok and executor.target.overrides.max_norm == 0.25
+
+
+def test_another_rank_follows_rank_0s_release_and_reapply() -> None:
+    """Rank 0's release names rank 0's records: the other ranks give back their own (before: only a revert was
+    translated, so a release failed there with LookupError and the ranks trained with different settings)."""
+    from stabmon.collect.distributed import RankFollower
+
+    lead, other, follower = Executor(Target()), Executor(Target()), RankFollower()
+    for action, params in (("set_clip", {"max_norm": 0.5}), ("scale_lr", {"factor": 0.5})):
+        decision = _decision(action, params)
+        record = lead.execute(decision)
+        assert record is not None and record.ok
+        follower.follow(other, [(decision, record.id)])
+    changes = list(lead.state_dict()["applied"])
+    release = _decision("release", {"intervention_ids": changes[::-1], "steps": 0})
+    done = lead.execute(release)
+    assert done is not None and done.ok
+    follower.follow(other, [(release, done.id)])
+    assert other.target.overrides == lead.target.overrides and other.target.overrides.max_norm is None
+    back = _decision("reapply", {"intervention_id": done.id})
+    again = lead.execute(back)
+    assert again is not None and again.ok
+    follower.follow(other, [(back, again.id)])
+    assert other.target.overrides == lead.target.overrides
+    assert (other.target.overrides.max_norm, other.target.overrides.lr_scale) == (0.5, 0.5)

@@ -89,3 +89,42 @@ def test_a_handler_the_user_installed_is_left_alone() -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     monitor.close()
+
+
+def test_a_failure_while_closing_for_ctrl_c_does_not_abort_the_close(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Leaving the ``with`` block on Ctrl-C closes the run as interrupted; a failure inside that close (a lost
+    peer's collective, a full disk) is a failure to count, not the Ctrl-C again (before: the failsafe took it for a
+    new interrupt, re-raised it, and the close stopped half-way: no run ended, no interrupt checkpoint)."""
+    import sqlite3
+
+    import torch
+
+    from stabmon.monitor import Monitor, MonitorConfig
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = Monitor(model, opt, store=f"sqlite:///{tmp_path / 'run.db'}", checkpoint_dir=str(tmp_path / "ckpt"),
+                  config=MonitorConfig(flush_every=5, checkpoint_every=0, hang_timeout=None))
+
+    def lost_peer() -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    try:
+        with mon:
+            for step, x in mon.steps([torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+                                      for i in range(20)]):
+                if step == 7:
+                    mon.signals.buffer.drain = lost_peer  # type: ignore[method-assign]
+                    raise KeyboardInterrupt
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                mon.observe(loss=loss)
+                opt.step()
+                opt.zero_grad()
+    except KeyboardInterrupt:
+        pass
+    assert mon.errors["collect"] >= 1  # counted
+    with sqlite3.connect(tmp_path / "run.db") as db:
+        (status,) = db.execute("select status from runs").fetchone()
+    assert status == "interrupted"
+    assert [p.name for p in sorted((tmp_path / "ckpt").glob("*.pt"))] == ["ckpt-000000007.pt"]

@@ -42,6 +42,7 @@ import inspect
 import logging
 import math
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,10 @@ def register_attention(cls: type[nn.Module], qk: QKFn | None = None) -> None:
 
 
 def _hf_classes() -> tuple[type, ...]:
+    """Hugging Face's attention classes, when ``transformers`` is imported already (a model built from it has
+    imported it; importing its modelling code here would cost every monitor seconds for nothing)."""
+    if "transformers" not in sys.modules:
+        return ()
     try:
         from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
         from transformers.models.llama.modeling_llama import LlamaAttention

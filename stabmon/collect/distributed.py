@@ -159,10 +159,7 @@ class RankFollower:
         if executor is None:
             return
         for decision, leader_id in executed:
-            if traits_of(decision.action).undoes:
-                theirs = str(decision.params.get("intervention_id"))
-                params = {**decision.params, "intervention_id": self.ids.pop(theirs, theirs)}
-                decision = dataclasses.replace(decision, params=params)
+            decision = self._translated(decision)
             record = executor.execute(decision)
             if record is None:
                 continue
@@ -170,6 +167,23 @@ class RankFollower:
             if record.error is not None:  # rank 0 applied it: this rank now differs from rank 0
                 log.error("stabmon: this rank could not follow rank 0's %s at step %d: %s", decision.action,
                           decision.step, record.error)
+
+    def _translated(self, decision: Decision) -> Decision:
+        """``decision`` naming this rank's records where it names rank 0's: the change a revert undoes, the
+        changes a release gives back, the release a re-apply undoes."""
+        traits = traits_of(decision.action)
+        params = dict(decision.params)
+        if traits.undoes:
+            theirs = str(params.get("intervention_id"))
+            params["intervention_id"] = self.ids.pop(theirs, theirs)
+        elif traits.reapplies:
+            theirs = str(params.get("intervention_id"))
+            params["intervention_id"] = self.ids.get(theirs, theirs)
+        elif traits.releases:
+            params["intervention_ids"] = [self.ids.get(str(i), str(i)) for i in params.get("intervention_ids", ())]
+        else:
+            return decision
+        return dataclasses.replace(decision, params=params)
 
     def state_dict(self) -> dict[str, Any]:
         return {"ids": dict(self.ids)}

@@ -10,6 +10,7 @@ interrupt, raised as such (:func:`~stabmon.checkpoints.interruption`), never a f
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -51,12 +52,13 @@ class Failsafe:
     def call(self, what: str, fn: Callable[[], T], *, let_through: tuple[type[Exception], ...] = ()) -> T | None:
         """``fn()``, or None after logging the exception and counting it under ``what``. Exceptions of the
         ``let_through`` types are raised (for the start of a run, before training: a refused run)."""
+        handled = sys.exc_info()[1]  # an interrupt already on its way (a close from __exit__) is not a new one
         try:
             return fn()
         except let_through:
             raise
         except Exception as exc:  # noqa: BLE001 - never raise into training
-            interrupt = interruption(exc)
+            interrupt = interruption(exc, handled=handled)
             if interrupt is not None:  # Ctrl-C or SIGTERM that a library turned into an error: still a stop
                 raise interrupt from None
             self.errors[what] += 1
