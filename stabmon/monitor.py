@@ -62,7 +62,7 @@ from stabmon.collect.monitor_state import add_pipeline_state, build_monitor_stat
 from stabmon.collect.rank_policy import SavePath, rank_policy
 from stabmon.collect.resume import ResumeCheck
 from stabmon.collect.run_state import RunState
-from stabmon.collect.target import LiveTarget
+from stabmon.collect.target import LiveTarget, run_facts
 from stabmon.collect.vocab import untrained_loss
 from stabmon.collect.wiring import build_pipeline, check_model_and_optimizer, resolve_store
 from stabmon.diagnose import Diagnosis
@@ -72,6 +72,7 @@ from stabmon.interventions.diagnose import Diagnose
 from stabmon.overrides import Overrides
 from stabmon.pipeline import LadderEngine
 from stabmon.recipe import run_recipe
+from stabmon.runbook.fit import dropped_as_config
 from stabmon.spec import MonitorSpec, spec_of
 
 log = logging.getLogger(__name__)
@@ -178,12 +179,15 @@ class Monitor:
 
     def _start_run(self) -> None:
         """Open (or reopen) the run in the store; every rank takes rank 0's id. A resumed run must continue its
-        own step count (:class:`~stabmon.collect.resume.ResumeCheck`)."""
+        own step count (:class:`~stabmon.collect.resume.ResumeCheck`). The run's config holds the rungs dropped
+        from the runbook's ladders in this loop, so that its replay drops them too."""
         resume_run_id = self.spec.resume_run_id
         recipe = run_recipe(optimizer=type(self.optimizer).__name__, hparams=self.signals.hooks.hparams(),
                             runbook=self.spec.loaded_runbook, user=self.spec.recipe)
-        config = {"monitor": self.config.to_dict(), "mode": self.mode, "recipe": recipe}
-        run_id = self.outbox.start_run(config=config, resume_run_id=resume_run_id)
+        self._unfit = self._unfit_rungs(batches=self.spec.loop.batches)
+        self._run_config = {"monitor": self.config.to_dict(), "mode": self.mode, "recipe": recipe,
+                            "ladder": self._ladder_config()}
+        run_id = self.outbox.start_run(config=self._run_config, resume_run_id=resume_run_id)
         if self.world_size > 1:
             self.outbox.run_id = broadcast(run_id)
         last = self.outbox.last_step() if resume_run_id is not None else None
@@ -197,7 +201,7 @@ class Monitor:
             return
         from stabmon.runbook.fit import fit_warnings
 
-        self._fit_ladders(batches=self.spec.loop.batches)
+        self._drop_rungs(self._unfit, {})
         for line in fit_warnings(runbook, self.hparams()):
             log.warning("stabmon: runbook %s: %s", runbook.name, line)
         rolls_back = any(rung.action == "rollback" for rule in runbook.rules for rung in rule.ladder)
@@ -208,12 +212,11 @@ class Monitor:
                 "you save one (monitor.save_checkpoint() or checkpoints.register)", self.checkpoints.directory
             )
 
-    def _fit_ladders(self, *, batches: bool | None) -> None:
-        """Drop the rungs that cannot act in this loop (:func:`~stabmon.runbook.fit.unfit_rungs`): never tried,
-        escalated or paged at incident time; one line per reason says which and why."""
-        runbook, engine = self.spec.loaded_runbook, self.pipeline.engine
-        if runbook is None or not isinstance(engine, LadderEngine):
-            return
+    def _unfit_rungs(self, *, batches: bool | None) -> dict[tuple[str, int], str]:
+        """The runbook's rungs that cannot act in this loop (:func:`~stabmon.runbook.fit.unfit_rungs`)."""
+        runbook = self.spec.loaded_runbook
+        if runbook is None:
+            return {}
         from stabmon.collect.updates import UpdateNorms
         from stabmon.runbook.fit import unfit_rungs
 
@@ -222,16 +225,41 @@ class Monitor:
                                               ("logits", c.logits)) if section.every}
         if any(isinstance(signal, UpdateNorms) for _, signal in self.signals.hooks.signals):
             sampled.add("updates")  # on by default where it costs no copy (UpdateConfig.every)
-        unfit = unfit_rungs(runbook, checkpoints=self.checkpoints is not None, facts=self.target.facts(),
-                            sampled=sampled, batches=batches)
+        checkpoints = self.spec.checkpoint_dir is not None or self.spec.checkpoints is not None
+        return unfit_rungs(runbook, checkpoints=checkpoints, facts=run_facts(self.model, self.optimizer),
+                           sampled=sampled, batches=batches)
+
+    def _drop_rungs(self, unfit: dict[tuple[str, int], str], before: dict[tuple[str, int], str]) -> None:
+        """Drop ``unfit`` from the engine's ladders: never tried, escalated or paged at incident time; one line per
+        reason (those not in ``before``, said already) names the rungs and why."""
+        runbook, engine = self.spec.loaded_runbook, self.pipeline.engine
+        if runbook is None or not isinstance(engine, LadderEngine):
+            return
         engine.drop_rungs(unfit)
         by_reason: dict[str, list[str]] = {}
         for (rule, index), why in unfit.items():
-            by_reason.setdefault(why, []).append(f"rule {rule} rung {index + 1}")
+            if (rule, index) not in before:
+                by_reason.setdefault(why, []).append(f"rule {rule} rung {index + 1}")
         if self.rank == 0:
             for why, rungs in by_reason.items():
                 log.warning("stabmon: runbook %s: %s dropped from the ladder: %s", runbook.name, ", ".join(rungs),
                             why)
+
+    def _refit_without_batches(self) -> None:
+        """The first step came without its batch: the rungs that replay batches cannot act; dropped now, and the
+        run's config in the store says so (its replay drops them too)."""
+        unfit = self._unfit_rungs(batches=False)
+        if unfit == self._unfit:
+            return
+        before, self._unfit = self._unfit, unfit
+        self._drop_rungs(unfit, before)
+        self._run_config = {**self._run_config, "ladder": self._ladder_config()}
+        self.outbox.update_config(self._run_config)
+
+    def _ladder_config(self) -> dict[str, Any]:
+        """The rungs dropped in this loop, as the run's config stores them (its replay drops them too)."""
+        runbook = self.spec.loaded_runbook
+        return dropped_as_config(runbook.name, self._unfit) if runbook is not None else {}
 
     # -- what the monitor is made of ---------------------------------------------------------------------
     @property
@@ -451,7 +479,7 @@ class Monitor:
         if self._batches_unknown:
             self._batches_unknown = False
             if self.batches is not None and not self.batches.handed(self.run.step):
-                self._fit_ladders(batches=False)  # no batch with the first step: a diagnosis could replay none
+                self._refit_without_batches()  # no batch with the first step: a diagnosis could replay none
         self.signals.recorder.end()
         self.run.step += 1
         if self._watchdog is not None:

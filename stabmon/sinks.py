@@ -78,6 +78,13 @@ class ResumableSink(Protocol):
 
 
 @runtime_checkable
+class ConfigurableSink(Protocol):
+    """A sink that can replace a run's stored config (what the monitor learns of its loop after it started)."""
+
+    def update_config(self, *, run_id: str, config: Mapping[str, Any]) -> None: ...
+
+
+@runtime_checkable
 class AnsweringSink(Protocol):
     """A sink that knows whether it can read humans' answers right now (proposals must not expire while it
     cannot)."""

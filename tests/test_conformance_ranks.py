@@ -172,7 +172,9 @@ def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     selected = []
     for item in request.session.items:
         spec = getattr(item, "callspec", None)
-        if item.module is request.module and spec is not None and {"loop", "action", "event"} <= set(spec.params):
+        if not isinstance(item, pytest.Function) or item.module is not request.module or spec is None:
+            continue  # (a doctest, another module's test)
+        if {"loop", "action", "event"} <= set(spec.params):
             selected.append((spec.params["loop"], spec.params["action"], spec.params["event"]))
     started = time.monotonic()
     m = Matrix(tmp_path_factory.mktemp("ranks"), selected)

@@ -51,17 +51,20 @@ def _live_run(store_url: str, mode: str) -> tuple[str, list]:
 @pytest.mark.parametrize("mode", ["propose", "apply"])
 def test_replay_of_stored_live_run_is_identical(sqlite_url: str, mode: str) -> None:
     from stabmon.store import open_store
-    from stabmon.store.repo import load_steps
+    from stabmon.store.repo import load_steps, run_config
 
     run_id, live_events = _live_run(sqlite_url, mode)
     with open_store(sqlite_url) as store, store.session() as session:
         records = load_steps(session=session, run_id=run_id)
+        config, _ = run_config(session=session, run_id=run_id)
     assert len(records) == 160
     live = [e for e in live_events if isinstance(e, (Anomaly, Decision))]
     assert [e for e in live if isinstance(e, Anomaly)], "the blow-up should have been detected live"
-    # the live run saved no checkpoints, so its rollbacks failed: the simulated target knows the same
+    # the live run saved no checkpoints: its rollbacks and diagnoses could not act, and were dropped from its
+    # ladders at start (its stored config says which): the simulated target and the replay's ladders know the same
+    assert config["ladder"]["dropped"], config
     target = SimulatedTarget(checkpoint_interval=None)
-    pipeline, target = simulated_pipeline(runbook="default", mode=mode, target=target)
+    pipeline, target = simulated_pipeline(runbook="default", mode=mode, target=target, live_config=config)
     result = replay(records, pipeline=pipeline, target=target, flush_every=10)  # the live MonitorConfig's
     replayed = [e for e in result.events if isinstance(e, (Anomaly, Decision))]
     assert canonical(replayed) == canonical(live)

@@ -122,8 +122,8 @@ def test_default_runbook_rescues_a_majority_of_seeds(name: str, tmp_path: Path) 
             assert verdict == BY_CONSTRUCTION.get(name, verdict), (seed, diagnosis.after["summary"])
             if i + 1 == len(changes):  # nothing changed after it: the verdict's restarts were spent earlier in
                 # this run (they did not keep this trouble away), so they are passed over and a human is told
-                told = [e for e in result.monitor.events if type(e).__name__ == "Decision"
-                        and e.step >= diagnosis.step and "passed over" in e.reason]
+                after = result.monitor.events[result.monitor.events.index(diagnosis):]
+                told = [e for e in after if type(e).__name__ == "Decision" and "passed over" in e.reason]
                 assert told, (seed, outcomes)
                 continue
             restart = changes[i + 1]  # the restart the verdict chose

@@ -122,7 +122,7 @@ def replay_command(
                  "replayed as stored)")
         records, parent_id, label, config = _from_store(source[0], url)
         stored_mode = config.get("mode") if config.get("mode") in MODES else None
-        pipeline, target = _pipeline(runbook, sets, mode or stored_mode, _live_checkpoints(config))
+        pipeline, target = _pipeline(runbook, sets, mode or stored_mode, _live_checkpoints(config), config)
     every = flush_every or _live_flush_every(config)
     with progress_bar("replay", total=len(records), enabled=wanted(json_output)) as advance:
         result = replay(
@@ -186,15 +186,18 @@ def _write_report(path: Path, records: list[Any], events: list[Any], run_id: str
     typer.echo(f"wrote report {path}", err=True)
 
 
-def _pipeline(runbook: str, sets: list[str] | None, mode: str | None, every: int | None = 1) -> tuple[Any, Any]:
-    """The replay pipeline and simulated target (checkpoints every ``every`` steps, None: none); a runbook or
-    override that does not load is one line."""
+def _pipeline(runbook: str, sets: list[str] | None, mode: str | None, every: int | None = 1,
+              live: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """The replay pipeline and simulated target (checkpoints every ``every`` steps, None: none); ``live``: the
+    stored config of the live run replayed (the rungs its loop could not act on are dropped here too, when the
+    runbook is the one it ran); a runbook or override that does not load is one line."""
     from stabmon.replay.replay import simulated_pipeline
     from stabmon.replay.simulate import SimulatedTarget
 
     try:
         target = SimulatedTarget(checkpoint_interval=every)
-        return simulated_pipeline(runbook=runbook, overrides=tuple(sets or ()), mode=mode, target=target)
+        return simulated_pipeline(runbook=runbook, overrides=tuple(sets or ()), mode=mode, target=target,
+                                  live_config=live)
     except (ValueError, KeyError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 

@@ -45,6 +45,7 @@ from stabmon.interventions.commit import FollowUps
 from stabmon.pipeline import Pipeline, ProposingEngine
 from stabmon.sinks import (
     AnsweringSink,
+    ConfigurableSink,
     LocatedSink,
     NotifierLike,
     ResumableSink,
@@ -108,6 +109,12 @@ class Outbox:
                 raise
         self.run_id = run_id or resume_run_id or f"local-{time.time_ns():x}"
         return self.run_id
+
+    def update_config(self, config: Mapping[str, Any]) -> None:
+        """The run's config as it is now (a store that cannot update a run's config keeps the first)."""
+        store = self.store
+        if isinstance(store, ConfigurableSink):
+            self.failsafe.call("store", lambda: store.update_config(run_id=self.run_id, config=config))
 
     def last_step(self) -> int | None:
         """The highest step the store holds for this run (None: none, or a store that cannot say)."""

@@ -159,15 +159,7 @@ class LiveTarget:
     # -- the optimizer state and the weights, in place (stabmon.interventions._state) -------------------
     def facts(self) -> RunFacts:
         """What the state-level interventions can act on in this run."""
-        from stabmon.collect.inplace import adam_like
-        from stabmon.collect.moments import missing_state
-        from stabmon.collect.qk import attention_layers
-        from stabmon.collect.sharding import clean_name
-
-        model, opt = self.state.model, self.state.optimizer
-        return RunFacts(tensors=frozenset(clean_name(n) for n, _ in model.named_parameters()),
-                        second_moment=missing_state(opt, "exp_avg_sq"), adam_update=adam_like(opt),
-                        attention=tuple(attention_layers(model)))
+        return run_facts(self.state.model, self.state.optimizer)
 
     def reset_moments(self, *, tensors: Sequence[str], second_moment: bool) -> dict[str, Any]:
         """Zero the first (and second) moments of ``tensors`` (all when empty); returns the audit facts."""
@@ -380,6 +372,18 @@ class LiveTarget:
         if info is None:
             return {"rolled_back_state_not_saved": "the checkpoint save failed (see the log)"}
         return {"rolled_back_state": info.path}
+
+
+def run_facts(model: Any, optimizer: Any) -> RunFacts:
+    """What the state-level interventions can act on in a run of ``model`` and ``optimizer``."""
+    from stabmon.collect.inplace import adam_like
+    from stabmon.collect.moments import missing_state
+    from stabmon.collect.qk import attention_layers
+    from stabmon.collect.sharding import clean_name
+
+    return RunFacts(tensors=frozenset(clean_name(n) for n, _ in model.named_parameters()),
+                    second_moment=missing_state(optimizer, "exp_avg_sq"), adam_update=adam_like(optimizer),
+                    attention=tuple(attention_layers(model)))
 
 
 def _alone(value: Any) -> list[Any]:

@@ -17,7 +17,7 @@ random event ids; :func:`canonical` replaces those by ordinals so two replays co
 ...     def enter_grace(self, steps=None): pass
 ...     def state_dict(self): return {}
 ...     def load_state_dict(self, s): pass
->>> from stabmon.pipeline import Pipeline
+>>> from stabmon.pipeline import LadderEngine, Pipeline, RunbookEngine
 >>> records = [StepRecord(s, {"loss": v}) for s, v in enumerate([2.0, 9.0, 2.1])]
 >>> res = replay(records, pipeline=Pipeline(Above()))
 >>> [(a.step, a.kind) for a in res.anomalies], res.steps, res.samples
@@ -26,7 +26,7 @@ random event ids; :func:`canonical` replaces those by ordinals so two replays co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,7 @@ from stabmon.events import (
 )
 from stabmon.factory import build_pipeline
 from stabmon.interventions.executor import Executor
-from stabmon.pipeline import Pipeline
+from stabmon.pipeline import LadderEngine, Pipeline, RunbookEngine
 from stabmon.replay.simulate import SimulatedTarget
 
 Progress = Callable[[int], None]
@@ -95,14 +95,22 @@ def simulated_pipeline(
     overrides: Sequence[str] = (),
     target: SimulatedTarget | None = None,
     mode: str | None = None,
+    live_config: Mapping[str, Any] | None = None,
 ) -> tuple[Pipeline, SimulatedTarget]:
     """The pipeline :func:`stabmon.factory.build_pipeline` builds for the live monitor, its executor acting on
     a simulated ``target`` (default: a fresh :class:`SimulatedTarget`), and that target. ``mode`` None keeps the
-    runbook's."""
+    runbook's. ``live_config``: the stored config of the live run replayed: the rungs its loop could not act on
+    are dropped here as they were there, when this is the runbook it ran
+    (:func:`stabmon.runbook.fit.dropped_from_config`)."""
+    from stabmon.runbook.fit import dropped_from_config
+
     target = target or SimulatedTarget()
     pipeline = build_pipeline(
         target, runbook=runbook, detectors=detector_config, overrides=overrides, mode=mode, simulated=True
     )
+    engine = pipeline.engine
+    if live_config and isinstance(engine, LadderEngine) and isinstance(engine, RunbookEngine):
+        engine.drop_rungs(dropped_from_config(live_config, runbook=engine.runbook.name))
     return pipeline, target
 
 

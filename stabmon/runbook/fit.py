@@ -58,6 +58,32 @@ def unfit_rungs(
     return out
 
 
+def dropped_as_config(runbook: str, unfit: Mapping[tuple[str, int], str]) -> dict[str, Any]:
+    """:func:`unfit_rungs`' result for ``runbook`` as plain values, stored with a live run, so that a replay of the
+    run with that runbook drops the same rungs (:func:`dropped_from_config`).
+
+    >>> config = {"ladder": dropped_as_config("default", {("r", 1): "why"})}
+    >>> dropped_from_config(config, runbook="default"), dropped_from_config(config, runbook="opt175b")
+    ({('r', 1): 'why'}, {})
+    """
+    return {"runbook": runbook, "dropped": {f"{rule}/{index}": why for (rule, index), why in unfit.items()}}
+
+
+def dropped_from_config(config: Mapping[str, Any], *, runbook: str) -> dict[tuple[str, int], str]:
+    """The rungs a stored live run dropped from ``runbook`` (nothing when it ran another runbook, or stored none:
+    an import, an older release)."""
+    ladder = config.get("ladder")
+    dropped = ladder.get("dropped") if isinstance(ladder, Mapping) and ladder.get("runbook") == runbook else None
+    if not isinstance(dropped, Mapping):
+        return {}
+    out: dict[tuple[str, int], str] = {}
+    for key, why in dropped.items():
+        rule, _, index = str(key).rpartition("/")
+        if rule and index.isdigit():
+            out[(rule, int(index))] = str(why)
+    return out
+
+
 def _cannot_act(rung: Any, *, checkpoints: bool | None, facts: RunFacts | None,
                 sampled: AbstractSet[str] | None, batches: bool | None) -> str | None:
     cls = INTERVENTIONS[rung.action]

@@ -346,6 +346,10 @@ class Store:
         """False while answers cannot be read (database away, writer stuck): proposals should not expire."""
         return self.answers.live and not self._writer.backlog()
 
+    def update_config(self, *, run_id: str, config: Mapping[str, Any]) -> None:
+        """Replace the run's stored config (queued like every row)."""
+        self._writer.submit("update", run_id, {"config": encode(dict(config))})
+
     def end_run(self, *, run_id: str, status: str) -> None:
         """Record the run's final status (its lease is given up at close())."""
         self._writer.submit("update", run_id, {"status": status, "ended_at": time.time()})
