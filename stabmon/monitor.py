@@ -254,7 +254,8 @@ class Monitor:
         before, self._unfit = self._unfit, unfit
         self._drop_rungs(unfit, before)
         self._run_config = {**self._run_config, "ladder": self._ladder_config()}
-        self.outbox.update_config(self._run_config)
+        if self.spec.resume_run_id is None:  # a resumed run keeps the config its first process stored
+            self.outbox.update_config(self._run_config)
 
     def _ladder_config(self) -> dict[str, Any]:
         """The rungs dropped in this loop, as the run's config stores them (its replay drops them too)."""

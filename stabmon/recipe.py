@@ -73,8 +73,14 @@ def run_recipe(
     }
 
 
+DERIVED = ("ladder",)
+"""Entries of a stored config that follow from the others (the rungs a runbook dropped in the run's loop follow
+from the runbook and the loop): not settings of their own, so not compared."""
+
+
 def recipe_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[EnvDifference]:
     """Every setting of two runs' stored configs (recipe, monitor config, mode) that differs, by dotted path."""
     from stabmon.diff import environment_differences  # polars: not on the live monitor's import path
 
-    return environment_differences(a, b)
+    return environment_differences({k: v for k, v in a.items() if k not in DERIVED},
+                                   {k: v for k, v in b.items() if k not in DERIVED})

@@ -34,7 +34,6 @@ import json
 import os
 import signal
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -245,7 +244,7 @@ class Cell:
                         self.journal.files(new, snap)
                     previous = step
                     if step == EVENT_AT and not self._fired():
-                        self._fire(step)
+                        self._fire(step, mon)
                     loss = fault(step, tiny_loss(model, batch))
                     loss.backward()
                     mon.observe(loss=loss)
@@ -270,7 +269,7 @@ class Cell:
         self.journal.write(end=seg, how=how, facts=facts)
         return "end" if how == "short" else how
 
-    def _fire(self, step: int) -> None:
+    def _fire(self, step: int, mon: Any) -> None:
         if self.event == "continue":
             return
         (self.folder / f"fired-rank{self.rank}").write_text(str(step))
@@ -279,8 +278,8 @@ class Cell:
         if self.event == "interrupt":  # Ctrl-C reaches every rank of the job
             os.kill(os.getpid(), signal.SIGINT)
         if self.event == "kill" and self.rank == self.spec["victim"]:
-            if self.rank == 0:  # past the store writer's window (docs/distributed.md: the rows it has not
-                time.sleep(self.spec.get("kill_wait", 1.0))  # committed, up to flush_interval, die with it)
+            if self.rank == 0 and mon.store is not None:  # the rows the store writer has not committed die with
+                mon.store.flush(timeout=60.0)  # it (docs/distributed.md): what is checked is the restart
             (self.folder / "killed").write_text(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
