@@ -55,7 +55,7 @@ from stabmon.collect.distributed import PeerLost, RankFollower, broadcast, world
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Flusher
 from stabmon.collect.hangs import HangReporter, LoopActivity, start_watchdog, write_last_words
-from stabmon.collect.interrupts import INTERRUPTED, ExitGuard
+from stabmon.collect.interrupts import INTERRUPTED, ExitGuard, InterruptHold, deliver_held
 from stabmon.collect.joint import RankChannel
 from stabmon.collect.memory import DeviceMemory
 from stabmon.collect.monitor_state import add_pipeline_state, build_monitor_state
@@ -475,6 +475,7 @@ class Monitor:
 
     def end_step(self) -> None:
         """Close the step's record; flush when ``config.flush_every`` steps are waiting."""
+        self.signals.hooks.interrupts.release()  # a Ctrl-C or SIGTERM held since optimizer.step(): now
         if not self.signals.buffer.open:
             return
         if self._batches_unknown:
@@ -626,13 +627,31 @@ class Monitor:
         """Flush what is left, end the run in the store, remove the hooks. Idempotent."""
         if self._closed:
             return
-        self._exit_guard.release()
-        if status == INTERRUPTED and self.signals.buffer.open and not self.signals.hooks.stepped:
+        closing = InterruptHold(at_most_s=None)  # a Ctrl-C or SIGTERM now (a job's other ranks are stopped so)
+        closing.hold()  # waits until the run is closed: its rows drained, its checkpoint whole
+        held = self.signals.hooks.interrupts.release(deliver=False)  # one held since optimizer.step(), too
+        try:
+            self._close(status)
+        finally:
+            held += closing.release(deliver=False)
+            self._exit_guard.release()
+            deliver_held(held)
+
+    def _close(self, status: str | None) -> None:
+        self._exit_guard.disarm()
+        hooks = self.signals.hooks
+        cut = hooks.cut  # interrupted inside optimizer.step(): the update may be half-applied
+        if status == INTERRUPTED and self.signals.buffer.open and not hooks.stepped:
             self.signals.recorder.discard()  # interrupted before its update: the step did not happen
         self.end_step()
         self.flush()
         if status == INTERRUPTED and self.target.saves(SavePath.INTERRUPT) and self.run.step > 0:
-            self.save_checkpoint()  # a resume from here repeats no step
+            if cut:
+                log.warning("stabmon: interrupted inside optimizer.step() of step %d: no interrupt checkpoint "
+                            "(its update may be half-applied); a resume starts from the last checkpoint",
+                            self.run.step - 1)
+            else:
+                self.save_checkpoint()  # a resume from here repeats no step
         self._closed = True
         if self._watchdog is not None:
             self._watchdog.stop()

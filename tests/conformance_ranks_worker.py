@@ -21,7 +21,8 @@ What each rank writes in the cell's folder:
 - ``snap-rank<r>-<id>.pt``: the live state (``conformance_support.live_state``, DTensors as the rank's local
   shard) at the start of the first step of a segment, of every step a multiple of ``checkpoint_every``, of the
   first step after a rollback, and at each segment's end; and at any step start where a new checkpoint file
-  appeared (``"at": "unplanned"``);
+  appeared (``"at": "unplanned"``), and where torchrun's SIGTERM ended the survivor of a kill (``"terminated"``:
+  its close may have saved a checkpoint);
   the end line holds the segment's facts: its monitor's step, exit code, run id and intervention records, and
   at the run's end a digest of this rank's tensors and of the full weights.
 """
@@ -255,6 +256,10 @@ class Cell:
             how = "crash"
         except KeyboardInterrupt:
             how = "interrupt"
+        except SystemExit:  # torchrun's SIGTERM to the survivor of a kill: what its close saved, then it exits
+            snap = self.journal.snapshot(live(), seg=seg, step=mon.step, at="terminated")
+            self.journal.files(self.journal.new_files(saved()), snap)
+            raise
         if how == "end" and mon.should_stop:
             how = "stop"
         if how == "end" and mon.step < STEPS:

@@ -65,10 +65,14 @@ class ExitGuard:
         if close is not None:
             close(INTERRUPTED)
 
-    def release(self) -> None:
-        """The run was closed by its owner: undo the signal handler and the exit callback."""
+    def disarm(self) -> None:
+        """The run is being closed: exit no longer closes it (its SIGTERM handler stays until :meth:`release`)."""
         self._close = None
         atexit.unregister(self._atexit)
+
+    def release(self) -> None:
+        """The run was closed by its owner: undo the signal handler and the exit callback."""
+        self.disarm()
         if self._installed:
             self._installed = False
             try:
@@ -87,3 +91,87 @@ def _fire_later(ref: weakref.ref[ExitGuard]) -> Callable[[], None]:
             guard.fire()
 
     return fire
+
+
+HOLD_AT_MOST_S = 5.0
+"""How long a held Ctrl-C or SIGTERM waits at most (:class:`InterruptHold`): a step's update that takes longer
+is interrupted where it is, as without the hold (schedulers send SIGKILL some 30 s after SIGTERM; the interrupt
+checkpoint needs the rest)."""
+
+
+class InterruptHold:
+    """Ctrl-C and SIGTERM wait while held, then take effect as if they came just after :meth:`release`.
+
+    What is held is a piece of work that must not be cut in two: a load of the training state, or a step from
+    its ``optimizer.step()`` to its end (a step cut there would be checkpointed with the update half-applied,
+    or counted with its scheduler not stepped). A second signal of the same kind does not wait, nor does one
+    held longer than ``at_most_s`` (its timer sends it again). Only Python handlers can wait (the default
+    SIGTERM handler ends the process at once anyway), and only in the main thread; elsewhere nothing is held.
+
+    >>> hold = InterruptHold()
+    >>> hold.hold(); hold.holding
+    True
+    >>> hold.release(); hold.holding
+    False
+    """
+
+    def __init__(self, *, at_most_s: float | None = HOLD_AT_MOST_S) -> None:
+        self.at_most_s = at_most_s
+        self.holding = False
+        self._previous: dict[int, Callable[[int, FrameType | None], Any]] = {}
+        self._held: list[tuple[int, FrameType | None]] = []
+        self._timer: threading.Timer | None = None
+
+    def hold(self) -> None:
+        if self.holding or threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(sig)
+            if callable(handler):
+                try:
+                    signal.signal(sig, self._hold)
+                except (ValueError, OSError):
+                    continue
+                self._previous[sig] = handler
+        self.holding = True
+
+    def _hold(self, signum: int, frame: FrameType | None) -> None:
+        if any(s == signum for s, _ in self._held):  # the second one: now
+            self._held.clear()
+            self._previous[signum](signum, frame)
+            return
+        self._held.append((signum, frame))
+        if self.at_most_s is not None and self._timer is None:
+            main = threading.main_thread().ident
+            assert main is not None
+            # a real signal to the main thread (it wakes a blocking call there, as the first one did)
+            self._timer = threading.Timer(self.at_most_s, signal.pthread_kill, args=(main, signum))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def release(self, *, deliver: bool = True) -> list[tuple[Callable[..., Any], int, FrameType | None]]:
+        """Stop holding; with ``deliver`` the held signals take effect now (their handlers may raise), else they
+        are returned, to be passed to :func:`deliver` once the caller's own work is done."""
+        if not self.holding:
+            return []
+        self.holding = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for signum, handler in self._previous.items():
+            try:
+                signal.signal(signum, handler)
+            except (ValueError, OSError):
+                pass
+        held = [(self._previous[s], s, f) for s, f in self._held]
+        self._previous, self._held = {}, []
+        if deliver:
+            deliver_held(held)
+            return []
+        return held
+
+
+def deliver_held(held: list[tuple[Callable[..., Any], int, FrameType | None]]) -> None:
+    """Call the handlers of signals :meth:`InterruptHold.release` kept back (the first that raises ends it)."""
+    for handler, signum, frame in held:
+        handler(signum, frame)

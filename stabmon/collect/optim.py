@@ -78,6 +78,7 @@ from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.grads import GradNorms, GradResult
 from stabmon.collect.guard import SkipGuard
 from stabmon.collect.inplace import AdaptiveClip, ElementSkip, UpdateCap
+from stabmon.collect.interrupts import InterruptHold
 from stabmon.collect.updates import AdamUpdateNorms
 from stabmon.events import Metric
 from stabmon.overrides import Overrides
@@ -129,6 +130,10 @@ class OptimizerHooks:
         """The caller said this step's update was skipped (``after_step(skipped=True)``): a loss scaler's
         overflow, recorded as such even without a GradScaler the monitor knows of."""
         self._post_pending = False  # before_step ran and after_step has not yet undone its changes
+        self._cut = False  # this step's optimizer.step() raised after its pre-step work (reset as a step begins)
+        self.interrupts = InterruptHold()
+        """Ctrl-C and SIGTERM wait from a monitored step's ``optimizer.step()`` until the step ends (the monitor's
+        ``end_step`` releases them): a step is interrupted before its update or after its end, never between."""
         self.found_inf: torch.Tensor | None = None
         """The GradScaler's overflow flag handed to a fused optimizer this step (device tensor), else None."""
         self._swaps: list[dict[str, _Swap]] = []
@@ -207,10 +212,16 @@ class OptimizerHooks:
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.after_step()
 
+    def new_step(self) -> None:
+        """A step begins: nothing stepped, skipped or cut in it yet."""
+        self.stepped = self.skip_reported = self._cut = False
+
     def before_step(self) -> None:
         """The pre-step work (steps 1-5 of the module docstring); the step pre-hook, or called by a framework
         that runs backward inside ``optimizer.step(closure)``."""
         self.abandon_unfinished()
+        if self.buffer.open:
+            self.interrupts.hold()
         self.stepped = True
         self._post_pending = True
         grad_scale = self._scaled_handoff()
@@ -249,6 +260,12 @@ class OptimizerHooks:
             self.stepped = False
             self.skip_reported = True
 
+    @property
+    def cut(self) -> bool:
+        """This step's ``optimizer.step()`` began and did not finish (it raised, or it is still running): the
+        update may be half-applied."""
+        return self._post_pending or self._cut
+
     def abandon_unfinished(self) -> None:
         """Undo the pre-step work of a step whose post-step work never ran (``optimizer.step()`` raised after
         the pre-hook): each param group gets its scheduler's value back where it still holds the one written for
@@ -259,6 +276,7 @@ class OptimizerHooks:
         if not self._post_pending:
             return
         self._post_pending = False
+        self._cut = True
         if not self._abandon_logged:
             self._abandon_logged = True
             log.warning("stabmon: optimizer.step() did not finish (it raised after the monitor's pre-step work): "

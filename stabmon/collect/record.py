@@ -115,7 +115,7 @@ class StepRecorder:
         for name, value in self._carry.items():
             self.buffer.add_host(name, value)
         self._carry.clear()
-        self.hooks.stepped = self.hooks.skip_reported = False
+        self.hooks.new_step()
         self._scale_snapshot = None
         self._hp_snapshot = None
         self._lr_snapshot = None

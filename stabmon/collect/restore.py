@@ -33,14 +33,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import signal
-import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
-from types import FrameType
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from stabmon.collect.interrupts import InterruptHold
 
 ROLLBACK = "rollback"
 """Loading the last-known-good checkpoint in the middle of a run."""
@@ -273,33 +272,11 @@ def _put_back(undo: list[Callable[[], None]]) -> None:
 
 @contextlib.contextmanager
 def _interrupts_held() -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait until the block is done, then take effect as if they came just after it; a
-    second one of the same kind does not wait. Only Python handlers can wait (the default SIGTERM ends the
-    process at once anyway), and only in the main thread (elsewhere the block runs as it is)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[tuple[int, FrameType | None]] = []
-    previous: dict[int, Callable[[int, FrameType | None], Any]] = {}
-
-    def hold(signum: int, frame: FrameType | None) -> None:
-        if any(s == signum for s, _ in held):
-            held.clear()
-            previous[signum](signum, frame)
-        held.append((signum, frame))
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        handler = signal.getsignal(sig)
-        if callable(handler):
-            try:
-                signal.signal(sig, hold)
-            except (ValueError, OSError):
-                continue
-            previous[sig] = handler
+    """Ctrl-C and SIGTERM wait until the block is done, then take effect as if they came just after it
+    (:class:`~stabmon.collect.interrupts.InterruptHold`, with no time limit: a load is never cut)."""
+    hold = InterruptHold(at_most_s=None)
+    hold.hold()
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        for signum, frame in held:
-            previous[signum](signum, frame)
+        hold.release()
