@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stabmon.events import Anomaly, StepRecord
-from stabmon.pipeline import DetectorSuiteLike, EngineLike, InterventionTarget, Pipeline
+from stabmon.interventions.target import InterventionTarget
+from stabmon.pipeline import DetectorSuiteLike, EngineLike, Pipeline
 
 
 class NullDetectors:
@@ -106,14 +107,31 @@ def build_pipeline(
 
     Without ``detectors=``, the detectors take the runbook's ``detectors:`` section (where a ``stabmon tune``
     result lands through ``include:``); ``overrides`` apply on top."""
+    engine, suite = resolve_decisions(runbook=runbook, detectors=detectors, overrides=overrides, mode=mode)
+    return pipeline_of(target, engine=engine, detectors=suite, simulated=simulated)
+
+
+def resolve_decisions(
+    *, runbook: Any = None, detectors: Any = None, overrides: Sequence[str] = (), mode: str | None = None
+) -> tuple[EngineLike | None, DetectorSuiteLike]:
+    """The runbook engine (None without a runbook or in ``observe`` mode) and the detectors (without
+    ``detectors=``: the runbook's ``detectors:`` section; ``overrides`` on top), before any target exists."""
     if runbook is not None and mode != "observe" and not isinstance(runbook, EngineLike):
         runbook = resolve_runbook(runbook)
         if detectors is None and runbook.detectors:
             detectors = dict(runbook.detectors)
-    engine = resolve_engine(runbook, mode)
+    return resolve_engine(runbook, mode), resolve_detectors(detectors, overrides)
+
+
+def pipeline_of(
+    target: InterventionTarget, *, engine: EngineLike | None, detectors: DetectorSuiteLike,
+    simulated: bool = False,
+) -> Pipeline:
+    """The pipeline of ``detectors`` and ``engine``, with an executor acting on ``target`` when there is an
+    engine."""
     executor = None
     if engine is not None:
         from stabmon.interventions import Executor
 
         executor = Executor(target, simulated=simulated)
-    return Pipeline(resolve_detectors(detectors, overrides), engine, executor)
+    return Pipeline(detectors, engine, executor)

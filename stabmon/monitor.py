@@ -45,6 +45,7 @@ from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.build import (
     build_checkpoints,
     build_outbox,
+    build_pipeline,
     build_signals,
     build_training_state,
     kill_switch,
@@ -58,13 +59,13 @@ from stabmon.collect.hangs import HangReporter, LoopActivity, start_watchdog, wr
 from stabmon.collect.interrupts import INTERRUPTED, ExitGuard, InterruptHold, deliver_held
 from stabmon.collect.joint import RankChannel
 from stabmon.collect.memory import DeviceMemory
-from stabmon.collect.monitor_state import add_pipeline_state, build_monitor_state
+from stabmon.collect.monitor_state import build_monitor_state
 from stabmon.collect.rank_policy import SavePath, rank_policy
 from stabmon.collect.resume import ResumeCheck
 from stabmon.collect.run_state import RunState
 from stabmon.collect.target import LiveTarget, run_facts
 from stabmon.collect.vocab import untrained_loss
-from stabmon.collect.wiring import build_pipeline, check_model_and_optimizer, resolve_store
+from stabmon.collect.wiring import check_model_and_optimizer, resolve_decisions, resolve_store
 from stabmon.diagnose import Diagnosis
 from stabmon.diagnose.build import HookSwitch, build_diagnoser
 from stabmon.events import Anomaly, Event, Metric, StepRecord
@@ -131,39 +132,31 @@ class Monitor:
         self._state = build_monitor_state(run=run, signals=self.signals.states(), follower=follower,
                                           outbox=self.outbox, checkpoints=checkpoints, run_name=self.run_name)
         self._channel = RankChannel(rank=self.rank, world_size=self.world_size, timeout=cfg.diagnose.timeout)
-        handed: deque[Event] = deque()  # a joint action's disagreements, for the flush's publish
-        self.target = LiveTarget(
-            run,
-            hparams=self.signals.hooks.hparams,
-            state=build_training_state(model, optimizer, scaler=scaler, scheduler=scheduler, monitor_state=self._state,
-                                       counts_steps=spec.loop.counts_steps),
-            outbox=self.outbox,
-            failsafe=self.failsafe,
-            stop_code=cfg.exit_code,
-            checkpoints=checkpoints,
-            policy=self.policy,
-            channel=self._channel,
-            reports=handed,
-        )
-        self.pipeline, _ = build_pipeline(self.target, detectors=spec.detectors, runbook=spec.runbook, mode=spec.mode)
-        add_pipeline_state(self._state, self.pipeline, failsafe=self.failsafe, grace_steps=cfg.grace_steps)
-        self.batches = batch_log_for(self.pipeline.engine, spec.sample_ids, capacity=cfg.diagnose.batches,
+        training = build_training_state(model, optimizer, scaler=scaler, scheduler=scheduler, monitor_state=self._state,
+                                        counts_steps=spec.loop.counts_steps)
+        engine, detectors = resolve_decisions(runbook=spec.runbook, detectors=spec.detectors, mode=spec.mode)
+        self.batches = batch_log_for(engine, spec.sample_ids, capacity=cfg.diagnose.batches,
                                      max_bytes=cfg.diagnose.max_bytes, checkpoints=checkpoints is not None)
+        self.records: deque[StepRecord] = deque(maxlen=cfg.history)
+        self._hooks = HookSwitch(self.signals.hooks)  # on or off as the loop wants them; a diagnosis keeps that
+        self._diagnoser = build_diagnoser(
+            model=model, optimizer=optimizer, scaler=scaler, grads=self.signals.grads, hooks=self._hooks,
+            batches=self.batches, records=self.records, checkpoints=checkpoints, check=training.mismatch,
+            loss_fn=spec.loss_fn, own=self.signals.rank_values.own if self.signals.rank_values is not None else None,
+            rank=self.rank, world_size=self.world_size, channel=self._channel)
+        handed: deque[Event] = deque()  # a joint action's disagreements, for the flush's publish
+        self.target = LiveTarget(run, hparams=self.signals.hooks.hparams, state=training, outbox=self.outbox,
+                                 failsafe=self.failsafe, stop_code=cfg.exit_code, checkpoints=checkpoints,
+                                 policy=self.policy, channel=self._channel, reports=handed,
+                                 diagnoser=self._diagnoser)
+        self.pipeline = build_pipeline(self.target, engine=engine, detectors=detectors, states=self._state,
+                                       failsafe=self.failsafe, grace_steps=cfg.grace_steps)
         #: ln(output classes), recorded once with the first step observed (None: unknown, or recorded)
         self._untrained: float | None = untrained_loss(model)
         self.flusher = Flusher(self.pipeline, self.outbox, target=self.target, failsafe=self.failsafe,
                                mode=spec.mode, follower=follower, kill_switch=kill_switch(cfg.kill_switch),
-                               policy=self.policy, handed=handed, channel=self._channel)
-        self.flusher.joiners.update(self.target.joiners)
-        self.records: deque[StepRecord] = deque(maxlen=cfg.history)
-        self._hooks = HookSwitch(self.signals.hooks)  # on or off as the loop wants them; a diagnosis keeps that
-        self.target.diagnoser = self._diagnoser = build_diagnoser(
-            model=model, optimizer=optimizer, scaler=scaler, grads=self.signals.grads, hooks=self._hooks,
-            batches=self.batches, records=self.records, checkpoints=self.target.checkpoints,
-            check=self.target.state.mismatch, loss_fn=spec.loss_fn,
-            own=self.signals.rank_values.own if self.signals.rank_values is not None else None,
-            rank=self.rank, world_size=self.world_size, channel=self._channel)
-        self.flusher.joiners[Diagnose.name] = self._diagnoser.join
+                               policy=self.policy, handed=handed, channel=self._channel,
+                               joiners={**self.target.joiners, Diagnose.name: self._diagnoser.join})
         self._closed = False
         self._flushing = False
         self._initial_saved = False

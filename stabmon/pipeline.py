@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from stabmon.events import Anomaly, Decision, DecisionStatus, Event, InterventionRecord, Outcome, StepRecord
+from stabmon.interventions.target import InterventionTarget as InterventionTarget
 from stabmon.interventions.traits import changed_training
-from stabmon.overrides import Overrides
 
 
 @runtime_checkable
@@ -105,36 +105,6 @@ class EvidenceFiller(Protocol):
     shared with the other ranks (so every rank acts on the same tensors)."""
 
     def with_evidence(self, decision: Decision, anomaly: Anomaly, recent: Iterable[Anomaly] = ()) -> Decision: ...
-
-
-@runtime_checkable
-class InterventionTarget(Protocol):
-    """What interventions act on: the live :class:`~stabmon.collect.target.LiveTarget`, or a replay
-    simulator."""
-
-    @property
-    def overrides(self) -> Overrides:
-        """The overrides in force; interventions change this object, never replace it."""
-
-    @property
-    def step(self) -> int:
-        """The current optimizer step."""
-
-    def hparams(self) -> dict[str, float]:
-        """Values in force now: ``lr``, ``beta2``, ``weight_decay``, ``clip`` (absent when not applicable)."""
-
-    def rollback(
-        self, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None
-    ) -> dict[str, Any]:
-        """Restore the last-known-good checkpoint saved at least ``lookback`` steps before ``onset_step`` (from
-        ``checkpoint_dir`` when given, else the target's own checkpoints) and skip the next ``skip_batches``
-        batches of data. Returns what happened (checkpoint path and step, restored step, skipped batch range) for
-        the audit row. The rollback rung's ``lr_factor`` / ``lr_cap`` / ``onset_lr`` are not passed here: the
-        intervention applies them to :attr:`overrides` after this returns."""
-
-    def checkpoint_and_stop(self, *, reason: str, exit_code: int | None = None) -> dict[str, Any]:
-        """Save a checkpoint and ask the training loop to stop with the documented exit code (or
-        ``exit_code``)."""
 
 
 _KEPT_ANOMALIES = 1024

@@ -179,7 +179,7 @@ def _check_store(store: Any) -> None:
 
 def _check_alerts(notifier: Any, alerts: Any) -> None:
     """Raise ``alerts: ...`` / ``notifier: ...`` now rather than when the monitor starts."""
-    from stabmon.collect.wiring import resolve_notifier
+    from stabmon.alerts.notifier import resolve_notifier
 
     made, owned = resolve_notifier(notifier, alerts)
     if owned and made is not None:

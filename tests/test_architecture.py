@@ -329,8 +329,8 @@ PROBES_ALLOWED: dict[tuple[str, str], str] = {
     ("stabmon/collect/observe.py", "value"): "a user's observed value: tensor, numpy or float",
     ("stabmon/collect/sharding.py", "t"): "torch: DTensor or plain tensor",
     ("stabmon/collect/qk.py", "tensor"): "torch: DTensor or plain tensor",
-    ("stabmon/collect/qk.py", "module"): "a user's attention module (head counts by attribute)",
-    ("stabmon/collect/qk.py", "owner"): "a user's attention module or its HF config",
+    ("stabmon/collect/attention.py", "module"): "a user's attention module (head counts by attribute)",
+    ("stabmon/collect/attention.py", "owner"): "a user's attention module or its HF config",
     ("stabmon/collect/vocab.py", "model"): "a user's model (an HF config, if any)",
     ("stabmon/collect/vocab.py", "getattr(model, 'config', None)"): "an HF config's vocab_size",
     ("stabmon/diagnose/rerun.py", "scaler"): "torch: GradScaler's per-optimizer state (private)",
@@ -417,3 +417,151 @@ def test_architecture_places_every_module() -> None:
 def test_architecture_has_a_side_paths_section() -> None:
     text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
     assert "## Side paths" in text and "publish_from_thread" in text and "learn_host" in text
+
+
+# -- no import cycles: every import in the package counted, deferred and type-checking ones too --
+def _module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports anywhere in its source (at the top, inside a function, under
+    ``TYPE_CHECKING``): a deferred import hides a cycle from Python, not from a reader."""
+    paths = {_module_name(p, package): p for p in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        is_package = path.name == "__init__.py"
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+                    base = ".".join(parent + ([node.module] if node.module else []))
+                for alias in node.names:
+                    deps.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base)
+        graph[name] = {d for d in deps if d in paths and d != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_the_package_has_no_import_cycles() -> None:
+    graph = import_graph()
+    assert len(graph) > 100 and "stabmon.monitor" in graph and "stabmon.pipeline" in graph["stabmon.monitor"]
+    cycles = import_cycles(graph)
+    assert cycles == [], "import cycles (each: the modules that import one another):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_rule_finds_deferred_and_type_checking_cycles(tmp_path: Path) -> None:
+    pkg = tmp_path / "stabmon"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from . import b\n")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stabmon.sub.b import X\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import Y\n")
+    (pkg / "c.py").write_text("import stabmon.a\n")
+    cycles = import_cycles(import_graph(pkg))
+    assert cycles == [["stabmon.a", "stabmon.sub.b"]]
+
+
+# -- the monitor is built in order: each collaborator gets what it needs when it is made, nothing patched after --
+MUTATORS = {"update", "append", "extend", "add", "setdefault", "insert", "pop", "clear", "__setitem__"}
+
+
+def patches(function: ast.FunctionDef) -> list[str]:
+    """Every place ``function`` changes another object after it was made: an assignment to an attribute or item
+    of anything but ``self`` (``self.target.diagnoser = ...``, ``self.flusher.joiners[k] = ...``) or a mutating
+    call on another object's attribute (``self.flusher.joiners.update(...)``)."""
+    found = []
+
+    def foreign(node: ast.expr) -> bool:  # not self's own attribute (``self.x``): another object's
+        if isinstance(node, ast.Attribute):
+            return not (isinstance(node.value, ast.Name) and node.value.id == "self")
+        return isinstance(node, ast.Subscript)
+
+    for node in ast.walk(function):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets for t in (target.elts if isinstance(target, ast.Tuple)
+                                                              else [target])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        found += [f"line {node.lineno}: {ast.unparse(t)} = ..." for t in targets if foreign(t)]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            owner = node.func.value
+            if isinstance(owner, ast.Attribute) and foreign(owner):
+                found.append(f"line {node.lineno}: {ast.unparse(node.func)}(...)")
+    return found
+
+
+def _init_of(path: Path, cls: str) -> ast.FunctionDef:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+
+
+def test_the_monitor_is_built_without_patching_its_collaborators() -> None:
+    init = _init_of(PACKAGE / "monitor.py", "Monitor")
+    assert len(init.body) > 20, "Monitor.__init__ not found where expected"
+    assert patches(init) == [], "Monitor.__init__ changes objects after making them:\n" + "\n".join(patches(init))
+
+
+@pytest.mark.parametrize("line", [
+    "self.target.diagnoser = build()", "self.flusher.joiners[k] = f", "self.flusher.joiners.update(j)",
+    "target.x, self.y = 1, 2", "self.a.b += 1",
+])
+def test_the_patch_rule_catches_patches(line: str) -> None:
+    function = ast.parse(f"def __init__(self):\n    {line}\n").body[0]
+    assert isinstance(function, ast.FunctionDef) and len(patches(function)) == 1
+
+
+@pytest.mark.parametrize("line", ["self.target = Target(diagnoser=d)", "self.x: int = 1", "self.records.append(r)",
+                                  "joiners = {**a, k: f}"])
+def test_building_in_order_passes_the_patch_rule(line: str) -> None:
+    function = ast.parse(f"def __init__(self):\n    {line}\n").body[0]
+    assert isinstance(function, ast.FunctionDef) and patches(function) == []

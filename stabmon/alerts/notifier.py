@@ -24,6 +24,7 @@ from stabmon.alerts.message import Alert, Composer
 from stabmon.alerts.record import AlertRecorder
 from stabmon.alerts.routing import Gate
 from stabmon.events import Event, new_id
+from stabmon.sinks import NotifierLike
 
 log = logging.getLogger("stabmon.alerts")
 DEFAULT_CLOSE_TIMEOUT = 30.0
@@ -208,3 +209,22 @@ def _store_recorder(store: Any) -> AlertRecorder | None:
     # alerts still go out; only their rows are missing
     log.error("alert attempts will not be recorded: %s cannot record alerts", type(store).__name__)
     return None
+
+
+def resolve_notifier(notifier: Any, alerts: Any, store: Any = None) -> tuple[NotifierLike | None, bool]:
+    """(notifier, owned) from ``notifier=`` (an object) or ``alerts=`` (URLs, a config or a config file).
+
+    Delivery attempts are recorded in ``store`` (the monitor's opened store, or a URL)."""
+    if notifier is not None:
+        if not isinstance(notifier, NotifierLike):
+            raise ValueError(
+                f"notifier: expected an object with handle() and close(), got {type(notifier).__name__}"
+            )
+        return notifier, False
+    try:
+        # alerts=None still honours $STABMON_ALERTS / $STABMON_ALERTS_CONFIG; None when no channel is set.
+        made = make_notifier(alerts, store=store)
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError(message if message.startswith("alerts") else f"alerts: {message}") from None
+    return made, made is not None

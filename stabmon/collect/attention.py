@@ -52,7 +52,6 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from stabmon.collect.qk import head_count
 from stabmon.collect.sharding import clean_name
 from stabmon.events import Metric
 
@@ -77,6 +76,19 @@ QKFn = Callable[[nn.Module, tuple, dict], QK]
 """``(module, args, kwargs) -> QK``: a registered module's query and key from its forward's inputs."""
 
 _REGISTERED: dict[type, QKFn | None] = {}
+
+
+_HEADS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
+
+
+def head_count(module: nn.Module) -> int | None:
+    """The head count an attention module (or its HF ``config``) declares, else None."""
+    for owner in (module, getattr(module, "config", None)):
+        for attr in _HEADS:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
 
 
 def register_attention(cls: type[nn.Module], qk: QKFn | None = None) -> None:

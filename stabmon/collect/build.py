@@ -2,7 +2,7 @@
 
 The :class:`~stabmon.monitor.Monitor` is a sequence of these calls plus the user's API: :func:`build_signals`
 (what measures a step), :func:`build_outbox` (the store and the notifier), :func:`build_checkpoints`,
-:func:`build_training_state`; the pipeline comes from :func:`stabmon.collect.wiring.build_pipeline`. None of
+:func:`build_training_state`, :func:`build_pipeline`. None of
 them receives the monitor: a collaborator gets the :class:`~stabmon.collect.run_state.RunState` where it needs
 the step, the data position or the overrides.
 
@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stabmon.alerts.notifier import resolve_notifier
 from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.activations import ActivationNorms
 from stabmon.collect.attention import AttentionLogits
@@ -61,7 +62,7 @@ from stabmon.collect.grads import GradNorms
 from stabmon.collect.logits import OutputLogits
 from stabmon.collect.memory import DeviceMemory
 from stabmon.collect.moment_ratio import MomentRatios, not_applicable
-from stabmon.collect.monitor_state import REQUIRED, excluded
+from stabmon.collect.monitor_state import REQUIRED, add_pipeline_state, excluded
 from stabmon.collect.optim import OptimizerHooks
 from stabmon.collect.qk import StandingQkClip
 from stabmon.collect.ranks import RankGather, RankProbe
@@ -70,7 +71,10 @@ from stabmon.collect.restore import NamedStates, Stateful, TrainingState
 from stabmon.collect.run_state import RunState
 from stabmon.collect.sharding import Layout, ShardedSquares, embedding_counted, layout_of
 from stabmon.collect.updates import AdamUpdateNorms, UpdateNorms
-from stabmon.collect.wiring import resolve_notifier, resolve_store
+from stabmon.collect.wiring import resolve_store
+from stabmon.factory import pipeline_of
+from stabmon.interventions.target import InterventionTarget
+from stabmon.pipeline import DetectorSuiteLike, EngineLike, Pipeline
 from stabmon.spec import MonitorSpec
 
 log = logging.getLogger(__name__)
@@ -284,6 +288,17 @@ def build_training_state(
         exclude=excluded(counts_steps=counts_steps),
         required=REQUIRED,
     )
+
+
+def build_pipeline(
+    target: InterventionTarget, *, engine: EngineLike | None, detectors: DetectorSuiteLike, states: NamedStates,
+    failsafe: Failsafe, grace_steps: int | None,
+) -> Pipeline:
+    """The monitor's pipeline (:func:`stabmon.pipeline_of`), acting on ``target``; its detectors, engine
+    and executor take their places in the checkpointed ``states`` as it is made."""
+    pipeline = pipeline_of(target, engine=engine, detectors=detectors)
+    add_pipeline_state(states, pipeline, failsafe=failsafe, grace_steps=grace_steps)
+    return pipeline
 
 
 def kill_switch(path: str | None) -> Any:

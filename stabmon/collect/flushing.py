@@ -249,6 +249,7 @@ class Flusher:
         handed: deque[Event] | None = None,
         handoff_after: float = 10.0,
         channel: RankChannel | None = None,
+        joiners: Mapping[str, Callable[[dict[str, Any]], Any]] | None = None,
     ) -> None:
         self.pipeline, self.outbox, self.target, self.failsafe = pipeline, outbox, target, failsafe
         self.channel = channel
@@ -258,7 +259,7 @@ class Flusher:
         self.kill_switch = kill_switch
         self.policy = policy if policy is not None else RankPolicy()
         self.handoff_after = handoff_after
-        self.joiners: dict[str, Callable[[dict[str, Any]], Any]] = {}
+        self.joiners: dict[str, Callable[[dict[str, Any]], Any]] = dict(joiners or {})
         """Non-zero ranks: what to run when rank 0 sends a :class:`~stabmon.collect.distributed.Join`."""
         self.events: list[Event] = []
         """Every anomaly, decision, intervention and outcome published in this run."""

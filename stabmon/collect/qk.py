@@ -27,20 +27,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from stabmon.collect.attention import AttentionLogits, head_count
 from stabmon.collect.sharding import clean_name, is_sharded
-
-if TYPE_CHECKING:
-    from stabmon.collect.attention import AttentionLogits
 
 log = logging.getLogger(__name__)
 
 _PAIRS = (("q_proj", "k_proj"), ("query", "key"), ("q", "k"), ("wq", "wk"))
-_HEADS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
 _PACKED = ("c_attn", "qkv", "attn", "in_proj")
 
 
@@ -130,16 +126,6 @@ def _packed_conv1d(module: nn.Module) -> QK | None:
     qs = ((columns, 0),) + (((bias, 0),) if bias is not None else ())
     ks = ((columns, e),) + (((bias, e),) if bias is not None else ())
     return QK(qs, ks, heads, heads, e // heads)
-
-
-def head_count(module: nn.Module) -> int | None:
-    """The head count an attention module (or its HF ``config``) declares, else None."""
-    for owner in (module, getattr(module, "config", None)):
-        for attr in _HEADS:
-            value = getattr(owner, attr, None)
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
 
 
 def find_qk(module: nn.Module) -> QK | None:

@@ -55,6 +55,7 @@ from stabmon.diagnose import Diagnosis
 from stabmon.events import Anomaly, Event, Severity
 from stabmon.interventions._state import RunFacts
 from stabmon.interventions.commit import FollowUps
+from stabmon.interventions.target import Training
 from stabmon.overrides import Overrides
 
 STOPPED = Agreement(same=("step", "exit_code"))
@@ -82,6 +83,7 @@ class LiveTarget:
         policy: RankPolicy | None = None,
         channel: RankChannel | None = None,
         reports: deque[Event] | None = None,
+        diagnoser: Callable[..., Diagnosis] | None = None,
     ) -> None:
         self.run = run
         self._hparams = hparams
@@ -102,9 +104,14 @@ class LiveTarget:
         self.stop_reason: str | None = None
         self.follow_ups = FollowUps()
         """The checkpoints this flush's changes leave to write once they are committed."""
-        self.diagnoser: Callable[..., Diagnosis] | None = None
+        self.diagnoser = diagnoser
         """What the ``diagnose`` intervention calls (:func:`stabmon.diagnose.build.build_diagnoser`'s); None:
         cannot diagnose."""
+
+    @property
+    def training(self) -> Training:
+        """This rank's model and optimizer, for an intervention that changes them in place."""
+        return Training(model=self.state.model, optimizer=self.state.optimizer)
 
     @property
     def checkpoints(self) -> CheckpointStore | None:

@@ -1,6 +1,6 @@
 """How the monitor's ``store=``, ``alerts=``/``notifier=``, ``detectors=`` and ``runbook=`` arguments become
-objects. The pipeline (detectors, runbook engine, executor) comes from :mod:`stabmon.factory`, which replay
-uses too; :func:`resolve_engine` is re-exported from there for the framework integrations.
+objects. The runbook engine and detectors come from :mod:`stabmon.factory` (which replay uses too):
+:func:`resolve_decisions`, and :func:`resolve_engine` for the framework integrations, are re-exported here.
 
 Each resolver accepts the plain forms a user types (a URL, a runbook name, a config mapping) or a ready object
 implementing the protocol, and turns anything else into a one-line ``ValueError`` naming the argument.
@@ -21,15 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from stabmon import factory
+from stabmon.factory import resolve_decisions as resolve_decisions
 from stabmon.factory import resolve_engine as resolve_engine
-from stabmon.pipeline import InterventionTarget, Pipeline
-from stabmon.sinks import NotifierLike, Sink
+from stabmon.sinks import Sink
 from stabmon.spec import DEFAULT_STORE as DEFAULT_STORE
 from stabmon.spec import MODES as MODES
 
 log = logging.getLogger(__name__)
-
 
 
 def resolve_store(store: Any) -> tuple[Sink | None, bool]:
@@ -51,36 +49,6 @@ def resolve_store(store: Any) -> tuple[Sink | None, bool]:
     if isinstance(store, Sink):
         return store, False
     raise ValueError(f"store: expected a URL string, a Sink object or None, got {type(store).__name__}")
-
-
-def resolve_notifier(notifier: Any, alerts: Any, store: Any = None) -> tuple[NotifierLike | None, bool]:
-    """(notifier, owned) from ``notifier=`` (an object) or ``alerts=`` (URLs, a config or a config file).
-
-    Delivery attempts are recorded in ``store`` (the monitor's opened store, or a URL)."""
-    if notifier is not None:
-        if not isinstance(notifier, NotifierLike):
-            raise ValueError(
-                f"notifier: expected an object with handle() and close(), got {type(notifier).__name__}"
-            )
-        return notifier, False
-    try:
-        from stabmon.alerts import make_notifier
-
-        # alerts=None still honours $STABMON_ALERTS / $STABMON_ALERTS_CONFIG; None when no channel is set.
-        made = make_notifier(alerts, store=store)
-    except ValueError as exc:
-        message = str(exc)
-        raise ValueError(message if message.startswith("alerts") else f"alerts: {message}") from None
-    return made, made is not None
-
-
-def build_pipeline(
-    target: InterventionTarget, *, detectors: Any, runbook: Any, mode: str | None
-) -> tuple[Pipeline, Any]:
-    """The monitor's pipeline (see :func:`stabmon.factory.build_pipeline`), acting on ``target``, and its
-    executor."""
-    pipeline = factory.build_pipeline(target, runbook=runbook, detectors=detectors, mode=mode)
-    return pipeline, pipeline.executor
 
 
 def environment() -> dict[str, Any] | None:

@@ -1,7 +1,8 @@
 """Interventions: the changes a runbook can make to a training run, one file per action.
 
-``INTERVENTIONS`` maps action names to classes; :func:`get_intervention` looks one up, :func:`register` adds a
-custom one (it then becomes usable in runbooks loaded afterwards). :class:`Executor` applies decisions.
+``INTERVENTIONS`` maps action names to classes (each module registers its own,
+:mod:`stabmon.interventions.registry`); :func:`get_intervention` looks one up, :func:`register` adds a custom one
+(it then becomes usable in runbooks loaded afterwards). :class:`Executor` applies decisions.
 
 >>> sorted(INTERVENTIONS)  # doctest: +NORMALIZE_WHITESPACE
 ['adaptive_clip', 'alert_only', 'checkpoint_and_stop', 'clip_update', 'diagnose', 'qk_clip', 'reset_moments',
@@ -19,6 +20,7 @@ from stabmon.interventions.clip_update import ClipUpdate
 from stabmon.interventions.diagnose import Diagnose
 from stabmon.interventions.executor import Executor
 from stabmon.interventions.qk_clip import QkClip
+from stabmon.interventions.registry import INTERVENTIONS, get_intervention, register
 from stabmon.interventions.reset_moments import ResetMoments
 from stabmon.interventions.rollback import Rollback
 from stabmon.interventions.scale_layer_lr import ScaleLayerLr
@@ -27,34 +29,12 @@ from stabmon.interventions.set_beta2 import SetBeta2
 from stabmon.interventions.set_clip import SetClip
 from stabmon.interventions.set_weight_decay import SetWeightDecay
 from stabmon.interventions.skip_step import SkipStep
+from stabmon.interventions.target import Training, training_of
 from stabmon.interventions.traits import REVERT, Traits, traits_of
-
-INTERVENTIONS: dict[str, type[Intervention]] = {
-    cls.name: cls
-    for cls in (ScaleLr, SetClip, SetBeta2, SetWeightDecay, Rollback, CheckpointAndStop, SkipStep, AlertOnly,
-                Diagnose, ResetMoments, AdaptiveClip, ClipUpdate, QkClip, ScaleLayerLr)
-}
-
-
-def get_intervention(name: str) -> type[Intervention]:
-    """The intervention class registered under ``name``."""
-    try:
-        return INTERVENTIONS[name]
-    except KeyError:
-        raise KeyError(f"unknown intervention {name!r}; known: {', '.join(sorted(INTERVENTIONS))}") from None
-
-
-def register(cls: type[Intervention]) -> type[Intervention]:
-    """Register a custom intervention class (usable as a decorator)."""
-    if not cls.name or cls.name == REVERT:
-        raise ValueError(f"intervention.name must be a non-empty name other than {REVERT!r}, got {cls.name!r}")
-    INTERVENTIONS[cls.name] = cls
-    return cls
-
 
 __all__ = [
     "INTERVENTIONS", "STOP_EXIT_CODE", "AdaptiveClip", "AlertOnly", "CheckpointAndStop", "ClipUpdate", "Diagnose",
     "Executor", "Intervention", "InterventionError", "Params", "QkClip", "ResetMoments", "Rollback", "RunFacts",
     "ScaleLayerLr", "ScaleLr", "SetBeta2", "SetClip", "SetWeightDecay", "SkipStep", "StateIntervention", "StateTarget",
-    "REVERT", "Traits", "get_intervention", "not_applicable", "register", "traits_of",
+    "REVERT", "Training", "Traits", "get_intervention", "not_applicable", "register", "traits_of", "training_of",
 ]

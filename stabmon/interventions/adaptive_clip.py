@@ -14,6 +14,7 @@ from pydantic import Field
 
 from stabmon.interventions._state import OverridesIntervention
 from stabmon.interventions.base import Params
+from stabmon.interventions.registry import register
 
 
 class AdaptiveClipParams(Params):
@@ -26,6 +27,7 @@ class AdaptiveClipParams(Params):
     value: float | None = None
 
 
+@register
 class AdaptiveClip(OverridesIntervention):
     """Turn on per-tensor adaptive clipping.
 

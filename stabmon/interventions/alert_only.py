@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from stabmon.interventions.base import Intervention, Params
+from stabmon.interventions.registry import register
 
 
 class AlertOnlyParams(Params):
@@ -14,6 +15,7 @@ class AlertOnlyParams(Params):
     message: str = ""
 
 
+@register
 class AlertOnly(Intervention):
     """Tell a human, touch nothing.
 

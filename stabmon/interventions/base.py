@@ -1,7 +1,7 @@
 """The intervention base class: it owns the guard and the audit record; subclasses only change things.
 
 An intervention is created for one :class:`~stabmon.events.Decision` and acts on an
-:class:`~stabmon.pipeline.InterventionTarget` (the live monitor or the replay simulator).
+:class:`~stabmon.interventions.target.InterventionTarget` (the live monitor or the replay simulator).
 :meth:`Intervention.apply` and :meth:`Intervention.revert` are the public methods: they check the state
 (an intervention is applied once and reverted at most once, after it was applied), hold the target's lock
 so no two interventions change the target at the same time, and build the
@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from stabmon.events import InterventionRecord
 
 if TYPE_CHECKING:
-    from stabmon.pipeline import InterventionTarget
+    from stabmon.interventions.target import InterventionTarget
 
 
 class InterventionError(RuntimeError):

@@ -15,6 +15,7 @@ from pydantic import Field
 
 from stabmon.checkpoints import STOP_EXIT_CODE
 from stabmon.interventions.base import Intervention, Params
+from stabmon.interventions.registry import register
 
 __all__ = ["STOP_EXIT_CODE", "CheckpointAndStop", "CheckpointAndStopParams"]
 
@@ -28,6 +29,7 @@ class CheckpointAndStopParams(Params):
     exit_code: int | None = Field(default=None, ge=1, le=255)
 
 
+@register
 class CheckpointAndStop(Intervention):
     """Save and stop.
 

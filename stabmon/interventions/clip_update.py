@@ -15,6 +15,7 @@ from pydantic import Field
 
 from stabmon.interventions._state import ADAM_UPDATE, OverridesIntervention
 from stabmon.interventions.base import Params
+from stabmon.interventions.registry import register
 
 
 class ClipUpdateParams(Params):
@@ -26,6 +27,7 @@ class ClipUpdateParams(Params):
     value: float | None = None
 
 
+@register
 class ClipUpdate(OverridesIntervention):
     """Cap each tensor's update RMS.
 

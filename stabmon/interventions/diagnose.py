@@ -21,6 +21,7 @@ from pydantic import Field
 
 from stabmon.diagnose.verdict import Diagnosis
 from stabmon.interventions.base import Intervention, InterventionError, Params
+from stabmon.interventions.registry import register
 
 
 @runtime_checkable
@@ -46,6 +47,7 @@ class DiagnoseParams(Params):
     metric: str | None = None
 
 
+@register
 class Diagnose(Intervention):
     """Ask the target for a verdict.
 

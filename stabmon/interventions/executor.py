@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 from stabmon.events import Anomaly, Decision, InterventionRecord
 from stabmon.interventions.base import Intervention, NoChange
 from stabmon.interventions.commit import Committing
+from stabmon.interventions.registry import INTERVENTIONS, get_intervention
 from stabmon.interventions.traits import REVERT, traits_of
 
 if TYPE_CHECKING:
-    from stabmon.pipeline import InterventionTarget
+    from stabmon.interventions.target import InterventionTarget
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,7 @@ class Executor:
         only some kinds of report (``evidence_kinds``) takes the newest of ``recent`` of those kinds within
         :data:`EVIDENCE_HORIZON` steps of the decision when ``anomaly`` is of another kind, and nothing without
         one."""
-        from stabmon.interventions import INTERVENTIONS
         from stabmon.interventions._state import StateIntervention, tensors_of
-
         cls = INTERVENTIONS.get(decision.action)
         if cls is None or not issubclass(cls, StateIntervention) or not cls.takes_evidence \
                 or "metric" in decision.params:
@@ -157,8 +156,6 @@ class Executor:
             )
 
     def _apply(self, decision: Decision) -> InterventionRecord:
-        from stabmon.interventions import get_intervention
-
         cls = get_intervention(decision.action)
         intervention = cls(self.target, decision.params, decision_id=decision.id, simulated=self.simulated)
         record = intervention.apply()
@@ -266,8 +263,6 @@ class Executor:
         self._released = {k: [self._restored(sd) for sd in vs] for k, vs in state.get("released", {}).items()}
 
     def _restored(self, sd: Mapping[str, Any]) -> Intervention:
-        from stabmon.interventions import get_intervention
-
         intervention = get_intervention(sd["name"])(
             self.target, sd["params"], decision_id=sd["decision_id"], simulated=self.simulated
         )

@@ -32,6 +32,7 @@ from pydantic import Field
 from stabmon.events import InterventionRecord
 from stabmon.interventions._state import ATTENTION, StateIntervention, attention_of
 from stabmon.interventions.base import NoChange, Params
+from stabmon.interventions.registry import register
 from stabmon.overrides import QK_RELEASE_RISE
 
 
@@ -51,6 +52,7 @@ class QkClipParams(Params):
     value: float | None = None
 
 
+@register
 class QkClip(StateIntervention):
     """Clip the offending heads' query/key weights: from now on after every step (standing), or once.
 

@@ -18,6 +18,7 @@ from pydantic import Field
 
 from stabmon.interventions._state import SECOND_MOMENT, StateIntervention, tensors_of
 from stabmon.interventions.base import Params
+from stabmon.interventions.registry import register
 
 
 class ResetMomentsParams(Params):
@@ -33,6 +34,7 @@ class ResetMomentsParams(Params):
     value: float | None = None
 
 
+@register
 class ResetMoments(StateIntervention):
     """Reset the moments of the flagged tensors.
 

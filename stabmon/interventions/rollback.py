@@ -24,6 +24,7 @@ from pydantic import Field, field_validator
 
 from stabmon.events import InterventionRecord
 from stabmon.interventions.base import Intervention, NoChange, Params
+from stabmon.interventions.registry import register
 
 
 class RollbackParams(Params):
@@ -55,6 +56,7 @@ class RollbackParams(Params):
         return value
 
 
+@register
 class Rollback(Intervention):
     """Roll back to a validated checkpoint.
 

@@ -32,6 +32,7 @@ from pydantic import Field
 
 from stabmon.interventions._state import StateIntervention, tensors_of
 from stabmon.interventions.base import NoChange, Params
+from stabmon.interventions.registry import register
 
 LAYER_LR = "layer_lr"
 """The lever this rung pulls: one group's learning rate (not the run's: a later global LR rung still counts)."""
@@ -57,6 +58,7 @@ class GroupTarget(Protocol):
         """``{"groups": {index: scheduled lr}, "share": fraction of the model's parameters in those groups}``."""
 
 
+@register
 class ScaleLayerLr(StateIntervention):
     """Cut the learning rate of the flagged layer's param groups.
 

@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from stabmon.interventions._override import OverrideIntervention
 from stabmon.interventions.base import Params
+from stabmon.interventions.registry import register
 
 
 class ScaleLrParams(Params):
@@ -30,6 +31,7 @@ class ScaleLrParams(Params):
         return self
 
 
+@register
 class ScaleLr(OverrideIntervention):
     """Scale the learning rate.
 

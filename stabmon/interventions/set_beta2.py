@@ -8,6 +8,7 @@ from pydantic import Field
 
 from stabmon.interventions._override import OverrideIntervention
 from stabmon.interventions.base import Params
+from stabmon.interventions.registry import register
 
 
 class SetBeta2Params(Params):
@@ -17,6 +18,7 @@ class SetBeta2Params(Params):
     beta2: float = Field(gt=0, lt=1)
 
 
+@register
 class SetBeta2(OverrideIntervention):
     """Change Adam's beta2.
 

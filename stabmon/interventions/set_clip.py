@@ -8,6 +8,7 @@ from pydantic import Field
 
 from stabmon.interventions._override import OverrideIntervention
 from stabmon.interventions.base import Params
+from stabmon.interventions.registry import register
 
 
 class SetClipParams(Params):
@@ -16,6 +17,7 @@ class SetClipParams(Params):
     max_norm: float = Field(gt=0)
 
 
+@register
 class SetClip(OverrideIntervention):
     """Tighten (or loosen) gradient clipping.
 

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from stabmon.interventions._override import OverrideIntervention
 from stabmon.interventions.base import Params
+from stabmon.interventions.registry import register
 
 
 class SetWeightDecayParams(Params):
@@ -16,6 +17,7 @@ class SetWeightDecayParams(Params):
     weight_decay: float = Field(ge=0)
 
 
+@register
 class SetWeightDecay(OverrideIntervention):
     """Change weight decay.
 

@@ -21,6 +21,7 @@ from pydantic import Field, model_validator
 
 from stabmon.interventions._state import SECOND_MOMENT, OverridesIntervention
 from stabmon.interventions.base import Params
+from stabmon.interventions.registry import register
 
 
 class SkipStepParams(Params):
@@ -40,6 +41,7 @@ class SkipStepParams(Params):
         return self
 
 
+@register
 class SkipStep(OverridesIntervention):
     """Guard against single bad updates.
 

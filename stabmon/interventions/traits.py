@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from stabmon.events import InterventionRecord
+from stabmon.interventions.registry import REVERT as REVERT
+from stabmon.interventions.registry import get_intervention
 
 if TYPE_CHECKING:
     from stabmon.interventions.base import Intervention
 
-REVERT = "revert"
-"""The action of a decision that undoes an earlier intervention."""
 RELEASE = "release"
 """The action of a decision that gives back the changes an incident resolved with (their settings restored,
 the learning rate re-warmed to the schedule over ``params["steps"]``), named in ``params["intervention_ids"]``."""
@@ -70,15 +70,6 @@ _PSEUDO = {  # the decisions that act on earlier interventions rather than being
     REAPPLY: Traits(reapplies=True),
 }
 _BY_CLASS: dict[type[Intervention], Traits] = {}  # read on every record of an open incident: built once per class
-_REGISTRY: list[dict[str, type[Intervention]]] = []  # stabmon.interventions.INTERVENTIONS, once it is imported
-
-
-def _registry() -> dict[str, type[Intervention]]:
-    if not _REGISTRY:  # the package imports this module: its registry is read on first use
-        from stabmon.interventions import INTERVENTIONS
-
-        _REGISTRY.append(INTERVENTIONS)
-    return _REGISTRY[0]
 
 
 def traits_of(action: str) -> Traits:
@@ -86,11 +77,7 @@ def traits_of(action: str) -> Traits:
     pseudo = _PSEUDO.get(action)
     if pseudo is not None:
         return pseudo
-    cls = _registry().get(action)
-    if cls is None:
-        from stabmon.interventions import get_intervention
-
-        cls = get_intervention(action)  # its KeyError names the known actions
+    cls = get_intervention(action)  # a KeyError names the known actions
     traits = _BY_CLASS.get(cls)
     if traits is None:
         traits = _BY_CLASS[cls] = Traits(
@@ -107,11 +94,7 @@ def levers_of(action: str, params: Mapping[str, Any]) -> frozenset[str]:
     """
     if action in _PSEUDO:
         return frozenset()
-    cls = _registry().get(action)
-    if cls is None:
-        from stabmon.interventions import get_intervention
-
-        cls = get_intervention(action)  # its KeyError names the known actions
+    cls = get_intervention(action)  # a KeyError names the known actions
     return cls.levers(params)
 
 

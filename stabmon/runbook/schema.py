@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from stabmon.events import Anomaly, Severity
 from stabmon.interventions import INTERVENTIONS, Intervention
+from stabmon.interventions.registry import on_register
 from stabmon.interventions.traits import traits_of
 
 
@@ -160,6 +161,16 @@ class Rule(_Strict):
         return [rung.action for rung in ladder]
 
 
+def _registered(cls: type[Intervention]) -> None:
+    """An intervention registered after this module was imported: the rung union takes it in, so a runbook
+    loaded from now on may name it."""
+    global Rung
+    Rung = rung_type()
+    Rule.model_fields["ladder"].annotation = list[Rung]  # type: ignore[valid-type]
+    Rule.model_rebuild(force=True)
+    Runbook.model_rebuild(force=True)
+
+
 class Budget(_Strict):
     """At most ``max_interventions`` changes (reverts and alerts not counted) per ``per_steps`` steps."""
 
@@ -270,3 +281,6 @@ class Runbook(_Strict):
             if r.name == name:
                 return r
         raise KeyError(name)
+
+
+on_register(_registered)
