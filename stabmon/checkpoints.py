@@ -24,8 +24,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -149,6 +152,11 @@ class CheckpointManager:
         if self.unwritable is not None:
             log.error("stabmon: checkpoint directory %s cannot be written (%s): checkpoints will not be saved and "
                       "a rollback will not be recorded in its registry", self.directory, self.unwritable)
+        else:
+            removed = remove_stale_temporaries(self.directory)
+            if removed:
+                log.warning("stabmon: removed %d temporary file(s) an interrupted save left in %s: %s", len(removed),
+                            self.directory, ", ".join(removed))
         self.every, self.keep, self.prefix = every, keep, prefix
         self.sink, self.run_id, self.weights_only = sink, run_id, weights_only
         self.store_errors = 0
@@ -563,10 +571,50 @@ def interruption(exc: BaseException, *, handled: BaseException | None = None) ->
     return None
 
 
+_HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+_TEMPORARY = re.compile(r"^\..+\.tmp$")
+_OWNER = re.compile(r"\.~(?P<host>[^~]+)~(?P<pid>\d+)~[^~]*\.tmp$")
+STALE_AFTER_S = 24 * 3600.0
+"""A temporary file of another host (or one that does not name its writer) older than this is left over."""
+
+
+def remove_stale_temporaries(directory: Path) -> list[str]:
+    """Remove the temporary files saves left behind in ``directory`` when their process died (SIGKILL, a node
+    lost) part-way through: one whose writer, named in its file name, was a process of this host that is gone,
+    or one older than :data:`STALE_AFTER_S`. A save still in progress (its process alive) is left alone.
+    Returns the names removed."""
+    removed = []
+    for path in directory.iterdir() if directory.is_dir() else ():
+        if not _TEMPORARY.match(path.name):
+            continue
+        owner = _OWNER.search(path.name)
+        try:
+            stale = (owner is not None and owner["host"] == _HOST and not _alive(int(owner["pid"]))) \
+                or time.time() - path.stat().st_mtime > STALE_AFTER_S
+            if stale:
+                path.unlink()
+                removed.append(path.name)
+        except OSError:  # gone meanwhile, or not ours to remove: left as it is
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists (another user's process)
+        return True
+    return True
+
+
 def _atomic_write(path: Path, write: Callable[[Any], Any]) -> int:
     """Write through ``write(fileobj)`` to a temporary file beside ``path``, fsync, rename; return the
     size."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.~{_HOST}~{os.getpid()}~", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

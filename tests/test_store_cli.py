@@ -40,8 +40,11 @@ def recorded(sqlite_url: str) -> tuple[str, str]:
     return sqlite_url, run
 
 
-def test_db_upgrade_creates_the_sqlite_directory(tmp_path: Path) -> None:
+def test_db_upgrade_creates_the_sqlite_file_in_an_existing_folder_only(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'new' / 'dir' / 'runs.db'}"
+    res = invoke("db", "upgrade", "--db", url)
+    assert res.exit_code == 1 and "no folder" in res.output and not (tmp_path / "new").exists()
+    (tmp_path / "new" / "dir").mkdir(parents=True)
     assert invoke("db", "upgrade", "--db", url).exit_code == 0
     assert schema_revision(url) == head_revision()
 

@@ -164,11 +164,12 @@ def head_revision() -> str:
 
 def upgrade(url: str | URL | Engine, revision: str = "head") -> None:
     """Bring the database at ``url`` (or behind an engine) to ``revision`` (default: the newest schema).
-    Idempotent."""
+    Idempotent. A SQLite file is created where its folder exists; a missing folder is a :class:`StoreError`
+    (a mistyped path does not become a new directory tree)."""
     from alembic import command
 
-    if not isinstance(url, Engine) and (path := sqlite_path(url)) is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    if not isinstance(url, Engine) and (path := sqlite_path(url)) is not None and not path.parent.is_dir():
+        raise StoreError(f"no folder {str(path.parent)!r} for the SQLite database {path.name!r}: create it first")
     engine = url if isinstance(url, Engine) else make_engine(url)
     try:
         with engine.begin() as conn:
