@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 import stabmon
+from stabmon.cli._common import echo
 
 app = typer.Typer(
     name="stabmon",
@@ -42,7 +43,7 @@ COMMAND_MODULES = [
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"stabmon {stabmon.__version__}")
+        echo(f"stabmon {stabmon.__version__}")
         raise typer.Exit()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,9 +29,34 @@ def db_url(value: str | None) -> str:
     return resolve_url(value)
 
 
+_UNSAFE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def safe(text: str, *, lines: bool = True) -> str:
+    r"""``text`` with every control character (and every bidirectional override) written out as an escape
+    (``\x1b``, ``\u202e``): a run or metric name from the store or a log cannot move the cursor, retitle or
+    recolour the terminal, or reorder what it shows. ``lines``: newlines and tabs are kept.
+
+    >>> safe("run\x1b]0;owned\x07"), safe("a\nb"), safe("a\nb", lines=False)
+    ('run\\x1b]0;owned\\x07', 'a\nb', 'a\\x0ab')
+    """
+    out = _UNSAFE.sub(_escape, text)
+    return out if lines else out.replace("\n", "\\x0a").replace("\t", "\\x09")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def echo(message: Any = "", **kwargs: Any) -> None:
+    """``typer.echo`` of a line that may hold names from the store or a log: :func:`safe` first."""
+    typer.echo(safe(str(message)), **kwargs)
+
+
 def fail(message: str) -> NoReturn:
     """Print one clear line to stderr and exit with code 1."""
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"error: {safe(message, lines=False)}", err=True)
     raise typer.Exit(code=1)
 
 
@@ -91,8 +117,13 @@ def run_events(db: str | None, ref: str) -> tuple[str, str, list[Any]]:
 
 def console() -> Any:
     """A rich console for tables: the terminal's width on a terminal (or ``$COLUMNS``); piped into a file or
-    another program, wide enough that no row wraps."""
+    another program, wide enough that no row wraps. Every string it is given is shown as it is: no markup is
+    read in it, and control characters are escaped (:func:`safe`); style with ``rich.text.Text``."""
     from rich.console import Console
 
+    class SafeConsole(Console):
+        def render_str(self, text: str, **kwargs: Any) -> Any:
+            return super().render_str(safe(text, lines=False), **kwargs)
+
     piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
-    return Console(width=1000 if piped else None)
+    return SafeConsole(width=1000 if piped else None, markup=False, highlight=False)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from stabmon.cli._common import print_json
+from stabmon.cli._common import echo, print_json
 
 alert_app = typer.Typer(help="Alert channels (Slack, PagerDuty, any apprise URL).", no_args_is_help=True)
 
@@ -30,7 +30,7 @@ def alert_test(
         if as_json:
             print_json({"channel": r.channel, "ok": r.ok, "error": r.error})
         else:
-            typer.echo(f"{r.channel}: ok" if r.ok else f"{r.channel}: error: {r.error}")
+            echo(f"{r.channel}: ok" if r.ok else f"{r.channel}: error: {r.error}")
     if not all(r.ok for r in results):
         raise typer.Exit(code=1)
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from stabmon.cli._common import DbOption, db_url, fail
+from stabmon.cli._common import DbOption, db_url, echo, fail
 
 db_app = typer.Typer(help="Manage the store's database schema.", no_args_is_help=True)
 
@@ -22,7 +22,7 @@ def upgrade_cmd(db: DbOption = None) -> None:
         upgrade(url)
     except StoreError as exc:
         fail(str(exc))
-    typer.echo(f"database {safe_url(url)} is at schema {head_revision()}")
+    echo(f"database {safe_url(url)} is at schema {head_revision()}")
 
 
 @db_app.command("current")
@@ -36,7 +36,7 @@ def current_cmd(db: DbOption = None) -> None:
         rev = schema_revision(url)
     except StoreError as exc:
         fail(str(exc))
-    typer.echo(f"{safe_url(url)}: schema {rev or 'none'} (newest {head_revision()})")
+    echo(f"{safe_url(url)}: schema {rev or 'none'} (newest {head_revision()})")
 
 
 @db_app.command("recover")
@@ -61,7 +61,7 @@ def recover_cmd(
     with store:
         done = store.flush(timeout)
         stats = store.stats
-    typer.echo(
+    echo(
         f"{safe_url(url)}: {stats.replayed_batches} spooled batch(es) written, "
         f"{stats.quarantined_lines} damaged line(s) quarantined, {stats.rejected_batches} refused"
     )

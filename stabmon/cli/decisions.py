@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from stabmon.cli._common import DbOption, RunArg, fail, print_json, store_session
+from stabmon.cli._common import DbOption, RunArg, echo, fail, print_json, store_session
 
 DecisionArg = Annotated[str, typer.Argument(help="Decision id (or a unique prefix).")]
 ByOption = Annotated[str | None, typer.Option("--by", help="Who answers (default: the current user).")]
@@ -44,7 +44,7 @@ def _answer(run: str, decision: str, approved: bool, db: str | None, by: str | N
     verb = "approved" if approved else "rejected"
     then = ("the run picks it up at its next flush" if status == "running"
             else f"the run has ended (status {status}), so the answer is recorded only")
-    typer.echo(f"{verb} {answered.id}: {answered.action} {dict(answered.params)} (run {run_id}, rule "
+    echo(f"{verb} {answered.id}: {answered.action} {dict(answered.params)} (run {run_id}, rule "
                f"{answered.rule}, rung {answered.rung + 1}); {then}")
 
 

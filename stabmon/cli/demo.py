@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stabmon.cli._common import DbOption, db_url, fail
+from stabmon.cli._common import DbOption, db_url, echo, fail
 from stabmon.interventions.traits import recorded_traits
 
 _HERE = Path(__file__).resolve()
@@ -182,15 +182,15 @@ def demo(
         made.append(mon)
         return mon
 
-    typer.echo(f"training the tiny GPT for {config.steps} steps, scenario {scenario}: {chosen.origin}")
-    typer.echo(f"runbook {runbook}, mode {mode}, seed {seed}; monitored into {_where(url)}, "
+    echo(f"training the tiny GPT for {config.steps} steps, scenario {scenario}: {chosen.origin}")
+    echo(f"runbook {runbook}, mode {mode}, seed {seed}; monitored into {_where(url)}, "
                f"checkpoints in {ckpt_dir} ...")
     try:
         result = sc.tiny_gpt.train(config, monitor=factory)
     except ValueError as exc:
         fail(str(exc))
     for line in summary(made[0], url, result):
-        typer.echo(line)
+        echo(line)
 
 
 def register(app: typer.Typer) -> None:

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stabmon.cli._common import DbOption, fail, print_json, store_session
+from stabmon.cli._common import DbOption, echo, fail, print_json, store_session
 
 NO_OVERLAP_EXIT = 3
 
@@ -54,7 +54,7 @@ def diff(
         print_json({**_as_json(runs, tol, env, result), "recipe": [dataclasses.asdict(d) for d in recipe]})
     else:
         for line in _lines(runs, env, result, recipe):
-            typer.echo(line)
+            echo(line)
     if result.verdict == "no-overlap":
         raise typer.Exit(code=NO_OVERLAP_EXIT)
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stabmon.cli._common import console, fail, print_json
+from stabmon.cli._common import console, fail, print_json, safe
 from stabmon.cli.importing import PatternOption
 from stabmon.cli.replay import SetOption
 from stabmon.replay.progress import progress_bar, wanted
@@ -147,7 +147,9 @@ def _print(report: Any) -> None:
         out.print(f"stabmon would have intervened {r['intervention_decisions']} time(s) on {r['file']}")
     errors = {r["file"]: r["error"] for r in report.files if r["error"]}
     for run, err in errors.items():
-        out.print(f"[yellow]not evaluated[/yellow] {run}: {err}")
+        from rich.text import Text
+
+        out.print(Text.assemble(("not evaluated", "yellow"), f" {safe(str(run))}: {safe(str(err))}"))
 
 
 def _channels(report: Any) -> list[str]:

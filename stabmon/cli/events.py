@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stabmon.cli._common import DbOption, RunArg, fail, print_json, run_events
+from stabmon.cli._common import DbOption, RunArg, echo, fail, print_json, run_events
 
 _SEVERITIES = ("info", "warning", "error", "critical")
 _MIN_HELP = "Lowest severity shown: info, warning, error or critical."
@@ -38,13 +38,13 @@ def events(
     if as_json:
         print_json({"run_id": run_id, "run_name": name, "anomalies": [to_dict(a) for a in anomalies]})
         return
-    typer.echo(f"run {run_id} ({name}): {len(anomalies)} anomal{'y' if len(anomalies) == 1 else 'ies'}")
+    echo(f"run {run_id} ({name}): {len(anomalies)} anomal{'y' if len(anomalies) == 1 else 'ies'}")
     if anomalies:
-        typer.echo(f"{'step':>9}  {'severity':<8}  {'kind':<19}  {'metric':<18}  {'score/thr':<16}  message")
+        echo(f"{'step':>9}  {'severity':<8}  {'kind':<19}  {'metric':<18}  {'score/thr':<16}  message")
     for a in anomalies:
-        typer.echo(_row(a))
+        echo(_row(a))
         if evidence:
-            typer.echo("           evidence: " + ", ".join(f"{st}:{v:.4g}" for st, v in a.evidence))
+            echo("           evidence: " + ", ".join(f"{st}:{v:.4g}" for st, v in a.evidence))
 
 
 def register(app: typer.Typer) -> None:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from stabmon.cli._common import DbOption, RunArg, fail, print_json, store_session
+from stabmon.cli._common import DbOption, RunArg, echo, fail, print_json, store_session
 
 
 def goodput(
@@ -29,7 +29,7 @@ def goodput(
         print_json(ledger.to_dict())
         return
     for line in format_ledger(ledger):
-        typer.echo(line)
+        echo(line)
 
 
 def register(app: typer.Typer) -> None:

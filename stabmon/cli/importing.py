@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stabmon.cli._common import DbOption, db_url, fail, print_json
+from stabmon.cli._common import DbOption, db_url, echo, fail, print_json
 from stabmon.replay.importers.base import ImportResult
 from stabmon.replay.progress import progress_bar, wanted
 
@@ -140,7 +140,7 @@ def _make_room(store: Any, run: str, *, replace: bool) -> None:
                 fail(f"a run named {run!r} exists already [{found.id}, {found.kind}, {status}]; pass --replace to "
                      "replace it, or choose another --run")
             repo.delete_run(session=s, run_id=found.id)
-            typer.echo(f"replacing run {run!r} [{found.id}, {found.kind}, {status}]", err=True)
+            echo(f"replacing run {run!r} [{found.id}, {found.kind}, {status}]", err=True)
 
 
 def _store_run(run: str, result: ImportResult, files: list[Path], db: str | None, *, progress: bool,
@@ -196,18 +196,18 @@ def _write_records(store: Any, run_id: str, result: ImportResult, advance: Any) 
 
 
 def _echo_summary(summary: dict[str, Any], result: ImportResult) -> None:
-    typer.echo(
+    echo(
         f"imported {summary['records']} steps ({result.format}) as run {summary['run']!r} [{summary['run_id']}]"
         f"; steps {summary['first_step']}..{summary['last_step']}"
     )
     if result.restarts:
         more = len(result.restarts) - MAX_RESTARTS_KEPT
         shown = f"{result.restarts[:MAX_RESTARTS_KEPT]}" + (f" and {more} more" if more > 0 else "")
-        typer.echo(f"restarts (a later segment superseded an earlier one): {shown}")
+        echo(f"restarts (a later segment superseded an earlier one): {shown}")
     if result.malformed:
-        typer.echo(f"{result.malformed} malformed line(s); first ones:")
+        echo(f"{result.malformed} malformed line(s); first ones:")
         for p in result.problems:
-            typer.echo(f"  {p}")
+            echo(f"  {p}")
 
 
 def register(app: typer.Typer) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stabmon.cli._common import DbOption, console, db_url, fail, print_json
+from stabmon.cli._common import DbOption, console, db_url, echo, fail, print_json
 from stabmon.cli.importing import PatternOption
 from stabmon.replay.progress import progress_bar, wanted
 
@@ -147,19 +147,19 @@ def replay_command(
         return
     _print_table(rows)
     s = result.summary()
-    typer.echo(
+    echo(
         f"{s['steps']} steps replayed: {s['anomalies']} anomalies, {s['decisions']} decisions, "
         f"{s['interventions']} simulated interventions, {s['outcomes']} outcomes"
         + (f"; stored as replay run {run_id}" if run_id else "")
     )
     t = s["target"] or {}
     if t.get("stopped_at") is not None:
-        typer.echo(f"the run would have stopped at step {t['stopped_at']}")
+        echo(f"the run would have stopped at step {t['stopped_at']}")
     for step in t.get("not_diagnosed", []):
-        typer.echo(f"diagnose at step {step} not run: a replay has no model, so no verdict; the diagnose rule's "
+        echo(f"diagnose at step {step} not run: a replay has no model, so no verdict; the diagnose rule's "
                    "next rung followed (the live run followed its verdict)")
     for rb in t.get("rollbacks", []):
-        typer.echo(
+        echo(
             f"rollback at step {rb['step']} to checkpoint step {rb['checkpoint_step']}"
             f" (skipping batches {rb['skipped_batches'] or 'none'})"
         )
@@ -183,7 +183,7 @@ def _write_report(path: Path, records: list[Any], events: list[Any], run_id: str
         write_report(data, path)
     except OSError as exc:
         fail(f"--report: cannot write {path}: {exc.strerror or exc}")
-    typer.echo(f"wrote report {path}", err=True)
+    echo(f"wrote report {path}", err=True)
 
 
 def _pipeline(runbook: str, sets: list[str] | None, mode: str | None, every: int | None = 1,

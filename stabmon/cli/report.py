@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from stabmon.cli._common import DbOption, RunArg, fail, store_session
+from stabmon.cli._common import DbOption, RunArg, echo, fail, store_session
 
 OutOption = Annotated[Path, typer.Option("-o", "--output", help="Where to write the HTML file.")]
 BucketsOption = Annotated[
@@ -33,7 +33,7 @@ def report(run: RunArg, output: OutOption = Path("report.html"), buckets: Bucket
         path = write_report(data, output)
     except OSError as exc:
         fail(f"cannot write {output}: {exc.strerror or exc}")
-    typer.echo(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB): {len(data.charts)} charts, "
+    echo(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB): {len(data.charts)} charts, "
                f"{len(data.marks)} marks, {len(data.trace)} trace rows")
 
 

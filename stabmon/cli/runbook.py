@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from stabmon.cli._common import fail, print_json
+from stabmon.cli._common import echo, fail, print_json
 
 runbook_app = typer.Typer(help="Validate, list and show runbooks.", no_args_is_help=True)
 
@@ -33,12 +33,12 @@ def validate(
         rb = load_runbook(file)
     except RunbookError as exc:
         for issue in exc.issues:
-            typer.echo(str(issue), err=True)
+            echo(str(issue), err=True)
         raise typer.Exit(code=1) from None
     rungs = sum(len(r.ladder) for r in rb.rules)
-    typer.echo(f"ok: {rb.name} ({rb.mode} mode, {len(rb.rules)} rules, {rungs} rungs)")
+    echo(f"ok: {rb.name} ({rb.mode} mode, {len(rb.rules)} rules, {rungs} rungs)")
     for line in fit_warnings(rb, given) if given is not None else []:
-        typer.echo(f"warning: {line}", err=True)
+        echo(f"warning: {line}", err=True)
 
 
 def _parse_hparams(text: str) -> dict[str, float]:
@@ -68,7 +68,7 @@ def list_(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] =
         print_json(rows)
         return
     for r in rows:
-        typer.echo(f"{r['name']:<16} {r['mode']:<8} {r['description']}")
+        echo(f"{r['name']:<16} {r['mode']:<8} {r['description']}")
 
 
 @runbook_app.command("show")
@@ -88,7 +88,7 @@ def show(
     if as_json:
         print_json(rb.model_dump(mode="json"))
     else:
-        typer.echo(path.read_text(), nl=False)
+        echo(path.read_text(), nl=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from stabmon.cli._common import DbOption, RunArg, print_json, run_events, store_session
+from stabmon.cli._common import DbOption, RunArg, echo, print_json, run_events, store_session
 
 
 def trace(run: RunArg, db: DbOption = None,
@@ -22,9 +22,9 @@ def trace(run: RunArg, db: DbOption = None,
     if as_json:
         print_json(result)
         return
-    typer.echo(f"run {run_id} ({name})")
+    echo(f"run {run_id} ({name})")
     for line in format_trace(result):
-        typer.echo(line)
+        echo(line)
 
 
 def register(app: typer.Typer) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stabmon.cli._common import fail, print_json
+from stabmon.cli._common import echo, fail, print_json
 from stabmon.cli.importing import PatternOption
 from stabmon.replay.progress import progress_bar, wanted
 
@@ -83,21 +83,21 @@ def tune_command(
             }
         )
         return
-    typer.echo(f"best of {len(result.candidates)} candidates: {result.best}")
+    echo(f"best of {len(result.candidates)} candidates: {result.best}")
     m = result.best_metrics
-    typer.echo(f"  on all runs: recall {m.get('recall')}, false alarms/10k {m.get('false_alarms_per_10k')}")
+    echo(f"  on all runs: recall {m.get('recall')}, false alarms/10k {m.get('false_alarms_per_10k')}")
     for f in result.folds:
         tm = f["test_metrics"]
-        typer.echo(
+        echo(
             f"  fold {f['fold']}: tuned on {len(f['train_runs'])} runs -> {f['overrides']}; held-out "
             f"{', '.join(f['test_runs'])}: recall {tm.get('recall')}, "
             f"false alarms/10k {tm.get('false_alarms_per_10k')}"
         )
     if result.folds:
         h = held_out(result.folds)
-        typer.echo(f"  held out, all folds: {h['detected']}/{h['numeric_incidents']} incidents detected "
+        echo(f"  held out, all folds: {h['detected']}/{h['numeric_incidents']} incidents detected "
                    f"(recall {h['recall']}), {h['false_alarms']} false alarms in {h['steps']} steps")
-    typer.echo(f"wrote {out} (use it with `include: {out}` in a runbook)")
+    echo(f"wrote {out} (use it with `include: {out}` in a runbook)")
 
 
 def _check_out(out: Path) -> None:
