@@ -8,8 +8,6 @@ characters and bidirectional overrides out as escapes (``\\x1b``, ``\\u202e``) a
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from typer.testing import CliRunner
