@@ -4,7 +4,9 @@ Three files of about ``--mb`` MB each are generated in a temporary directory:
 
 - ``csv``: a W&B-style table, one row per step (step, loss, grad_norm, lr, tokens_per_sec);
 - ``megatron``: one BigScience-style ``iteration N/ TOTAL | ... |`` line per step;
-- ``megatron-repeat``: two iteration lines (1 and 2) repeated to the end, i.e. a restart on every other line.
+- ``megatron-repeat``: two iteration lines (1 and 2) repeated to the end, i.e. a restart on every other line;
+- ``trainer_state``: a Hugging Face ``trainer_state.json``, one ``log_history`` entry per step (an evaluation
+  entry every 500), with a bare ``NaN`` token now and then as the Trainer writes one.
 
 Each is imported by ``python -m stabmon import FILE --run R --db sqlite:///<tmp>`` in its own subprocess
 (waited for with ``os.wait4``, so ``ru_maxrss`` is that process's own peak); a tiny CSV is imported the same
@@ -75,6 +77,26 @@ def write_megatron(path: Path, mb: int, *, repeat: bool) -> None:
             step += 10_000
 
 
+def write_trainer_state(path: Path, mb: int) -> None:
+    target = mb * 1_000_000
+    with open(path, "w") as fh:
+        fh.write('{"best_metric": null, "epoch": 3.0, "global_step": 0, "log_history": [\n')
+        step, first = 1, True
+        while fh.tell() < target:
+            parts = []
+            for s in range(step, step + 10_000):
+                grad = "NaN" if s % 9973 == 0 else f"{0.5 + (s % 97) / 100:.16f}"
+                lr = 6e-5 * (1 - s / 1e8)
+                parts.append(f'{{"epoch": {s / 1e5:.6f}, "grad_norm": {grad}, "learning_rate": {lr!r}, '
+                             f'"loss": {2.0 + 1.0 / s:.4f}, "step": {s}}}')
+                if s % 500 == 0:
+                    parts.append(f'{{"epoch": {s / 1e5:.6f}, "eval_loss": {2.1 + 1.0 / s:.16f}, '
+                                 f'"eval_runtime": 12.5, "step": {s}}}')
+            fh.write(("" if first else ",\n") + ",\n".join(parts))
+            first, step = False, step + 10_000
+        fh.write('\n], "max_steps": 0, "total_flos": 0}\n')
+
+
 def measure(path: Path, tmp: Path, pythonpath: str) -> dict[str, float | int | str]:
     """Import ``path`` into a fresh SQLite file in a subprocess; its own peak RSS, time and what was stored."""
     db = tmp / f"bench-{time.monotonic_ns()}.db"
@@ -109,7 +131,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=int, default=200, help="size of each generated log, MB")
     p.add_argument("--baseline", help="a checkout of another stabmon version to compare with")
-    p.add_argument("--only", default="csv,megatron,megatron-repeat", help="which files, comma-separated")
+    p.add_argument("--only", default="csv,megatron,megatron-repeat,trainer_state",
+                   help="which files, comma-separated")
     args = p.parse_args()
     here = str(Path(__file__).resolve().parent.parent)
     arms = [("this", here)] + ([("baseline", str(Path(args.baseline).resolve()))] if args.baseline else [])
@@ -121,9 +144,11 @@ def main() -> None:
             "csv": lambda f: write_csv(f, args.mb),
             "megatron": lambda f: write_megatron(f, args.mb, repeat=False),
             "megatron-repeat": lambda f: write_megatron(f, args.mb, repeat=True),
+            "trainer_state": lambda f: write_trainer_state(f, args.mb),
         }
         for name in args.only.split(","):
-            files[name] = tmp / f"{name}.{'csv' if name == 'csv' else 'log'}"
+            suffix = {"csv": "csv", "trainer_state": "json"}.get(name, "log")
+            files[name] = tmp / f"{name}.{suffix}"
             writers[name](files[name])
         results: dict[tuple[str, str], dict[str, float | int | str]] = {}
         for arm, path in arms:

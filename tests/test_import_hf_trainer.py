@@ -94,8 +94,8 @@ def test_bad_entries_are_counted_skips_that_name_the_entry(tmp_path: Path) -> No
         "s.json:entry 0: no usable step (None)",
         "s.json:entry 2: training step 10 repeats or precedes step 10; skipped",
         "s.json:entry 3: training step 5 repeats or precedes step 10; skipped",
-        "s.json:entry 4: loss is not a number: 'oops'",
-        "s.json:entry 5: grad_norm is not a number: '[1]'",
+        "s.json:entry 4: loss is not a number (or beyond float range): 'oops'",
+        "s.json:entry 5: grad_norm is not a number (or beyond float range): '[1]'",
         "s.json:entry 6: not an object: 'not an entry'",
     ]
 
@@ -122,13 +122,17 @@ def test_a_file_without_training_entries_is_one_line_error(entries: list[object]
 
 def test_broken_json_with_the_format_named_is_one_problem(tmp_path: Path) -> None:
     path = tmp_path / "trainer_state.json"
-    path.write_text('{"log_history": [{"step": 1, "loss": 2.0},')
+    path.write_text('{"log_history": [{"step": 1, "loss": 2.0},')  # cut short: what was read stays
     result = hf_trainer.read(path)
-    assert len(result) == 0 and result.malformed == 1
+    assert len(result) == 1 and result.malformed == 1
     where = f"{tmp_path.name}/trainer_state.json"  # the checkpoint folder names a Trainer's state file
-    assert result.problems[0].startswith(f"{where}: not a readable trainer_state.json (Expecting value")
+    assert result.problems[0].startswith(f"{where}: stops being a readable trainer_state.json after 1 entries (")
+    path.write_text('{"log_history": [')
+    result = hf_trainer.read(path)
+    assert len(result) == 0 and result.problems[0].startswith(f"{where}: stops being a readable trainer_state.json")
     path.write_text('{"global_step": 3}')
-    assert hf_trainer.read(path).problems == [f"{where}: not a readable trainer_state.json (no log_history list)"]
+    assert hf_trainer.read(path).problems == [
+        f"{where}: no training entries (no 'loss') among 0 log_history entries (0 evaluation)"]
 
 
 @pytest.mark.parametrize("kinds", [["loss_spike"], ["none_control"]])

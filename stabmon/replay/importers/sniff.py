@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import logging
 import pkgutil
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -88,8 +89,23 @@ def importer(fmt: str) -> ModuleType:
 
 def import_file(path: str | Path, *, format: str | None = None, **options: Any) -> ImportResult:
     """Read one file with the given or sniffed format."""
+    check_readable(Path(path))
     mod = importer(format) if format else sniff_format(path)
     return mod.read(Path(path), **options)
+
+
+def check_readable(path: Path) -> None:
+    """A ``ValueError`` (one line) for what no importer may read: a FIFO, a device (``/dev/zero`` would fill
+    the memory, a FIFO block for ever) or a socket. Regular files and folders (a TensorBoard log, a Trainer
+    checkpoint) pass; a missing path is the importer's to report."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) \
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+        raise ValueError(f"{path}: {kind}, not a file: stabmon imports regular files and log folders")
 
 
 def import_files(paths: Sequence[str | Path], *, format: str | None = None, **options: Any) -> ImportResult:
