@@ -326,6 +326,10 @@ PROBES_ALLOWED: dict[tuple[str, str], str] = {
     ("stabmon/collect/optim.py", "state.get('stage')"): "torch: GradScaler's OptState enum",
     ("stabmon/collect/record.py", "scaler"): "torch: GradScaler's _scale (private)",
     ("stabmon/collect/record.py", "value"): "a user's observed value: tensor, numpy or float",
+    ("stabmon/detect/plain.py", "cls"): "an allow-listed statistic class (river's or a detector window)",
+    ("stabmon/detect/plain.py", "importlib.import_module(module)"): "the module of an allow-listed class",
+    ("stabmon/detect/plain.py", "obj"): "an allow-listed statistic object: its own methods",
+    ("stabmon/detect/plain.py", "value"): "a statistic's attribute: a bound method of its own or a value",
     ("stabmon/collect/observe.py", "value"): "a user's observed value: tensor, numpy or float",
     ("stabmon/collect/sharding.py", "t"): "torch: DTensor or plain tensor",
     ("stabmon/collect/qk.py", "tensor"): "torch: DTensor or plain tensor",
@@ -565,3 +569,33 @@ def test_the_patch_rule_catches_patches(line: str) -> None:
 def test_building_in_order_passes_the_patch_rule(line: str) -> None:
     function = ast.parse(f"def __init__(self):\n    {line}\n").body[0]
     assert isinstance(function, ast.FunctionDef) and patches(function) == []
+
+
+# -- nothing in the package unpickles what it reads --
+def unpickling(source: str, filename: str = "<source>") -> list[str]:
+    """Calls that would run code from the data they read: ``pickle.load``/``loads`` (any module's ``Unpickler``)
+    and ``torch.load(..., weights_only=False)``."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = ast.unparse(node.func)
+        if re.fullmatch(r"(c?pickle|dill|cloudpickle)\.(loads?|Unpickler)", name):
+            found.append(f"{filename}:{node.lineno}: {name}")
+        for kw in node.keywords:
+            if kw.arg == "weights_only" and isinstance(kw.value, ast.Constant) and kw.value.value is False:
+                found.append(f"{filename}:{node.lineno}: {name}(weights_only=False)")
+    return found
+
+
+def test_nothing_in_the_package_unpickles_what_it_reads() -> None:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += unpickling(path.read_text(encoding="utf-8"), str(path.relative_to(PACKAGE.parent)))
+    assert found == [], "unpickling in the package:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("line", ["pickle.loads(b)", "pickle.load(f)", "torch.load(p, weights_only=False)",
+                                  "cloudpickle.loads(b)"])
+def test_the_unpickling_rule_catches_it(line: str) -> None:
+    assert len(unpickling(line)) == 1

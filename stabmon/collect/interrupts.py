@@ -111,8 +111,8 @@ class InterruptHold:
     >>> hold = InterruptHold()
     >>> hold.hold(); hold.holding
     True
-    >>> hold.release(); hold.holding
-    False
+    >>> hold.release(), hold.holding
+    ([], False)
     """
 
     def __init__(self, *, at_most_s: float | None = HOLD_AT_MOST_S) -> None:

@@ -26,16 +26,21 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import pickle
 from collections import deque
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any, ClassVar
 
+from stabmon.detect import plain
 from stabmon.detect.config import DetectorConfig
 from stabmon.events import Anomaly, Severity
 
 X = Mapping[str, float]
+
+
+STATS_FORMAT = "plain-1"
+"""How ``state_dict()["stats"]`` is written: plain values (:mod:`stabmon.detect.plain`). A state without it was
+written with pickled statistics, which are refused."""
 
 
 class Detector:
@@ -54,7 +59,7 @@ class Detector:
     name: ClassVar[str] = ""
     kind: ClassVar[str] = ""
     Config: ClassVar[type[DetectorConfig]] = DetectorConfig
-    #: the attributes holding its statistics, pickled into ``state_dict()["stats"]``
+    #: the attributes holding its statistics, written as plain values into ``state_dict()["stats"]``
     _state_attrs: ClassVar[tuple[str, ...]] = ()
     #: why (if at all) this detector keeps firing during grace; safety rules (NaN, a loss scale at its floor)
     #: must not be silenced by a grace period that an intervention or a resume started.
@@ -143,18 +148,24 @@ class Detector:
 
     # --- state ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Plain values plus pickled statistics (bytes), safe for ``torch.save`` / ``weights_only``."""
+        """Plain values only (the statistics too: :mod:`stabmon.detect.plain`): it loads with
+        ``torch.load(weights_only=True)``, and loading it runs no code."""
         return {
             "class": type(self).__name__,
             "metric": self.metric,
             "n_learned": self.n_learned,
             "evidence": [list(e) for e in self._recent_evidence()],
-            "stats": {a: pickle.dumps(getattr(self, a)) for a in self._state_attrs},
+            "stats_format": STATS_FORMAT,
+            "stats": {a: plain.dump(getattr(self, a)) for a in self._state_attrs},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("class") != type(self).__name__:
             raise ValueError(f"state is for {state.get('class')!r}, not {type(self).__name__}")
+        if state.get("stats_format") != STATS_FORMAT:
+            raise ValueError(f"{type(self).__name__}: detector state written by stabmon 0.1.0 or earlier (pickled "
+                             "statistics): refused, never unpickled; resume from a checkpoint this version wrote")
+        stats = {a: plain.load(value) for a, value in state["stats"].items() if a in self._state_attrs}
         self.metric = state["metric"]
         self.n_learned = int(state["n_learned"])
         evidence = [(int(s), float(v)) for s, v in state["evidence"]]
@@ -163,8 +174,8 @@ class Detector:
         elif len(evidence) > len(self._evidence):  # shared: every detector of the metric saved a part of it
             self._evidence.clear()
             self._evidence.extend(evidence)
-        for a, blob in state["stats"].items():
-            setattr(self, a, pickle.loads(blob))
+        for a, value in stats.items():
+            setattr(self, a, value)
 
     def clone(self) -> Detector:
         """An independent copy; one of a suite's detectors gets its own evidence window, which it fills."""
