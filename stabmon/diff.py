@@ -57,7 +57,8 @@ TIGHT = Tolerance(rtol=0.0, atol=0.0, name="tight")
 LOOSE = Tolerance(rtol=0.05, atol=1e-3, name="loose")
 """Same recipe: within 5% (or 1e-3) of each other, step by step."""
 PRESETS = {"tight": TIGHT, "loose": LOOSE}
-TIMING = (Metric.STEP_TIME, Metric.TOKENS_PER_SEC, Metric.SEGMENT_START, Metric.CHECKPOINT_TIME, Metric.OUTSIDE_TIME)
+TIMING = (Metric.STEP_TIME, Metric.TOKENS_PER_SEC, Metric.SEGMENT_START, Metric.CHECKPOINT_TIME, Metric.OUTSIDE_TIME,
+          Metric.MONITOR_TIME, Metric.STARTUP_TIME)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,9 @@ class Metric:
     SEGMENT_START = "segment_start"  # UNIX time this process's monitor started: on the first step of each process
     CHECKPOINT_TIME = "checkpoint_time"  # seconds the monitor spent saving a checkpoint just before this step
     OUTSIDE_TIME = "outside_time"  # seconds the loop spent between the previous step's end and this step's begin
+    MONITOR_TIME = "monitor_time"  # seconds the monitor spent between the previous step's end and this step's clock
+    #                                start (its flush, a checkpoint), on a monotonic clock; >= 1 ms only
+    STARTUP_TIME = "startup_time"  # seconds from this process's monitor start to its first step, monotonic clock
     # under torch.distributed: this rank's own values (gathered per rank, see stabmon.collect.ranks)
     GRAD_NORM_LOCAL = "grad_norm_local"  # norm of this rank's gradient shards (DDP: its reduced gradients)
     BUSY_TIME = "busy_time"  # host seconds from the step's start to the end of the model's forward

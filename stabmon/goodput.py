@@ -7,7 +7,10 @@ step of each process (``segment_start``), so the ledger is computed from the sto
 
 The run's wall time runs from its first process's start to its end (the last step's end while it runs). It is
 cut into the stored steps (each ``[end - step_time, end]``) and the gaps between them, and every second goes to
-exactly one cause, so the causes add up to the wall time:
+exactly one cause, so the causes add up to the wall time. Durations come from the monitor's monotonic clock
+(``step_time``, ``monitor_time`` between the steps of one process, ``startup_time``), so a step of the wall clock
+(NTP, a resumed VM) in the middle of a process changes no figure; only what lies between two processes (a
+restart) and the run's closing are read from the wall clock's times, and never count below 0:
 
 =================  ===============================================================================================
 ``productive``     steps the run kept (minus what the other step causes take)
@@ -200,11 +203,17 @@ def _book_step(tally: _Tally, t: Timed, rewound: dict[int, str]) -> None:
 
 
 def _book_gap(
-    tally: _Tally, data: LedgerInput, prev: Timed, t: Timed, rollbacks: Sequence[int], rewound: dict[int, str]
+    tally: _Tally, data: LedgerInput, prev: Timed, t: Timed, rollbacks: Sequence[int], rewound: dict[int, str],
+    *, monotonic: bool,
 ) -> None:
-    """The time between ``prev``'s end and ``t``'s start."""
+    """The time between ``prev``'s end and ``t``'s start: in one process, what the monitor measured on its
+    monotonic clock (``monitor_time``) when it did; between processes (and for runs recorded before), the
+    difference of the wall clock's times, never below 0."""
     r = t.record
-    gap = (r.time or 0.0) - _value(r, Metric.STEP_TIME) - (prev.record.time or 0.0)
+    if monotonic and r.get(Metric.SEGMENT_START) is None:
+        gap = _value(r, Metric.MONITOR_TIME)
+    else:
+        gap = (r.time or 0.0) - _value(r, Metric.STEP_TIME) - (prev.record.time or 0.0)
     gap -= tally.add("checkpoint", min(_value(r, Metric.CHECKPOINT_TIME), max(gap, 0.0)))
     if t.seq in rewound:  # the flush before a step a later rewind abandoned was spent on it too
         tally.add(rewound[t.seq], gap)
@@ -236,26 +245,30 @@ def compute_ledger(data: LedgerInput) -> Ledger:
         return Ledger(data.run_id, 0.0, _causes(tally, 0.0), 0, data.skipped_batches)
     rewound = _rewinds(LedgerInput(data.run_id, steps, data.events))
     rollbacks = [seq for seq, ev in data.events if _is_rollback(ev)]
+    # a run whose monitor timed its processes' starts and its own work on a monotonic clock: a step of the wall
+    # clock (NTP, a VM resumed) inside a process changes no figure
+    monotonic = any(t.record.get(Metric.STARTUP_TIME) is not None for t in steps)
     first = steps[0].record
     begin = (first.time or 0.0) - _value(first, Metric.STEP_TIME)
     started = first.get(Metric.SEGMENT_START)
-    if started is not None and math.isfinite(started) and started < begin:
-        startup = begin - started
+    if monotonic and first.get(Metric.STARTUP_TIME) is not None:
+        startup = _value(first, Metric.STARTUP_TIME)
+    else:
+        startup = begin - started if started is not None and math.isfinite(started) else 0.0
+    if startup > 0:
         startup -= tally.add("checkpoint", min(_value(first, Metric.CHECKPOINT_TIME), startup))
         tally.add("startup", startup)
-        begin = started
     _book_step(tally, steps[0], rewound)
     for prev, t in zip(steps, steps[1:], strict=False):
-        _book_gap(tally, data, prev, t, rollbacks, rewound)
+        _book_gap(tally, data, prev, t, rollbacks, rewound, monotonic=monotonic)
         _book_step(tally, t, rewound)
     end = steps[-1].record.time or 0.0
     hung = _hang_wait(data, steps[-1].seq, math.inf)  # the last process hung: it waited at least this long
     ended = max(data.ended_at if data.ended_at is not None else end, end + hung)
     if ended > end:
         tally.add("monitor", ended - end - tally.add("hang", hung))  # closing: the last flush, the store
-        end = ended
     segments = sum(1 for t in steps if t.record.get(Metric.SEGMENT_START) is not None)
-    wall = end - begin
+    wall = sum(tally.seconds.values())  # every second booked once: the causes add up to the wall time
     return Ledger(data.run_id, wall, _causes(tally, wall), max(segments, 1), data.skipped_batches,
                   _stragglers(steps))
 

@@ -93,6 +93,8 @@ class StepRecorder:
         self.started: float | None = None
         """When the step being recorded began (``time.perf_counter``); flushes and checkpoints stay out."""
         self.created = time.time()
+        self._created_clock = time.perf_counter()  # durations come from a monotonic clock; wall times only show
+        self._ended: float | None = None
         """UNIX time the recorder (the process's monitor) was made: the next record's ``segment_start``."""
         self._carry: dict[str, float] = {}
         self._scale_snapshot: torch.Tensor | None = None
@@ -109,6 +111,7 @@ class StepRecorder:
         if self.started is None:
             self.started = time.perf_counter()
             self._carry[Metric.SEGMENT_START] = self.created
+            self._carry[Metric.STARTUP_TIME] = self.started - self._created_clock
         elif (outside := time.perf_counter() - self.started) >= OUTSIDE_MIN:
             self._carry[Metric.OUTSIDE_TIME] = outside  # the loop's own work between steps (an evaluation)
         self.buffer.begin(step=step, batch_index=batch_index)
@@ -189,7 +192,7 @@ class StepRecorder:
             local_norm = hooks.grads.last_local_total if hooks.stepped else None
             before_flush = len(self.buffer) + 1 >= self.config.flush_every
             self.probe.record(self.buffer, started=self.started, local_norm=local_norm, before_flush=before_flush)
-        now = time.perf_counter()
+        now = self._ended = time.perf_counter()
         elapsed = now - (self.started or now)
         self.buffer.add_host(Metric.STEP_TIME, elapsed)
         if self._tokens is not None and elapsed > 0:
@@ -215,8 +218,12 @@ class StepRecorder:
         self._carry[name] = self._carry.get(name, 0.0) + seconds
 
     def restart_clock(self) -> None:
-        """The next step's time starts now (after the flush and the checkpoint of the step that ended)."""
+        """The next step's time starts now (after the flush and the checkpoint of the step that ended); the time
+        since that step's end goes on the next record (``monitor_time``, 1 ms or more)."""
         self.started = time.perf_counter()
+        if self._ended is not None and (between := self.started - self._ended) >= OUTSIDE_MIN:
+            self._carry[Metric.MONITOR_TIME] = between
+        self._ended = None
 
     def _collect_forward(self) -> None:
         acts = self.activations
