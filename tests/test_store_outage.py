@@ -229,10 +229,11 @@ def test_spool_skips_a_torn_last_line(tmp_path: Path) -> None:
 def test_a_live_stores_spool_is_never_adopted(tmp_path: Path) -> None:
     from stabmon.store.spool import orphans
 
-    live = Spool(tmp_path)
+    live = Spool(tmp_path, database="0123456789ab")
     live.append(Batch(hi=1))  # holds the lock while open
-    assert orphans(tmp_path) == []
+    assert orphans(tmp_path, database="0123456789ab") == []
     live.close(remove_if_empty=False)
-    [adopted] = orphans(tmp_path)
+    assert orphans(tmp_path, database="ba9876543210") == []  # another database's rows: never adopted
+    [adopted] = orphans(tmp_path, database="0123456789ab")
     assert adopted.path == live.path and adopted.pending == 1
     adopted.close(remove_if_empty=False)

@@ -46,8 +46,12 @@ def recover_cmd(
         str | None, typer.Option("--spool-dir", help="Spool directory (default: the store's own default).")
     ] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the database.")] = 60.0,
+    any_database: Annotated[bool, typer.Option(
+        "--any-database", help="Write every spool file there to this database, whichever it names (or none).")
+    ] = False,
 ) -> None:
-    """Write what stores left in the spool directory (after an outage, a full disk or a crash) to the database.
+    """Write what stores left in the spool directory (after an outage, a full disk or a crash) to the database
+    they were meant for (a spool file names its database; files of other databases are left alone).
 
     Damaged spool lines are moved to quarantine-*.jsonl and counted; exits 1 if anything is left unwritten."""
     from stabmon.store import StoreConfig, open_store
@@ -55,7 +59,8 @@ def recover_cmd(
 
     url = db_url(db)
     try:
-        store = open_store(url, config=StoreConfig(spool_dir=spool_dir, fail_fast=True, close_timeout=timeout))
+        store = open_store(url, config=StoreConfig(spool_dir=spool_dir, fail_fast=True, close_timeout=timeout,
+                                                   adopt_any=any_database))
     except ValueError as exc:
         fail(str(exc))
     with store:

@@ -1,9 +1,12 @@
 """A local file of batches that could not be written while the database was unavailable.
 
-One file per :class:`~stabmon.store.Store` (``spool-<id>.jsonl`` in the spool directory), held under an
-exclusive ``flock`` while its store lives, so a later store can adopt files left behind by a process that died
-(see :func:`orphans`) without ever taking a live one. Batches are appended in queue order and replayed in that
-order; replay is idempotent, so a crash in the middle of a replay loses nothing and duplicates nothing.
+One file per :class:`~stabmon.store.Store` (``spool-<database>-<id>.jsonl`` in the spool directory), held
+under an exclusive ``flock`` while its store lives, so a later store can adopt files left behind by a process
+that died (see :func:`orphans`) without ever taking a live one. A file's name carries the identity of the
+database its rows were meant for (:func:`database_identity`), and only a store on that database adopts it: a
+run meant for an unreachable PostgreSQL never lands in a SQLite file that happens to share the directory.
+Batches are appended in queue order and replayed in that order; replay is idempotent, so a crash in the middle
+of a replay loses nothing and duplicates nothing.
 
 Each line is framed as ``S1 <crc32> <json>``: a line torn by a full disk or a crash, or garbled later, fails
 its checksum and is moved to ``quarantine-<id>.jsonl`` beside the spool (counted and logged), so it can never
@@ -19,8 +22,10 @@ stop the lines after it from being replayed. An append that fails part-way is cu
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import threading
 import uuid
 import zlib
@@ -78,9 +83,10 @@ class Spool:
     """Append-only batch file owned by one store. ``pending`` counts the batches in it; ``quarantined`` counts
     the lines :meth:`read` had to set aside."""
 
-    def __init__(self, directory: str | os.PathLike[str], path: Path | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike[str], path: Path | None = None, *, database: str = "") -> None:
         self.dir = Path(directory)
-        self.path = path or self.dir / f"spool-{uuid.uuid4().hex[:12]}.jsonl"
+        named = f"{database}-" if database else ""
+        self.path = path or self.dir / f"spool-{named}{uuid.uuid4().hex[:12]}.jsonl"
         self.pending = 0
         self.quarantined = 0
         self._fd: int | None = None
@@ -177,13 +183,39 @@ class Spool:
                 self.path.unlink()
 
 
-def orphans(directory: str | os.PathLike[str]) -> list[Spool]:
-    """Spool files in ``directory`` whose owning store is gone (their lock is free), locked for the caller."""
+def database_identity(url: str) -> str:
+    """A short name for the database ``url`` points at, the same for every URL of it: a SQLite file's resolved
+    path, else driver family, user, host, port and database name (no password, no options)."""
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite":
+        where = "sqlite:" + (str(Path(u.database).resolve()) if u.database and u.database != ":memory:"
+                             else f":memory:{uuid.uuid4().hex}")
+    else:
+        where = f"{u.get_backend_name()}://{u.username or ''}@{u.host or ''}:{u.port or ''}/{u.database or ''}"
+    return hashlib.sha256(where.encode()).hexdigest()[:12]
+
+
+_NAMED = re.compile(r"^spool-(?P<db>[0-9a-f]{12})-[0-9a-f]{12}\.jsonl$")
+
+
+def orphans(directory: str | os.PathLike[str], *, database: str, any_database: bool = False) -> list[Spool]:
+    """Spool files in ``directory`` meant for ``database`` whose owning store is gone (their lock is free),
+    locked for the caller; with ``any_database``, every one, whichever database it names or if it names none (an
+    earlier release's): ``stabmon db recover --any-database``, whose user says where they go."""
     d = Path(directory)
     if not d.is_dir():
         return []
     found = []
     for path in sorted(d.glob("spool-*.jsonl")):
+        named = _NAMED.match(path.name)
+        if not any_database and named is not None and named["db"] != database:
+            continue  # another database's rows
+        if not any_database and named is None:
+            log.warning("stabmon store: %s names no database (an earlier release wrote it): not adopted; "
+                        "`stabmon db recover --db URL --any-database` writes it to the database you name", path)
+            continue
         sp = Spool(d, path)
         try:
             sp.open_locked()

@@ -45,7 +45,7 @@ from stabmon.store.database import (
 )
 from stabmon.store.lease import RunInUseError, RunLease
 from stabmon.store.limits import check_name, name_problem
-from stabmon.store.spool import Spool, orphans
+from stabmon.store.spool import Spool, database_identity, orphans
 from stabmon.store.writer import StoreStats, Writer
 
 log = logging.getLogger("stabmon.store")
@@ -76,6 +76,10 @@ class StoreConfig:
     max_held_rows: int = 5_000_000
     """Rows kept in memory when neither the database nor the spool file can take them; beyond it rows are
     dropped and counted."""
+    adopt_any: bool = False
+    """Adopt every spool file left in the spool directory, whichever database it names (or none: an earlier
+    release's), not only this database's (``stabmon db recover --any-database``: its user says where they go,
+    after a database moved to another URL)."""
     fail_fast: bool = False
     """Raise at start-up when the database cannot be reached, instead of starting with the spool and
     connecting when the database comes."""
@@ -134,11 +138,12 @@ class Store:
         stale = 10 * self.config.flush_interval + self.config.poll_interval + 1.0
         self.answers = AnswerBox(poll_interval=self.config.poll_interval, stale_after=stale)
         self.lease = RunLease(self.config.lease_ttl)
+        database = database_identity(url)
         self._writer = Writer(
             writer_engine,
-            Spool(spool_dir),
+            Spool(spool_dir, database=database),
             config=self.config,
-            adopted=orphans(spool_dir),
+            adopted=orphans(spool_dir, database=database, any_database=self.config.adopt_any),
             ready=ready,
             answers=self.answers,
             lease=self.lease,

@@ -19,6 +19,7 @@ from fault_support import FAST, count, proxy_for, report, stored_steps, wait_for
 from stabmon.events import StepRecord
 from stabmon.store import StoreConfig, open_store, upgrade
 from stabmon.store.batch import Batch
+from stabmon.store.spool import database_identity
 
 
 def frame(batch: Batch) -> bytes:
@@ -94,7 +95,8 @@ def test_a_torn_line_in_a_left_spool_is_quarantined_and_the_rest_replayed(tmp_pa
     b.steps = [(run, 20 + i, 20 + i, None, None, {"loss": 2.0}) for i in range(10)]
     torn = frame(a)[:37]  # what a full disk left in the middle of an append, ended by the next append
     spool_dir.mkdir(exist_ok=True)
-    (spool_dir / "spool-crashed00001.jsonl").write_bytes(_legacy_line(a) + torn + b"\n" + frame(b) + torn)
+    left = spool_dir / f"spool-{database_identity(url)}-00000000c001.jsonl"
+    left.write_bytes(_legacy_line(a) + torn + b"\n" + frame(b) + torn)
     with open_store(url, config=cfg) as second:  # adopts the file
         assert second.flush(20), "a damaged spool line wedged the store"
         second.start_run(name="torn", resume_run_id=run, environment={})
@@ -157,7 +159,8 @@ def test_close_with_the_writer_stuck_on_a_dead_connection_keeps_every_row(pg_url
         report("writer stuck at close", close_s=took, kept=store.stats.kept_rows, dropped=store.stats.dropped_rows)
         assert took < cfg.close_timeout + 3.0, f"close() took {took:.1f}s"
         assert store.stats.kept_rows >= 500 * 3 + 1 and store.stats.dropped_rows == 0
-        with open_store(pg_url, config=StoreConfig(spool_dir=str(spool_dir), **FAST)) as recover:
+        # the same database behind its own URL, not the proxy's: the spool names the proxy's, so say so
+        with open_store(pg_url, config=StoreConfig(spool_dir=str(spool_dir), adopt_any=True, **FAST)) as recover:
             assert recover.flush(30)
     assert stored_steps(pg_url, run) == list(range(600))
     assert count(pg_url, "select count(*) from runs where id = :r and status = 'finished'", r=run) == 1
@@ -242,7 +245,8 @@ def test_db_recover_writes_what_a_crashed_run_left_in_the_spool(tmp_path: Path) 
     spooled = Batch(hi=0)
     spooled.steps = [(run, s, s, None, None, {"loss": 1.0}) for s in range(25)]
     spool_dir.mkdir(exist_ok=True)
-    (spool_dir / "spool-deadprocess1.jsonl").write_bytes(frame(spooled) + frame(spooled)[:20])  # torn by the crash
+    left = spool_dir / f"spool-{database_identity(url)}-0000000dead1.jsonl"
+    left.write_bytes(frame(spooled) + frame(spooled)[:20])  # torn by the crash
     result = CliRunner().invoke(app, ["db", "recover", "--db", url, "--spool-dir", str(spool_dir)])
     assert result.exit_code == 0, result.output
     assert "1 spooled batch(es) written, 1 damaged line(s) quarantined" in result.output
