@@ -156,7 +156,8 @@ class Monitor:
         self.flusher = Flusher(self.pipeline, self.outbox, target=self.target, failsafe=self.failsafe,
                                mode=spec.mode, follower=follower, kill_switch=kill_switch(cfg.kill_switch),
                                policy=self.policy, handed=handed, channel=self._channel,
-                               joiners={**self.target.joiners, Diagnose.name: self._diagnoser.join})
+                               joiners={**self.target.joiners, Diagnose.name: self._diagnoser.join},
+                               history=cfg.history)
         self._closed = False
         self._flushing = False
         self._initial_saved = False
@@ -330,12 +331,14 @@ class Monitor:
 
     @property
     def events(self) -> list[Event]:
-        """Every anomaly, decision, intervention and outcome published in this run."""
-        return self.flusher.events
+        """The anomalies, decisions, interventions and outcomes this process published, the newest
+        ``config.history`` of them (the store holds every one)."""
+        return list(self.flusher.events)
 
     @property
     def anomalies(self) -> list[Anomaly]:
-        return self.flusher.anomalies
+        """The anomalies this process published, the newest ``config.history``."""
+        return list(self.flusher.anomalies)
 
     def hparams(self) -> dict[str, float]:
         """lr, beta2, weight_decay and clip in force for the next step (overrides included)."""

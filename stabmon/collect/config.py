@@ -276,7 +276,9 @@ class MonitorConfig:
     deadline is learned from step times (``hang``); it also caps that deadline. None: no watchdog."""
     hang: HangConfig = field(default_factory=HangConfig)
     history: int = 10_000
-    """How many recent StepRecords :attr:`Monitor.records` keeps in memory (0 keeps none)."""
+    """How many recent StepRecords :attr:`Monitor.records` keeps in memory, and how many recent events and
+    anomalies :attr:`Monitor.events` / :attr:`Monitor.anomalies` keep (0 keeps none; the store holds them all):
+    a run's memory does not grow with its length."""
 
     def __post_init__(self) -> None:
         self.validate()

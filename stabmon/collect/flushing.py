@@ -250,6 +250,7 @@ class Flusher:
         handoff_after: float = 10.0,
         channel: RankChannel | None = None,
         joiners: Mapping[str, Callable[[dict[str, Any]], Any]] | None = None,
+        history: int | None = None,
     ) -> None:
         self.pipeline, self.outbox, self.target, self.failsafe = pipeline, outbox, target, failsafe
         self.channel = channel
@@ -261,9 +262,10 @@ class Flusher:
         self.handoff_after = handoff_after
         self.joiners: dict[str, Callable[[dict[str, Any]], Any]] = dict(joiners or {})
         """Non-zero ranks: what to run when rank 0 sends a :class:`~stabmon.collect.distributed.Join`."""
-        self.events: list[Event] = []
-        """Every anomaly, decision, intervention and outcome published in this run."""
-        self.anomalies: list[Anomaly] = []
+        self.events: deque[Event] = deque(maxlen=history)
+        """The anomalies, decisions, interventions and outcomes published in this run, the newest ``history``
+        (the store holds them all)."""
+        self.anomalies: deque[Anomaly] = deque(maxlen=history)
         self._publishing = threading.Lock()
         self._handed: deque[Event] = handed if handed is not None else deque()
         """Events from outside a flush (the watchdog's thread, a joint action's disagreements) for the next

@@ -97,3 +97,29 @@ def test_a_hung_alert_endpoint_never_holds_up_training(sqlite_url: str, tmp_path
     with open_store(sqlite_url) as store, store.session() as s:
         n = s.execute(sa.text("select count(*) from steps")).scalar()
     assert n == 300
+
+
+def test_a_long_run_keeps_a_bounded_number_of_events_in_memory(tmp_path: Path) -> None:
+    """An anomaly on every step for 400 steps (the loss NaN by construction): the monitor keeps the newest
+    ``config.history`` events and anomalies in memory, the store every one (before: two lists that grew with
+    the run, an event per step here)."""
+    import sqlite3
+
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    url = f"sqlite:///{tmp_path / 'run.db'}"
+    mon = Monitor(model, opt, store=url, config=MonitorConfig(history=50, flush_every=10, hang_timeout=None))
+    with mon:
+        for _, x in mon.steps([torch.randn(8, 4, generator=torch.Generator().manual_seed(i)) for i in range(400)]):
+            loss = model(x).pow(2).mean() * float("nan")
+            loss.backward()
+            mon.observe(loss=loss)
+            opt.step()
+            opt.zero_grad()
+        assert 0 < len(mon.events) <= 50 and 0 < len(mon.anomalies) <= 50
+        newest = mon.events[-1]
+    with sqlite3.connect(tmp_path / "run.db") as con:
+        stored = con.execute("select count(*) from anomalies").fetchone()[0]
+    assert stored > 200, stored
+    assert newest.step >= 390
+    report("bounded event memory", events_in_memory=len(mon.events), events_stored=stored)
