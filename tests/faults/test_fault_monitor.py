@@ -171,7 +171,8 @@ def test_propose_mode_never_waits_on_a_cut_network(pg_url: str, tmp_path: Path) 
     report("silent network cut, propose mode", steps=mon.step, kept_in_spool=store.stats.kept_rows,
            longest_step_s=trained.longest)
     assert trained.longest < STALL_BOUND, f"a training step took {trained.longest:.2f}s"
-    with open_store(pg_url, config=StoreConfig(spool_dir=str(tmp_path), **FAST)) as recover:
+    # the same database behind its own URL, not the proxy's the spool names: say so
+    with open_store(pg_url, config=StoreConfig(spool_dir=str(tmp_path), adopt_any=True, **FAST)) as recover:
         assert recover.flush(30)
     assert stored_steps(pg_url, mon.run_id) == list(range(mon.step))  # every step trained
 
