@@ -20,7 +20,7 @@ handed to the training thread's next flush instead.
 ...     should_stop, stop_reason, follow_ups = False, None, FollowUps()
 >>> outbox = Outbox(None, None, failsafe=Failsafe(), run_name="doc")
 >>> flusher = Flusher(Pipeline(NullDetectors()), outbox, target=Target(), failsafe=outbox.failsafe)
->>> flusher.flush([StepRecord(step=0, metrics={"loss": 1.0})]), flusher.events
+>>> flusher.flush([StepRecord(step=0, metrics={"loss": 1.0})]), list(flusher.events)
 ([], [])
 """
 
