@@ -22,7 +22,7 @@ as floats.
 >>> recorder.observe([("loss", torch.tensor(2.0)), ("phase", torch.tensor(1j))], tokens=None, step=0)
 >>> recorder.end()
 >>> sorted(buffer.drain()[0].metrics), recorder.failsafe.errors["observe"]
-(['clip', 'loss', 'lr', 'segment_start', 'step_time', 'weight_decay'], 1)
+(['clip', 'loss', 'lr', 'segment_start', 'startup_time', 'step_time', 'weight_decay'], 1)
 """
 
 from __future__ import annotations
