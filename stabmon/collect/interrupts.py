@@ -22,6 +22,7 @@ that simply ends) would keep its unflushed steps in memory and its status ``runn
 
 from __future__ import annotations
 
+import _signal
 import atexit
 import signal
 import threading
@@ -93,6 +94,8 @@ def _fire_later(ref: weakref.ref[ExitGuard]) -> Callable[[], None]:
     return fire
 
 
+_HELD = (int(signal.SIGINT), int(signal.SIGTERM))
+
 HOLD_AT_MOST_S = 5.0
 """How long a held Ctrl-C or SIGTERM waits at most (:class:`InterruptHold`): a step's update that takes longer
 is interrupted where it is, as without the hold (schedulers send SIGKILL some 30 s after SIGTERM; the interrupt
@@ -125,11 +128,11 @@ class InterruptHold:
     def hold(self) -> None:
         if self.holding or threading.current_thread() is not threading.main_thread():
             return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            handler = signal.getsignal(sig)
+        for sig in _HELD:  # the C functions: the signal module's wrappers build enums (~10 us a step)
+            handler = _signal.getsignal(sig)
             if callable(handler):
                 try:
-                    signal.signal(sig, self._hold)
+                    _signal.signal(sig, self._hold)
                 except (ValueError, OSError):
                     continue
                 self._previous[sig] = handler
@@ -160,7 +163,7 @@ class InterruptHold:
             self._timer = None
         for signum, handler in self._previous.items():
             try:
-                signal.signal(signum, handler)
+                _signal.signal(signum, handler)
             except (ValueError, OSError):
                 pass
         held = [(self._previous[s], s, f) for s, f in self._held]
