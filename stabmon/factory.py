@@ -3,15 +3,16 @@
 :func:`build_pipeline` turns the plain forms a user gives (a runbook name or path, a detector config mapping,
 ``detector.param=value`` overrides, a mode) or ready objects implementing the pipeline protocols into the
 detector suite, the runbook engine and the executor acting on ``target``: the live monitor passes its
-:class:`~stabmon.collect.target.LiveTarget`, replay a :class:`~stabmon.replay.simulate.SimulatedTarget`.
+:class:`~stabmon.interventions.handle.Handle` (:meth:`~stabmon.collect.recovery.Recovery.handle`), replay its
+:class:`~stabmon.replay.simulate.Simulation`'s.
 Nothing here imports torch, so ``stabmon replay``, ``eval`` and ``tune`` never load it. Bad input is a one-line
 ``ValueError`` naming the argument.
 
->>> from stabmon.replay.simulate import SimulatedTarget
->>> pipe = build_pipeline(SimulatedTarget(), runbook="default", simulated=True)
+>>> from stabmon.replay.simulate import Simulation
+>>> pipe = build_pipeline(Simulation().handle, runbook="default", simulated=True)
 >>> type(pipe.detectors).__name__, type(pipe.engine).__name__, pipe.executor.simulated
 ('DetectorSuite', 'Engine', True)
->>> build_pipeline(SimulatedTarget(), detectors=42)
+>>> build_pipeline(Simulation().handle, detectors=42)
 Traceback (most recent call last):
 ...
 ValueError: detectors: expected a config mapping, a detector suite, None or False, got int
@@ -24,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stabmon.events import Anomaly, StepRecord
-from stabmon.interventions.target import InterventionTarget
+from stabmon.interventions.handle import Handle
 from stabmon.pipeline import DetectorSuiteLike, EngineLike, Pipeline
 
 
@@ -94,7 +95,7 @@ def resolve_engine(runbook: Any, mode: str | None) -> EngineLike | None:
 
 
 def build_pipeline(
-    target: InterventionTarget,
+    target: Handle,
     *,
     runbook: Any = None,
     detectors: Any = None,
@@ -124,7 +125,7 @@ def resolve_decisions(
 
 
 def pipeline_of(
-    target: InterventionTarget, *, engine: EngineLike | None, detectors: DetectorSuiteLike,
+    target: Handle, *, engine: EngineLike | None, detectors: DetectorSuiteLike,
     simulated: bool = False,
 ) -> Pipeline:
     """The pipeline of ``detectors`` and ``engine``, with an executor acting on ``target`` when there is an

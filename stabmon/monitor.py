@@ -17,8 +17,9 @@ A plain PyTorch loop needs four lines::
 Everything measured stays on the device until a flush (every ``config.flush_every`` steps and at close): one
 stacked copy to the host, then StepRecords go through the :class:`~stabmon.pipeline.Pipeline`, to the store
 and the notifier (:class:`~stabmon.collect.flushing.Flusher`). Decisions are applied at flushes through
-:class:`~stabmon.interventions.Executor`, whose target is a :class:`~stabmon.collect.target.LiveTarget`
-(the overrides, rollback and checkpoint-and-stop; :class:`~stabmon.pipeline.InterventionTarget`).
+:class:`~stabmon.interventions.Executor`, which hands each intervention the run's
+:class:`~stabmon.interventions.handle.Handle` (the overrides, the step, the model and optimizer, and the verbs of
+:class:`~stabmon.collect.recovery.Recovery`: rollback and checkpoint-and-stop, joint across ranks).
 
 A framework that runs backward inside ``optimizer.step(closure)`` (Lightning) takes the optimizer hooks off
 (:meth:`Monitor.remove_optimizer_hooks`) and calls :meth:`Monitor.before_optimizer_step` and
@@ -61,15 +62,17 @@ from stabmon.collect.joint import RankChannel
 from stabmon.collect.memory import DeviceMemory
 from stabmon.collect.monitor_state import build_monitor_state
 from stabmon.collect.rank_policy import SavePath, rank_policy
+from stabmon.collect.recovery import Recovery
 from stabmon.collect.resume import ResumeCheck
 from stabmon.collect.run_state import RunState
-from stabmon.collect.target import LiveTarget, run_facts
 from stabmon.collect.vocab import untrained_loss
 from stabmon.collect.wiring import check_model_and_optimizer, resolve_decisions, resolve_store
 from stabmon.diagnose import Diagnosis
 from stabmon.diagnose.build import HookSwitch, build_diagnoser
 from stabmon.events import Anomaly, Event, Metric, StepRecord
+from stabmon.interventions._state import run_facts
 from stabmon.interventions.diagnose import Diagnose
+from stabmon.interventions.handle import Training
 from stabmon.overrides import Overrides
 from stabmon.pipeline import LadderEngine
 from stabmon.recipe import run_recipe
@@ -145,18 +148,19 @@ class Monitor:
             loss_fn=spec.loss_fn, own=self.signals.rank_values.own if self.signals.rank_values is not None else None,
             rank=self.rank, world_size=self.world_size, channel=self._channel)
         handed: deque[Event] = deque()  # a joint action's disagreements, for the flush's publish
-        self.target = LiveTarget(run, hparams=self.signals.hooks.hparams, state=training, outbox=self.outbox,
-                                 failsafe=self.failsafe, stop_code=cfg.exit_code, checkpoints=checkpoints,
-                                 policy=self.policy, channel=self._channel, reports=handed,
-                                 diagnoser=self._diagnoser)
-        self.pipeline = build_pipeline(self.target, engine=engine, detectors=detectors, states=self._state,
+        self.recovery = Recovery(run, state=training, outbox=self.outbox, failsafe=self.failsafe,
+                                 stop_code=cfg.exit_code, checkpoints=checkpoints, policy=self.policy,
+                                 channel=self._channel, reports=handed)
+        self.handle = self.recovery.handle(hparams=self.signals.hooks.hparams, diagnose=self._diagnoser)
+        """What every intervention of the runbook acts on (:class:`~stabmon.interventions.handle.Handle`)."""
+        self.pipeline = build_pipeline(self.handle, engine=engine, detectors=detectors, states=self._state,
                                        failsafe=self.failsafe, grace_steps=cfg.grace_steps)
         #: ln(output classes), recorded once with the first step observed (None: unknown, or recorded)
         self._untrained: float | None = untrained_loss(model)
-        self.flusher = Flusher(self.pipeline, self.outbox, target=self.target, failsafe=self.failsafe,
+        self.flusher = Flusher(self.pipeline, self.outbox, target=self.recovery, failsafe=self.failsafe,
                                mode=spec.mode, follower=follower, kill_switch=kill_switch(cfg.kill_switch),
                                policy=self.policy, handed=handed, channel=self._channel,
-                               joiners={**self.target.joiners, Diagnose.name: self._diagnoser.join},
+                               joiners={**self.recovery.joiners, Diagnose.name: self._diagnoser.join},
                                history=cfg.history)
         self._closed = False
         self._flushing = False
@@ -220,7 +224,7 @@ class Monitor:
         if any(isinstance(signal, UpdateNorms) for _, signal in self.signals.hooks.signals):
             sampled.add("updates")  # on by default where it costs no copy (UpdateConfig.every)
         checkpoints = self.spec.checkpoint_dir is not None or self.spec.checkpoints is not None
-        return unfit_rungs(runbook, checkpoints=checkpoints, facts=run_facts(self.model, self.optimizer),
+        return unfit_rungs(runbook, checkpoints=checkpoints, facts=run_facts(Training(self.model, self.optimizer)),
                            sampled=sampled, batches=batches)
 
     def _drop_rungs(self, unfit: dict[tuple[str, int], str], before: dict[tuple[str, int], str]) -> None:
@@ -295,22 +299,22 @@ class Monitor:
     @property
     def checkpoints(self) -> CheckpointStore | None:
         """The :class:`~stabmon.checkpoints.CheckpointManager`, or None."""
-        return self.target.checkpoints
+        return self.recovery.checkpoints
 
     @property
     def should_stop(self) -> bool:
         """True once checkpoint-and-stop, the kill switch or rank 0 asked the run to stop."""
-        return self.target.should_stop
+        return self.recovery.should_stop
 
     @property
     def stop_reason(self) -> str | None:
-        return self.target.stop_reason
+        return self.recovery.stop_reason
 
     @property
     def exit_code(self) -> int:
         """0, or after a requested stop its code: ``config.exit_code`` (:data:`stabmon.checkpoints.STOP_EXIT_CODE`)
         unless the stopping rung named another (``HARDWARE_EXIT_CODE`` after a hardware-suspect diagnosis)."""
-        return self.target.exit_code
+        return self.recovery.exit_code
 
     @property
     def store(self) -> Any:
@@ -347,16 +351,18 @@ class Monitor:
     def rollback(
         self, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None
     ) -> dict[str, Any]:
-        """Restore this rank's last-known-good checkpoint and skip data (:meth:`LiveTarget.rollback_here`;
-        under torch.distributed every rank calls it itself)."""
-        return self.target.commit_now(self.target.rollback_here(
+        """Restore this rank's last-known-good checkpoint and skip data
+        (:meth:`~stabmon.collect.recovery.Recovery.rollback_here`; under torch.distributed every rank calls it
+        itself)."""
+        return self.recovery.commit_now(self.recovery.rollback_here(
             onset_step=onset_step, lookback=lookback, skip_batches=skip_batches, checkpoint_dir=checkpoint_dir
         ))
 
     def checkpoint_and_stop(self, *, reason: str, exit_code: int | None = None) -> dict[str, Any]:
         """Save a checkpoint and ask the loop to stop with ``exit_code`` (default ``config.exit_code``); under
-        torch.distributed on this rank, saving as the rank policy says (:meth:`LiveTarget.stop_here`)."""
-        return self.target.commit_now(self.target.stop_here(reason=reason, exit_code=exit_code))
+        torch.distributed on this rank, saving as the rank policy says
+        (:meth:`~stabmon.collect.recovery.Recovery.stop_here`)."""
+        return self.recovery.commit_now(self.recovery.stop_here(reason=reason, exit_code=exit_code))
 
     def diagnose(self, **params: Any) -> Diagnosis:
         """Re-run and replay the incident's steps (see :mod:`stabmon.diagnose`); the verdict and its evidence.
@@ -583,15 +589,15 @@ class Monitor:
         """Save :meth:`training_state` through the checkpoint manager; failures are logged and counted. A save
         is a declared pause (:meth:`paused`): a long one is not a hang, and its time is not learned as a step."""
         with self.paused("checkpoint"):
-            return self.target.save_checkpoint()
+            return self.recovery.save_checkpoint()
 
     def training_state(self) -> dict[str, Any]:
         """Everything a checkpoint holds: model, optimizer, scaler, scheduler and the monitor's own state."""
-        return self.target.state.state_dict()
+        return self.recovery.state.state_dict()
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`training_state` (all or nothing; ``ValueError`` when it does not fit)."""
-        self.target.state.load(state)
+        self.recovery.state.load(state)
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter, data position, overrides, detector/engine/executor state, guard and embedding
@@ -641,7 +647,7 @@ class Monitor:
             self.signals.recorder.discard()  # interrupted before its update: the step did not happen
         self.end_step()
         self.flush()
-        if status == INTERRUPTED and self.target.saves(SavePath.INTERRUPT) and self.run.step > 0:
+        if status == INTERRUPTED and self.recovery.saves(SavePath.INTERRUPT) and self.run.step > 0:
             if cut:
                 log.warning("stabmon: interrupted inside optimizer.step() of step %d: no interrupt checkpoint "
                             "(its update may be half-applied); a resume starts from the last checkpoint",

@@ -5,7 +5,7 @@ emits ``Outcome``. The live :class:`~stabmon.monitor.Monitor` and :func:`stabmon
 :class:`Pipeline` from :func:`stabmon.factory.build_pipeline` and call :meth:`Pipeline.process` once per
 StepRecord, so replaying a live run's recorded metrics reproduces its anomalies and decisions exactly. The
 detector, engine and executor classes are the same; what differs is the executor's target (the monitor, whose
-overrides act on the optimizer, or a :class:`~stabmon.replay.simulate.SimulatedTarget` that records what would
+overrides act on the optimizer, or a :class:`~stabmon.replay.simulate.Simulation` that records what would
 have changed, with ``simulated=True`` on every InterventionRecord) and when records arrive (live at each flush;
 replay in blocks of the recorded ``flush_every``).
 
@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from stabmon.events import Anomaly, Decision, DecisionStatus, Event, InterventionRecord, Outcome, StepRecord
-from stabmon.interventions.target import InterventionTarget as InterventionTarget
 from stabmon.interventions.traits import changed_training
 
 

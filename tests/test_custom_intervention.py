@@ -2,7 +2,7 @@
 contributor adds for a new action is its module and its test.
 
 ``shrink_weights`` multiplies the weights of the layer the incident names (else every weight) by ``factor``. Its
-live effect acts on the model :func:`~stabmon.interventions.target.training_of` hands it (each rank's own: every
+live effect acts on the model :func:`~stabmon.interventions.handle.training_of` hands it (each rank's own: every
 rank runs the decision); in replay, which has no weights, the same module says what it would have done. The
 test forces it with the conformance matrix's injected fault, then checks the change in the live weights at the
 step it was recorded, the record in the store, a resume from the checkpoint after it, and a replay of the run.

@@ -79,7 +79,7 @@ def _train_gpt(rank: int, size: int, scenario: str, steps: int, fault_rank: int 
         sched.step()
         opt.zero_grad(set_to_none=True)
     mon.close()
-    last = mon.target.diagnoser.last
+    last = mon._diagnoser.last
     return {"diagnosis": last.as_after() if last is not None else None, "seen": seen, "exit_code": mon.exit_code,
             "skip": sorted(mon.cursor.skip), "run_id": mon.run_id}
 

@@ -581,6 +581,7 @@ def test_with_the_real_executor_a_ladder_that_would_loosen_clipping_skips_to_its
     from stabmon.overrides import Overrides
 
     class Target:
+        training = follow_ups = None  # a replay-like handle: no model, no follow-ups
         overrides = Overrides()
         step = 1
 

@@ -85,6 +85,7 @@ def test_a_change_made_before_a_later_stage_fails_is_recorded(tmp_path: Any) -> 
 
 
 class Target:
+    training = follow_ups = None  # a replay-like handle: no model, no follow-ups
     def __init__(self) -> None:
         self.overrides = Overrides()
         self.step = 10

@@ -25,11 +25,13 @@ from stabmon.interventions import (
 from stabmon.interventions.base import NoChange
 from stabmon.interventions.traits import REVERT, Traits, changed_training, recorded_traits, traits_of
 from stabmon.overrides import Overrides
-from stabmon.pipeline import ExecutorLike, InterventionTarget
+from stabmon.pipeline import ExecutorLike
 
 
 class FakeTarget:
-    """A test double of the monitor's InterventionTarget side."""
+    """A test double of the :class:`~stabmon.interventions.handle.Handle` the executor passes in (duck-typed: the
+    executor and the interventions read only these attributes)."""
+    training = follow_ups = None  # a replay-like handle: no model, no follow-ups
 
     def __init__(self) -> None:
         self.overrides = Overrides()
@@ -57,16 +59,8 @@ class FakeTarget:
         self.calls.append(("diagnose", kw))
         return Diagnosis("state", "the state is to blame", onset_step=kw["onset_step"])
 
-    def facts(self) -> None:
-        return None
-
-    def reset_moments(self, **kw: Any) -> dict[str, Any]:
-        self.calls.append(("reset_moments", kw))
-        return {"reset": 1}
-
-    def qk_clip(self, **kw: Any) -> dict[str, Any]:
-        self.calls.append(("qk_clip", kw))
-        return {"factor": kw["factor"]}
+    def note(self, change: dict[str, Any]) -> None:
+        self.calls.append((change["action"], change))
 
 
 def decision(action: str, params: dict[str, Any] | None = None, **kw: Any) -> Decision:
@@ -74,8 +68,7 @@ def decision(action: str, params: dict[str, Any] | None = None, **kw: Any) -> De
                     rule="r", rung=0, reason="test", **kw)
 
 
-def test_the_target_double_matches_the_protocol() -> None:
-    assert isinstance(FakeTarget(), InterventionTarget)
+def test_the_executor_matches_the_protocol() -> None:
     assert isinstance(Executor(FakeTarget()), ExecutorLike)
 
 
@@ -288,6 +281,7 @@ def test_rollback_lr_cap_is_a_fraction_of_the_onset_lr_and_halves_on_each_repeat
     from stabmon.overrides import Overrides
 
     class Target:
+        training = follow_ups = None  # a replay-like handle: no model, no follow-ups
         overrides = Overrides()
         step = 200
 

@@ -24,7 +24,7 @@ from stabmon.interventions.scale_layer_lr import ScaleLayerLr
 from stabmon.monitor import Monitor, MonitorConfig
 from stabmon.overrides import Overrides
 from stabmon.pipeline import Pipeline
-from stabmon.replay.simulate import SimulatedTarget
+from stabmon.replay.simulate import Simulation
 from stabmon.runbook.trace import build_trace, format_trace
 
 LAYERS = {"update_ratio/h.0": 0.003, "update_ratio/h.1": 0.004, "update_ratio/ln_f": 0.005, "update_ratio/wte": 0.002}
@@ -177,7 +177,7 @@ def test_the_effective_lr_a_framework_logs_is_each_groups_own() -> None:
 def test_scale_layer_lr_cuts_the_flagged_layers_group_reverts_and_releases() -> None:
     model, opt, mon = build(head_lr=100.0)
     train(model, opt, mon, 2)
-    ex = Executor(mon.target)
+    ex = Executor(mon.handle)
     rec = ex.execute(ex.with_evidence(decide("scale_layer_lr", {}), out_of_line("update_ratio/head", 1)))
     assert rec.after["groups"] == {"1": 0.1} and rec.before["lr"] == {"1": pytest.approx(0.1)}
     assert train(model, opt, mon, 1)[0] == pytest.approx([1e-3, 1e-2])
@@ -202,7 +202,7 @@ def test_scale_layer_lr_cuts_the_flagged_layers_group_reverts_and_releases() -> 
 def test_scale_layer_lr_without_evidence_or_on_a_shared_group_is_not_applicable() -> None:
     model, opt, mon = build()
     train(model, opt, mon, 1)
-    ex = Executor(mon.target)
+    ex = Executor(mon.handle)
     # a spike on a layer is no evidence that the layer's learning rate is wrong
     spike = Anomaly(kind="spike", metric="grad_norm/head", step=1, score=9.0, severity=Severity.ERROR, detector="t")
     rec = ex.execute(ex.with_evidence(decide("scale_layer_lr", {}), spike))
@@ -214,14 +214,14 @@ def test_scale_layer_lr_without_evidence_or_on_a_shared_group_is_not_applicable(
     assert rec.not_applied == "not applicable: tensor 'nope' names no parameter or layer of the model"
     assert mon.overrides.layer_lr == {}
     with pytest.raises(ValueError, match="factor"):
-        ScaleLayerLr(SimulatedTarget(), {"factor": 1.5}, decision_id="d")
+        ScaleLayerLr(Simulation().handle, {"factor": 1.5}, decision_id="d")
     mon.close()
 
 
 def test_the_pipeline_takes_the_layer_from_a_recent_out_of_line_report_only() -> None:
     def first_cut(plan: dict[int, list[Anomaly]]) -> tuple[Decision, Any]:
-        target = SimulatedTarget()
-        pipe = Pipeline(PlannedReports(plan), resolve_engine("default", None), Executor(target, simulated=True))
+        target = Simulation()
+        pipe = Pipeline(PlannedReports(plan), resolve_engine("default", None), Executor(target.handle, simulated=True))
         events = []
         for step in range(260):
             record = StepRecord(step=step, metrics={"loss": 2.0, "lr": 1e-3})

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from stabmon.events import Anomaly, Decision, DecisionStatus, InterventionRecord, Severity, StepRecord
 from stabmon.pipeline import Pipeline
 from stabmon.replay.replay import canonical, event_rows, replay, simulated_pipeline
-from stabmon.replay.simulate import SimulatedTarget
+from stabmon.replay.simulate import Simulation
 
 FAIRSEQ = "fairseq-fsdp-13b-readme/gpt3-13b_1xV100_cpu-offload.log"
 
@@ -33,7 +33,7 @@ def spiky_records(n: int = 400, spike_at: int = 300) -> list[StepRecord]:
 
 # -- simulated target ------------------------------------------------------------------------------
 def test_simulated_target_rollback_and_stop() -> None:
-    t = SimulatedTarget(checkpoint_interval=250)
+    t = Simulation(checkpoint_interval=250)
     t.begin_block([StepRecord(step=1233, metrics={"lr": 1e-3}, batch_index=4999)])
     got = t.rollback(onset_step=1200, lookback=100, skip_batches=300)
     assert got["checkpoint_step"] == 1000 and got["skipped_batches"] == [5000, 5300]
@@ -48,15 +48,15 @@ def test_simulated_target_rollback_and_stop() -> None:
 
 def test_simulated_target_validates_interval() -> None:
     with pytest.raises(ValueError, match=r"^replay.checkpoint_interval must be >= 1 or None, got 0$"):
-        SimulatedTarget(checkpoint_interval=0)
+        Simulation(checkpoint_interval=0)
 
 
 def test_live_executor_acts_on_simulated_target() -> None:
     from stabmon.interventions import Executor
 
-    t = SimulatedTarget()
+    t = Simulation()
     t.begin_block([StepRecord(step=6, metrics={"lr": 1e-3})])
-    ex = Executor(t, simulated=True)
+    ex = Executor(t.handle, simulated=True)
     d = Decision(
         step=7,
         action="scale_lr",

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from stabmon.events import Anomaly, Decision  # noqa: E402
 from stabmon.replay.replay import canonical, replay, simulated_pipeline  # noqa: E402
-from stabmon.replay.simulate import SimulatedTarget  # noqa: E402
+from stabmon.replay.simulate import Simulation  # noqa: E402
 
 
 def _live_run(store_url: str, mode: str) -> tuple[str, list]:
@@ -63,7 +63,7 @@ def test_replay_of_stored_live_run_is_identical(sqlite_url: str, mode: str) -> N
     # the live run saved no checkpoints: its rollbacks and diagnoses could not act, and were dropped from its
     # ladders at start (its stored config says which): the simulated target and the replay's ladders know the same
     assert config["ladder"]["dropped"], config
-    target = SimulatedTarget(checkpoint_interval=None)
+    target = Simulation(checkpoint_interval=None)
     pipeline, target = simulated_pipeline(runbook="default", mode=mode, target=target, live_config=config)
     result = replay(records, pipeline=pipeline, target=target, flush_every=10)  # the live MonitorConfig's
     replayed = [e for e in result.events if isinstance(e, (Anomaly, Decision))]

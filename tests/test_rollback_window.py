@@ -32,8 +32,9 @@ rules:
 
 
 class ScheduledRun:
-    """An InterventionTarget that trains by a fixed LR schedule and really rewinds on a rollback (checkpoints
+    """A handle that trains by a fixed LR schedule and really rewinds on a rollback (checkpoints
     every 10 steps). As in the live monitor, ``step`` is the step to train next while a record is judged."""
+    training = follow_ups = None  # a replay-like handle: no model, no follow-ups
 
     def __init__(self) -> None:
         self.overrides = Overrides()
@@ -103,11 +104,11 @@ def test_a_rollback_that_holds_is_resolved_only_past_the_step_it_rolled_back_fro
 
 def test_replay_keeps_the_usual_window_for_a_simulated_rollback() -> None:
     """In replay the steps do not rewind, so a simulated rollback's window is the next ``observe`` records."""
-    from stabmon.replay.simulate import SimulatedTarget
+    from stabmon.replay.simulate import Simulation
 
-    target = SimulatedTarget(checkpoint_interval=10)
+    target = Simulation(checkpoint_interval=10)
     pipe = Pipeline(ScriptedDetectors(), Engine(loads_runbook(RUNBOOK.format(lr_factor="")), id_seed="w"),
-                    Executor(target, simulated=True))
+                    Executor(target.handle, simulated=True))
     events: list[Any] = []
     for step in range(1, 60):
         record = StepRecord(step, {"loss": 2.0, "grad_norm": 9.0 if step == 40 else 1.0})

@@ -13,11 +13,11 @@ from torch import nn
 
 from stabmon.collect.config import UpdateConfig
 from stabmon.events import Anomaly, Decision, DecisionStatus, Severity
-from stabmon.interventions import Executor, RunFacts, not_applicable
+from stabmon.interventions import Executor, RunFacts, not_applicable, run_facts
 from stabmon.interventions.adaptive_clip import AdaptiveClip
 from stabmon.interventions.qk_clip import QkClip
 from stabmon.monitor import Monitor, MonitorConfig
-from stabmon.replay.simulate import SimulatedTarget
+from stabmon.replay.simulate import Simulation
 from stabmon.runbook import load_runbook
 from stabmon.runbook.fit import fit_warnings
 
@@ -63,8 +63,8 @@ def train(model: Tiny, opt: torch.optim.Optimizer, mon: Monitor, steps: int, *, 
 
 
 def apply(mon: Monitor, action: str, params: dict[str, Any], anomaly: Anomaly | None = None) -> Any:
-    ex = Executor(mon.target)
-    d = Decision(step=mon.target.step, action=action, params=params, status=DecisionStatus.APPLY, runbook="rb",
+    ex = Executor(mon.handle)
+    d = Decision(step=mon.step, action=action, params=params, status=DecisionStatus.APPLY, runbook="rb",
                  rule="r", rung=0, reason="test", anomaly_id=anomaly.id if anomaly else None)
     if anomaly is not None:
         d = ex.with_evidence(d, anomaly)
@@ -132,7 +132,7 @@ def test_state_rungs_that_cannot_act_are_reported_at_start_and_skipped_when_they
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
-    facts = mon.target.facts()
+    facts = run_facts(mon.handle.training)
     lines = fit_warnings(load_runbook("in-place-first"), mon.hparams(), facts=facts)
     assert any("reset_moments is not applicable (SGD keeps no exp_avg_sq)" in line for line in lines)
     assert any("qk_clip is not applicable (the model has no recognised attention module" in line for line in lines)
@@ -275,12 +275,12 @@ def test_qk_clip_with_separate_q_k_projections_and_bad_inputs() -> None:
 @pytest.mark.parametrize("params", [{"lambda_rel": 1.0}, {"beta": 1.0}, {"lambda_rel": "1.05"}, {"what": 1}])
 def test_bad_params_are_refused_at_build(params: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
-        AdaptiveClip(SimulatedTarget(), params, decision_id="d")
+        AdaptiveClip(Simulation().handle, params, decision_id="d")
 
 
 def test_replay_simulates_every_state_level_rung() -> None:
-    t = SimulatedTarget()
-    ex = Executor(t, simulated=True)
+    t = Simulation()
+    ex = Executor(t.handle, simulated=True)
     for action, params in (("reset_moments", {"tensors": ["blocks.1"]}), ("adaptive_clip", {}),
                            ("clip_update", {}), ("qk_clip", {"max_logit": 300.0, "standing": False}), ("qk_clip", {}),
                            ("skip_step", {"theta": 5e3})):
@@ -317,7 +317,7 @@ def test_qk_clip_on_a_nanogpt_packed_projection() -> None:
     model = nn.ModuleDict({"h": nn.ModuleList([Block(), Block()])})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
-    assert mon.target.facts().attention == ("h.0", "h.1")
+    assert run_facts(mon.handle.training).attention == ("h.0", "h.1")
     w = model.h[1].c_attn.weight.detach().clone()
     _, rec = apply(mon, "qk_clip", {"standing": False}, spike("attn_logit/h.1/1", 400.0))
     assert rec.after == {"layer": "h.1", "heads": [1], "factor": 0.25}
@@ -334,7 +334,7 @@ def test_qk_clip_on_hugging_face_gpt2s_conv1d_projection() -> None:
     model = transformers.GPT2LMHeadModel(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
-    assert mon.target.facts().attention == ("transformer.h.0.attn", "transformer.h.1.attn")
+    assert run_facts(mon.handle.training).attention == ("transformer.h.0.attn", "transformer.h.1.attn")
     conv = model.transformer.h[1].attn.c_attn  # weight (16, 48): query, key and value columns side by side
     w, b = conv.weight.detach().clone(), conv.bias.detach().clone()
     _, rec = apply(mon, "qk_clip", {"standing": False}, spike("attn_logit/transformer.h.1.attn/1", 400.0))
@@ -381,9 +381,9 @@ def test_in_place_first_acts_on_what_the_anomaly_names(metric: str, kind: str, a
     from stabmon.factory import resolve_engine
     from stabmon.pipeline import Pipeline
 
-    target = SimulatedTarget()
+    target = Simulation()
     pipe = Pipeline(_flags(metric, {30}, 400.0, kind), resolve_engine("in-place-first", None),
-                    Executor(target, simulated=True))
+                    Executor(target.handle, simulated=True))
     events = []
     for step in range(40):
         record = StepRecord(step=step, metrics={"loss": 2.0, "lr": 1e-3})
@@ -426,7 +426,7 @@ def test_a_standing_qk_clip_holds_each_head_under_tau_until_it_is_given_back(kin
     moved = (model.attn.in_proj_weight.detach() - w).abs().amax(dim=1)
     assert moved[8:12].max() > 10 * moved[:8].max()  # the query rows of head 2 shrank; the others only trained
     # released: the bound rises 8x over the release's steps, then the clip is off
-    release = Decision(step=mon.target.step, action="release", params={"intervention_ids": [rec.id], "steps": 4},
+    release = Decision(step=mon.step, action="release", params={"intervention_ids": [rec.id], "steps": 4},
                        status=DecisionStatus.APPLY, runbook="rb", rule="r", rung=0, reason="test")
     released = ex.execute(release)
     assert released.after == {"qk_tau": 2.0, "release_steps": 4, "rise": 8.0}
@@ -479,7 +479,7 @@ def test_a_standing_qk_clip_records_attention_logits_only_on_sampled_steps() -> 
     ({"tau": 0.0}, r"tau"), ({"standing": "sometimes"}, r"standing"), ({"heads": ["h2"]}, r"heads")])
 def test_bad_qk_clip_params_are_refused_at_build(params: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        QkClip(SimulatedTarget(), params, decision_id="d")
+        QkClip(Simulation().handle, params, decision_id="d")
 
 
 def test_a_bad_standing_bound_is_a_one_line_error() -> None:

@@ -33,7 +33,7 @@ def _ranks(rank: int, size: int) -> dict[str, Any]:
     model = DistributedDataParallel(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
-    ex, follower = Executor(mon.target), RankFollower()
+    ex, follower = Executor(mon.handle), RankFollower()
     gen = torch.Generator().manual_seed(10 + rank)  # each rank its own batches
 
     def step(scale: float = 1.0) -> None:
@@ -85,7 +85,7 @@ def _qk_ranks(rank: int, size: int) -> dict[str, Any]:
     model = DistributedDataParallel(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(hang_timeout=None))
-    ex, follower = Executor(mon.target), RankFollower()
+    ex, follower = Executor(mon.handle), RankFollower()
     gen = torch.Generator().manual_seed(20 + rank)  # each rank its own batches: its own max logits
 
     def batch() -> torch.Tensor:

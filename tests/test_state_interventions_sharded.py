@@ -35,7 +35,7 @@ class Tiny(nn.Module):
 def _train(model: nn.Module, *, rank: int, size: int, fixes: bool = True) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     mon = Monitor(model, opt, store=None, detectors=False, config=MonitorConfig(flush_every=4, hang_timeout=None))
-    ex = Executor(mon.target)
+    ex = Executor(mon.handle)
     gen = torch.Generator().manual_seed(11)
     per = BATCH // size
     for step in range(STEPS):

@@ -59,6 +59,7 @@ class ScriptedDetectors:
 
 
 class Target:
+    training = follow_ups = None  # a replay-like handle: no model, no follow-ups
     def __init__(self) -> None:
         self.overrides = Overrides()
         self.step = 0

@@ -192,10 +192,10 @@ def _pipeline(runbook: str, sets: list[str] | None, mode: str | None, every: int
     stored config of the live run replayed (the rungs its loop could not act on are dropped here too, when the
     runbook is the one it ran); a runbook or override that does not load is one line."""
     from stabmon.replay.replay import simulated_pipeline
-    from stabmon.replay.simulate import SimulatedTarget
+    from stabmon.replay.simulate import Simulation
 
     try:
-        target = SimulatedTarget(checkpoint_interval=every)
+        target = Simulation(checkpoint_interval=every)
         return simulated_pipeline(runbook=runbook, overrides=tuple(sets or ()), mode=mode, target=target,
                                   live_config=live)
     except (ValueError, KeyError) as exc:

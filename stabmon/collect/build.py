@@ -73,7 +73,7 @@ from stabmon.collect.sharding import Layout, ShardedSquares, embedding_counted, 
 from stabmon.collect.updates import AdamUpdateNorms, UpdateNorms
 from stabmon.collect.wiring import resolve_store
 from stabmon.factory import pipeline_of
-from stabmon.interventions.target import InterventionTarget
+from stabmon.interventions.handle import Handle
 from stabmon.pipeline import DetectorSuiteLike, EngineLike, Pipeline
 from stabmon.spec import MonitorSpec
 
@@ -291,7 +291,7 @@ def build_training_state(
 
 
 def build_pipeline(
-    target: InterventionTarget, *, engine: EngineLike | None, detectors: DetectorSuiteLike, states: NamedStates,
+    target: Handle, *, engine: EngineLike | None, detectors: DetectorSuiteLike, states: NamedStates,
     failsafe: Failsafe, grace_steps: int | None,
 ) -> Pipeline:
     """The monitor's pipeline (:func:`stabmon.pipeline_of`), acting on ``target``; its detectors, engine

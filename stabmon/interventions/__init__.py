@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from stabmon.interventions._state import RunFacts, StateIntervention, StateTarget, not_applicable
+from stabmon.interventions._state import RunFacts, StateIntervention, not_applicable, run_facts
 from stabmon.interventions.adaptive_clip import AdaptiveClip
 from stabmon.interventions.alert_only import AlertOnly
 from stabmon.interventions.base import Intervention, InterventionError, Params
@@ -19,6 +19,7 @@ from stabmon.interventions.checkpoint_and_stop import STOP_EXIT_CODE, Checkpoint
 from stabmon.interventions.clip_update import ClipUpdate
 from stabmon.interventions.diagnose import Diagnose
 from stabmon.interventions.executor import Executor
+from stabmon.interventions.handle import CannotAct, Handle, Training, training_of
 from stabmon.interventions.qk_clip import QkClip
 from stabmon.interventions.registry import INTERVENTIONS, get_intervention, register
 from stabmon.interventions.reset_moments import ResetMoments
@@ -29,12 +30,12 @@ from stabmon.interventions.set_beta2 import SetBeta2
 from stabmon.interventions.set_clip import SetClip
 from stabmon.interventions.set_weight_decay import SetWeightDecay
 from stabmon.interventions.skip_step import SkipStep
-from stabmon.interventions.target import Training, training_of
 from stabmon.interventions.traits import REVERT, Traits, traits_of
 
 __all__ = [
-    "INTERVENTIONS", "STOP_EXIT_CODE", "AdaptiveClip", "AlertOnly", "CheckpointAndStop", "ClipUpdate", "Diagnose",
-    "Executor", "Intervention", "InterventionError", "Params", "QkClip", "ResetMoments", "Rollback", "RunFacts",
-    "ScaleLayerLr", "ScaleLr", "SetBeta2", "SetClip", "SetWeightDecay", "SkipStep", "StateIntervention", "StateTarget",
-    "REVERT", "Training", "Traits", "get_intervention", "not_applicable", "register", "traits_of", "training_of",
+    "INTERVENTIONS", "STOP_EXIT_CODE", "AdaptiveClip", "AlertOnly", "CannotAct", "CheckpointAndStop", "ClipUpdate",
+    "Diagnose", "Executor", "Handle", "Intervention", "InterventionError", "Params", "QkClip", "ResetMoments",
+    "Rollback", "RunFacts", "ScaleLayerLr", "ScaleLr", "SetBeta2", "SetClip", "SetWeightDecay", "SkipStep",
+    "StateIntervention", "REVERT", "Training", "Traits", "get_intervention", "not_applicable", "register", "run_facts",
+    "traits_of", "training_of",
 ]

@@ -11,7 +11,7 @@ from stabmon.interventions.base import Intervention, NoChange
 class OverrideIntervention(Intervention):
     """Sets ``target.overrides.<field>`` to ``_new_value()``; reverting restores the previous override.
 
-    ``hparam`` names the :meth:`~stabmon.pipeline.InterventionTarget.hparams` key whose value in force is
+    ``hparam`` names the :attr:`~stabmon.interventions.handle.Handle.hparams` key whose value in force is
     recorded beside the override, so the audit row shows what the optimizer actually used (where the two share
     a name, ``before`` holds the value in force).
     """

@@ -18,11 +18,12 @@ the layer ``blocks.1``, ``attn_logit/blocks.1.attn`` the attention layer ``block
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
-from stabmon.interventions.base import Intervention, InterventionError, NoChange
+from stabmon.interventions.base import Intervention, NoChange
+from stabmon.interventions.handle import Training, training_of
 
 SECOND_MOMENT = "second_moment"
 ADAM_UPDATE = "adam_update"
@@ -43,17 +44,6 @@ class RunFacts:
     """Names of the recognised attention modules."""
 
 
-@runtime_checkable
-class StateTarget(Protocol):
-    """A target that can change the optimizer state and the weights (the live one; replay simulates it)."""
-
-    def facts(self) -> RunFacts | None: ...
-
-    def reset_moments(self, *, tensors: Sequence[str], second_moment: bool) -> dict[str, Any]: ...
-
-    def qk_clip(self, *, layer: str | None, heads: Sequence[int] | None, factor: float) -> dict[str, Any]: ...
-
-
 class StateIntervention(Intervention):
     """Base of the state-level interventions; see the module docstring."""
 
@@ -68,28 +58,34 @@ class StateIntervention(Intervention):
     :meth:`~stabmon.interventions.executor.Executor.with_evidence`)."""
     needs: ClassVar[frozenset[str]] = frozenset()
     """What the run must offer: ``second_moment``, ``adam_update``, ``attention``."""
-    needs_state: ClassVar[bool] = True
-    """False: the change goes through the overrides, so a target without state access still takes it (its
-    applicability is checked only where the target can say what the run offers)."""
 
     @classmethod
     def needs_for(cls, params: Mapping[str, Any]) -> frozenset[str]:
         """What a rung with these ``params`` needs (``needs``, unless a parameter changes it)."""
         return cls.needs
 
-    def state_target(self) -> StateTarget:
-        if not isinstance(self.target, StateTarget):
-            raise InterventionError(f"{self.name}: this target cannot change optimizer state or weights")
-        return self.target
+    def check_applicable(self) -> Training | None:
+        """Raise :class:`NoChange` ("not applicable: ...") when the run cannot take this change; the model and
+        optimizer it acts on (None in replay, which knows neither: every rung is taken as applicable there)."""
+        training = training_of(self.target)
+        if training is not None:
+            problem = not_applicable(type(self), self.params.model_dump(), run_facts(training))
+            if problem is not None:
+                raise NoChange(f"not applicable: {problem}")
+        return training
 
-    def check_applicable(self) -> None:
-        """Raise :class:`NoChange` ("not applicable: ...") when the run cannot take this change."""
-        if not self.needs_state and not isinstance(self.target, StateTarget):
-            return
-        facts = self.state_target().facts()
-        problem = not_applicable(type(self), self.params.model_dump(), facts) if facts is not None else None
-        if problem is not None:
-            raise NoChange(f"not applicable: {problem}")
+
+def run_facts(training: Training) -> RunFacts:
+    """What the state-level interventions can act on in a run of ``training``'s model and optimizer."""
+    from stabmon.collect.inplace import adam_like
+    from stabmon.collect.moments import missing_state
+    from stabmon.collect.qk import attention_layers
+    from stabmon.collect.sharding import clean_name
+
+    model, optimizer = training.model, training.optimizer
+    return RunFacts(tensors=frozenset(clean_name(n) for n, _ in model.named_parameters()),
+                    second_moment=missing_state(optimizer, "exp_avg_sq"), adam_update=adam_like(optimizer),
+                    attention=tuple(attention_layers(model)))
 
 
 def not_applicable(cls: type[Intervention], params: Mapping[str, Any], facts: RunFacts) -> str | None:
@@ -138,7 +134,6 @@ class OverridesIntervention(StateIntervention):
     """Sets several fields of ``target.overrides`` at once; reverting restores them all."""
 
     revertible = True
-    needs_state = False
 
     def _values(self) -> dict[str, Any]:
         raise NotImplementedError

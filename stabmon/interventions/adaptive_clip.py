@@ -31,10 +31,9 @@ class AdaptiveClipParams(Params):
 class AdaptiveClip(OverridesIntervention):
     """Turn on per-tensor adaptive clipping.
 
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 5
-    ...     def hparams(self): return {}
+    >>> def T(): return Handle(Overrides(), clock=lambda: 5, hparams=lambda: {})
     >>> t = T(); iv = AdaptiveClip(t, {}, decision_id="d"); rec = iv.apply()
     >>> rec.after, t.overrides.adaptive_clip
     ({'adaptive_clip': 1.05, 'adaptive_clip_beta': 0.98}, 1.05)

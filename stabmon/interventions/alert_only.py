@@ -19,10 +19,9 @@ class AlertOnlyParams(Params):
 class AlertOnly(Intervention):
     """Tell a human, touch nothing.
 
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 5
-    ...     def hparams(self): return {}
+    >>> def T(): return Handle(Overrides(), clock=lambda: 5, hparams=lambda: {})
     >>> dict(AlertOnly(T(), {"message": "look"}, decision_id="d").apply().after)
     {'message': 'look'}
     """

@@ -1,7 +1,7 @@
 """The intervention base class: it owns the guard and the audit record; subclasses only change things.
 
 An intervention is created for one :class:`~stabmon.events.Decision` and acts on an
-:class:`~stabmon.interventions.target.InterventionTarget` (the live monitor or the replay simulator).
+:class:`~stabmon.interventions.handle.Handle` (the live run's or replay's, the same class).
 :meth:`Intervention.apply` and :meth:`Intervention.revert` are the public methods: they check the state
 (an intervention is applied once and reverted at most once, after it was applied), hold the target's lock
 so no two interventions change the target at the same time, and build the
@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from stabmon.events import InterventionRecord
 
 if TYPE_CHECKING:
-    from stabmon.interventions.target import InterventionTarget
+    from stabmon.interventions.handle import Handle
 
 
 class InterventionError(RuntimeError):
@@ -69,10 +69,9 @@ class Intervention:
     needs to know about them, see :mod:`stabmon.interventions.traits`), and implement ``_apply`` and
     ``_revert``.
 
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:  # a minimal target
-    ...     overrides = Overrides(); step = 10
-    ...     def hparams(self): return {"lr": 1e-3}
+    >>> def T(): return Handle(Overrides(), clock=lambda: 10, hparams=lambda: {"lr": 1e-3})
     >>> class Halve(Intervention):
     ...     name = "halve_lr"
     ...     def _apply(self):
@@ -96,7 +95,7 @@ class Intervention:
 
     def __init__(
         self,
-        target: InterventionTarget,
+        target: Handle,
         params: Mapping[str, Any] | None = None,
         *,
         decision_id: str,

@@ -33,13 +33,11 @@ class CheckpointAndStopParams(Params):
 class CheckpointAndStop(Intervention):
     """Save and stop.
 
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 42
-    ...     def hparams(self): return {}
-    ...     def checkpoint_and_stop(self, *, reason):
-    ...         return {"path": "ckpt-42.pt", "exit_code": STOP_EXIT_CODE}
-    >>> CheckpointAndStop(T(), {}, decision_id="d").apply().after["exit_code"]
+    >>> def stop(*, reason): return {"path": "ckpt-42.pt", "exit_code": STOP_EXIT_CODE}
+    >>> h = Handle(Overrides(), clock=lambda: 42, hparams=dict, checkpoint_and_stop=stop)
+    >>> CheckpointAndStop(h, {}, decision_id="d").apply().after["exit_code"]
     86
     """
 

@@ -31,10 +31,9 @@ class ClipUpdateParams(Params):
 class ClipUpdate(OverridesIntervention):
     """Cap each tensor's update RMS.
 
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 5
-    ...     def hparams(self): return {}
+    >>> def T(): return Handle(Overrides(), clock=lambda: 5, hparams=lambda: {})
     >>> t = T(); rec = ClipUpdate(t, {"max_rms": 1.0}, decision_id="d").apply()
     >>> rec.before, rec.after
     ({'update_rms_cap': None}, {'update_rms_cap': 1.0})

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +76,3 @@ class FollowUps:
                 found = {FOLLOW_UP_ERROR: f"{type(exc).__name__}: {exc}"}
             facts.setdefault(follow_up.record_id, {}).update(found)
         return facts
-
-
-@runtime_checkable
-class Committing(Protocol):
-    """A target whose changes leave follow-ups (the live one; a replay's does not)."""
-
-    follow_ups: FollowUps

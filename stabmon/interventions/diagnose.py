@@ -15,21 +15,13 @@ opened it, and the metric it is about); a runbook does not set them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from pydantic import Field
 
 from stabmon.diagnose.verdict import Diagnosis
-from stabmon.interventions.base import Intervention, InterventionError, Params
+from stabmon.interventions.base import Intervention, Params
 from stabmon.interventions.registry import register
-
-
-@runtime_checkable
-class DiagnosingTarget(Protocol):
-    """A target that can diagnose an incident (the live target; a replay's, which says it cannot)."""
-
-    def diagnose(self, *, onset_step: int, step: int, metric: str, max_batches: int, rtol: float,
-                 recur: float) -> Diagnosis: ...
 
 
 class DiagnoseParams(Params):
@@ -51,12 +43,11 @@ class DiagnoseParams(Params):
 class Diagnose(Intervention):
     """Ask the target for a verdict.
 
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 160
-    ...     def hparams(self): return {}
-    ...     def diagnose(self, **params): return Diagnosis("data", "seen again", onset_step=params["onset_step"])
-    >>> rec = Diagnose(T(), {"onset_step": 150, "step": 152, "metric": "loss"}, decision_id="d").apply()
+    >>> def diagnose(**params): return Diagnosis("data", "seen again", onset_step=params["onset_step"])
+    >>> h = Handle(Overrides(), clock=lambda: 160, hparams=dict, diagnose=diagnose)
+    >>> rec = Diagnose(h, {"onset_step": 150, "step": 152, "metric": "loss"}, decision_id="d").apply()
     >>> rec.after["verdict"], rec.before["step"]
     ('data', 160)
     """
@@ -72,10 +63,7 @@ class Diagnose(Intervention):
         assert isinstance(p, DiagnoseParams)
         step = int(self.target.step)
         onset = p.onset_step if p.onset_step is not None else step
-        target = self.target
-        if not isinstance(target, DiagnosingTarget):
-            raise InterventionError(f"diagnose: the target ({type(target).__name__}) cannot re-run steps")
-        found = target.diagnose(
+        found: Diagnosis = self.target.diagnose(
             onset_step=onset, step=p.step if p.step is not None else step, metric=p.metric or "loss",
             max_batches=p.max_batches, rtol=p.rtol, recur=p.recur,
         )

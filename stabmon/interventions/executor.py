@@ -1,7 +1,8 @@
 """The executor: turns the engine's decisions into interventions on their target.
 
-:class:`Executor` is the :class:`~stabmon.pipeline.ExecutorLike` of every pipeline: live it acts on the
-monitor, in replay (``simulated=True``) on a :class:`~stabmon.replay.simulate.SimulatedTarget`. It looks the
+:class:`Executor` is the :class:`~stabmon.pipeline.ExecutorLike` of every pipeline. It hands each intervention
+the run's :class:`~stabmon.interventions.handle.Handle`: live the monitor's, in replay (``simulated=True``) a
+:class:`~stabmon.replay.simulate.Simulation`'s. It looks the
 action up in the registry, builds the intervention, applies it and returns its audit record; a ``revert``
 decision undoes the intervention named in ``params["intervention_id"]``. A failure is caught, logged and
 counted, never raised into training: one line is logged (the traceback only at DEBUG level), the returned
@@ -21,12 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from stabmon.events import Anomaly, Decision, InterventionRecord
 from stabmon.interventions.base import Intervention, NoChange
-from stabmon.interventions.commit import Committing
 from stabmon.interventions.registry import INTERVENTIONS, get_intervention
 from stabmon.interventions.traits import REVERT, traits_of
 
 if TYPE_CHECKING:
-    from stabmon.interventions.target import InterventionTarget
+    from stabmon.interventions.handle import Handle
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,9 @@ class Executor:
     resume).
 
     >>> from stabmon.events import Decision, DecisionStatus
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 3
-    ...     def hparams(self): return {"clip": 1.0}
+    >>> def T(): return Handle(Overrides(), clock=lambda: 3, hparams=lambda: {"clip": 1.0})
     >>> ex = Executor(T())
     >>> d = Decision(step=3, action="set_clip", params={"max_norm": 0.5}, status=DecisionStatus.APPLY,
     ...              runbook="r", rule="spike", rung=0, reason="test")
@@ -55,7 +54,7 @@ class Executor:
     True
     """
 
-    def __init__(self, target: InterventionTarget, *, simulated: bool = False) -> None:
+    def __init__(self, target: Handle, *, simulated: bool = False) -> None:
         self.target = target
         self.simulated = simulated
         self.errors = 0
@@ -122,7 +121,7 @@ class Executor:
     def execute(self, decision: Decision) -> InterventionRecord | None:
         """Apply (or revert, release, re-apply) ``decision``; its audit record. Never raises."""
         record = self._execute(decision)
-        if isinstance(self.target, Committing):
+        if self.target.follow_ups is not None:  # a live run's changes may leave follow-ups
             self.target.follow_ups.claim(record.id)
         return record
 

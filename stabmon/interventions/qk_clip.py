@@ -24,6 +24,7 @@ A model without a recognised attention module, or a layer that is none, makes it
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +35,8 @@ from stabmon.interventions._state import ATTENTION, StateIntervention, attention
 from stabmon.interventions.base import NoChange, Params
 from stabmon.interventions.registry import register
 from stabmon.overrides import QK_RELEASE_RISE
+
+log = logging.getLogger(__name__)
 
 
 class QkClipParams(Params):
@@ -56,13 +59,9 @@ class QkClipParams(Params):
 class QkClip(StateIntervention):
     """Clip the offending heads' query/key weights: from now on after every step (standing), or once.
 
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 9
-    ...     def hparams(self): return {}
-    ...     def facts(self): return None
-    ...     def reset_moments(self, **kw): return {}
-    ...     def qk_clip(self, *, layer, heads, factor): return {"layer": layer, "heads": heads, "factor": factor}
+    >>> def T(): return Handle(Overrides(), clock=lambda: 9, hparams=dict)  # a replay's: the clip once is noted
     >>> params = {"metric": "attn_logit/blocks.0.attn/2", "value": 400.0}
     >>> rec = QkClip(T(), {**params, "standing": False}, decision_id="d").apply()
     >>> rec.after["layer"], rec.after["heads"], rec.after["factor"]
@@ -88,7 +87,7 @@ class QkClip(StateIntervention):
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         p = self.params
         assert isinstance(p, QkClipParams)
-        self.check_applicable()
+        training = self.check_applicable()
         if p.standing:
             overrides = self.target.overrides
             if overrides.qk_tau == p.tau:
@@ -106,7 +105,16 @@ class QkClip(StateIntervention):
         if logit <= p.tau:
             raise NoChange(f"max logit {logit:.4g} is not above tau {p.tau:g}")
         factor = p.tau / logit
-        facts = self.state_target().qk_clip(layer=layer, heads=chosen, factor=factor)
+        if training is None:
+            facts = {"simulated": True, "step": self.target.step, "action": self.name, "layer": layer,
+                     "heads": chosen or "all", "factor": factor}
+            self.target.note(dict(facts))
+        else:
+            from stabmon.collect.qk import qk_clip
+
+            facts = qk_clip(training.model, layer=layer, heads=chosen, factor=factor)
+            log.warning("stabmon: qk_clip at step %d: %s heads %s x %.4g logits", self.target.step, facts["layer"],
+                        facts["heads"], factor)
         return {"max_logit": logit, "tau": p.tau}, facts
 
     def _release(self, steps: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:

@@ -11,14 +11,18 @@ makes it "not applicable" (skipped, logged).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import Field
 
 from stabmon.interventions._state import SECOND_MOMENT, StateIntervention, tensors_of
 from stabmon.interventions.base import Params
+from stabmon.interventions.handle import Training
 from stabmon.interventions.registry import register
+
+log = logging.getLogger(__name__)
 
 
 class ResetMomentsParams(Params):
@@ -38,16 +42,12 @@ class ResetMomentsParams(Params):
 class ResetMoments(StateIntervention):
     """Reset the moments of the flagged tensors.
 
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 7
-    ...     def hparams(self): return {}
-    ...     def facts(self): return None
-    ...     def reset_moments(self, *, tensors, second_moment): return {"reset": 2, "tensors": list(tensors)}
-    ...     def qk_clip(self, **kw): return {}
-    >>> t = T(); rec = ResetMoments(t, {"metric": "grad_norm/blocks.1"}, decision_id="d").apply()
-    >>> rec.after["tensors"], t.overrides.rewarm_left
-    (['blocks.1'], 20)
+    >>> h = Handle(Overrides(), clock=lambda: 7, hparams=dict)  # a replay's: no model, the change is noted
+    >>> rec = ResetMoments(h, {"metric": "grad_norm/blocks.1"}, decision_id="d").apply()
+    >>> rec.after["tensors"], h.overrides.rewarm_left, h.notes[0]["action"]
+    (['blocks.1'], 20, 'reset_moments')
     """
 
     name = "reset_moments"
@@ -58,10 +58,25 @@ class ResetMoments(StateIntervention):
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         p = self.params
         assert isinstance(p, ResetMomentsParams)
-        self.check_applicable()
+        training = self.check_applicable()
         tensors = tuple(p.tensors) or tensors_of(p.metric)
-        facts = self.state_target().reset_moments(tensors=tensors, second_moment=p.second_moment)
+        if training is None:
+            facts = {"simulated": True, "step": self.target.step, "action": self.name,
+                     "tensors": list(tensors) or "all", "second_moment": p.second_moment}
+            self.target.note(dict(facts))
+        else:
+            facts = reset(training, tensors, second_moment=p.second_moment, step=self.target.step)
         overrides = self.target.overrides
         before = {"tensors": list(tensors) or "all", "rewarm_left": overrides.rewarm_left}
         overrides.rewarm_steps, overrides.rewarm_left = p.rewarm_steps, p.rewarm_steps
         return before, {**facts, "second_moment": p.second_moment, "rewarm_steps": p.rewarm_steps}
+
+
+def reset(training: Training, tensors: Sequence[str], *, second_moment: bool, step: int) -> dict[str, Any]:
+    """Zero the first (and second) moments of ``tensors`` (all when empty) in ``training``'s optimizer; the audit
+    facts."""
+    from stabmon.collect.moments import reset_moments
+
+    done = reset_moments(training.model, training.optimizer, names=tensors, second=second_moment)
+    log.warning("stabmon: moments of %d tensors reset at step %d (%s)", len(done), step, ", ".join(tensors) or "all")
+    return {"reset": len(done), "tensors": done[:20]}

@@ -60,12 +60,11 @@ class RollbackParams(Params):
 class Rollback(Intervention):
     """Roll back to a validated checkpoint.
 
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 900
-    ...     def hparams(self): return {}
-    ...     def rollback(self, *, onset_step, lookback, skip_batches):
-    ...         return {"checkpoint_step": 700, "restored_step": 700, "skipped": [700, 700 + skip_batches]}
+    >>> def rollback(*, onset_step, lookback, skip_batches):
+    ...     return {"checkpoint_step": 700, "restored_step": 700, "skipped": [700, 700 + skip_batches]}
+    >>> def T(): return Handle(Overrides(), clock=lambda: 900, hparams=dict, rollback=rollback)
     >>> rec = Rollback(T(), {"onset_step": 850, "skip_batches": 200}, decision_id="d").apply()
     >>> rec.before["step"], rec.after["restored_step"]
     (900, 700)

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from pydantic import Field
 
 from stabmon.interventions._state import StateIntervention, tensors_of
 from stabmon.interventions.base import NoChange, Params
+from stabmon.interventions.handle import Training
 from stabmon.interventions.registry import register
 
 LAYER_LR = "layer_lr"
@@ -50,25 +51,18 @@ class ScaleLayerLrParams(Params):
     value: float | None = None
 
 
-@runtime_checkable
-class GroupTarget(Protocol):
-    """A target that can say which optimizer param groups hold given tensors (the live run's)."""
-
-    def layer_groups(self, tensors: tuple[str, ...]) -> dict[str, Any]:
-        """``{"groups": {index: scheduled lr}, "share": fraction of the model's parameters in those groups}``."""
-
-
 @register
 class ScaleLayerLr(StateIntervention):
     """Cut the learning rate of the flagged layer's param groups.
 
+    >>> import torch
+    >>> from stabmon.interventions.handle import Handle, Training
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 20
-    ...     def hparams(self): return {"lr": 1e-3}
-    ...     def facts(self): return None
-    ...     def layer_groups(self, tensors): return {"groups": {1: 9.0}, "share": 0.05}
-    >>> t = T(); rec = ScaleLayerLr(t, {"metric": "update_ratio/lm_head"}, decision_id="d").apply()
+    >>> body, lm_head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+    >>> model = torch.nn.ModuleDict({"body": body, "lm_head": lm_head})
+    >>> opt = torch.optim.SGD([{"params": body.parameters()}, {"params": lm_head.parameters(), "lr": 9.0}], lr=1e-3)
+    >>> t = Handle(Overrides(), clock=lambda: 20, hparams=dict, training=Training(model, opt))
+    >>> rec = ScaleLayerLr(t, {"metric": "update_ratio/lm_head"}, decision_id="d").apply()
     >>> rec.after["groups"], t.overrides.layer_factor(1), t.overrides.layer_factor(0)
     ({'1': 0.1}, 0.1, 1.0)
     """
@@ -77,7 +71,6 @@ class ScaleLayerLr(StateIntervention):
     Params = ScaleLayerLrParams
     revertible = True
     evidence_kinds = ("out_of_line",)
-    needs_state = False
     samples = "updates"  # the per-layer update ratios the out_of_line detector compares
 
     @classmethod
@@ -87,22 +80,21 @@ class ScaleLayerLr(StateIntervention):
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         p = self.params
         assert isinstance(p, ScaleLayerLrParams)
-        self.check_applicable()
+        training = self.check_applicable()
         tensors = tuple(p.tensors) or tensors_of(p.metric)
         if not tensors:
             raise NoChange("not applicable: no layer is flagged (name tensors, or sample the update ratios with "
                            "MonitorConfig.updates so that the out_of_line detector can name one)")
-        target = self.target
-        if not isinstance(target, GroupTarget):  # a replay knows no param groups: the cut is recorded only
+        if training is None:  # a replay knows no param groups: the cut is recorded only
             return {"tensors": list(tensors)}, {"tensors": list(tensors), "factor": p.factor, "simulated": True}
-        found = target.layer_groups(tensors)
+        found = layer_groups(training, tensors)
         groups: dict[int, Any] = found["groups"]
         share = float(found["share"])
         if share > p.max_share:
             raise NoChange(f"not applicable: {', '.join(tensors)} share(s) param group(s) "
                            f"{', '.join(map(str, sorted(groups)))} with {share:.0%} of the model's parameters: "
                            f"a cut there is a global one (scale_lr)")
-        overrides = target.overrides
+        overrides = self.target.overrides
         old = copy.deepcopy(overrides.layer_lr)
         new = copy.deepcopy(old)
         for i in groups:
@@ -145,3 +137,23 @@ class ScaleLayerLr(StateIntervention):
             cut["ramp"], cut["done"] = int(steps), 0
         return before, {"layer_lr": copy.deepcopy(released),
                         "lifted_below_lr": {g: c["lift_below"] for g, c in released.items()}}
+
+
+def layer_groups(training: Training, tensors: tuple[str, ...]) -> dict[str, Any]:
+    """The optimizer's param groups holding ``tensors`` (names or layer prefixes) with the LR their schedule gives
+    them now, and the share of the model's parameters those groups hold: ``{"groups": {index: lr}, "share": f}``."""
+    from stabmon.collect.moments import select
+
+    wanted = {id(p) for p in select(training.model, tensors).values()}
+    groups: dict[int, Any] = {}
+    total = held = 0
+    for i, group in enumerate(training.optimizer.param_groups):
+        n = sum(p.numel() for p in group["params"])
+        total += n
+        if any(id(p) in wanted for p in group["params"]):
+            lr = group.get("lr")
+            groups[i] = float(lr) if isinstance(lr, (int, float)) else None
+            held += n
+    if not groups:
+        raise ValueError(f"tensors: {', '.join(tensors)} are in no param group of the optimizer")
+    return {"groups": groups, "share": held / total if total else 1.0}

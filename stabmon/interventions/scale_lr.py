@@ -35,10 +35,9 @@ class ScaleLrParams(Params):
 class ScaleLr(OverrideIntervention):
     """Scale the learning rate.
 
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 5
-    ...     def hparams(self): return {"lr": 1e-3}
+    >>> def T(): return Handle(Overrides(), clock=lambda: 5, hparams=lambda: {"lr": 1e-3})
     >>> t = T(); rec = ScaleLr(t, {"factor": 0.9}, decision_id="d").apply()
     >>> t.overrides.lr_scale, round(rec.after["lr"], 6)
     (0.9, 0.0009)

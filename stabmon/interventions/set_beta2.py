@@ -22,10 +22,9 @@ class SetBeta2Params(Params):
 class SetBeta2(OverrideIntervention):
     """Change Adam's beta2.
 
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 5
-    ...     def hparams(self): return {"beta2": 0.98}
+    >>> def T(): return Handle(Overrides(), clock=lambda: 5, hparams=lambda: {"beta2": 0.98})
     >>> t = T(); _ = SetBeta2(t, {"beta2": 0.95}, decision_id="d").apply(); t.overrides.beta2
     0.95
     """

@@ -21,10 +21,9 @@ class SetClipParams(Params):
 class SetClip(OverrideIntervention):
     """Tighten (or loosen) gradient clipping.
 
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 5
-    ...     def hparams(self): return {"clip": 2.5}
+    >>> def T(): return Handle(Overrides(), clock=lambda: 5, hparams=lambda: {"clip": 2.5})
     >>> rec = SetClip(T(), {"max_norm": 1.5}, decision_id="d").apply()
     >>> dict(rec.before), dict(rec.after)
     ({'max_norm': None, 'clip': 2.5}, {'max_norm': 1.5, 'clip': 1.5})

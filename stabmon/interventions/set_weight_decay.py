@@ -21,10 +21,9 @@ class SetWeightDecayParams(Params):
 class SetWeightDecay(OverrideIntervention):
     """Change weight decay.
 
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 5
-    ...     def hparams(self): return {"weight_decay": 0.05}
+    >>> def T(): return Handle(Overrides(), clock=lambda: 5, hparams=lambda: {"weight_decay": 0.05})
     >>> rec = SetWeightDecay(T(), {"weight_decay": 0.1}, decision_id="d").apply()
     >>> rec.before["weight_decay"]
     0.05

@@ -45,10 +45,9 @@ class SkipStepParams(Params):
 class SkipStep(OverridesIntervention):
     """Guard against single bad updates.
 
+    >>> from stabmon.interventions.handle import Handle
     >>> from stabmon.overrides import Overrides
-    >>> class T:
-    ...     overrides = Overrides(); step = 5
-    ...     def hparams(self): return {}
+    >>> def T(): return Handle(Overrides(), clock=lambda: 5, hparams=lambda: {})
     >>> t = T(); _ = SkipStep(t, {"factor": 6.0}, decision_id="d").apply(); t.overrides.skip_factor
     6.0
     >>> t = T(); rec = SkipStep(t, {"theta": 5000.0}, decision_id="d").apply(); rec.after

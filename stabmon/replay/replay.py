@@ -3,7 +3,7 @@
 :func:`replay` feeds StepRecords one at a time into a :class:`stabmon.pipeline.Pipeline` built by the same
 factory as the live monitor's (:func:`stabmon.factory.build_pipeline`: :class:`stabmon.detect.DetectorSuite`,
 :class:`stabmon.runbook.Engine`, :class:`stabmon.interventions.Executor`); only the executor's target differs:
-a :class:`~stabmon.replay.simulate.SimulatedTarget`. Any object with the pipeline protocols can be passed
+a :class:`~stabmon.replay.simulate.Simulation`. Any object with the pipeline protocols can be passed
 instead (``pipeline=``), which is how tests and :mod:`stabmon.replay.eval` run it.
 
 Replay is deterministic: the same records through freshly built objects give the same events, apart from the
@@ -43,7 +43,7 @@ from stabmon.events import (
 from stabmon.factory import build_pipeline
 from stabmon.interventions.executor import Executor
 from stabmon.pipeline import LadderEngine, Pipeline, RunbookEngine
-from stabmon.replay.simulate import SimulatedTarget
+from stabmon.replay.simulate import Simulation
 
 Progress = Callable[[int], None]
 
@@ -55,7 +55,7 @@ class ReplayResult:
     events: list[Event] = field(default_factory=list)
     steps: int = 0
     samples: int = 0  # metric values fed (sum over records of len(metrics))
-    target: SimulatedTarget | None = None
+    target: Simulation | None = None
 
     def of(self, kind: type) -> list[Any]:
         return [e for e in self.events if isinstance(e, kind)]
@@ -93,20 +93,20 @@ def simulated_pipeline(
     runbook: Any = None,
     detector_config: dict[str, Any] | None = None,
     overrides: Sequence[str] = (),
-    target: SimulatedTarget | None = None,
+    target: Simulation | None = None,
     mode: str | None = None,
     live_config: Mapping[str, Any] | None = None,
-) -> tuple[Pipeline, SimulatedTarget]:
+) -> tuple[Pipeline, Simulation]:
     """The pipeline :func:`stabmon.factory.build_pipeline` builds for the live monitor, its executor acting on
-    a simulated ``target`` (default: a fresh :class:`SimulatedTarget`), and that target. ``mode`` None keeps the
+    a simulated ``target`` (default: a fresh :class:`Simulation`), and that target. ``mode`` None keeps the
     runbook's. ``live_config``: the stored config of the live run replayed: the rungs its loop could not act on
     are dropped here as they were there, when this is the runbook it ran
     (:func:`stabmon.runbook.fit.dropped_from_config`)."""
     from stabmon.runbook.fit import dropped_from_config
 
-    target = target or SimulatedTarget()
+    target = target or Simulation()
     pipeline = build_pipeline(
-        target, runbook=runbook, detectors=detector_config, overrides=overrides, mode=mode, simulated=True
+        target.handle, runbook=runbook, detectors=detector_config, overrides=overrides, mode=mode, simulated=True
     )
     engine = pipeline.engine
     if live_config and isinstance(engine, LadderEngine) and isinstance(engine, RunbookEngine):
@@ -118,7 +118,7 @@ def replay(
     records: Iterable[StepRecord],
     *,
     pipeline: Pipeline | None = None,
-    target: SimulatedTarget | None = None,
+    target: Simulation | None = None,
     runbook: Any = None,
     overrides: Sequence[str] = (),
     detector_config: dict[str, Any] | None = None,
@@ -148,8 +148,8 @@ def replay(
         )
     executor = pipeline.executor
     if target is None:
-        found = executor.target if isinstance(executor, Executor) else None
-        target = found if isinstance(found, SimulatedTarget) else SimulatedTarget()
+        found = Simulation.of(executor.target) if isinstance(executor, Executor) else None
+        target = found if found is not None else Simulation()
     result = ReplayResult(target=target)
     restart_set = set(restarts) if grace_on_restart else set()
     pending = steps = samples = 0

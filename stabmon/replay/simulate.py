@@ -1,22 +1,22 @@
-"""The replay side of interventions: a target that records what would have changed, without torch.
+"""The replay side of interventions: a simulation that records what would have changed, without torch.
 
-:class:`SimulatedTarget` implements :class:`stabmon.pipeline.InterventionTarget`. The real intervention
-classes (through :class:`stabmon.interventions.Executor` with ``simulated=True``) act on it exactly as
-they act on the live monitor: overrides are set on its :class:`~stabmon.overrides.Overrides`, a rollback is
+:meth:`Simulation.handle` is the :class:`~stabmon.interventions.handle.Handle` of a replay: the real intervention
+classes (through :class:`stabmon.interventions.Executor` with ``simulated=True``) act on it exactly as they act
+on the live run's: overrides are set on its :class:`~stabmon.overrides.Overrides`, a rollback is
 answered with the checkpoint the run would have gone back to (the last one at a multiple of
 ``checkpoint_interval`` at least ``lookback`` steps before the onset; ``None``: the run saved none, and the
 rollback fails as it did live) and the batch range it would have skipped, and checkpoint-and-stop marks the
-step at which the run would have stopped, and the state-level changes (``reset_moments``, ``qk_clip``) are
-recorded as what they would have touched (:attr:`SimulatedTarget.state_changes`); the per-step ones
+step at which the run would have stopped, and the state-level changes (``reset_moments``, ``qk_clip``; the handle
+holds no model) are noted as what they would have touched (:attr:`Simulation.state_changes`); the per-step ones
 (``adaptive_clip``, ``clip_update``, ``skip_step``) are overrides like the others. The recorded run keeps going
 (it is a recording), so replay continues after a simulated stop or rollback and reports them.
 
 Timing follows the live monitor, which runs the pipeline at a flush, after a block of ``flush_every`` steps
 has completed: an intervention acts from the step after the block, so ``step`` is the block's last step plus
-one. :func:`stabmon.replay.replay.replay` calls :meth:`SimulatedTarget.begin_block` with each block.
+one. :func:`stabmon.replay.replay.replay` calls :meth:`Simulation.begin_block` with each block.
 
 >>> from stabmon.events import StepRecord
->>> t = SimulatedTarget(checkpoint_interval=100)
+>>> t = Simulation(checkpoint_interval=100)
 >>> t.begin_block([StepRecord(step=950, metrics={"lr": 3e-4})])
 >>> t.step, t.hparams()["lr"]
 (951, 0.0003)
@@ -29,21 +29,24 @@ one. :func:`stabmon.replay.replay.replay` calls :meth:`SimulatedTarget.begin_blo
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from stabmon.diagnose import Diagnosis
+from stabmon.diagnose.verdict import Diagnosis
 from stabmon.events import Metric, StepRecord
+from stabmon.interventions.handle import Handle
 from stabmon.overrides import Overrides
 
 _HPARAMS = frozenset((Metric.LR, Metric.BETA2, Metric.WEIGHT_DECAY, Metric.CLIP))
+_BY_HANDLE: weakref.WeakValueDictionary[int, Simulation] = weakref.WeakValueDictionary()
 NOT_DIAGNOSED = ("not run: a replay has no model to re-run steps on or batches to replay, so no verdict; the "
                  "diagnose rung counts as failed and its rule's next rung follows (a live run follows its verdict)")
 """The ``summary`` of every ``diagnose`` in a replay (the table and ``stabmon trace`` show it)."""
 
 
-class SimulatedTarget:
-    """An :class:`~stabmon.pipeline.InterventionTarget` for replay; see the module docstring."""
+class Simulation:
+    """What a replay's interventions would have done to the recorded run; see the module docstring."""
 
     def __init__(self, *, checkpoint_interval: int | None = 1, overrides: Overrides | None = None) -> None:
         if checkpoint_interval is not None and checkpoint_interval < 1:
@@ -58,8 +61,21 @@ class SimulatedTarget:
         self.not_diagnosed: list[int] = []
         """Steps at which a ``diagnose`` rung could not run (see :meth:`diagnose`)."""
         self.stopped_at: int | None = None
-        self.state_changes: list[dict[str, Any]] = []
+        self.handle = Handle(self.overrides, clock=lambda: self._step, hparams=self.hparams, rollback=self.rollback,
+                             checkpoint_and_stop=self.checkpoint_and_stop, diagnose=self.diagnose)
+        """What the replay's executor hands its interventions."""
+        _BY_HANDLE[id(self.handle)] = self
+
+    @staticmethod
+    def of(handle: object) -> Simulation | None:
+        """The simulation whose :attr:`handle` ``handle`` is (None: another's, such as a test double)."""
+        found = _BY_HANDLE.get(id(handle))
+        return found if found is not None and found.handle is handle else None
+
+    @property
+    def state_changes(self) -> list[dict[str, Any]]:
         """``reset_moments`` and ``qk_clip`` changes the run would have made (replay has no weights to change)."""
+        return self.handle.notes
 
     @property
     def step(self) -> int:
@@ -128,22 +144,6 @@ class SimulatedTarget:
         self.not_diagnosed.append(self._step)
         return Diagnosis.inconclusive(NOT_DIAGNOSED, onset_step=params.get("onset_step"), step=params.get("step"),
                                       simulated=True, not_run="replay")
-
-    def facts(self) -> None:
-        """A replay knows neither the optimizer nor the model: every state-level rung is taken as applicable."""
-        return None
-
-    def reset_moments(self, *, tensors: Sequence[str], second_moment: bool) -> dict[str, Any]:
-        change = {"simulated": True, "step": self._step, "action": "reset_moments", "tensors": list(tensors) or "all",
-                  "second_moment": second_moment}
-        self.state_changes.append(change)
-        return change
-
-    def qk_clip(self, *, layer: str | None, heads: Sequence[int] | None, factor: float) -> dict[str, Any]:
-        change = {"simulated": True, "step": self._step, "action": "qk_clip", "layer": layer,
-                  "heads": list(heads) if heads else "all", "factor": factor}
-        self.state_changes.append(change)
-        return change
 
     def summary(self) -> dict[str, Any]:
         return {

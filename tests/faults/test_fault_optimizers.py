@@ -217,8 +217,8 @@ def test_element_skip_judges_a_sparse_gradient_row_by_its_summed_entries() -> No
 
 # -- amsgrad -----------------------------------------------------------------------------------------------
 def _reset_moments(mon: Monitor) -> Any:
-    ex = Executor(mon.target)
-    d = Decision(step=mon.target.step, action="reset_moments", params={"second_moment": True, "rewarm_steps": 0},
+    ex = Executor(mon.handle)
+    d = Decision(step=mon.step, action="reset_moments", params={"second_moment": True, "rewarm_steps": 0},
                  status=DecisionStatus.APPLY, runbook="rb", rule="r", rung=0, reason="test")
     return ex.execute(d)
 

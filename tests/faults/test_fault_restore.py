@@ -74,7 +74,7 @@ def run(tmp_path: Path) -> Any:
 
 
 def _entry(mon: Monitor, name: str) -> Any:
-    states = mon.target.state.states
+    states = mon.recovery.state.states
     return states[name] if name in TOP else states["monitor"].states[name]
 
 
@@ -131,7 +131,7 @@ def _load(mon: Monitor, saved: dict[str, Any], reason: str) -> None:
     if reason == RESUME:
         mon.load_training_state(saved)
     else:
-        mon.target.state.load(saved, reason=reason)
+        mon.recovery.state.load(saved, reason=reason)
 
 
 def _cases() -> list[Any]:

@@ -1,9 +1,11 @@
-"""What a runbook's interventions act on in a live run: the :class:`~stabmon.pipeline.InterventionTarget`.
+"""The live run's recovery verbs: rollback and checkpoint-and-stop, joint across ranks.
 
-:class:`LiveTarget` holds the overrides the optimizer hooks apply around ``optimizer.step()``, reports the
-values in force, restores the last-known-good checkpoint (rollback), saves a checkpoint and asks the loop to stop
-(checkpoint-and-stop). It is built from its collaborators (the :class:`~stabmon.collect.run_state.RunState`, the
-training state, the outbox, the checkpoints) and handed to the live executor; the monitor's ``rollback``,
+:class:`Recovery` restores the last-known-good checkpoint (rollback), saves a checkpoint and asks the loop to stop
+(checkpoint-and-stop), and keeps the stop request and the follow-ups a change leaves (the rollback's and the
+stop's checkpoints, written once the change is committed: :mod:`stabmon.interventions.commit`). It is built from
+its collaborators (the :class:`~stabmon.collect.run_state.RunState`, the training state, the outbox, the
+checkpoints); :meth:`Recovery.handle` hands its verbs to the executor in the
+:class:`~stabmon.interventions.handle.Handle` every intervention acts on, and the monitor's ``rollback``,
 ``checkpoint_and_stop``, ``should_stop`` and ``exit_code`` are this object's.
 
 Rollback asks the :class:`~stabmon.checkpoints.CheckpointManager` for the newest checkpoint that validates
@@ -18,7 +20,7 @@ Under torch.distributed the :class:`~stabmon.collect.rank_policy.RankPolicy` say
 registry, and the runbook's rollback and checkpoint-and-stop (the kill switch's too) are joint
 (:mod:`stabmon.collect.joint`): rank 0 calls every rank in, the rollback restores the newest checkpoint step
 every rank holds and validates, and a rank that fails or disagrees is reported as a ``rank_disagreement``
-anomaly. :meth:`LiveTarget.rollback_here` and :meth:`LiveTarget.stop_here` are one rank's own (the monitor's
+anomaly. :meth:`Recovery.rollback_here` and :meth:`Recovery.stop_here` are one rank's own (the monitor's
 public methods, which every rank calls itself).
 
 >>> import torch
@@ -28,9 +30,9 @@ public methods, which every rank calls itself).
 >>> from stabmon.collect.run_state import RunState
 >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
 >>> run = RunState(step=5); safe = Failsafe(run)
->>> target = LiveTarget(run, hparams=lambda: {"lr": 0.1}, state=TrainingState({"model": model, "optimizer": opt}),
+>>> recovery = Recovery(run, state=TrainingState({"model": model, "optimizer": opt}),
 ...                     outbox=Outbox(None, None, failsafe=safe, run_name="doc"), failsafe=safe, stop_code=86)
->>> target.checkpoint_and_stop(reason="operator")["exit_code"], target.should_stop, target.exit_code
+>>> recovery.checkpoint_and_stop(reason="operator")["exit_code"], recovery.should_stop, recovery.exit_code
 (86, True, 86)
 """
 
@@ -39,7 +41,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -51,12 +53,10 @@ from stabmon.collect.joint import LANDING, Agreement, Joint, RankChannel, restor
 from stabmon.collect.rank_policy import RankPolicy, SavePath
 from stabmon.collect.restore import ROLLBACK, TrainingState
 from stabmon.collect.run_state import RunState
-from stabmon.diagnose import Diagnosis
+from stabmon.diagnose.verdict import Diagnosis
 from stabmon.events import Anomaly, Event, Severity
-from stabmon.interventions._state import RunFacts
 from stabmon.interventions.commit import FollowUps
-from stabmon.interventions.target import Training
-from stabmon.overrides import Overrides
+from stabmon.interventions.handle import Handle, Training
 
 STOPPED = Agreement(same=("step", "exit_code"))
 """Every rank stopped at rank 0's step with its code."""
@@ -67,14 +67,13 @@ checkpoint of a newer agreed step restored another step, refused on every rank, 
 log = logging.getLogger(__name__)
 
 
-class LiveTarget:
-    """The live run's intervention target; see the module docstring."""
+class Recovery:
+    """The live run's rollback and checkpoint-and-stop; see the module docstring."""
 
     def __init__(
         self,
         run: RunState,
         *,
-        hparams: Callable[[], dict[str, float]],
         state: TrainingState,
         outbox: Outbox,
         failsafe: Failsafe,
@@ -83,10 +82,8 @@ class LiveTarget:
         policy: RankPolicy | None = None,
         channel: RankChannel | None = None,
         reports: deque[Event] | None = None,
-        diagnoser: Callable[..., Diagnosis] | None = None,
     ) -> None:
         self.run = run
-        self._hparams = hparams
         self.state, self.outbox, self.failsafe = state, outbox, failsafe
         self.stop_code = stop_code
         self.policy = policy if policy is not None else RankPolicy()
@@ -104,14 +101,15 @@ class LiveTarget:
         self.stop_reason: str | None = None
         self.follow_ups = FollowUps()
         """The checkpoints this flush's changes leave to write once they are committed."""
-        self.diagnoser = diagnoser
-        """What the ``diagnose`` intervention calls (:func:`stabmon.diagnose.build.build_diagnoser`'s); None:
-        cannot diagnose."""
 
-    @property
-    def training(self) -> Training:
-        """This rank's model and optimizer, for an intervention that changes them in place."""
-        return Training(model=self.state.model, optimizer=self.state.optimizer)
+    def handle(self, *, hparams: Callable[[], dict[str, float]], diagnose: Callable[..., Diagnosis]) -> Handle:
+        """What the executor passes every intervention: the run's overrides and step, ``hparams`` (the values in
+        force), this object's rollback and stop, ``diagnose``, this rank's model and optimizer, the follow-ups."""
+        run = self.run
+        return Handle(run.overrides, clock=lambda: run.step, hparams=hparams, rollback=self.rollback,
+                      checkpoint_and_stop=self.checkpoint_and_stop, diagnose=diagnose,
+                      training=Training(model=self.state.model, optimizer=self.state.optimizer),
+                      follow_ups=self.follow_ups)
 
     @property
     def checkpoints(self) -> CheckpointStore | None:
@@ -132,17 +130,8 @@ class LiveTarget:
         return self.run.step
 
     @property
-    def overrides(self) -> Overrides:
-        """The overrides in force (the run state's), which override interventions change."""
-        return self.run.overrides
-
-    @property
     def cursor(self) -> DataCursor:
         return self.run.cursor
-
-    def hparams(self) -> dict[str, float]:
-        """lr, beta2, weight_decay and clip in force for the next step (overrides included)."""
-        return self._hparams()
 
     @property
     def exit_code(self) -> int:
@@ -162,48 +151,6 @@ class LiveTarget:
         self.reports.append(Anomaly(kind="rank_disagreement", metric=f"ranks/{action}", step=self.step,
                                     score=float(len(lines)), severity=Severity.ERROR, detector="rank_policy",
                                     message=f"{action}: " + "; ".join(lines)))
-
-    # -- the optimizer state and the weights, in place (stabmon.interventions._state) -------------------
-    def facts(self) -> RunFacts:
-        """What the state-level interventions can act on in this run."""
-        return run_facts(self.state.model, self.state.optimizer)
-
-    def reset_moments(self, *, tensors: Sequence[str], second_moment: bool) -> dict[str, Any]:
-        """Zero the first (and second) moments of ``tensors`` (all when empty); returns the audit facts."""
-        from stabmon.collect.moments import reset_moments
-
-        done = reset_moments(self.state.model, self.state.optimizer, names=tensors, second=second_moment)
-        log.warning("stabmon: moments of %d tensors reset at step %d (%s)", len(done), self.step,
-                    ", ".join(tensors) or "all")
-        return {"reset": len(done), "tensors": done[:20]}
-
-    def qk_clip(self, *, layer: str | None, heads: Sequence[int] | None, factor: float) -> dict[str, Any]:
-        """Scale the query/key weights of ``heads`` of ``layer`` so their logits scale by ``factor``."""
-        from stabmon.collect.qk import qk_clip
-
-        facts = qk_clip(self.state.model, layer=layer, heads=heads, factor=factor)
-        log.warning("stabmon: qk_clip at step %d: %s heads %s x %.4g logits", self.step, facts["layer"],
-                    facts["heads"], factor)
-        return facts
-
-    def layer_groups(self, tensors: tuple[str, ...]) -> dict[str, Any]:
-        """The optimizer's param groups holding ``tensors`` (names or layer prefixes) with the LR their schedule
-        gives them now, and the share of the model's parameters those groups hold (``scale_layer_lr``)."""
-        from stabmon.collect.moments import select
-
-        wanted = {id(p) for p in select(self.state.model, tensors).values()}
-        groups: dict[int, Any] = {}
-        total = held = 0
-        for i, group in enumerate(self.state.optimizer.param_groups):
-            n = sum(p.numel() for p in group["params"])
-            total += n
-            if any(id(p) in wanted for p in group["params"]):
-                lr = group.get("lr")
-                groups[i] = float(lr) if isinstance(lr, (int, float)) else None
-                held += n
-        if not groups:
-            raise ValueError(f"tensors: {', '.join(tensors)} are in no param group of the optimizer")
-        return {"groups": groups, "share": held / total if total else 1.0}
 
     # -- checkpoints -------------------------------------------------------------------------------------
     @property
@@ -256,12 +203,6 @@ class LiveTarget:
         for found in self.follow_ups.run().values():
             facts.update(found)
         return facts
-
-    def diagnose(self, **params: Any) -> Diagnosis:
-        """The verdict of re-running and replaying an incident's steps (:mod:`stabmon.diagnose`)."""
-        if self.diagnoser is None:
-            raise RuntimeError("diagnose: this target cannot re-run steps")
-        return self.diagnoser(**params)
 
     # -- rollback ----------------------------------------------------------------------------------------
     def rollback(
@@ -379,18 +320,6 @@ class LiveTarget:
         if info is None:
             return {"rolled_back_state_not_saved": "the checkpoint save failed (see the log)"}
         return {"rolled_back_state": info.path}
-
-
-def run_facts(model: Any, optimizer: Any) -> RunFacts:
-    """What the state-level interventions can act on in a run of ``model`` and ``optimizer``."""
-    from stabmon.collect.inplace import adam_like
-    from stabmon.collect.moments import missing_state
-    from stabmon.collect.qk import attention_layers
-    from stabmon.collect.sharding import clean_name
-
-    return RunFacts(tensors=frozenset(clean_name(n) for n, _ in model.named_parameters()),
-                    second_moment=missing_state(optimizer, "exp_avg_sq"), adam_update=adam_like(optimizer),
-                    attention=tuple(attention_layers(model)))
 
 
 def _alone(value: Any) -> list[Any]:
