@@ -24,11 +24,11 @@ def __getattr__(name: str) -> object:
 
         return spec.MonitorSpec
     if name == "init_process_group":  # torch.distributed's, safe across torchrun restarts
-        from stabmon.collect import restarts
+        from stabmon.collect.cluster import restarts
 
         return restarts.init_process_group
     if name == "resume_checkpoint":  # the step every rank resumes from after a torchrun restart
-        from stabmon.collect import restarts
+        from stabmon.collect.cluster import restarts
 
         return restarts.resume_checkpoint
     if name == "UserCheckpoints":

@@ -162,7 +162,7 @@ class CheckpointManager:
         self.store_errors = 0
         self.reader = False
         """Another process (rank 0, in a directory every rank shares) keeps the registry: read it afresh before
-        each use (set from the :class:`~stabmon.collect.rank_policy.RankPolicy`)."""
+        each use (set from the :class:`~stabmon.collect.cluster.rank_policy.RankPolicy`)."""
         self._entries: list[CheckpointInfo] = self._read_registry()
         self.timeline = max((e.timeline for e in self._entries), default=0)
 

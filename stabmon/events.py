@@ -54,7 +54,7 @@ class Metric:
     MONITOR_TIME = "monitor_time"  # seconds the monitor spent between the previous step's end and this step's clock
     #                                start (its flush, a checkpoint), on a monotonic clock; >= 1 ms only
     STARTUP_TIME = "startup_time"  # seconds from this process's monitor start to its first step, monotonic clock
-    # under torch.distributed: this rank's own values (gathered per rank, see stabmon.collect.ranks)
+    # under torch.distributed: this rank's own values (gathered per rank, see stabmon.collect.cluster.ranks)
     GRAD_NORM_LOCAL = "grad_norm_local"  # norm of this rank's gradient shards (DDP: its reduced gradients)
     BUSY_TIME = "busy_time"  # host seconds from the step's start to the end of the model's forward
     PARAM_CHECKSUM = "param_checksum"  # position-weighted parameter sums and norms (DDP replicas: equal)
@@ -72,7 +72,7 @@ class Metric:
     EMB_UPDATE_PREFIX = "emb_update/"  # ||W_t - W_{t-1}|| / ||W_t||
     UPDATE_RATIO = "update_ratio"  # ||Δθ|| / ||θ|| of the step applied (after clipping, overrides, skips)
     UPDATE_RATIO_PREFIX = "update_ratio/"  # the same per layer (the layers of the per-layer grad norms)
-    # signals with lead (sampled steps, off by default; stabmon.collect.moment_ratio / attention / logits)
+    # signals with lead (sampled steps, off by default; stabmon.collect.signals.moment_ratio / attention / logits)
     MOMENT_RATIO = "moment_ratio"  # max over tensors of RMS(g² / v̂): Adam's second moment under-estimating g²
     MOMENT_RATIO_PREFIX = "moment_ratio/"  # the same per tensor: f"moment_ratio/{parameter name}"
     ATTN_LOGIT = "attn_logit"  # max attention logit q·k·scale over layers and heads (a sampled sub-batch)

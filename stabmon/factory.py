@@ -3,7 +3,7 @@
 :func:`build_pipeline` turns the plain forms a user gives (a runbook name or path, a detector config mapping,
 ``detector.param=value`` overrides, a mode) or ready objects implementing the pipeline protocols into the
 detector suite, the runbook engine and the executor acting on ``target``: the live monitor passes its
-:class:`~stabmon.interventions.handle.Handle` (:meth:`~stabmon.collect.recovery.Recovery.handle`), replay its
+:class:`~stabmon.interventions.handle.Handle` (:meth:`~stabmon.collect.checkpoint.recovery.Recovery.handle`), replay its
 :class:`~stabmon.replay.simulate.Simulation`'s.
 Nothing here imports torch, so ``stabmon replay``, ``eval`` and ``tune`` never load it. Bad input is a one-line
 ``ValueError`` naming the argument.

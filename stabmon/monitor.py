@@ -19,7 +19,7 @@ stacked copy to the host, then StepRecords go through the :class:`~stabmon.pipel
 and the notifier (:class:`~stabmon.collect.flushing.Flusher`). Decisions are applied at flushes through
 :class:`~stabmon.interventions.Executor`, which hands each intervention the run's
 :class:`~stabmon.interventions.handle.Handle` (the overrides, the step, the model and optimizer, and the verbs of
-:class:`~stabmon.collect.recovery.Recovery`: rollback and checkpoint-and-stop, joint across ranks).
+:class:`~stabmon.collect.checkpoint.recovery.Recovery`: rollback and checkpoint-and-stop, joint across ranks).
 
 A framework that runs backward inside ``optimizer.step(closure)`` (Lightning) takes the optimizer hooks off
 (:meth:`Monitor.remove_optimizer_hooks`) and calls :meth:`Monitor.before_optimizer_step` and
@@ -42,7 +42,6 @@ from torch import nn
 
 from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.batches import batch_log_for
-from stabmon.collect.buffer import StepBuffer
 from stabmon.collect.build import (
     build_checkpoints,
     build_outbox,
@@ -51,21 +50,22 @@ from stabmon.collect.build import (
     build_training_state,
     kill_switch,
 )
+from stabmon.collect.checkpoint.monitor_state import build_monitor_state
+from stabmon.collect.checkpoint.recovery import Recovery
+from stabmon.collect.checkpoint.resume import ResumeCheck
+from stabmon.collect.cluster.distributed import PeerLost, RankFollower, broadcast, world
+from stabmon.collect.cluster.joint import RankChannel
+from stabmon.collect.cluster.rank_policy import SavePath, rank_policy
 from stabmon.collect.config import ActivationConfig, EmbeddingConfig, GradConfig, MonitorConfig
 from stabmon.collect.data import DataCursor
-from stabmon.collect.distributed import PeerLost, RankFollower, broadcast, world
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Flusher
 from stabmon.collect.hangs import HangReporter, LoopActivity, start_watchdog, write_last_words
 from stabmon.collect.interrupts import INTERRUPTED, ExitGuard, InterruptHold, deliver_held
-from stabmon.collect.joint import RankChannel
-from stabmon.collect.memory import DeviceMemory
-from stabmon.collect.monitor_state import build_monitor_state
-from stabmon.collect.rank_policy import SavePath, rank_policy
-from stabmon.collect.recovery import Recovery
-from stabmon.collect.resume import ResumeCheck
 from stabmon.collect.run_state import RunState
-from stabmon.collect.vocab import untrained_loss
+from stabmon.collect.signals.buffer import StepBuffer
+from stabmon.collect.signals.memory import DeviceMemory
+from stabmon.collect.signals.vocab import untrained_loss
 from stabmon.collect.wiring import check_model_and_optimizer, resolve_decisions, resolve_store
 from stabmon.diagnose import Diagnosis
 from stabmon.diagnose.build import HookSwitch, build_diagnoser
@@ -126,7 +126,7 @@ class Monitor:
         where = spec.checkpoints.directory if spec.checkpoints is not None else spec.checkpoint_dir
         self.policy = rank_policy(self.rank, self.world_size, sharded=layout.sharded,
                                   replicated=layout.kind == "ddp", directory=where)
-        """Who saves, decides and writes (:mod:`stabmon.collect.rank_policy`)."""
+        """Who saves, decides and writes (:mod:`stabmon.collect.cluster.rank_policy`)."""
         self.run_name = spec.run_name or time.strftime("run-%Y%m%d-%H%M%S")
         self.outbox = build_outbox(spec, rank=self.rank, failsafe=self.failsafe, run_name=self.run_name)
         self._start_run()
@@ -177,8 +177,8 @@ class Monitor:
 
     def _start_run(self) -> None:
         """Open (or reopen) the run in the store; every rank takes rank 0's id. A resumed run must continue its
-        own step count (:class:`~stabmon.collect.resume.ResumeCheck`). The run's config holds the rungs dropped
-        from the runbook's ladders in this loop, so that its replay drops them too."""
+        own step count (:class:`~stabmon.collect.checkpoint.resume.ResumeCheck`). The run's config holds the rungs
+        dropped from the runbook's ladders in this loop, so that its replay drops them too."""
         resume_run_id = self.spec.resume_run_id
         recipe = run_recipe(optimizer=type(self.optimizer).__name__, hparams=self.signals.hooks.hparams(),
                             runbook=self.spec.loaded_runbook, user=self.spec.recipe)
@@ -215,7 +215,7 @@ class Monitor:
         runbook = self.spec.loaded_runbook
         if runbook is None:
             return {}
-        from stabmon.collect.updates import UpdateNorms
+        from stabmon.collect.signals.updates import UpdateNorms
         from stabmon.runbook.fit import unfit_rungs
 
         c = self.config
@@ -352,8 +352,8 @@ class Monitor:
         self, *, onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None
     ) -> dict[str, Any]:
         """Restore this rank's last-known-good checkpoint and skip data
-        (:meth:`~stabmon.collect.recovery.Recovery.rollback_here`; under torch.distributed every rank calls it
-        itself)."""
+        (:meth:`~stabmon.collect.checkpoint.recovery.Recovery.rollback_here`; under torch.distributed every rank calls
+        it itself)."""
         return self.recovery.commit_now(self.recovery.rollback_here(
             onset_step=onset_step, lookback=lookback, skip_batches=skip_batches, checkpoint_dir=checkpoint_dir
         ))
@@ -361,7 +361,7 @@ class Monitor:
     def checkpoint_and_stop(self, *, reason: str, exit_code: int | None = None) -> dict[str, Any]:
         """Save a checkpoint and ask the loop to stop with ``exit_code`` (default ``config.exit_code``); under
         torch.distributed on this rank, saving as the rank policy says
-        (:meth:`~stabmon.collect.recovery.Recovery.stop_here`)."""
+        (:meth:`~stabmon.collect.checkpoint.recovery.Recovery.stop_here`)."""
         return self.recovery.commit_now(self.recovery.stop_here(reason=reason, exit_code=exit_code))
 
     def diagnose(self, **params: Any) -> Diagnosis:
@@ -540,7 +540,7 @@ class Monitor:
         """Under torch.distributed, the alarm that makes every rank report its stacks when one rank hangs."""
         if self.world_size <= 1:
             return None
-        from stabmon.collect.hang_alarm import PeerAlarm
+        from stabmon.collect.cluster.hang_alarm import PeerAlarm
 
         return PeerAlarm.of_default_group(self.world_size)
 
@@ -601,7 +601,7 @@ class Monitor:
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter, data position, overrides, detector/engine/executor state, guard and embedding
-        baselines, the alert gates' memory (:mod:`stabmon.collect.monitor_state` lists every entry), and the
+        baselines, the alert gates' memory (:mod:`stabmon.collect.checkpoint.monitor_state` lists every entry), and the
         completed steps not flushed yet (read to the host now; a resumed run flushes them first), so a resume
         from it loses no step."""
         self._cover_pending()

@@ -319,24 +319,24 @@ def test_the_receiving_rule_catches_imports_types_and_parameters() -> None:
 # -- no probing of stabmon's own objects: what is optional is a small Protocol, checked with isinstance --
 PROBES_ALLOWED: dict[tuple[str, str], str] = {
     # torch's objects: private or version-dependent attributes of the optimizer, the loss scaler, DTensor
-    ("stabmon/collect/guard.py", "self.optimizer"): "torch: a fused optimizer's found_inf",
-    ("stabmon/collect/optim.py", "self.optimizer"): "torch: a fused optimizer's grad_scale / found_inf",
-    ("stabmon/collect/moment_ratio.py", "self._optimizer"): "torch: a fused optimizer's grad_scale / found_inf",
-    ("stabmon/collect/optim.py", "scaler"): "torch: GradScaler's per-optimizer stage (private)",
-    ("stabmon/collect/optim.py", "state.get('stage')"): "torch: GradScaler's OptState enum",
-    ("stabmon/collect/record.py", "scaler"): "torch: GradScaler's _scale (private)",
-    ("stabmon/collect/record.py", "value"): "a user's observed value: tensor, numpy or float",
+    ("stabmon/collect/step/guard.py", "self.optimizer"): "torch: a fused optimizer's found_inf",
+    ("stabmon/collect/step/optim.py", "self.optimizer"): "torch: a fused optimizer's grad_scale / found_inf",
+    ("stabmon/collect/signals/moment_ratio.py", "self._optimizer"): "torch: a fused optimizer's grad_scale / found_inf",
+    ("stabmon/collect/step/optim.py", "scaler"): "torch: GradScaler's per-optimizer stage (private)",
+    ("stabmon/collect/step/optim.py", "state.get('stage')"): "torch: GradScaler's OptState enum",
+    ("stabmon/collect/signals/record.py", "scaler"): "torch: GradScaler's _scale (private)",
+    ("stabmon/collect/signals/record.py", "value"): "a user's observed value: tensor, numpy or float",
     ("stabmon/detect/plain.py", "cls"): "an allow-listed statistic class (river's or a detector window)",
     ("stabmon/detect/plain.py", "importlib.import_module(module)"): "the module of an allow-listed class",
     ("stabmon/detect/plain.py", "obj"): "an allow-listed statistic object: its own methods",
     ("stabmon/detect/plain.py", "value"): "a statistic's attribute: a bound method of its own or a value",
-    ("stabmon/collect/observe.py", "value"): "a user's observed value: tensor, numpy or float",
-    ("stabmon/collect/sharding.py", "t"): "torch: DTensor or plain tensor",
-    ("stabmon/collect/qk.py", "tensor"): "torch: DTensor or plain tensor",
-    ("stabmon/collect/attention.py", "module"): "a user's attention module (head counts by attribute)",
-    ("stabmon/collect/attention.py", "owner"): "a user's attention module or its HF config",
-    ("stabmon/collect/vocab.py", "model"): "a user's model (an HF config, if any)",
-    ("stabmon/collect/vocab.py", "getattr(model, 'config', None)"): "an HF config's vocab_size",
+    ("stabmon/collect/signals/observe.py", "value"): "a user's observed value: tensor, numpy or float",
+    ("stabmon/collect/cluster/sharding.py", "t"): "torch: DTensor or plain tensor",
+    ("stabmon/collect/step/qk.py", "tensor"): "torch: DTensor or plain tensor",
+    ("stabmon/collect/signals/attention.py", "module"): "a user's attention module (head counts by attribute)",
+    ("stabmon/collect/signals/attention.py", "owner"): "a user's attention module or its HF config",
+    ("stabmon/collect/signals/vocab.py", "model"): "a user's model (an HF config, if any)",
+    ("stabmon/collect/signals/vocab.py", "getattr(model, 'config', None)"): "an HF config's vocab_size",
     ("stabmon/diagnose/rerun.py", "scaler"): "torch: GradScaler's per-optimizer state (private)",
     ("stabmon/diagnose/experiments.py", "out"): "a user's model output (an HF ModelOutput's loss)",
     ("stabmon/overrides.py", "out"): "an LR that is a float or a tensor",
@@ -366,7 +366,7 @@ PROBES_ALLOWED: dict[tuple[str, str], str] = {
     ("stabmon/__init__.py", "monitor"): "the package's lazy attributes (PEP 562)",
     # reflection by field name over a dataclass or pydantic model of our own (its fields, not a capability)
     ("stabmon/alerts/config.py", "self"): "its own dataclass fields by name",
-    ("stabmon/collect/memory.py", "self"): "its own dataclass fields by name",
+    ("stabmon/collect/signals/memory.py", "self"): "its own dataclass fields by name",
     ("stabmon/detect/base.py", "self"): "its own state attributes by name (state_dict)",
     ("stabmon/detect/scorer.py", "cls"): "a class's own methods by name",
     ("stabmon/diff.py", "self"): "its own dataclass fields by name",
@@ -416,6 +416,35 @@ def test_architecture_places_every_module() -> None:
     missing = [rel for rel in (str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py")))
                if f"`{rel}`" not in table]
     assert missing == [], "modules docs/ARCHITECTURE.md does not place: " + ", ".join(missing)
+
+
+def test_architecture_prose_places_every_module() -> None:
+    """Every module is placed in the prose of the part it belongs to, not only in the index: by its path under
+    ``stabmon/`` (a sub-package's ``__init__.py`` by its folder)."""
+    prose = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8").split("## Every module", 1)[0]
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(PACKAGE))
+        names = [rel, f"stabmon/{rel}"]
+        if path.name == "__init__.py" and path.parent != PACKAGE:
+            names.append(rel.removesuffix("__init__.py"))
+        if not any(f"`{name}`" in prose for name in names):
+            missing.append(rel)
+    assert missing == [], "modules the prose of docs/ARCHITECTURE.md does not place: " + ", ".join(missing)
+
+
+def test_how_to_add_names_files_and_names_that_exist() -> None:
+    """The "How to add" section names real files, and each "`Name` in `file`" is defined in that file."""
+    text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    section = text.split("## How to add", 1)[1].split("\n## ", 1)[0]
+    paths = set(re.findall(r"`((?:stabmon|tests)/[\w/]+\.py)`", section))
+    assert len(paths) >= 12, paths
+    assert [p for p in sorted(paths) if not (PACKAGE.parent / p).is_file()] == []
+    for name, path in re.findall(r"`(\w+)` in `((?:stabmon|tests)/[\w/]+\.py)`", section):
+        source = (PACKAGE.parent / path).read_text(encoding="utf-8")
+        assert re.search(rf"^(class|def) {name}\b", source, re.M), f"{name} is not defined in {path}"
+    for tuple_name in re.findall(r"`(\w*_DETECTORS)`", section) or ["_DETECTORS"]:
+        assert "_DETECTORS" in (PACKAGE / "detect" / "suite.py").read_text(encoding="utf-8"), tuple_name
 
 
 def test_architecture_has_a_side_paths_section() -> None:

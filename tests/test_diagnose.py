@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from stabmon.collect.batches import BatchLog
 from stabmon.collect.config import UpdateConfig
-from stabmon.collect.updates import UpdateNorms
+from stabmon.collect.signals.updates import UpdateNorms
 from stabmon.diagnose.verdict import incident_steps, replay_recurs, verdict_of
 from stabmon.events import InterventionRecord, Metric
 from stabmon.monitor import Monitor, MonitorConfig
@@ -255,7 +255,7 @@ def test_update_norm_is_the_step_applied_per_layer_and_zero_when_skipped() -> No
             assert {"update_ratio/0", "update_ratio/1"} <= set(r.metrics)
         else:
             assert Metric.UPDATE_RATIO not in r.metrics
-    from stabmon.collect.grads import GradNorms
+    from stabmon.collect.signals.grads import GradNorms
 
     p = torch.nn.Parameter(torch.ones(3))
     upd = UpdateNorms(GradNorms(torch.nn.ParameterList([p])))

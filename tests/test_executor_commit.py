@@ -220,7 +220,7 @@ def test_a_reapply_that_fails_half_way_leaves_the_release_standing(flaky: type[F
 def test_another_rank_follows_rank_0s_release_and_reapply() -> None:
     """Rank 0's release names rank 0's records: the other ranks give back their own (before: only a revert was
     translated, so a release failed there with LookupError and the ranks trained with different settings)."""
-    from stabmon.collect.distributed import RankFollower
+    from stabmon.collect.cluster.distributed import RankFollower
 
     lead, other, follower = Executor(Target()), Executor(Target()), RankFollower()
     for action, params in (("set_clip", {"max_norm": 0.5}), ("scale_lr", {"factor": 0.5})):

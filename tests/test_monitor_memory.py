@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from stabmon.collect.config import EmbeddingConfig, MonitorConfig
-from stabmon.collect.embeddings import EmbeddingDrift
+from stabmon.collect.signals.embeddings import EmbeddingDrift
 from stabmon.monitor import Monitor
 
 
@@ -109,7 +109,7 @@ def test_embedding_config_errors_name_the_field(kwargs: dict, message: str) -> N
 def test_activation_rms_of_low_precision_cpu_tensors_goes_by_chunks(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from stabmon.collect import activations
+    from stabmon.collect.signals import activations
 
     monkeypatch.setattr(activations, "CHUNK", 1000)
     y = (torch.randn(7, 1001, generator=torch.Generator().manual_seed(3)) * 300).to(dtype)

@@ -16,8 +16,8 @@ import torch
 from dist_support import run_ranks
 from torch import nn
 
+from stabmon.collect.cluster.ranks import RankGather, summarise
 from stabmon.collect.config import ActivationConfig, EmbeddingConfig, MonitorConfig
-from stabmon.collect.ranks import RankGather, summarise
 from stabmon.events import Metric
 from stabmon.monitor import Monitor
 

@@ -17,9 +17,9 @@ import torch
 from dist_support import run_ranks
 from torch import nn
 
+from stabmon.collect.cluster.sharding import clean_name
 from stabmon.collect.config import EmbeddingConfig, MonitorConfig, UpdateConfig
-from stabmon.collect.sharding import clean_name
-from stabmon.collect.updates import UpdateNorms
+from stabmon.collect.signals.updates import UpdateNorms
 from stabmon.monitor import Monitor
 
 STEPS, BATCH, SPIKE_STEP = 6, 8, 4

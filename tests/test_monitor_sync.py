@@ -126,7 +126,7 @@ def test_no_host_sync_outside_flushes_on_cuda() -> None:
 
 
 def test_counter_catches_an_injected_item(monkeypatch: pytest.MonkeyPatch) -> None:
-    from stabmon.collect import grads
+    from stabmon.collect.signals import grads
 
     real = grads.GradNorms.compute
 

@@ -86,7 +86,7 @@ def test_attention_and_output_logit_peaks_are_the_maximum_over_ranks(seed: int) 
 
 
 def _reduce(rank: int, size: int) -> list[float]:
-    from stabmon.collect.distributed import reduce_across_ranks
+    from stabmon.collect.cluster.distributed import reduce_across_ranks
 
     mine = {0: [1.0, 5.0, 2.0, 7.0, 3.0], 1: [3.0, 1.0, math.nan, math.inf, 3.0]}[rank]
     maxed = [False, True, True, True, True]  # a mean, then four maxima: plain, NaN on rank 1, inf on rank 1, equal

@@ -1,5 +1,5 @@
-"""The signals with lead: second-moment ratio, attention logits, output-logit scale (stabmon.collect.moment_ratio,
-attention, logits; built in stabmon.collect.build)."""
+"""The signals with lead: second-moment ratio, attention logits, output-logit scale
+(stabmon.collect.signals.moment_ratio, attention, logits; built in stabmon.collect.build)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from stabmon.collect.attention import QK, AttentionLogits, max_logits, register_attention
 from stabmon.collect.config import AttentionConfig, LogitConfig, MomentConfig, MonitorConfig
-from stabmon.collect.logits import OutputLogits
-from stabmon.collect.moment_ratio import MomentRatios
+from stabmon.collect.signals.attention import QK, AttentionLogits, max_logits, register_attention
+from stabmon.collect.signals.logits import OutputLogits
+from stabmon.collect.signals.moment_ratio import MomentRatios
 from stabmon.monitor import Monitor
 
 
@@ -132,7 +132,7 @@ def _manual_max(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
 def test_max_logits_matches_the_definition_in_blocks():
     torch.manual_seed(0)
     q, k = torch.randn(2, 3, 9, 4), torch.randn(2, 3, 9, 4)
-    import stabmon.collect.attention as attention
+    import stabmon.collect.signals.attention as attention
 
     old, attention.BLOCK = attention.BLOCK, 20  # several blocks of query rows
     try:

@@ -295,7 +295,7 @@ def test_replay_simulates_every_state_level_rung() -> None:
 def test_facts_name_what_is_missing() -> None:
     facts = RunFacts(tensors=frozenset({"a.weight"}), second_moment=None, adam_update=None, attention=())
     assert not_applicable(QkClip, {"layer": None}, facts) == (
-        "the model has no recognised attention module (see stabmon.collect.qk)")
+        "the model has no recognised attention module (see stabmon.collect.step.qk)")
 
 
 def test_a_failed_state_change_logs_one_line(caplog: pytest.LogCaptureFixture) -> None:
@@ -401,7 +401,7 @@ def test_in_place_first_acts_on_what_the_anomaly_names(metric: str, kind: str, a
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_standing_qk_clip_holds_each_head_under_tau_until_it_is_given_back(kind: dict[str, bool]) -> None:
-    from stabmon.collect.attention import AttentionLogits
+    from stabmon.collect.signals.attention import AttentionLogits
 
     model, opt, mon = build(kind)
     with torch.no_grad():

@@ -11,7 +11,7 @@ from dist_support import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from stabmon.collect.distributed import RankFollower, broadcast
+from stabmon.collect.cluster.distributed import RankFollower, broadcast
 from stabmon.events import Decision, DecisionStatus
 from stabmon.interventions import Executor
 from stabmon.monitor import Monitor, MonitorConfig
@@ -76,7 +76,7 @@ class Attn(nn.Module):
 
 
 def _qk_ranks(rank: int, size: int) -> dict[str, Any]:
-    from stabmon.collect.attention import AttentionLogits
+    from stabmon.collect.signals.attention import AttentionLogits
 
     torch.manual_seed(0)
     net = Attn()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from stabmon.checkpoints import CheckpointManager
 from stabmon.collect.config import HANG_EXIT_CODE, HangConfig
-from stabmon.collect.restarts import init_process_group
+from stabmon.collect.cluster.restarts import init_process_group
 from stabmon.monitor import Monitor, MonitorConfig
 
 root, db, hang_at, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

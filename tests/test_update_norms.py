@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from stabmon.collect.config import MonitorConfig, UpdateConfig
-from stabmon.collect.grads import GradNorms
-from stabmon.collect.updates import AdamUpdateNorms, UpdateNorms
+from stabmon.collect.signals.grads import GradNorms
+from stabmon.collect.signals.updates import AdamUpdateNorms, UpdateNorms
 from stabmon.monitor import Monitor
 
 LAYERS = ("0", "2")

@@ -1,9 +1,9 @@
-"""Collectors of the live monitor, one concern per module.
+"""Collectors of the live monitor, grouped by concern.
 
-``grads`` (fused global / per-layer gradient norms and clipping), ``optim`` (the optimizer step hooks: unscale,
-norms, clip, overrides, skip guard), ``activations`` (sampled activation RMS), ``embeddings`` (drift and update
-ratio), ``buffer`` (device values until one host copy per flush), ``data`` (data position and skipped batches),
-``distributed`` (cross-rank reduction and decision sharing), ``flushing`` (pipeline, store and notifier at a
-flush), ``restore`` (checkpoint contents, resume and rollback), ``wiring`` (turning the Monitor's arguments into
-objects) and ``config`` (:class:`MonitorConfig`). :class:`stabmon.monitor.Monitor` ties them together.
+``signals`` (what is read from the model and the loop, and the device buffer), ``step`` (what runs inside
+``optimizer.step()``: the hooks, the skip guard, the in-place changes), ``checkpoint`` (what a checkpoint holds,
+resume, and the recovery verbs), ``cluster`` (what coordinates ranks). Beside them: ``config``
+(:class:`MonitorConfig`), ``build`` and ``wiring`` (the monitor's collaborators and arguments), ``flushing`` (the
+flush), ``run_state``, ``data`` and ``batches`` (the run's position and recent samples), ``failsafe``,
+``interrupts`` and ``hangs``. :class:`stabmon.monitor.Monitor` ties them together; docs/ARCHITECTURE.md maps them.
 """

@@ -6,11 +6,12 @@ The :class:`~stabmon.monitor.Monitor` is a sequence of these calls plus the user
 them receives the monitor: a collaborator gets the :class:`~stabmon.collect.run_state.RunState` where it needs
 the step, the data position or the overrides.
 
-A new collector measured around the optimizer's update (an :class:`~stabmon.collect.optim.UpdateSignal`: a
+A new collector measured around the optimizer's update (an :class:`~stabmon.collect.step.optim.UpdateSignal`: a
 second-moment ratio, an update norm) is one line in :func:`build_signals`'s ``update_signals``: its sampling
 period (from its own section of :class:`~stabmon.collect.config.MonitorConfig`) and the collector, built from
 the model and the optimizer. If it keeps state, one line adds it to :meth:`Signals.states` (the checkpoint then
-carries it). A collector on the forward pass (activation norms; a :class:`~stabmon.collect.record.ForwardSignal`:
+carries it). A collector on the forward pass (activation norms; a
+:class:`~stabmon.collect.signals.record.ForwardSignal`:
 attention logits, output-logit scale) is armed by the step recorder on the steps its period divides.
 
 The signals with lead (second-moment ratio, attention logits, output-logit scale) are off by default
@@ -50,27 +51,27 @@ from torch import nn
 
 from stabmon.alerts.notifier import resolve_notifier
 from stabmon.checkpoints import CheckpointStore
-from stabmon.collect.activations import ActivationNorms
-from stabmon.collect.attention import AttentionLogits
-from stabmon.collect.buffer import StepBuffer
+from stabmon.collect.checkpoint.monitor_state import REQUIRED, add_pipeline_state, excluded
+from stabmon.collect.checkpoint.restore import NamedStates, Stateful, TrainingState
+from stabmon.collect.cluster.distributed import max_over_ranks, reduce_across_ranks
+from stabmon.collect.cluster.ranks import RankGather, RankProbe
+from stabmon.collect.cluster.sharding import Layout, ShardedSquares, embedding_counted, layout_of
 from stabmon.collect.config import MonitorConfig
-from stabmon.collect.distributed import max_over_ranks, reduce_across_ranks
-from stabmon.collect.embeddings import EmbeddingDrift
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
-from stabmon.collect.grads import GradNorms
-from stabmon.collect.logits import OutputLogits
-from stabmon.collect.memory import DeviceMemory
-from stabmon.collect.moment_ratio import MomentRatios, not_applicable
-from stabmon.collect.monitor_state import REQUIRED, add_pipeline_state, excluded
-from stabmon.collect.optim import OptimizerHooks
-from stabmon.collect.qk import StandingQkClip
-from stabmon.collect.ranks import RankGather, RankProbe
-from stabmon.collect.record import ForwardSignal, StepRecorder
-from stabmon.collect.restore import NamedStates, Stateful, TrainingState
 from stabmon.collect.run_state import RunState
-from stabmon.collect.sharding import Layout, ShardedSquares, embedding_counted, layout_of
-from stabmon.collect.updates import AdamUpdateNorms, UpdateNorms
+from stabmon.collect.signals.activations import ActivationNorms
+from stabmon.collect.signals.attention import AttentionLogits
+from stabmon.collect.signals.buffer import StepBuffer
+from stabmon.collect.signals.embeddings import EmbeddingDrift
+from stabmon.collect.signals.grads import GradNorms
+from stabmon.collect.signals.logits import OutputLogits
+from stabmon.collect.signals.memory import DeviceMemory
+from stabmon.collect.signals.moment_ratio import MomentRatios, not_applicable
+from stabmon.collect.signals.record import ForwardSignal, StepRecorder
+from stabmon.collect.signals.updates import AdamUpdateNorms, UpdateNorms
+from stabmon.collect.step.optim import OptimizerHooks
+from stabmon.collect.step.qk import StandingQkClip
 from stabmon.collect.wiring import resolve_store
 from stabmon.factory import pipeline_of
 from stabmon.interventions.handle import Handle
@@ -92,7 +93,7 @@ class Signals:
     activations: ActivationNorms | None
     embeddings: EmbeddingDrift | None
     probe: RankProbe | None
-    """Under torch.distributed: per-rank probes (:class:`~stabmon.collect.ranks.RankProbe`)."""
+    """Under torch.distributed: per-rank probes (:class:`~stabmon.collect.cluster.ranks.RankProbe`)."""
     rank_values: RankGather | None
     """Under torch.distributed: per-rank values gathered at each flush."""
     moments: MomentRatios | None = None
@@ -190,7 +191,7 @@ def _update_norms(optimizer: torch.optim.Optimizer, grads: GradNorms, config: Mo
     and on by default there: one process, DDP, FSDP2's DTensor shards), else from a copy of the parameters (only
     when asked for; FSDP1's flat parameters too)."""
     from stabmon.collect.config import UPDATE_EVERY
-    from stabmon.collect.inplace import adam_like
+    from stabmon.collect.step.inplace import adam_like
 
     cheap = layout != "fsdp1" and adam_like(optimizer) is None
     every = config.updates.every
@@ -225,7 +226,7 @@ def _attention(model: nn.Module, config: MonitorConfig) -> AttentionLogits | Non
     if a.modules is not None:
         raise ValueError(f"config.attention.modules: no recognised attention module matches {a.modules}")
     log.warning("stabmon: config.attention: the model has no recognised attention module (not applicable; see "
-                "stabmon.collect.attention.register_attention): attention logits are off")
+                "stabmon.collect.signals.attention.register_attention): attention logits are off")
     return None
 
 
@@ -281,8 +282,8 @@ def build_training_state(
     counts_steps: bool = True,
 ) -> TrainingState:
     """What a checkpoint holds, by name, with the monitor's exclusions per reason to load
-    (:data:`~stabmon.collect.monitor_state.EXCLUDED`; ``counts_steps=False``: a framework counts the steps, and a
-    rollback leaves the count and the data position to it)."""
+    (:data:`~stabmon.collect.checkpoint.monitor_state.EXCLUDED`; ``counts_steps=False``: a framework counts the steps,
+    and a rollback leaves the count and the data position to it)."""
     return TrainingState(
         {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler, "monitor": monitor_state},
         exclude=excluded(counts_steps=counts_steps),

@@ -71,7 +71,7 @@ class ActivationConfig:
 @dataclass
 class UpdateConfig:
     """Update norm ``||Δθ|| / ||θ||`` (global and per layer) of the step actually applied, on sampled steps
-    (:mod:`stabmon.collect.updates`)."""
+    (:mod:`stabmon.collect.signals.updates`)."""
 
     every: int | None = None
     """Sample every ``every`` steps (0: off). None (the default): every :data:`UPDATE_EVERY` steps where it costs
@@ -94,7 +94,7 @@ UPDATE_EVERY = 20
 @dataclass
 class MomentConfig:
     """Second-moment ratio ``RMS(g² / v̂)`` of each tensor, from Adam/AdamW's ``exp_avg_sq``
-    (:mod:`stabmon.collect.moment_ratio`): high when a tensor's gradient is far above what its second moment
+    (:mod:`stabmon.collect.signals.moment_ratio`): high when a tensor's gradient is far above what its second moment
     expects, which precedes loss spikes (StableAdamW, arXiv 2304.13013)."""
 
     every: int = 0
@@ -112,7 +112,7 @@ class MomentConfig:
 @dataclass
 class AttentionConfig:
     """Max attention logit ``q·k / sqrt(d)`` per layer and head on a sub-batch of sampled steps
-    (:mod:`stabmon.collect.attention`): attention-logit growth precedes the divergence of high-LR transformers
+    (:mod:`stabmon.collect.signals.attention`): attention-logit growth precedes the divergence of high-LR transformers
     without QK-layernorm (Wortsman et al. 2023)."""
 
     every: int = 0
@@ -125,7 +125,7 @@ class AttentionConfig:
     modules: tuple[str, ...] | None = None
     """Regular expressions fully matched against module names; None: every recognised attention module
     (``nn.MultiheadAttention``, modules calling ``F.scaled_dot_product_attention``, Hugging Face GPT-2/Llama
-    attention, classes registered with :func:`stabmon.collect.attention.register_attention`)."""
+    attention, classes registered with :func:`stabmon.collect.signals.attention.register_attention`)."""
 
     def validate(self, path: str) -> None:
         if self.every < 0:
@@ -138,7 +138,7 @@ class AttentionConfig:
 
 @dataclass
 class LogitConfig:
-    """Scale of the output logits on a sub-batch of sampled steps (:mod:`stabmon.collect.logits`): ``logit_max``
+    """Scale of the output logits on a sub-batch of sampled steps (:mod:`stabmon.collect.signals.logits`): ``logit_max``
     (max |logit|) and ``logit_logz`` (max |log Z|, what z-loss penalises; Wortsman et al. 2023)."""
 
     every: int = 0
@@ -147,7 +147,7 @@ class LogitConfig:
     """Leading rows (sequences) of the output whose logits are measured."""
     module: str | None = None
     """Name of the output layer; None: the model's last ``nn.Linear`` when it maps onto the vocabulary (see
-    :mod:`stabmon.collect.vocab`), else the signal is not applicable."""
+    :mod:`stabmon.collect.signals.vocab`), else the signal is not applicable."""
 
     def validate(self, path: str) -> None:
         if self.every < 0:

@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 class Reported(Exception):
     """An error already said in the log, in one line, where it happened (a peer rank gone:
-    :class:`~stabmon.collect.distributed.PeerLost`): the failsafe counts it and adds no traceback."""
+    :class:`~stabmon.collect.cluster.distributed.PeerLost`): the failsafe counts it and adds no traceback."""
 
 
 class HasStep(Protocol):

@@ -35,10 +35,10 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol
 
-from stabmon.collect.distributed import Join, PeerLost, RankFollower, broadcast, executed_decisions
+from stabmon.collect.cluster.distributed import Join, PeerLost, RankFollower, broadcast, executed_decisions
+from stabmon.collect.cluster.joint import Agreement, RankChannel
+from stabmon.collect.cluster.rank_policy import RankPolicy
 from stabmon.collect.failsafe import Failsafe
-from stabmon.collect.joint import Agreement, RankChannel
-from stabmon.collect.rank_policy import RankPolicy
 from stabmon.collect.wiring import environment
 from stabmon.events import Anomaly, Decision, DecisionStatus, Event, InterventionRecord, Severity, StepRecord
 from stabmon.interventions.commit import FollowUps
@@ -261,7 +261,7 @@ class Flusher:
         self.policy = policy if policy is not None else RankPolicy()
         self.handoff_after = handoff_after
         self.joiners: dict[str, Callable[[dict[str, Any]], Any]] = dict(joiners or {})
-        """Non-zero ranks: what to run when rank 0 sends a :class:`~stabmon.collect.distributed.Join`."""
+        """Non-zero ranks: what to run when rank 0 sends a :class:`~stabmon.collect.cluster.distributed.Join`."""
         self.events: deque[Event] = deque(maxlen=history)
         """The anomalies, decisions, interventions and outcomes published in this run, the newest ``history``
         (the store holds them all)."""

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from stabmon.collect.cluster.hang_alarm import PeerAlarm
 from stabmon.collect.config import MonitorConfig
-from stabmon.collect.hang_alarm import PeerAlarm
 from stabmon.detect.hang import HangWatchdog
 from stabmon.events import Anomaly
 

@@ -3,7 +3,7 @@
 The monitor makes one :class:`RunState` and passes it to the collaborators that read or change it (the optimizer
 hooks read the overrides, the intervention target rolls the step and the data back, the failsafe names the step
 in its log lines); none of them reads the position through the monitor. In a checkpoint it is three entries of
-the monitor's state, ``step``, ``data`` and ``overrides`` (:mod:`stabmon.collect.monitor_state`).
+the monitor's state, ``step``, ``data`` and ``overrides`` (:mod:`stabmon.collect.checkpoint.monitor_state`).
 
 >>> run = RunState()
 >>> run.step = 7; run.cursor.position = 7; run.overrides.lr_scale = 0.5

@@ -1,4 +1,4 @@
-"""Detectors on the per-rank ``fleet/*`` metrics (:mod:`stabmon.collect.ranks`): one slow rank, replicas
+"""Detectors on the per-rank ``fleet/*`` metrics (:mod:`stabmon.collect.cluster.ranks`): one slow rank, replicas
 that disagree.
 
 A fleet-wide slow-down is :class:`~stabmon.detect.trends.StepTimeRegression` on ``fleet/step_time``; these two

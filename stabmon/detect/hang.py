@@ -68,7 +68,7 @@ class HangWatchdog:
         self.clock = clock
         self.stacks = stacks
         self.label = label
-        self.peer = peer  # a peer rank is hung (stabmon.collect.hang_alarm): report now, whatever the deadline
+        self.peer = peer  # a peer rank is hung (stabmon.collect.cluster.hang_alarm): report now, whatever the deadline
         self.errors = 0
         self.fired = threading.Event()
         self._durations: deque[float] = deque(maxlen=max(int(window), 1))

@@ -317,7 +317,7 @@ class NoProgress(Rule):
 
       - **a run from scratch**: its first loss is at least ``untrained_fraction`` (0.75) of an untrained model's
         loss ``ln V`` (``untrained_loss``; the live monitor records it once from the model's vocabulary, see
-        :mod:`stabmon.collect.vocab`). A random model starts at about ``ln V`` (the tiny GPT 2.7 against 2.56);
+        :mod:`stabmon.collect.signals.vocab`). A random model starts at about ``ln V`` (the tiny GPT 2.7 against 2.56);
         a pre-trained one starts a fine-tune far below (the tiny GPT pre-trained for 300 steps: 1.6, 0.63 of
         it; a 7B model's SFT: 1-2 against 10.4). A run from scratch that is worse than untrained, or has not
         fallen 10% by step 100, is wrecked; a fine-tune that does the same is slow or flat;

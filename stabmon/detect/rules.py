@@ -438,7 +438,7 @@ class OutOfLine(Scorer):
     other and a learning rate 100x too high on every layer within 6x. Needs no baseline, so no grace period.
 
     A layer that starts from zero weights (LoRA's ``B``, a zero-initialised output head; its first step reads
-    ``inf``, see :mod:`stabmon.collect.updates`) moves at ratio ~1/k to 1/sqrt(k) on its k-th step whatever its
+    ``inf``, see :mod:`stabmon.collect.signals.updates`) moves at ratio ~1/k to 1/sqrt(k) on its k-th step whatever its
     learning rate: out of line by construction, and nothing to learn from. It is judged from the first record on
     which it is in line, and never before.
 

@@ -5,8 +5,8 @@ target (the ``diagnose`` rung calls it) and to the flusher (the other ranks join
 the monitor: the experiments see only what is passed in.
 
 >>> import torch
->>> from stabmon.collect.grads import GradNorms
->>> from stabmon.collect.joint import RankChannel
+>>> from stabmon.collect.signals.grads import GradNorms
+>>> from stabmon.collect.cluster.joint import RankChannel
 >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
 <torch._C.Generator object at ...>
 >>> model = torch.nn.Linear(2, 1)
@@ -34,7 +34,7 @@ from torch import nn
 
 from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.batches import BatchLog
-from stabmon.collect.grads import GradNorms
+from stabmon.collect.signals.grads import GradNorms
 from stabmon.diagnose.experiments import Bench, call_model, run
 from stabmon.diagnose.ranks import CrossRank, RankChannel
 from stabmon.diagnose.rerun import LossFn

@@ -38,7 +38,7 @@ from torch import nn
 
 from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.batches import BatchEntry, BatchLog
-from stabmon.collect.grads import GradNorms
+from stabmon.collect.signals.grads import GradNorms
 from stabmon.diagnose import verdict as dx
 from stabmon.diagnose.ranks import RankChannel
 from stabmon.diagnose.rerun import LossFn, rerun_steps, seed
@@ -64,7 +64,7 @@ def call_model(model: Any, batch: Any) -> torch.Tensor:
 class Bench:
     """What the experiments work with: the monitor's collaborators, passed in (nothing calls back into it).
     ``own``: under torch.distributed, this rank's own recorded loss per step
-    (:attr:`~stabmon.collect.ranks.RankGather.own`); None in one process. ``channel``: the exchanges
+    (:attr:`~stabmon.collect.cluster.ranks.RankGather.own`); None in one process. ``channel``: the exchanges
     between ranks (None: one process)."""
 
     model: nn.Module

@@ -1,11 +1,11 @@
 """``diagnose`` under torch.distributed: every rank re-runs and replays together, and all agree on one verdict.
 
 The runbook engine runs on rank 0, inside a flush, while the other ranks wait in that flush's broadcast for
-its decisions (:mod:`stabmon.collect.distributed`). When rank 0 applies a ``diagnose`` decision,
-:class:`CrossRank` first sends a :class:`~stabmon.collect.distributed.Join` through that broadcast; every other
+its decisions (:mod:`stabmon.collect.cluster.distributed`). When rank 0 applies a ``diagnose`` decision,
+:class:`CrossRank` first sends a :class:`~stabmon.collect.cluster.distributed.Join` through that broadcast; every other
 rank then runs the very same experiments on its own model shard or replica, its own batches and its own RNG
 states (the model's collectives, DDP's all-reduce or FSDP's all-gathers, happen as in training), and the ranks
-exchange what they found through a :class:`~stabmon.collect.joint.RankChannel`:
+exchange what they found through a :class:`~stabmon.collect.cluster.joint.RankChannel`:
 
 1. each rank's plan (incident and reference steps, checkpoint step, whether the re-run can run) or the reason
    it has none: any reason, or plans that differ, make every rank return ``inconclusive`` before any
@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from stabmon.collect.distributed import broadcast
-from stabmon.collect.joint import Joint, RankChannel
+from stabmon.collect.cluster.distributed import broadcast
+from stabmon.collect.cluster.joint import Joint, RankChannel
 from stabmon.diagnose.verdict import Diagnosis
 from stabmon.interventions.diagnose import Diagnose
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from stabmon.collect.batches import BatchEntry, BatchLog
-from stabmon.collect.grads import GradNorms
+from stabmon.collect.signals.grads import GradNorms
 from stabmon.diagnose import verdict as dx
 from stabmon.events import Metric, StepRecord
 

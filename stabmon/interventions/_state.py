@@ -77,10 +77,10 @@ class StateIntervention(Intervention):
 
 def run_facts(training: Training) -> RunFacts:
     """What the state-level interventions can act on in a run of ``training``'s model and optimizer."""
-    from stabmon.collect.inplace import adam_like
-    from stabmon.collect.moments import missing_state
-    from stabmon.collect.qk import attention_layers
-    from stabmon.collect.sharding import clean_name
+    from stabmon.collect.cluster.sharding import clean_name
+    from stabmon.collect.step.inplace import adam_like
+    from stabmon.collect.step.moments import missing_state
+    from stabmon.collect.step.qk import attention_layers
 
     model, optimizer = training.model, training.optimizer
     return RunFacts(tensors=frozenset(clean_name(n) for n, _ in model.named_parameters()),
@@ -100,7 +100,7 @@ def not_applicable(cls: type[Intervention], params: Mapping[str, Any], facts: Ru
     if ATTENTION in needs:
         layer = params.get("layer")
         if not facts.attention:
-            return "the model has no recognised attention module (see stabmon.collect.qk)"
+            return "the model has no recognised attention module (see stabmon.collect.step.qk)"
         if layer is not None and layer not in facts.attention:
             return f"layer {layer!r} is no recognised attention module of the model"
     for name in params.get("tensors") or ():

@@ -8,7 +8,7 @@ notes it with :meth:`Handle.note`), so one module holds an intervention's live e
 (docs/ARCHITECTURE.md, "How to add an intervention"). The handle imports no torch.
 
 The live monitor builds its handle from its run state, its optimizer hooks and its
-:class:`~stabmon.collect.recovery.Recovery` (rollback and stop, joint across ranks); replay from a
+:class:`~stabmon.collect.checkpoint.recovery.Recovery` (rollback and stop, joint across ranks); replay from a
 :class:`~stabmon.replay.simulate.Simulation`.
 
 >>> from stabmon.overrides import Overrides

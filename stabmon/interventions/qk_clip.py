@@ -6,7 +6,7 @@ When a head's max attention logit ``S`` exceeds ``tau`` (100), its query and key
 
 **Standing** (the default, as Kimi K2 runs it): the clip is turned on (``overrides.qk_tau``) and from then on,
 after every optimizer step, each head whose max logit on the sampled sub-batch exceeded ``tau`` is scaled back
-to it (:class:`stabmon.collect.qk.StandingQkClip`: measured on every step while on, device arithmetic only). On
+to it (:class:`stabmon.collect.step.qk.StandingQkClip`: measured on every step while on, device arithmetic only). On
 until the incident is judged: reverting it turns the clip off (the weights it scaled stay as trained); releasing
 it (the incident resolved) raises its bound geometrically to 8x tau over the release's steps, then turns it off, so
 the heads grow back gradually and a returning trouble is seen while they are still bounded; the trouble returning
@@ -110,7 +110,7 @@ class QkClip(StateIntervention):
                      "heads": chosen or "all", "factor": factor}
             self.target.note(dict(facts))
         else:
-            from stabmon.collect.qk import qk_clip
+            from stabmon.collect.step.qk import qk_clip
 
             facts = qk_clip(training.model, layer=layer, heads=chosen, factor=factor)
             log.warning("stabmon: qk_clip at step %d: %s heads %s x %.4g logits", self.target.step, facts["layer"],

@@ -75,7 +75,7 @@ class ResetMoments(StateIntervention):
 def reset(training: Training, tensors: Sequence[str], *, second_moment: bool, step: int) -> dict[str, Any]:
     """Zero the first (and second) moments of ``tensors`` (all when empty) in ``training``'s optimizer; the audit
     facts."""
-    from stabmon.collect.moments import reset_moments
+    from stabmon.collect.step.moments import reset_moments
 
     done = reset_moments(training.model, training.optimizer, names=tensors, second=second_moment)
     log.warning("stabmon: moments of %d tensors reset at step %d (%s)", len(done), step, ", ".join(tensors) or "all")

@@ -142,7 +142,7 @@ class ScaleLayerLr(StateIntervention):
 def layer_groups(training: Training, tensors: tuple[str, ...]) -> dict[str, Any]:
     """The optimizer's param groups holding ``tensors`` (names or layer prefixes) with the LR their schedule gives
     them now, and the share of the model's parameters those groups hold: ``{"groups": {index: lr}, "share": f}``."""
-    from stabmon.collect.moments import select
+    from stabmon.collect.step.moments import select
 
     wanted = {id(p) for p in select(training.model, tensors).values()}
     groups: dict[int, Any] = {}

@@ -4,7 +4,7 @@
 (with tensor operations on the device, no host synchronisation) whenever the step's gradient norm exceeds
 ``factor`` times its running mean, as OLMo-core and metaseq do; every skipped update is counted and written
 at the next flush (metric ``skipped``). With fused Adam/AdamW, and with torch's default Adam/AdamW (stepped
-through the fused kernel while the guard is on), the discard copies nothing (:mod:`stabmon.collect.guard`).
+through the fused kernel while the guard is on), the discard copies nothing (:mod:`stabmon.collect.step.guard`).
 
 ``theta`` sets ``overrides.skip_theta``: gradient elements with ``g^2 > theta x v`` (Adam's ``exp_avg_sq``) are
 zeroed before each step (SPAM's spike-aware clipping, arXiv 2501.06842, ``theta = 5000``), so one spiking

@@ -21,7 +21,7 @@ from fault_support import report
 from torch import nn
 
 from stabmon.collect.config import MomentConfig, MonitorConfig, UpdateConfig
-from stabmon.collect.optim import OptimizerHooks
+from stabmon.collect.step.optim import OptimizerHooks
 from stabmon.events import Decision, DecisionStatus
 from stabmon.interventions import Executor
 from stabmon.monitor import Monitor
@@ -380,8 +380,8 @@ def test_a_tensor_lr_on_another_device_is_never_read_and_holds_a_released_cap(ca
     lr = opt.param_groups[0]["lr"] = torch.tensor(0.01, device="meta")  # Adam's constructor reads its lr
     o = Overrides(lr_cap=0.001, layer_lr={"0": {"factor": 0.5, "lift_below": 1.0, "ramp": 0, "done": 0}})
     o.release_cap(below=1.0, steps=0)
-    from stabmon.collect.buffer import StepBuffer
-    from stabmon.collect.grads import GradNorms
+    from stabmon.collect.signals.buffer import StepBuffer
+    from stabmon.collect.signals.grads import GradNorms
 
     hooks = OptimizerHooks(opt, GradNorms(model), buffer=StepBuffer(), overrides=o)
     with caplog.at_level(logging.INFO, logger="stabmon"):

@@ -24,7 +24,7 @@ import pytest
 import torch
 from fault_support import data, seeded_tiny, test_threads  # noqa: F401 (test_threads: the fixture)
 
-from stabmon.collect.restore import RESUME, ROLLBACK
+from stabmon.collect.checkpoint.restore import RESUME, ROLLBACK
 from stabmon.monitor import Monitor, MonitorConfig
 
 TOP = ("optimizer", "scaler", "scheduler")
@@ -135,7 +135,7 @@ def _load(mon: Monitor, saved: dict[str, Any], reason: str) -> None:
 
 
 def _cases() -> list[Any]:
-    from stabmon.collect.monitor_state import EXCLUDED
+    from stabmon.collect.checkpoint.monitor_state import EXCLUDED
 
     out = []
     for reason in (RESUME, ROLLBACK):

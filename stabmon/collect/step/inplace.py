@@ -4,7 +4,7 @@ Three per-step mechanisms, each off (and free) until an override turns it on:
 
 * :class:`AdaptiveClip` (``overrides.adaptive_clip``, AdaGC arXiv 2502.11034): each gradient tensor is clipped to
   ``lambda x`` the running mean of its own clipped norm, ``ema = beta ema + (1 - beta) min(norm, lambda ema)``.
-  The per-tensor norms are the ones :class:`~stabmon.collect.grads.GradNorms` computed anyway (summed over ranks
+  The per-tensor norms are the ones :class:`~stabmon.collect.signals.grads.GradNorms` computed anyway (summed over ranks
   under FSDP, so every rank scales its shard by the same coefficient); the only extra work is one
   ``_foreach_mul_``. The running mean starts at the norms of the step it is turned on (no clipping on that step)
   and lives on the device; it is not part of ``state_dict`` (a resumed run starts it again).
@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from stabmon.collect.distributed import world
-from stabmon.collect.grads import gradient_entries
-from stabmon.collect.sharding import local
+from stabmon.collect.cluster.distributed import world
+from stabmon.collect.cluster.sharding import local
+from stabmon.collect.signals.grads import gradient_entries
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq")
 """State keys the element skip and the update cap read (torch's Adam/AdamW, fused or not)."""

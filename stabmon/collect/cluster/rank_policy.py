@@ -18,7 +18,7 @@ A checkpoint is written on five paths. Each is decided in one place, and the sam
   registry; the other ranks read it afresh before a rollback.
 
 Rank 0 alone writes to the store and sends alerts, whatever the layout. On the agreed paths rank 0 calls every
-rank in through the flush's broadcast (:class:`~stabmon.collect.joint.Joint`, the path ``diagnose`` takes);
+rank in through the flush's broadcast (:class:`~stabmon.collect.cluster.joint.Joint`, the path ``diagnose`` takes);
 a rank that fails or reaches another result is logged and reported as a ``rank_disagreement`` anomaly.
 
 >>> policy = RankPolicy(rank=1, world_size=2, layout=Layout.SHARED)

@@ -1,6 +1,6 @@
 """One step's record beyond the norms the optimizer hooks queue: observed values, activation norms, the
-forward signals (:class:`ForwardSignal`: attention logits, :mod:`stabmon.collect.attention`; output-logit scale,
-:mod:`stabmon.collect.logits`), the GradScaler's overflow flag and scale, the hyper-parameters in force,
+forward signals (:class:`ForwardSignal`: attention logits, :mod:`stabmon.collect.signals.attention`; output-logit scale,
+:mod:`stabmon.collect.signals.logits`), the GradScaler's overflow flag and scale, the hyper-parameters in force,
 per-rank values, step time and throughput.
 
 The :class:`~stabmon.monitor.Monitor` opens each step with :meth:`StepRecorder.begin`, hands ``observe()``'s
@@ -12,7 +12,7 @@ as floats.
 >>> import torch
 >>> from stabmon.collect.config import MonitorConfig
 >>> from stabmon.collect.failsafe import Failsafe
->>> from stabmon.collect.grads import GradNorms
+>>> from stabmon.collect.signals.grads import GradNorms
 >>> from stabmon.overrides import Overrides
 >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
 >>> buffer = StepBuffer()
@@ -34,14 +34,14 @@ from typing import Any, Protocol
 
 import torch
 
-from stabmon.collect.activations import ActivationNorms
-from stabmon.collect.buffer import StepBuffer
+from stabmon.collect.cluster.ranks import RankProbe
 from stabmon.collect.config import MonitorConfig
 from stabmon.collect.failsafe import Failsafe
-from stabmon.collect.observe import value_problem
-from stabmon.collect.optim import OptimizerHooks
-from stabmon.collect.qk import StandingQkClip
-from stabmon.collect.ranks import RankProbe
+from stabmon.collect.signals.activations import ActivationNorms
+from stabmon.collect.signals.buffer import StepBuffer
+from stabmon.collect.signals.observe import value_problem
+from stabmon.collect.step.optim import OptimizerHooks
+from stabmon.collect.step.qk import StandingQkClip
 from stabmon.events import Metric
 from stabmon.store.limits import name_problem
 
@@ -178,7 +178,7 @@ class StepRecorder:
     def end(self) -> None:
         """Close the step's record: activations, scaler, hyper-parameters in force, per-rank values, time. A
         step whose ``optimizer.step()`` raised after the pre-hook has that hook's changes undone here
-        (:meth:`~stabmon.collect.optim.OptimizerHooks.abandon_unfinished`)."""
+        (:meth:`~stabmon.collect.step.optim.OptimizerHooks.abandon_unfinished`)."""
         self.hooks.abandon_unfinished()
         self._collect_forward()
         self._record_scaler()
@@ -205,7 +205,7 @@ class StepRecorder:
 
     def _device_lr(self) -> torch.Tensor | None:
         """The step's LR in force as a device value where the host values leave it out (a tensor LR on an
-        accelerator: :meth:`~stabmon.collect.optim.OptimizerHooks.lr_on_device`), taken when the host values
+        accelerator: :meth:`~stabmon.collect.step.optim.OptimizerHooks.lr_on_device`), taken when the host values
         were."""
         hooks = self.hooks
         if hooks.stepped:

@@ -61,7 +61,7 @@ class StepBuffer:
         self.maxed = maxed
         self.gather = gather
         """Under torch.distributed: per-rank values of the flushed steps, gathered before the reduction and
-        summarised into extra metrics of each step (:class:`~stabmon.collect.ranks.RankGather`)."""
+        summarised into extra metrics of each step (:class:`~stabmon.collect.cluster.ranks.RankGather`)."""
 
     @property
     def open(self) -> bool:

@@ -8,20 +8,20 @@ The pre-hook runs inside ``optimizer.step()``:
    the scaled gradients, divides the norms by the scale, and folds the clip coefficient into ``grad_scale``
    (the kernel unscales and clips in the pass it makes anyway): no extra pass over the gradients. Only when
    ``optimizer.step()`` is called directly on still-scaled gradients does the hook ``scaler.unscale_`` them;
-2. one fused foreach norm over all gradients (:class:`~stabmon.collect.grads.GradNorms`) gives the global,
+2. one fused foreach norm over all gradients (:class:`~stabmon.collect.signals.grads.GradNorms`) gives the global,
    per-layer and non-finite counts, queued as device tensors;
-3. the skip_step guard (``overrides.skip_factor``, :class:`~stabmon.collect.guard.SkipGuard`): ``skip = norm >
+3. the skip_step guard (``overrides.skip_factor``, :class:`~stabmon.collect.step.guard.SkipGuard`): ``skip = norm >
    k x running mean`` (or non-finite) on the device;
 4. clipping with the clamped coefficient, reusing that norm;
 5. overrides: effective ``lr = scheduler lr x lr_scale`` (at most ``lr_cap``) and ``beta2`` written into the
    param groups; ``weight_decay`` sets the decaying groups' value, scaling each from its own (groups at 0 stay
    at 0).
-6. the state-level fixes an intervention turned on (:mod:`stabmon.collect.inplace`): element skip
+6. the state-level fixes an intervention turned on (:mod:`stabmon.collect.step.inplace`): element skip
    (``skip_theta``) and per-tensor adaptive clipping (``adaptive_clip``) before the global clip, the update-RMS cap
    (``update_rms_cap``) after the step; the LR re-warm-up (``rewarm_left``) counts down one step each time;
 7. on a step sampled for an update signal (:class:`UpdateSignal`: embedding drift, the update norm of
-   :class:`~stabmon.collect.updates.UpdateNorms`, the second-moment ratio of
-   :class:`~stabmon.collect.moment_ratio.MomentRatios`), its work before the update on the final gradients
+   :class:`~stabmon.collect.signals.updates.UpdateNorms`, the second-moment ratio of
+   :class:`~stabmon.collect.signals.moment_ratio.MomentRatios`), its work before the update on the final gradients
    (after clipping, before the skip guard hands its flag to the kernel), measured again or returned in the
    post-hook once the update (or the guard's discard) is done. Each signal has its own sampling period
    (:meth:`OptimizerHooks.sample`).
@@ -47,8 +47,8 @@ not lifted on a guess (logged once), and the recorded ``lr`` is queued as a devi
 (:meth:`OptimizerHooks.lr_on_device`) and copied with the step's other values at the flush.
 
 >>> import torch
->>> from stabmon.collect.buffer import StepBuffer
->>> from stabmon.collect.grads import GradNorms
+>>> from stabmon.collect.signals.buffer import StepBuffer
+>>> from stabmon.collect.signals.grads import GradNorms
 >>> from stabmon.overrides import Overrides
 >>> model = torch.nn.Linear(2, 1)
 >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -74,12 +74,12 @@ from typing import Any, Protocol
 
 import torch
 
-from stabmon.collect.buffer import StepBuffer
-from stabmon.collect.grads import GradNorms, GradResult
-from stabmon.collect.guard import SkipGuard
-from stabmon.collect.inplace import AdaptiveClip, ElementSkip, UpdateCap
 from stabmon.collect.interrupts import InterruptHold
-from stabmon.collect.updates import AdamUpdateNorms
+from stabmon.collect.signals.buffer import StepBuffer
+from stabmon.collect.signals.grads import GradNorms, GradResult
+from stabmon.collect.signals.updates import AdamUpdateNorms
+from stabmon.collect.step.guard import SkipGuard
+from stabmon.collect.step.inplace import AdaptiveClip, ElementSkip, UpdateCap
 from stabmon.events import Metric
 from stabmon.overrides import Overrides
 

@@ -35,7 +35,7 @@ def init_process_group(backend: str, **kwargs: Any) -> None:
     store's keys under :func:`attempt_prefix`; other keyword arguments go to ``init_process_group``."""
     import torch.distributed as dist
 
-    from stabmon.collect.distributed import PEERS
+    from stabmon.collect.cluster.distributed import PEERS
 
     store, rank, world_size = next(iter(dist.rendezvous("env://")))
     dist.init_process_group(backend, store=dist.PrefixStore(attempt_prefix(), store), rank=rank,
@@ -62,8 +62,8 @@ def resume_checkpoint(
     >>> info, state = resume_checkpoint(d); info.step, state["w"].tolist()
     (10, [1.0])
     """
-    from stabmon.collect.distributed import world
-    from stabmon.collect.joint import agreed_checkpoint
+    from stabmon.collect.cluster.distributed import world
+    from stabmon.collect.cluster.joint import agreed_checkpoint
 
     manager = checkpoints if isinstance(checkpoints, CheckpointStore) else CheckpointManager(checkpoints)
     try:
@@ -78,7 +78,7 @@ def _gather(value: Any) -> list[Any]:
     """Every rank's ``value``, by rank, on the default process group."""
     import torch.distributed as dist
 
-    from stabmon.collect.distributed import collective
+    from stabmon.collect.cluster.distributed import collective
 
     out: list[Any] = [None] * dist.get_world_size()
     collective("the resume's gather of every rank's checkpoints", lambda: dist.all_gather_object(out, value))

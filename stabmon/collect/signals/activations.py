@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from stabmon.collect.grads import default_blocks
-from stabmon.collect.sharding import clean_name
+from stabmon.collect.cluster.sharding import clean_name
+from stabmon.collect.signals.grads import default_blocks
 
 
 def select_modules(

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stabmon.collect.distributed import world
+from stabmon.collect.cluster.distributed import world
 
 _WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 

@@ -71,7 +71,7 @@ class Peers:
 
 
 PEERS = Peers()
-"""This process's :class:`Peers` (:func:`~stabmon.collect.restarts.init_process_group` starts it afresh)."""
+"""This process's :class:`Peers` (:func:`~stabmon.collect.cluster.restarts.init_process_group` starts it afresh)."""
 
 
 def collective(what: str, call: Callable[[], T]) -> T:

@@ -1,6 +1,6 @@
 """Reset Adam/AdamW moments of chosen tensors in place (the ``reset_moments`` intervention's live work).
 
-Tensors are named as the monitor names parameters (:func:`~stabmon.collect.sharding.clean_name`: no DDP/FSDP
+Tensors are named as the monitor names parameters (:func:`~stabmon.collect.cluster.sharding.clean_name`: no DDP/FSDP
 wrapper prefixes) or by a layer prefix (``blocks.1`` names every parameter under it), so the names in an
 anomaly's metric (``grad_norm/blocks.1``) select them. Under FSDP each rank zeroes its own shards of the same
 tensors, so every rank makes the same change.
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from stabmon.collect.sharding import clean_name, local
+from stabmon.collect.cluster.sharding import clean_name, local
 
 ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.SparseAdam)
 """torch's optimizers that keep ``exp_avg`` and ``exp_avg_sq`` from their first step on."""

@@ -1,6 +1,6 @@
 """The monitor's own state in a checkpoint, entry by entry, and what each reason to load leaves alone.
 
-A checkpoint (:class:`~stabmon.collect.restore.TrainingState`) holds ``model``, ``optimizer``, ``scaler``,
+A checkpoint (:class:`~stabmon.collect.checkpoint.restore.TrainingState`) holds ``model``, ``optimizer``, ``scaler``,
 ``scheduler`` and ``monitor``; ``monitor`` is the dict ``Monitor.state_dict()`` returns, format version 1:
 
 ==============  ======================================================  ==================
@@ -24,7 +24,7 @@ incident: the engine is handling it, the overrides and the interventions in forc
 channels have been told about it; all of that describes the run as it is now, not as it was at the checkpoint.
 A resume loads every entry. :data:`EXCLUDED` is the one place these sets are written.
 
->>> from stabmon.collect.restore import ROLLBACK
+>>> from stabmon.collect.checkpoint.restore import ROLLBACK
 >>> sorted(EXCLUDED[ROLLBACK])[:3]
 ['monitor.checkpoints', 'monitor.executor', 'monitor.follower']
 """
@@ -36,9 +36,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from stabmon.checkpoints import CheckpointManager, CheckpointStore
+from stabmon.collect.checkpoint.restore import RESUME, ROLLBACK, NamedStates, Stateful
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
-from stabmon.collect.restore import RESUME, ROLLBACK, NamedStates, Stateful
 from stabmon.collect.run_state import RunState
 from stabmon.pipeline import Pipeline, ReseedableEngine
 

@@ -1,8 +1,8 @@
 """Interventions every rank does together: rank 0 decides, every rank follows, and the ranks agree.
 
 The runbook engine runs on rank 0, inside a flush, while the other ranks wait in that flush's broadcast for its
-decisions (:mod:`stabmon.collect.distributed`). A :class:`Joint` action (``diagnose``, ``rollback``,
-``checkpoint_and_stop``, the kill switch's stop) first sends a :class:`~stabmon.collect.distributed.Join`
+decisions (:mod:`stabmon.collect.cluster.distributed`). A :class:`Joint` action (``diagnose``, ``rollback``,
+``checkpoint_and_stop``, the kill switch's stop) first sends a :class:`~stabmon.collect.cluster.distributed.Join`
 through that broadcast; every other rank then runs the same action at the same point on its own state, and
 each rank keeps its result: when rank 0's decisions are then shared, its executor takes that result instead
 of running the action a second time.
@@ -35,14 +35,14 @@ from typing import Any
 import torch
 
 from stabmon.checkpoints import CheckpointStore, NoValidCheckpointError
-from stabmon.collect.distributed import Join, broadcast, collective
+from stabmon.collect.cluster.distributed import Join, broadcast, collective
 
 log = logging.getLogger(__name__)
 
 
 class RankChannel:
     """Joint actions' own exchanges between ranks: a gloo group with ``timeout`` seconds (one process: none). An
-    exchange with a rank that is gone raises :class:`~stabmon.collect.distributed.PeerLost`."""
+    exchange with a rank that is gone raises :class:`~stabmon.collect.cluster.distributed.PeerLost`."""
 
     def __init__(self, *, rank: int, world_size: int, timeout: float) -> None:
         self.rank, self.world_size = rank, world_size

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from stabmon.collect.buffer import StepBuffer
-from stabmon.collect.distributed import collective, world
+from stabmon.collect.cluster.distributed import collective, world
+from stabmon.collect.signals.buffer import StepBuffer
 from stabmon.events import Metric
 
 FIELDS = (Metric.STEP_TIME, Metric.BUSY_TIME, Metric.LOSS, Metric.GRAD_NORM_LOCAL, Metric.PARAM_CHECKSUM)

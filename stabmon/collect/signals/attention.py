@@ -52,7 +52,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from stabmon.collect.sharding import clean_name
+from stabmon.collect.cluster.sharding import clean_name
 from stabmon.events import Metric
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ class AttentionLogits:
         self._handles: list[Any] = []
         self._values: dict[int, torch.Tensor] = {}
         #: the per-head maxima of the last collected step, by index into :attr:`watched` (device tensors, never
-        #: read back here): what a standing QK-clip acts on (:class:`stabmon.collect.qk.StandingQkClip`)
+        #: read back here): what a standing QK-clip acts on (:class:`stabmon.collect.step.qk.StandingQkClip`)
         self.last: dict[int, torch.Tensor] = {}
         self._modes: dict[int, _Capture] = {}
         self._failed: set[int] = set()

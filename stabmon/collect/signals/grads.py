@@ -5,10 +5,10 @@ norms. From that one vector it derives the global norm, the per-layer norms (a s
 and the count of non-finite gradient tensors; :meth:`GradNorms.clip_` then scales the gradients by the clamped
 coefficient with ``torch._foreach_mul_``. Nothing is read back to the host.
 
-Under FSDP1/FSDP2 (a :class:`~stabmon.collect.sharding.ShardedSquares` is given) each rank's local shards'
+Under FSDP1/FSDP2 (a :class:`~stabmon.collect.cluster.sharding.ShardedSquares` is given) each rank's local shards'
 squared norms are summed over ranks with one ``all_reduce`` before anything is derived, so every rank gets the
 global, per-layer and non-finite values of the unsharded model, and clips its shards by the global norm.
-Parameter names are taken without wrapper prefixes (:func:`~stabmon.collect.sharding.clean_name`), so layer
+Parameter names are taken without wrapper prefixes (:func:`~stabmon.collect.cluster.sharding.clean_name`), so layer
 names do not depend on the parallelism.
 
 A sparse gradient (``nn.Embedding(sparse=True)``) enters the fused pass as its values (:func:`dense_view`): it is
@@ -37,12 +37,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from stabmon.collect.sharding import ShardedSquares, clean_name, local
+from stabmon.collect.cluster.sharding import ShardedSquares, clean_name, local
 
 
 def default_blocks(model: nn.Module) -> list[str]:
     """Names of the children of the first ModuleList in ``model`` (the transformer blocks), or ``[]``;
-    without wrapper prefixes (:func:`~stabmon.collect.sharding.clean_name`)."""
+    without wrapper prefixes (:func:`~stabmon.collect.cluster.sharding.clean_name`)."""
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0:
             return [clean_name(f"{name}.{child}" if name else child) for child, _ in module.named_children()]

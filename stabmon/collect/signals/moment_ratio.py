@@ -11,8 +11,8 @@ reads 10-1000x. Adam then takes steps of up to ``1/sqrt(1-β2)`` times the learn
 moment catches up (β2 = 0.999: ~30x), which is the under-estimation StableAdamW (arXiv 2304.13013) found
 1-8 iterations before loss spikes, and what SPAM's spike-aware clipping (g² > θ·v) acts on.
 
-An update signal (:class:`~stabmon.collect.optim.UpdateSignal`) measured inside the optimizer's pre-hook
-(:class:`~stabmon.collect.optim.OptimizerHooks`), after unscaling and clipping and before the skip guard hands
+An update signal (:class:`~stabmon.collect.step.optim.UpdateSignal`) measured inside the optimizer's pre-hook
+(:class:`~stabmon.collect.step.optim.OptimizerHooks`), after unscaling and clipping and before the skip guard hands
 its flag to the kernel: the gradients the update will use. With a fused optimizer under a GradScaler the
 gradients are still scaled there and are divided by the scale handed to the kernel (the clip folded in); a step
 the scaler skips (its ``found_inf``) reads 0. Nothing is read back to the host: per tensor, the sum over its
@@ -47,8 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from stabmon.collect.grads import gradient_entries
-from stabmon.collect.sharding import ShardedSquares, clean_name, local
+from stabmon.collect.cluster.sharding import ShardedSquares, clean_name, local
+from stabmon.collect.signals.grads import gradient_entries
 from stabmon.events import Metric
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ in the middle of handling the incident), and skips the
 next ``skip_batches`` batches (recorded in the store). A one-shot iterator cannot be rewound: the data then keeps
 flowing forward and the skip starts at the current position.
 
-Under torch.distributed the :class:`~stabmon.collect.rank_policy.RankPolicy` says which ranks save and write the
+Under torch.distributed the :class:`~stabmon.collect.cluster.rank_policy.RankPolicy` says which ranks save and write the
 registry, and the runbook's rollback and checkpoint-and-stop (the kill switch's too) are joint
-(:mod:`stabmon.collect.joint`): rank 0 calls every rank in, the rollback restores the newest checkpoint step
+(:mod:`stabmon.collect.cluster.joint`): rank 0 calls every rank in, the rollback restores the newest checkpoint step
 every rank holds and validates, and a rank that fails or disagrees is reported as a ``rank_disagreement``
 anomaly. :meth:`Recovery.rollback_here` and :meth:`Recovery.stop_here` are one rank's own (the monitor's
 public methods, which every rank calls itself).
@@ -26,7 +26,7 @@ public methods, which every rank calls itself).
 >>> import torch
 >>> from stabmon.collect.failsafe import Failsafe
 >>> from stabmon.collect.flushing import Outbox
->>> from stabmon.collect.restore import TrainingState
+>>> from stabmon.collect.checkpoint.restore import TrainingState
 >>> from stabmon.collect.run_state import RunState
 >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
 >>> run = RunState(step=5); safe = Failsafe(run)
@@ -46,12 +46,12 @@ from functools import partial
 from typing import Any
 
 from stabmon.checkpoints import CheckpointStore
+from stabmon.collect.checkpoint.restore import ROLLBACK, TrainingState
+from stabmon.collect.cluster.joint import LANDING, Agreement, Joint, RankChannel, restore_agreed
+from stabmon.collect.cluster.rank_policy import RankPolicy, SavePath
 from stabmon.collect.data import DataCursor
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
-from stabmon.collect.joint import LANDING, Agreement, Joint, RankChannel, restore_agreed
-from stabmon.collect.rank_policy import RankPolicy, SavePath
-from stabmon.collect.restore import ROLLBACK, TrainingState
 from stabmon.collect.run_state import RunState
 from stabmon.diagnose.verdict import Diagnosis
 from stabmon.events import Anomaly, Event, Severity
@@ -87,7 +87,7 @@ class Recovery:
         self.state, self.outbox, self.failsafe = state, outbox, failsafe
         self.stop_code = stop_code
         self.policy = policy if policy is not None else RankPolicy()
-        """Who saves, decides and writes (:mod:`stabmon.collect.rank_policy`)."""
+        """Who saves, decides and writes (:mod:`stabmon.collect.cluster.rank_policy`)."""
         self.checkpoints = checkpoints
         self.reports: deque[Event] = reports if reports is not None else deque()
         """Ranks that disagreed after a joint action, as anomalies for the next publish."""

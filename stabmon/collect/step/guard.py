@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from stabmon.collect.grads import dense_view
-from stabmon.collect.sharding import local
+from stabmon.collect.cluster.sharding import local
+from stabmon.collect.signals.grads import dense_view
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from stabmon.collect.attention import AttentionLogits, head_count
-from stabmon.collect.sharding import clean_name, is_sharded
+from stabmon.collect.cluster.sharding import clean_name, is_sharded
+from stabmon.collect.signals.attention import AttentionLogits, head_count
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,8 @@ def _scale_heads(qk: QK, factors: torch.Tensor) -> None:
 
 class StandingQkClip:
     """QK-clip as Kimi K2 runs it: on every step while ``overrides.qk_tau`` is set, each head whose max attention
-    logit ``S`` (measured on the sampled sub-batch by :class:`~stabmon.collect.attention.AttentionLogits`, armed on
+    logit ``S`` (measured on the sampled sub-batch by :class:`~stabmon.collect.signals.attention.AttentionLogits`,
+    armed on
     every step while it is on) exceeded ``tau`` has its query and key rows scaled by ``sqrt(tau / S)`` after the
     optimizer step; other heads are untouched (their factor is 1). Device arithmetic only, nothing read back:
     the per-head factors are ``tau / max(S, tau)``, a non-finite ``S`` leaves its head alone (that is
@@ -180,7 +181,7 @@ class StandingQkClip:
     recognised (:func:`find_qk`) is measured but not clipped.
 
     >>> import torch
-    >>> from stabmon.collect.attention import AttentionLogits
+    >>> from stabmon.collect.signals.attention import AttentionLogits
     >>> torch.manual_seed(0) and None
     >>> attn = torch.nn.MultiheadAttention(4, num_heads=2, batch_first=True)
     >>> with torch.no_grad(): _ = attn.in_proj_weight[:4].mul_(40.0)   # queries far too large
@@ -208,7 +209,7 @@ class StandingQkClip:
             self._attention = self._make()
             if not self._attention.names:
                 log.warning("stabmon: qk_clip: the monitor cannot measure this model's attention logits (see "
-                            "stabmon.collect.attention.register_attention): the standing clip does nothing")
+                            "stabmon.collect.signals.attention.register_attention): the standing clip does nothing")
         return self._attention
 
     @property
@@ -262,7 +263,7 @@ def _layer(model: nn.Module, layer: str | None) -> tuple[str, QK]:
             raise ValueError(f"layer: {layer!r} names no module of the model")
         qk = find_qk(hits[0][1])
         if qk is None:
-            raise ValueError(f"layer: {layer!r} is no recognised attention module (see stabmon.collect.qk)")
+            raise ValueError(f"layer: {layer!r} is no recognised attention module (see stabmon.collect.step.qk)")
         return layer, qk
     recognised = [(n, q) for n, m in found if (q := find_qk(m)) is not None]
     if len(recognised) != 1:

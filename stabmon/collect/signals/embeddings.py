@@ -12,7 +12,7 @@ during the sampled step: nothing stays on the device between sampled steps; the 
 (``non_blocking``) when the drift is computed. :meth:`EmbeddingDrift.device_bytes` says what stays on the device.
 
 Under FSDP1/FSDP2 each rank works on its own shards (all their rows are tracked) and the squared norms are summed
-over ranks (``counted``: :attr:`~stabmon.collect.sharding.Layout.counted` of the embedding weights), one
+over ranks (``counted``: :attr:`~stabmon.collect.cluster.sharding.Layout.counted` of the embedding weights), one
 collective per sampled step. An embedding whose weight is not a parameter of the model (FSDP1 flat parameters)
 has no storage of its own outside the forward pass and is not watched (FSDP1 needs ``use_orig_params=True``).
 
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stabmon.collect.sharding import ShardedSquares, clean_name, local
+from stabmon.collect.cluster.sharding import ShardedSquares, clean_name, local
 from stabmon.events import Metric
 
 log = logging.getLogger(__name__)

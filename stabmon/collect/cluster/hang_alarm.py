@@ -27,7 +27,7 @@ import logging
 import time
 from typing import Any
 
-from stabmon.collect.restarts import attempt_prefix
+from stabmon.collect.cluster.restarts import attempt_prefix
 
 log = logging.getLogger(__name__)
 

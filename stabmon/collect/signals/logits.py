@@ -7,7 +7,7 @@ on the output layer, registered only for a sampled step's forward, reduces the f
 output to the two values on the device; unsampled steps run no hook.
 
 The output layer is ``config.logits.module`` when given, else the model's last ``nn.Linear`` when it maps onto
-the vocabulary (:func:`stabmon.collect.vocab.output_classes`); a model without one gets a one-line warning at
+the vocabulary (:func:`stabmon.collect.signals.vocab.output_classes`); a model without one gets a one-line warning at
 start (not applicable) and no signal.
 
 >>> import torch
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from stabmon.collect.activations import _first_tensor
-from stabmon.collect.sharding import clean_name
-from stabmon.collect.vocab import output_classes
+from stabmon.collect.cluster.sharding import clean_name
+from stabmon.collect.signals.activations import _first_tensor
+from stabmon.collect.signals.vocab import output_classes
 from stabmon.events import Metric
 
 log = logging.getLogger(__name__)

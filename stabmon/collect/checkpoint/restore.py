@@ -7,8 +7,8 @@ its name (the way torchtitan's checkpointer takes ``states={...}``); the monitor
 state calls back into its owner: each entry is the collaborator that owns that state.
 
 Loading names its reason, and each reason has one exclusion set of dotted names (torchtitan's
-``exclude_from_loading``): a rollback (:meth:`stabmon.collect.recovery.Recovery.rollback`) restores the training
-state and keeps what describes the run as it is now; a resume restores everything.
+``exclude_from_loading``): a rollback (:meth:`stabmon.collect.checkpoint.recovery.Recovery.rollback`) restores the
+training state and keeps what describes the run as it is now; a resume restores everything.
 
 A load is all or nothing, without a second copy of the weights and the optimizer state: what can be checked is
 checked before anything is touched (:meth:`TrainingState.mismatch`); then every entry is loaded, the model last,

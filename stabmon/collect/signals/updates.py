@@ -7,7 +7,8 @@ On a sampled step the optimizer pre-hook, after clipping, the skip guard and the
 copies the parameters with one fused ``torch._foreach_mul`` (:meth:`UpdateNorms.before_update`); the post-hook,
 after the skip guard restored a discarded update, takes the copy's norms, subtracts the new parameters in place
 from it and takes the norms of ``Δθ`` (two fused ``torch._foreach_norm``), scatter-added into the same layers as
-the gradient norms (:class:`~stabmon.collect.grads.GradNorms`). Nothing is read back to the host; a skipped update (skip
+the gradient norms (:class:`~stabmon.collect.signals.grads.GradNorms`). Nothing is read back to the host; a skipped
+update (skip
 guard, GradScaler overflow) reads 0. Under FSDP the squared norms of the shards are summed over ranks the way
 the gradient norms are.
 
@@ -17,7 +18,7 @@ Adam/AdamW, :class:`AdamUpdateNorms` recomputes the step from the optimizer stat
 is on by default.
 
 >>> import torch
->>> from stabmon.collect.grads import GradNorms
+>>> from stabmon.collect.signals.grads import GradNorms
 >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
 >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
 >>> upd = UpdateNorms(GradNorms(model))
@@ -33,8 +34,8 @@ from typing import Any
 
 import torch
 
-from stabmon.collect.grads import GradNorms
-from stabmon.collect.sharding import local
+from stabmon.collect.cluster.sharding import local
+from stabmon.collect.signals.grads import GradNorms
 from stabmon.events import Metric
 
 
@@ -106,7 +107,7 @@ class AdamUpdateNorms(UpdateNorms):
     gradient norms are; FSDP1's flat parameters use the copy (:class:`UpdateNorms`).
 
     >>> import torch
-    >>> from stabmon.collect.grads import GradNorms
+    >>> from stabmon.collect.signals.grads import GradNorms
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     >>> opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
     >>> exact, cheap = UpdateNorms(GradNorms(model)), AdamUpdateNorms(GradNorms(model), opt)
@@ -136,7 +137,7 @@ class AdamUpdateNorms(UpdateNorms):
         if not self._sampled or not self._params:
             return self.names, None
         self._sampled = False
-        from stabmon.collect.inplace import adam_params_by_group
+        from stabmon.collect.step.inplace import adam_params_by_group
 
         live = [local(p.detach()) for p in self._params]
         groups = self._optimizer.param_groups
