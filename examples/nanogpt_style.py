@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lr-jump-at", type=int, default=None, help="iteration of a one-time 1000x LR jump")
     p.add_argument("--lr-jump-iters", type=int, default=5)
-    p.add_argument("--db", default="sqlite:///nanogpt_style.db", help="the monitor's store URL")
+    p.add_argument("--db", default="sqlite:///stabmon.db", help="the monitor's store URL (stabmon trace reads it)")
     p.add_argument("--runbook", default="default")
     p.add_argument("--mode", default="apply", choices=("apply", "propose", "observe"))
     p.add_argument("--no-monitor", action="store_true", help="the same loop without stabmon")

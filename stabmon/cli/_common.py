@@ -20,6 +20,9 @@ DbOption = Annotated[
 
 
 RunArg = Annotated[str, typer.Argument(help="Run id, unique id prefix, name, or 'latest'.")]
+LatestRunArg = Annotated[str, typer.Argument(
+    help="Run id, unique id prefix, name, or 'latest' (the default: the newest run in the database).")]
+"""A run argument that may be left out: the commands that read one run (trace, goodput, events, report)."""
 
 
 def db_url(value: str | None) -> str:

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stabmon.cli._common import DbOption, RunArg, echo, fail, print_json, run_events
+from stabmon.cli._common import DbOption, LatestRunArg, echo, fail, print_json, run_events
 
 _SEVERITIES = ("info", "warning", "error", "critical")
 _MIN_HELP = "Lowest severity shown: info, warning, error or critical."
@@ -19,7 +19,7 @@ def _row(a: Any) -> str:
 
 
 def events(
-    run: RunArg,
+    run: LatestRunArg = "latest",
     db: DbOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON (all fields, evidence too).")] = False,
     kind: Annotated[str | None, typer.Option("--kind", help="Only this kind (spike, nonfinite...).")] = None,

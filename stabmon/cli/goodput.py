@@ -6,11 +6,11 @@ from typing import Annotated
 
 import typer
 
-from stabmon.cli._common import DbOption, RunArg, echo, fail, print_json, store_session
+from stabmon.cli._common import DbOption, LatestRunArg, echo, fail, print_json, store_session
 
 
 def goodput(
-    run: RunArg,
+    run: LatestRunArg = "latest",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
     db: DbOption = None,
 ) -> None:

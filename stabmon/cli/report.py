@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from stabmon.cli._common import DbOption, RunArg, echo, fail, store_session
+from stabmon.cli._common import DbOption, LatestRunArg, echo, fail, store_session
 
 OutOption = Annotated[Path, typer.Option("-o", "--output", help="Where to write the HTML file.")]
 BucketsOption = Annotated[
@@ -15,7 +15,7 @@ BucketsOption = Annotated[
 ]
 
 
-def report(run: RunArg, output: OutOption = Path("report.html"), buckets: BucketsOption = 1000,
+def report(run: LatestRunArg = "latest", output: OutOption = Path("report.html"), buckets: BucketsOption = 1000,
            db: DbOption = None) -> None:
     """Write charts, event marks, the causal trace and the environment of RUN to one offline HTML file."""
     from stabmon.report import load_report, write_report

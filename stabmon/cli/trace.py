@@ -6,10 +6,10 @@ from typing import Annotated
 
 import typer
 
-from stabmon.cli._common import DbOption, RunArg, echo, print_json, run_events, store_session
+from stabmon.cli._common import DbOption, LatestRunArg, echo, print_json, run_events, store_session
 
 
-def trace(run: RunArg, db: DbOption = None,
+def trace(run: LatestRunArg = "latest", db: DbOption = None,
           as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False) -> None:
     """Evidence -> anomaly -> decision -> intervention -> outcome, per incident."""
     from stabmon.runbook.trace import build_trace, format_trace
