@@ -30,6 +30,7 @@ must still do without it (count steps, clip, save): ``benchmarks/nanogpt_style.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -99,6 +100,9 @@ class Unmonitored:
         self.step = int(state["step"])
 
     def close(self) -> None: ...
+
+    def outside_steps(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         for param_group in optimizer.param_groups:
             param_group["lr"] = lr
         if iter_num % eval_interval == 0:
-            losses = estimate_loss()
+            with monitor.outside_steps("evaluation"):  # stabmon: judged by hang_timeout, not learned as a step
+                losses = estimate_loss()
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
             best_val_loss = min(best_val_loss, losses["val"])  # (the monitor saves: checkpoint_every)
         if iter_num >= args.max_iters:

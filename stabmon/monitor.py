@@ -137,7 +137,8 @@ class Monitor:
         self._channel = RankChannel(rank=self.rank, world_size=self.world_size, timeout=cfg.diagnose.timeout)
         training = build_training_state(model, optimizer, scaler=scaler, scheduler=scheduler, monitor_state=self._state,
                                         counts_steps=spec.loop.counts_steps)
-        engine, detectors = resolve_decisions(runbook=spec.runbook, detectors=spec.detectors, mode=spec.mode)
+        engine, detectors = resolve_decisions(runbook=spec.runbook, detectors=spec.detectors, mode=spec.mode,
+                                              overrides=spec.threshold_overrides)
         self.batches = batch_log_for(engine, spec.sample_ids, capacity=cfg.diagnose.batches,
                                      max_bytes=cfg.diagnose.max_bytes, checkpoints=checkpoints is not None)
         self.records: deque[StepRecord] = deque(maxlen=cfg.history)
@@ -570,6 +571,32 @@ class Monitor:
             self.activity.pauses.remove(reason)
             self.heartbeat()
 
+    @contextmanager
+    def outside_steps(self, what: str) -> Iterator[None]:
+        """Work outside the training steps that may take long, but not forever (a checkpoint save, an
+        evaluation): the hang watchdog judges it by ``config.hang_timeout`` (the cap) instead of the deadline
+        learned from the steps, and does not learn its time as a step. (:meth:`paused` declares a stretch the
+        watchdog does not judge at all.) The monitor's own saves and the framework callbacks' evaluations and
+        checkpoints use it.
+
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> mon = Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), store=None, detectors=False)
+        >>> with mon.outside_steps("evaluation"):
+        ...     mon._watchdog.deadline() == mon.config.hang_timeout
+        True
+        >>> mon.close()
+        """
+        watchdog = self._watchdog
+        if watchdog is None:
+            yield
+            return
+        watchdog.outside(what)
+        try:
+            yield
+        finally:
+            watchdog.inside(what)
+
     # -- state -------------------------------------------------------------------------------------------
     def _timed_save(self) -> None:
         """A checkpoint at the cadence, its seconds on the next step's record (the goodput ledger's). It holds
@@ -587,8 +614,9 @@ class Monitor:
 
     def save_checkpoint(self) -> Any:
         """Save :meth:`training_state` through the checkpoint manager; failures are logged and counted. A save
-        is a declared pause (:meth:`paused`): a long one is not a hang, and its time is not learned as a step."""
-        with self.paused("checkpoint"):
+        is work outside the steps (:meth:`outside_steps`): its time is not learned as a step, and the hang
+        watchdog gives it ``config.hang_timeout``."""
+        with self.outside_steps("checkpoint"):
             return self.recovery.save_checkpoint()
 
     def training_state(self) -> dict[str, Any]:

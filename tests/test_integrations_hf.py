@@ -385,3 +385,38 @@ def test_the_trainers_logs_show_the_effective_lr(tmp_path: Path) -> None:
     assert recorded[-1] == pytest.approx(logged[8])  # the Trainer's log and stabmon's record agree
     scheduler = trainer.lr_scheduler
     assert "get_last_lr" not in vars(scheduler) and scheduler.get_last_lr()[0] == pytest.approx(5e-3)
+
+
+class DeadlineProbe(transformers.TrainerCallback):
+    """Test helper, after StabmonCallback: the hang watchdog's deadline during the Trainer's evaluation, and at
+    the start of each step."""
+
+    def __init__(self, callback: Any) -> None:
+        self.callback = callback
+        self.in_eval: list[float] = []
+        self.at_steps: list[float] = []
+
+    def _deadline(self) -> float:
+        return self.callback.monitor._watchdog.deadline()
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.in_eval.append(self._deadline())
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.at_steps.append(self._deadline())
+
+
+def test_the_trainers_evaluation_is_outside_the_steps_for_the_hang_watchdog(tmp_path: Path) -> None:
+    from stabmon.collect.config import HangConfig
+
+    config = MonitorConfig(hang_timeout=600.0, hang=HangConfig(floor=0.5, warmup=0, learn_after=2))
+    cb = StabmonCallback(store=None, detectors=False, config=config)
+    probe = DeadlineProbe(cb)
+    args = make_args(tmp_path / "out", max_steps=12, eval_strategy="steps", eval_steps=5,
+                     per_device_eval_batch_size=8)
+    trainer = transformers.Trainer(model=tiny_model(), args=args, train_dataset=dataset(), eval_dataset=dataset(16),
+                                   callbacks=[cb, probe])
+    trainer.train()
+    assert probe.in_eval and set(probe.in_eval) == {600.0}  # the cap while the Trainer evaluates
+    learned = probe.at_steps[4:]  # after the warm-up, at the start of each step: the learned deadline
+    assert learned and all(d < 600.0 for d in learned)

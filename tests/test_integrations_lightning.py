@@ -369,3 +369,33 @@ def test_the_loggers_get_the_lr_in_force(tmp_path: Path) -> None:
     assert in_force[0] == pytest.approx(0.1) and in_force[5] == pytest.approx(0.05)  # halved from step 2 on
     assert schedule[5] == pytest.approx(0.1)  # what LearningRateMonitor shows: the schedule's value
     assert [r.get("lr") for r in cb.monitor.records][-1] == pytest.approx(in_force[5])
+
+
+class ValidatingTiny(Tiny):
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+class DeadlineProbe(L.Callback):
+    """Test helper, after StabmonCallback: the hang watchdog's deadline during validation."""
+
+    def __init__(self, callback: Any) -> None:
+        self.callback, self.in_validation = callback, []
+
+    def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        if self.callback.monitor is not None:
+            self.in_validation.append(self.callback.monitor._watchdog.deadline())
+
+
+def test_validation_is_outside_the_steps_for_the_hang_watchdog(tmp_path: Path) -> None:
+    from stabmon.collect.config import HangConfig
+
+    config = MonitorConfig(hang_timeout=600.0, hang=HangConfig(floor=0.5, warmup=0, learn_after=2))
+    cb = StabmonCallback(store=None, detectors=False, config=config)
+    probe = DeadlineProbe(cb)
+    fit = trainer(tmp_path, [cb, probe], val_check_interval=5, num_sanity_val_steps=0, limit_val_batches=2)
+    fit.fit(ValidatingTiny(), loader(), loader(16))
+    assert probe.in_validation and set(probe.in_validation) == {600.0}
+    assert cb.monitor._watchdog.deadline() < 600.0 or cb.monitor._closed  # learned between the validations

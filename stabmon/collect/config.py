@@ -211,16 +211,24 @@ class EmbeddingConfig:
 @dataclass
 class HangConfig:
     """The hang watchdog's deadline and what it does when it fires (``MonitorConfig.hang_timeout`` turns it
-    on and caps the deadline)."""
+    on and caps the deadline). The deadline is learned from the run: ``factor`` x the slowest step after the
+    ``warmup``, at least ``floor``, at most ``hang_timeout`` (docs/distributed.md, "Hangs")."""
 
     factor: float = 10.0
-    """Learned deadline: ``factor`` x the slowest of the last ``window`` step times."""
-    floor: float = 300.0
-    """Seconds: the learned deadline never goes below this (a slow evaluation between steps is not a hang)."""
+    """Learned deadline: ``factor`` x the slowest step time since the warm-up (or of the last ``window``)."""
+    floor: float = 40.0
+    """Seconds: the learned deadline never goes below this. With steps of up to 4 s a frozen rank is named
+    within ``floor`` + one poll (5 s) + 10 s for the other ranks' reports; NCCL's own watchdog waits 10 minutes.
+    Work outside the steps is not judged by it: a declared pause (``monitor.paused``), the monitor's own
+    checkpoint saves, the HF Trainer's evaluations and checkpoints, Lightning's validation (the cap applies to
+    the last three)."""
     learn_after: int = 20
-    """Steps timed before the learned deadline replaces ``hang_timeout``."""
-    window: int = 200
-    """Recent step times the deadline is learned from."""
+    """Steps timed after the warm-up before the learned deadline replaces ``hang_timeout``."""
+    warmup: int = 5
+    """First steps timed but not learned (compilation, autotuning, the first batches)."""
+    window: int | None = None
+    """None: the slowest step since the warm-up; a number: the slowest of the last ``window`` steps (a deadline
+    that can shrink again, and then trip on a slow stretch that comes back less often than every ``window``)."""
     stacks: bool = True
     """Put every thread's stack (faulthandler) in the hang anomaly: stored, logged and sent with the alert."""
     exit_code: int | None = None
@@ -232,9 +240,12 @@ class HangConfig:
             raise ValueError(f"{path}.factor must be >= 1, got {self.factor}")
         if not self.floor > 0:
             raise ValueError(f"{path}.floor must be > 0, got {self.floor}")
-        if self.learn_after < 1 or self.window < 1:
-            raise ValueError(f"{path}.learn_after and {path}.window must be >= 1, got {self.learn_after}, "
-                             f"{self.window}")
+        if self.learn_after < 1:
+            raise ValueError(f"{path}.learn_after must be >= 1, got {self.learn_after}")
+        if self.window is not None and (isinstance(self.window, bool) or self.window < 1):
+            raise ValueError(f"{path}.window must be >= 1 or None, got {self.window!r}")
+        if self.warmup < 0:
+            raise ValueError(f"{path}.warmup must be >= 0, got {self.warmup}")
         if self.exit_code is not None and not 1 <= self.exit_code <= 255:
             raise ValueError(f"{path}.exit_code must be in [1, 255] or None, got {self.exit_code}")
 

@@ -23,7 +23,10 @@ from typing import Any
 from stabmon.collect.cluster.hang_alarm import PeerAlarm
 from stabmon.collect.config import MonitorConfig
 from stabmon.detect.hang import HangWatchdog
-from stabmon.events import Anomaly
+from stabmon.events import Anomaly, Severity
+
+SILENT = "no hang report"
+"""What rank 0 says of a rank that did not report its hang (:func:`stabmon.runbook.hangs.hang_summary` reads it)."""
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,9 @@ class HangReporter:
     """Under torch.distributed: tells every rank to report its own stacks now, and counts the reports."""
     gather: float = 15.0
     """Seconds to wait, before exiting, for every rank's report (the first exit makes torchrun stop the rest)."""
+    name_silent_after: float = 10.0
+    """Rank 0: seconds after its own report (two polls of the peers' watchdogs) to name the ranks that have not
+    reported: stopped, frozen or dead, the ones the others wait for."""
     linger: float = 2.0
     """Seconds a rank not waiting in a collective waits after every report, so that the others exit first."""
     exit_at_shutdown: Callable[[int], Any] = field(default=lambda code: atexit.register(os._exit, code))
@@ -129,7 +135,9 @@ class HangReporter:
         exit breaks their collective (their main thread would raise and end the process with another code)."""
         if self.alarm is None:
             return
-        self.alarm.reported()
+        self.alarm.reported(rank=self.rank)
+        if self.rank == 0:
+            self._name_silent(anomaly)
         if self.exit_code is None:
             return
         if not self.alarm.wait_for_all(timeout=self.gather):
@@ -138,6 +146,23 @@ class HangReporter:
 
         if not in_collective(main_stack(anomaly.message)):
             time.sleep(self.linger)
+
+    def _name_silent(self, anomaly: Anomaly) -> None:
+        """Rank 0: the ranks with no report soon after the alarm, as hang reports of their own (a stopped or
+        frozen process cannot write one; :func:`stabmon.runbook.hangs.hang_summary` names it the culprit)."""
+        assert self.alarm is not None
+        if self.alarm.wait_for_all(timeout=self.name_silent_after):
+            return
+        silent = self.alarm.silent()
+        if not silent:
+            return
+        log.error("stabmon: rank(s) %s sent no hang report within %.0f s of the alarm: stopped, frozen or dead",
+                  ", ".join(map(str, silent)), self.name_silent_after)
+        self.publish([Anomaly(kind="hang", metric="step", step=anomaly.step, score=anomaly.score,
+                              severity=Severity.ERROR, detector="hang", threshold=anomaly.threshold,
+                              message=f"rank {rank}: {SILENT} within {self.name_silent_after:.0f} s of rank 0's "
+                                      f"alarm: stopped, frozen or dead (rank 0 waited since step {anomaly.step})")
+                      for rank in silent])
 
     def _write_from_this_rank(self, anomaly: Anomaly) -> None:
         try:
@@ -158,7 +183,7 @@ def start_watchdog(config: MonitorConfig, reporter: HangReporter, *, label: str 
     ``config.hang``, reporting through ``reporter``."""
     h = config.hang
     dog = HangWatchdog(config.hang_timeout or 0.0, reporter, factor=h.factor, floor=h.floor,
-                       learn_after=h.learn_after, window=h.window, stacks=h.stacks, label=label,
+                       learn_after=h.learn_after, window=h.window, warmup=h.warmup, stacks=h.stacks, label=label,
                        peer=reporter.alarm.rung if reporter.alarm is not None else None)
     dog.start()
     return dog

@@ -5,10 +5,14 @@ the Monitor starts a :class:`HangWatchdog` thread, calls :meth:`HangWatchdog.bea
 an ``Anomaly(kind="hang")`` through its callback. BLOOM-176B sat in a hung evaluation for hours with nothing
 in the log but the scheduler's heartbeat.
 
-The deadline is ``timeout`` until ``learn_after`` steps have been timed; from then on it is ``factor`` times the
-slowest of the last ``window`` steps, at least ``floor`` and at most ``timeout``. A run of 2-second steps is
-thus declared hung after ``max(floor, 10 x 2 s)``, not after the half hour a fixed timeout needs to be safe
-for every run. The anomaly's message carries every thread's stack (:func:`dump_stacks`, from
+The deadline is learned from the run's own step times. The first ``warmup`` steps are timed but not learned
+(compilation, autotuning, the first batches); until ``learn_after`` steps after them have been timed the deadline
+is ``timeout`` (the user's cap); from then on it is ``factor`` times the slowest step since the warm-up (or of the
+last ``window`` steps), at least ``floor`` and at most ``timeout``. A run of 1-second steps is thus declared hung
+after ``max(floor, 10 x 1 s)`` = 40 s with the defaults, not after the half hour a fixed timeout needs to be safe
+for every run. Work outside the steps that the monitor sees (its own checkpoint saves, a framework's evaluation
+and checkpoint: :meth:`HangWatchdog.outside`) is neither learned as a step nor judged by the step deadline: the
+cap applies while it lasts. The anomaly's message carries every thread's stack (:func:`dump_stacks`, from
 :mod:`faulthandler`), so the store and the alert say *where* the process is stuck.
 """
 
@@ -56,9 +60,9 @@ class HangWatchdog:
     """
 
     def __init__(self, timeout: float, callback: Callable[[Anomaly], None], *, poll: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, factor: float = 10.0, floor: float = 300.0,
-                 learn_after: int = 20, window: int = 200, stacks: bool = True, label: str = "",
-                 peer: Callable[[], bool] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, factor: float = 10.0, floor: float = 40.0,
+                 learn_after: int = 20, window: int | None = None, warmup: int = 0, stacks: bool = True,
+                 label: str = "", peer: Callable[[], bool] | None = None) -> None:
         if not timeout > 0:
             raise ValueError(f"hang timeout must be > 0, got {timeout!r}")
         self.timeout = float(timeout)
@@ -71,7 +75,14 @@ class HangWatchdog:
         self.peer = peer  # a peer rank is hung (stabmon.collect.cluster.hang_alarm): report now, whatever the deadline
         self.errors = 0
         self.fired = threading.Event()
-        self._durations: deque[float] = deque(maxlen=max(int(window), 1))
+        self.warmup = int(warmup)
+        self._durations: deque[float] = deque(maxlen=max(int(window), 1)) if window else deque(maxlen=1)
+        """The learned step times: the last ``window``, or (no window) the slowest since the warm-up."""
+        self._learned = 0  # steps learned since the warm-up
+        self._timed = 0  # steps timed, warm-up included
+        self._outside: list[str] = []  # work outside the steps now (innermost last)
+        self._fresh = False  # the next interval started inside the last step: it is no whole step
+        self._window = bool(window)
         self._last = clock()
         self._step = -1
         self._armed = True
@@ -84,29 +95,61 @@ class HangWatchdog:
         evaluation; its interval does not enter the learned deadline)."""
         with self._lock:
             now = self.clock()
-            if learn and self._step >= 0:
-                self._durations.append(now - self._last)
+            if learn and self._step >= 0 and not self._fresh:
+                self._timed += 1
+                if self._timed > self.warmup:
+                    self._learn(now - self._last)
+            self._fresh = not learn
             self._last = now
             self._step = step if learn else self._step
+            self._armed = True
+
+    def _learn(self, seconds: float) -> None:
+        self._learned += 1
+        if self._window:
+            self._durations.append(seconds)
+        elif not self._durations or seconds > self._durations[0]:
+            self._durations.append(seconds)
+
+    def outside(self, what: str) -> None:
+        """Work outside the steps begins (``what``: "checkpoint", "evaluation"): until :meth:`inside`, the
+        deadline is ``timeout`` and the time is not learned as a step."""
+        with self._lock:
+            self._outside.append(what)
+            self._last = self.clock()
+            self._armed = True
+
+    def inside(self, what: str) -> None:
+        """The work :meth:`outside` announced has ended: the step deadline applies again from now."""
+        with self._lock:
+            if what in self._outside:
+                self._outside.remove(what)
+            self._last = self.clock()
+            self._fresh = True  # the interval to the next beat is part of a step only
             self._armed = True
 
     def deadline(self) -> float:
         """Seconds without a beat that count as a hang (see the module docstring).
 
         >>> dog = HangWatchdog(timeout=600, callback=print, factor=5, floor=2, learn_after=3)
-        >>> for t in range(4): dog._durations.append(0.5)
+        >>> for t in range(4): dog._learn(0.5)
         >>> dog.deadline()
         2.5
+        >>> dog.outside("checkpoint"); dog.deadline()
+        600.0
         """
-        if len(self._durations) < self.learn_after:
+        if self._outside or self._learned < self.learn_after:
             return self.timeout
         return min(self.timeout, max(self.floor, self.factor * max(self._durations)))
 
     def _how(self, deadline: float) -> str:
-        if len(self._durations) < self.learn_after:
-            return f"deadline {deadline:.3g} s, not learned yet"
-        return (f"deadline {deadline:.3g} s = max(floor {self.floor:.3g} s, {self.factor:g} x slowest of "
-                f"{len(self._durations)} recent steps {max(self._durations):.3g} s), at most {self.timeout:.3g} s")
+        if self._outside:
+            return f"deadline {deadline:.3g} s (the cap) while outside the steps: {self._outside[-1]}"
+        if self._learned < self.learn_after:
+            return f"deadline {deadline:.3g} s (the cap), not learned yet"
+        which = f"of the last {len(self._durations)} steps" if self._window else f"of {self._learned} steps"
+        return (f"deadline {deadline:.3g} s = max(floor {self.floor:.3g} s, {self.factor:g} x slowest {which} "
+                f"{max(self._durations):.3g} s), at most {self.timeout:.3g} s")
 
     def check(self) -> Anomaly | None:
         """One poll: the hang anomaly if the deadline passed since the last beat (once per hang)."""

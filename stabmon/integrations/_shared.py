@@ -15,6 +15,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import logging
@@ -156,3 +157,44 @@ def state_to_bytes(state: dict[str, Any]) -> bytes:
 def state_from_bytes(data: bytes) -> dict[str, Any]:
     """The monitor state :func:`state_to_bytes` wrote: plain values and tensors only (``weights_only=True``)."""
     return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+class OutsideSteps:
+    """A framework's work between two of its hooks that is outside the training steps (the HF Trainer's
+    evaluation and checkpoint, Lightning's validation): :meth:`stabmon.monitor.Monitor.outside_steps` from one hook
+    to another, so the hang watchdog gives it the cap and does not learn its time as a step.
+
+    >>> import torch
+    >>> from stabmon.monitor import Monitor
+    >>> model = torch.nn.Linear(2, 1)
+    >>> mon = Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), store=None, detectors=False)
+    >>> outside = OutsideSteps()
+    >>> outside.begin(mon, "evaluation"); mon._watchdog.deadline() == mon.config.hang_timeout
+    True
+    >>> outside.end("evaluation"); outside.open
+    []
+    >>> mon.close()
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[str, contextlib.ExitStack] = {}
+
+    @property
+    def open(self) -> list[str]:
+        return list(self._open)
+
+    def begin(self, monitor: Any, what: str) -> None:
+        if monitor is None or what in self._open:
+            return
+        stack = contextlib.ExitStack()
+        stack.enter_context(monitor.outside_steps(what))
+        self._open[what] = stack
+
+    def end(self, what: str) -> None:
+        stack = self._open.pop(what, None)
+        if stack is not None:
+            stack.close()
+
+    def end_all(self) -> None:
+        for what in list(self._open):
+            self.end(what)

@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from stabmon.integrations._shared import EffectiveLR, MonitorFactory
+from stabmon.integrations._shared import EffectiveLR, MonitorFactory, OutsideSteps
 from stabmon.replay.importers.hf_trainer import eval_names
 from stabmon.spec import MonitorSpec, spec_of
 
@@ -151,6 +151,7 @@ class StabmonCallback(TrainerCallback):
         self._warned_no_loss = False
         self._pending_eval: dict[str, float] = {}  # the last evaluation's metrics, recorded with the next step
         self._effective_lr: EffectiveLR | None = None
+        self._outside = OutsideSteps()  # the Trainer's evaluation and checkpoint after a step, for the hang watchdog
 
     @property
     def exit_code(self) -> int:
@@ -208,6 +209,7 @@ class StabmonCallback(TrainerCallback):
             self._effective_lr.remove()
 
     def _finish(self, args: Any, status: str | None) -> None:
+        self._outside.end_all()
         if self._effective_lr is not None:
             self._effective_lr.remove()
             self._effective_lr = None
@@ -226,6 +228,7 @@ class StabmonCallback(TrainerCallback):
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None:
             return
+        self._outside.end_all()  # whatever the Trainer did between the steps is over
         self.monitor.sync_step(trainer_step(state))
         self.monitor.begin_step(batch_index=state.global_step * args.gradient_accumulation_steps)
         self._losses, self._inputs = [], []
@@ -284,12 +287,18 @@ class StabmonCallback(TrainerCallback):
             log.warning(
                 "stabmon: stopping the Trainer at step %d: %s", state.global_step, self.monitor.stop_reason
             )
+        # what the Trainer does next is outside the steps (its flow callback decided it before this one ran)
+        if control.should_evaluate:
+            self._outside.begin(self.monitor, "evaluation")
+        if control.should_save:
+            self._outside.begin(self.monitor, "checkpoint")
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None,
                     **kwargs: Any) -> None:
         """Keep the evaluation's numbers (``eval_loss`` as ``val_loss``, the other ``eval_*`` under their own
         names, as in an imported ``trainer_state.json``); the Trainer evaluates after a step has ended, so they
         are recorded with the next step (an evaluation after the last step is not recorded)."""
+        self._outside.end("evaluation")
         if self.monitor is None or not metrics:
             return
         for key, name in eval_names(metrics).items():
@@ -299,6 +308,7 @@ class StabmonCallback(TrainerCallback):
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._outside.end("checkpoint")
         if self.monitor is None or not state.is_world_process_zero:
             return
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

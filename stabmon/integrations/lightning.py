@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from stabmon.integrations._shared import MonitorFactory, state_from_bytes, state_to_bytes
+from stabmon.integrations._shared import MonitorFactory, OutsideSteps, state_from_bytes, state_to_bytes
 from stabmon.spec import MonitorSpec, spec_of
 
 try:
@@ -139,6 +139,7 @@ class StabmonCallback(Callback):
         self._batches = StepBatches()  # this step's micro-batches, handed to the monitor
         self._attempted = False  # on_before_optimizer_step ran in this batch
         self._post_pending = False  # ... and the step post-hook has not run yet
+        self._outside = OutsideSteps()  # validation between the steps, for the hang watchdog
 
     @property
     def exit_code(self) -> int:
@@ -192,7 +193,15 @@ class StabmonCallback(Callback):
             self.monitor.buffer.discard()  # the step that crashed never finished: no record for it
         self._close(trainer, status="failed")
 
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        """Validation is outside the steps: the hang watchdog gives it the cap, and does not learn its time."""
+        self._outside.begin(self.monitor, "validation")
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._outside.end("validation")
+
     def _close(self, trainer: Any, status: str | None) -> None:
+        self._outside.end_all()
         if self._post_handle is not None:
             self._post_handle.remove()
             self._post_handle = None

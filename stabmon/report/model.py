@@ -212,8 +212,10 @@ def trace_rows(events: Sequence[Any]) -> list[TraceRow]:
         culprit = " (the culprit)" if r["rank"] == trace["hang"]["culprit"] else ""
         where = r["where"][0] if r["where"] else "no stack recorded"
         state = "waiting in a collective" if r["in_collective"] else "not in a collective"
-        rows.append(TraceRow("hang", f"rank {r['rank']}{culprit}", r["step"],
-                             f"no step for {_fmt(r['waited'])} s", f"{state}: {where}", f"ev-{r['id']}"))
+        what, detail = f"no step for {_fmt(r['waited'])} s", f"{state}: {where}"
+        if r["silent"]:
+            what, detail = "sent no hang report", "stopped, frozen or dead: its peers wait for it"
+        rows.append(TraceRow("hang", f"rank {r['rank']}{culprit}", r["step"], what, detail, f"ev-{r['id']}"))
     for inc in trace["incidents"]:
         key = inc["incident"]
         a = inc["anomaly"]

@@ -6,7 +6,9 @@ watchdog's own thread is ``Current thread``, the main thread is listed last). A 
 in a collective (DDP's all-reduce inside ``backward``, ``all_reduce``, ``barrier``, ...) is a victim; the
 *culprit* is the rank whose main thread is somewhere else (a dead-locked data loader, an endless loop). When
 every rank waits in a collective, or none does, the culprit is the rank with the lowest last completed step
-(it stopped first), if only one has it; else none is named.
+(it stopped first), if only one has it; else none is named. A rank that sent no report at all (rank 0 says so:
+``rank N: no hang report within ...``; a stopped or frozen process writes nothing) is the culprit when the reporting
+ranks all wait in a collective.
 
 >>> victim = "rank 0: no step for 2.1 s after step 11 (...)\\n\\nstacks of every thread:\\n" \\
 ...     "Thread 0x1 (most recent call first):\\n  File \\"torch/autograd/graph.py\\", line 8 in _engine_run_backward\\n"
@@ -33,6 +35,7 @@ COLLECTIVE_FRAMES = ("_engine_run_backward", "backward", "all_reduce", "all_gath
 """Function names that mean a thread waits for its peers (a hang there is another rank's doing)."""
 
 _HEAD = re.compile(r"^(?:rank (\d+): )?no step for ([0-9.e+-]+) s after step (-?\d+)")
+_SILENT = re.compile(r"^rank (\d+): no hang report")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
 
 
@@ -55,11 +58,13 @@ def hang_summary(anomalies: Iterable[Any]) -> dict[str, Any] | None:
     for a in anomalies:
         if not isinstance(a, Anomaly) or a.kind != "hang":
             continue
+        silent = _SILENT.match(a.message)
         head = _HEAD.match(a.message)
         frames = main_stack(a.message)
-        ranks.append({"rank": int(head.group(1)) if head and head.group(1) else 0, "step": a.step,
-                      "waited": a.score, "deadline": a.threshold, "in_collective": in_collective(frames),
-                      "where": frames[:3], "id": a.id})
+        rank = int(silent.group(1)) if silent else int(head.group(1)) if head and head.group(1) else 0
+        ranks.append({"rank": rank, "step": a.step, "waited": a.score, "deadline": a.threshold,
+                      "in_collective": in_collective(frames), "where": frames[:3], "id": a.id,
+                      "silent": silent is not None})
     if not ranks:
         return None
     ranks.sort(key=lambda r: r["rank"])
@@ -68,6 +73,10 @@ def hang_summary(anomalies: Iterable[Any]) -> dict[str, Any] | None:
 
 
 def _culprit(ranks: list[dict[str, Any]]) -> tuple[int | None, str]:
+    silent = [r for r in ranks if r["silent"]]
+    if len(silent) == 1 and all(r["in_collective"] for r in ranks if not r["silent"]):
+        return silent[0]["rank"], "it sent no hang report (stopped, frozen or dead); the others wait in a collective"
+    ranks = [r for r in ranks if not r["silent"]] or ranks
     outside = [r for r in ranks if not r["in_collective"] and r["where"]]
     if len(outside) == 1 and len(ranks) > 1:
         return outside[0]["rank"], "its main thread is not in a collective; the others wait in one"

@@ -127,6 +127,10 @@ def hang_lines(hang: dict[str, Any] | None) -> list[str]:
     culprit = hang["culprit"]
     lines = ["hang  " + (f"culprit rank {culprit}: {hang['why']}" if culprit is not None else hang["why"])]
     for r in hang["ranks"]:
+        if r["silent"]:
+            lines.append(f"  rank {r['rank']:<5} sent no hang report: stopped, frozen or dead (its peers waited "
+                         f"{r['waited']:.3g} s after step {r['step']})")
+            continue
         where = r["where"][0] if r["where"] else "no stack recorded"
         state = "waiting in a collective" if r["in_collective"] else "not in a collective"
         lines.append(f"  rank {r['rank']:<5} no step for {r['waited']:.3g} s after step {r['step']}; "

@@ -6,7 +6,8 @@ elastic agent terminate the others: the culprit's stacks, the ones that say why,
 alarm is one key in the job's c10d store (the store every rank already shares): the rank that fires sets it and
 every rank's watchdog looks for it at each poll (from the watchdog thread, never the training thread). A rank
 that sees it reports at once (its stacks, its last step), and every reporting rank waits, bounded, until all
-ranks have reported before it exits. Store errors (the job already going down) read as "no alarm".
+ranks have reported before it exits. A rank that never reports (stopped, frozen in C code that holds the GIL,
+dead) is :meth:`PeerAlarm.silent`: rank 0 names it. Store errors (the job already going down) read as "no alarm".
 
 >>> class Store(dict):
 ...     def set(self, k, v): self[k] = v
@@ -15,10 +16,10 @@ ranks have reported before it exits. Store errors (the job already going down) r
 >>> alarm = PeerAlarm(Store(), world_size=2)
 >>> alarm.rung(), alarm.ring(rank=1), alarm.rung()
 (False, None, True)
->>> alarm.reported(), alarm.wait_for_all(timeout=0.05, poll=0.01)
-(1, False)
->>> alarm.reported(), alarm.wait_for_all(timeout=0.05, poll=0.01)
-(2, True)
+>>> alarm.reported(rank=0), alarm.wait_for_all(timeout=0.05, poll=0.01), alarm.silent()
+(1, False, [1])
+>>> alarm.reported(rank=1), alarm.wait_for_all(timeout=0.05, poll=0.01), alarm.silent()
+(2, True, [])
 """
 
 from __future__ import annotations
@@ -68,12 +69,20 @@ class PeerAlarm:
         except Exception:  # noqa: BLE001 - a store that is gone rings no alarm
             return False
 
-    def reported(self) -> int:
+    def reported(self, *, rank: int) -> int:
         """Count this rank's report; returns how many ranks have reported."""
         try:
+            self.store.set(f"{self.reports}/{rank}", "1")
             return int(self.store.add(self.reports, 1))
         except Exception:  # noqa: BLE001
             return 0
+
+    def silent(self) -> list[int]:
+        """The ranks that have not reported (none when the store cannot say)."""
+        try:
+            return [r for r in range(self.world_size) if not self.store.check([f"{self.reports}/{r}"])]
+        except Exception:  # noqa: BLE001
+            return []
 
     def wait_for_all(self, *, timeout: float, poll: float = 0.2) -> bool:
         """Wait until every rank has reported (at most ``timeout`` seconds); whether they all did."""
