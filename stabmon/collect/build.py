@@ -255,12 +255,18 @@ def _logits(model: nn.Module, config: MonitorConfig) -> OutputLogits | None:
 
 
 def build_outbox(spec: MonitorSpec, *, rank: int, failsafe: Failsafe, run_name: str) -> Outbox:
-    """Rank 0's store and notifier (only rank 0 writes to the store and sends alerts)."""
+    """Rank 0's store and notifier (only rank 0 writes to the store and sends alerts), and the OTLP export
+    ``spec.otlp`` asks for (:mod:`stabmon.integrations.otel`: rank 0's, or every rank's per rank)."""
     leader = rank == 0
     sink, owns_store = resolve_store(spec.store if leader else None)
     alerter, owns_notifier = resolve_notifier(spec.notifier, spec.alerts, sink) if leader else (None, False)
+    exporter = None
+    if spec.otlp is not False:
+        from stabmon.integrations.otel import exporter_for
+
+        exporter = exporter_for(spec.otlp, rank=rank, run_name=run_name)
     return Outbox(sink, alerter, failsafe=failsafe, run_name=run_name, owns_store=owns_store,
-                  owns_notifier=owns_notifier)
+                  owns_notifier=owns_notifier, exporter=exporter)
 
 
 def build_checkpoints(spec: MonitorSpec, outbox: Outbox) -> CheckpointStore | None:

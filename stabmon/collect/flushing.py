@@ -61,8 +61,20 @@ SAVED = Agreement(problems=("checkpoint_error", "rolled_back_state_not_saved", "
 checkpoint."""
 
 
+class Exporter(Protocol):
+    """Live metrics out of the process (:class:`stabmon.integrations.otel.OtlpExporter`): fed at each flush with
+    the flushed records and the published events, it exports on a thread of its own; feeding never blocks."""
+
+    def steps(self, *, run_id: str, records: Sequence[StepRecord]) -> None: ...
+
+    def events(self, *, run_id: str, events: Sequence[Any]) -> None: ...
+
+    def close(self, timeout: float | None = None) -> None: ...
+
+
 class Outbox:
-    """The run in the store and the alert channels; nothing here raises (see the module docstring).
+    """The run in the store, the alert channels and the live exporter (``exporter``: on rank 0, or on every
+    rank when it exports per rank); nothing here raises (see the module docstring).
 
     >>> from stabmon.collect.failsafe import Failsafe
     >>> box = Outbox(None, None, failsafe=Failsafe(), run_name="doc")
@@ -79,8 +91,11 @@ class Outbox:
         run_name: str,
         owns_store: bool = False,
         owns_notifier: bool = False,
+        exporter: Exporter | None = None,
     ) -> None:
         self.store, self.notifier = store, notifier
+        self.exporter = exporter
+        """The live metrics export (None: none); the outbox closes it."""
         self.failsafe = failsafe
         self.run_name = run_name
         self.run_id = ""
@@ -125,9 +140,11 @@ class Outbox:
         return value if isinstance(value, int) else None
 
     def write_steps(self, records: Sequence[StepRecord]) -> None:
-        store = self.store
+        store, exporter = self.store, self.exporter
         if records and store is not None:
             self.failsafe.call("store", lambda: store.write_steps(run_id=self.run_id, records=records))
+        if records and exporter is not None:
+            self.failsafe.call("export", lambda: exporter.steps(run_id=self.run_id, records=records))
 
     def send(self, events: Sequence[Any]) -> None:
         """Anomalies, decisions, interventions and outcomes to the store and to the notifier."""
@@ -135,9 +152,11 @@ class Outbox:
         self.notify(events)
 
     def store_events(self, events: Sequence[Any]) -> None:
-        store = self.store
+        store, exporter = self.store, self.exporter
         if store is not None:
             self.failsafe.call("store", lambda: store.write_events(run_id=self.run_id, events=events))
+        if exporter is not None:
+            self.failsafe.call("export", lambda: exporter.events(run_id=self.run_id, events=events))
 
     def notify(self, events: Sequence[Any]) -> None:
         """The events to the notifier (its gates decide at once what goes out; delivery is on its threads)."""
@@ -174,7 +193,9 @@ class Outbox:
 
     def settle(self) -> None:
         """What was sent reaches the database and the alert channels (bounded): before a hang exit."""
-        store, notifier = self.store, self.notifier
+        store, notifier, exporter = self.store, self.notifier, self.exporter
+        if exporter is not None:
+            self.failsafe.call("export", exporter.close)
         if notifier is not None:  # first: its last delivery attempts are rows for the store
             self.failsafe.call("alerts", lambda: notifier.close(timeout=10.0))
         if store is not None:
@@ -208,7 +229,10 @@ class Outbox:
 
     def _release(self) -> None:
         """Close what this outbox opened: the notifier first (its last attempts are rows for the store), then the
-        store (its close() drains within its close_timeout and spools the rest)."""
+        store (its close() drains within its close_timeout and spools the rest), and the exporter (its last export,
+        bounded)."""
+        if self.exporter is not None:
+            self.failsafe.call("export", self.exporter.close)
         if self.notifier is not None and self.owns_notifier:
             self.failsafe.call("alerts", partial(self.notifier.close, timeout=10.0))
         if self.store is not None and self.owns_store:
