@@ -234,7 +234,7 @@ def real_alarms(labels: str, pre: int = 100) -> tuple[int, int, int, Counter[str
     """Runs, records, training steps spanned and warnings-or-worse per metric family (the name before its first
     ``/``) outside the labelled incidents (``step_start - pre`` to ``step_end``, as ``stabmon eval``), replaying
     the shipped default suite over each run of a corpus."""
-    runs = load_runs(labels)
+    runs = load_runs(labels, group_wandb=True)  # the corpus's resumed W&B segments: one run each
     records = spanned = 0
     outside: Counter[str] = Counter()
     for run in runs:

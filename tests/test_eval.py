@@ -47,8 +47,10 @@ def test_read_labels_real(real_runs: Path) -> None:
     assert cats["hardware_crash"] == "other" and cats["none_control"] == "control"
     assert cats["collapse_after_resume_then_partial_recovery"] == "numeric"
     seed3 = next(lb for lb in labels if "410m-seed3" in lb.file)
-    name, files = run_files(seed3, real_runs)
+    name, files = run_files(seed3, real_runs, group_wandb=True)  # the old guess, when asked for
     assert name == "polypythias-wandb-lm-loss/410m-seed3" and len(files) == 10
+    name, files = run_files(seed3, real_runs)  # by default a run is what the label names: nothing guessed
+    assert name == seed3.file and [f.name for f in files] == ["410m-seed3_vjl8rypi.tsv"]
 
 
 @pytest.mark.parametrize(

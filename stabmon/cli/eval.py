@@ -12,12 +12,36 @@ from stabmon.cli.importing import PatternOption
 from stabmon.cli.replay import SetOption
 from stabmon.replay.progress import progress_bar, wanted
 
+EngineOption = Annotated[
+    str,
+    typer.Option("--engine", help="local: --jobs processes here; ray: one Ray task per run, on the cluster at "
+                 "RAY_ADDRESS or a local instance of --jobs CPUs (pip install 'stabmon[ray]')."),
+]
+GroupWandbOption = Annotated[
+    bool,
+    typer.Option("--group-wandb", help="Also join files named <prefix>_<8-character W&B run id> with the other "
+                 "segments of that prefix beside them into one run (else a run is a label's glob or its run "
+                 "column)."),
+]
+
+
+def make_engine_or_fail(engine: str, jobs: int) -> Any:
+    """The engine ``--engine`` names, or one line: an unknown name, ``--jobs`` < 1, ray not installed."""
+    from stabmon.replay.engines import make_engine
+
+    try:
+        return make_engine(engine, jobs=jobs)
+    except ValueError as exc:
+        fail(str(exc).splitlines()[0])
+
 
 def eval_command(
     labels: Annotated[Path, typer.Option("--labels", help="LABELS.csv (file paths relative to it).")],
     runbook: Annotated[str, typer.Option("--runbook", help="Runbook for stabmon's decisions.")] = "default",
     sets: SetOption = None,
-    jobs: Annotated[int, typer.Option("--jobs", help="Runs evaluated in parallel processes.")] = 1,
+    jobs: Annotated[
+        int, typer.Option("--jobs", help="Runs evaluated in parallel (processes, or a local Ray instance's CPUs).")
+    ] = 1,
     pre: Annotated[int, typer.Option("--pre", help="Steps before step_start that still count.")] = 100,
     min_severity: Annotated[
         str, typer.Option("--min-severity", help="Lowest anomaly severity that alerts.")
@@ -27,6 +51,8 @@ def eval_command(
         bool, typer.Option("--json", help="One JSON object per row, one per line.")
     ] = False,
     patterns: PatternOption = None,
+    engine: EngineOption = "local",
+    group_wandb: GroupWandbOption = False,
 ) -> None:
     """Per labelled incident: detected, first alert, lead steps; per run: false alarms; for stabmon and the
     peer rules (LLM Foundry, OLMo-core, ZClip, Lightning, Megatron) side by side."""
@@ -41,9 +67,10 @@ def eval_command(
     if min_severity not in allowed:
         fail(f"--min-severity must be one of {', '.join(allowed)}, got {min_severity!r}")
     severity = Severity(min_severity)
+    runner = make_engine_or_fail(engine, jobs)
     try:
         _check_runbook(runbook)
-        total = count_runs(labels)
+        total = count_runs(labels, group_wandb=group_wandb)
         with progress_bar("eval", total=total, enabled=wanted(json_output)) as advance:
             report = evaluate(
                 labels,
@@ -55,6 +82,8 @@ def eval_command(
                 peers=peers,
                 progress=advance,
                 patterns=tuple(patterns or ()),
+                engine=runner,
+                group_wandb=group_wandb,
             )
     except ValueError as exc:
         fail(str(exc).splitlines()[0])

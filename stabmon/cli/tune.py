@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from stabmon.cli._common import echo, fail, print_json
+from stabmon.cli.eval import EngineOption, GroupWandbOption, make_engine_or_fail
 from stabmon.cli.importing import PatternOption
 from stabmon.replay.progress import progress_bar, wanted
 
@@ -22,7 +23,9 @@ def tune_command(
     space: Annotated[
         Path | None, typer.Option("--space", help="YAML: detector.param -> list of values.")
     ] = None,
-    jobs: Annotated[int, typer.Option("--jobs", help="Candidates scored in parallel processes.")] = 1,
+    jobs: Annotated[
+        int, typer.Option("--jobs", help="Candidates scored in parallel processes (ray: a local instance's CPUs).")
+    ] = 1,
     folds: Annotated[int, typer.Option("--folds", help="Cross-validation folds over the runs.")] = 2,
     leave_one_out: Annotated[
         bool, typer.Option("--leave-one-out", help="One fold per run (overrides --folds).")
@@ -33,6 +36,8 @@ def tune_command(
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     patterns: PatternOption = None,
+    engine: EngineOption = "local",
+    group_wandb: GroupWandbOption = False,
 ) -> None:
     """Search detector parameters (grid or random, in parallel), objective recall and lead time penalised by
     false alarms, cross-validated over runs; write the winner as a file a runbook can `include:`."""
@@ -48,6 +53,7 @@ def tune_command(
         fail(f"--jobs must be >= 1, got {jobs}")
     if not labels.is_file():
         fail(f"no such labels file: {labels}")
+    runner = make_engine_or_fail(engine, jobs)
     _check_out(out)
     space_map = _read_space(space) if space else None
     try:
@@ -64,6 +70,8 @@ def tune_command(
                 runbook=runbook,
                 progress=advance,
                 patterns=tuple(patterns or ()),
+                engine=runner,
+                group_wandb=group_wandb,
             )
     except (ValueError, OSError) as exc:
         fail(str(exc).splitlines()[0])

@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import multiprocessing
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,9 +52,10 @@ from stabmon.events import Anomaly, Decision, Event, Severity, StepRecord
 from stabmon.interventions.traits import recorded_traits
 from stabmon.pipeline import Pipeline
 from stabmon.replay.baselines import peer_rules
+from stabmon.replay.engines import Engine, make_engine
 from stabmon.replay.importers.pattern import compile_patterns
-from stabmon.replay.importers.sniff import import_files, nothing_read
-from stabmon.replay.labels import Label, read_labels, run_files
+from stabmon.replay.importers.sniff import nothing_read
+from stabmon.replay.labels import Label, RunSpec, read_labels, runs_of
 from stabmon.replay.replay import replay, simulated_pipeline
 
 log = logging.getLogger(__name__)
@@ -169,14 +168,17 @@ def _by_step(events: Sequence[Event]) -> list[list[Event]]:
 
 
 def _run_one(
-    run: str, files: Sequence[Path], factory: PipelineFactory | None, min_severity: Severity, peers: bool,
-    patterns: Sequence[str] = (),
+    spec: RunSpec, factory: PipelineFactory | None, min_severity: Severity, peers: bool
 ) -> RunAlerts:
+    """One run, imported from its files (each with its own reader) and replayed: the unit of work of an engine."""
+    run = spec.name
+    if spec.error is not None:
+        return RunAlerts(run=run, error=spec.error)
     try:
-        imported = import_files(files, format="pattern" if patterns else None, patterns=patterns)
+        imported = spec.read()
     except Exception as exc:  # noqa: BLE001 - one unreadable run is reported, the others are still evaluated
         return RunAlerts(run=run, error=f"{type(exc).__name__}: {exc}")
-    empty = nothing_read(imported, files)
+    empty = nothing_read(imported, spec.files)
     if empty is not None:
         return RunAlerts(run=run, error=empty)
     try:
@@ -193,12 +195,6 @@ def _run_one(
         return RunAlerts(run=run, steps=len(imported.records), error=f"{type(exc).__name__}: {exc}")
     out.malformed = imported.malformed
     return out
-
-
-def _spawn() -> Any:
-    """Worker processes are spawned, never forked: polars' thread pool (used to read the logs) does not
-    survive a fork of a process that already used it, and the workers would hang."""
-    return multiprocessing.get_context("spawn")
 
 
 @dataclass
@@ -393,47 +389,33 @@ def evaluate(
     peers: bool = True,
     progress: Callable[[int], None] | None = None,
     patterns: Sequence[str] = (),
+    engine: str | Engine = "local",
+    group_wandb: bool = False,
 ) -> EvalReport:
-    """Evaluate every method on every labelled run; ``jobs > 1`` runs the runs in parallel processes. With
-    ``patterns`` every labelled file is read as a text log with them (see ``importers/pattern.py``), else its
-    format is sniffed."""
+    """Evaluate every method on every labelled run. Each run is one piece of work of ``engine``
+    (:mod:`stabmon.replay.engines`: ``"local"``, ``jobs`` processes; ``"ray"``, one Ray task per run). A file is
+    read with its row's ``format`` / ``pattern`` column, else with ``patterns`` when given (see
+    ``importers/pattern.py``), else its sniffed format; ``group_wandb`` joins same-prefix W&B segments into one run
+    (:mod:`stabmon.replay.labels`)."""
     if patterns:
         compile_patterns(patterns)  # a bad pattern is one error here, not one per run
+    runner = make_engine(engine, jobs=jobs) if isinstance(engine, str) else engine
     labels_path = Path(labels_path)
     labels = read_labels(labels_path)
-    base = labels_path.parent
     if stabmon and factory is None:
         factory = functools.partial(default_factory, runbook=runbook, overrides=tuple(overrides))
     if not stabmon:
         factory = None
-    label_runs: dict[int, str] = {}
-    run_paths: dict[str, list[Path]] = {}
-    for i, lb in enumerate(labels):
-        name, paths = run_files(lb, base)
-        label_runs[i] = name
-        run_paths.setdefault(name, paths)
-    runs: dict[str, RunAlerts] = {}
-    todo = [(name, paths) for name, paths in run_paths.items()]
-    for name, paths in todo:
-        if not paths:
-            runs[name] = RunAlerts(run=name, error=f"no file matches {name!r} under the labels' directory")
-    todo = [(n, p) for n, p in todo if p]
-    if jobs > 1 and len(todo) > 1:
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=_spawn()) as pool:
-            futures = {n: pool.submit(_run_one, n, p, factory, min_severity, peers, patterns) for n, p in todo}
-            for n, fut in futures.items():
-                runs[n] = fut.result()
-                if progress:
-                    progress(1)
-    else:
-        for n, p in todo:
-            runs[n] = _run_one(n, p, factory, min_severity, peers, patterns)
-            if progress:
-                progress(1)
+    label_runs, specs = runs_of(labels, labels_path.parent, patterns=patterns, group_wandb=group_wandb)
+    runs = {name: RunAlerts(run=name, error=spec.error) for name, spec in specs.items() if spec.error}
+    todo = [spec for spec in specs.values() if not spec.error]
+    work = functools.partial(_run_one, factory=factory, min_severity=min_severity, peers=peers)
+    for spec, result in zip(todo, runner.map(work, todo, progress=progress), strict=True):
+        runs[spec.name] = result
     return score(labels, runs, label_runs, pre=pre)
 
 
-def count_runs(labels_path: str | Path) -> int:
+def count_runs(labels_path: str | Path, *, group_wandb: bool = False) -> int:
     """How many distinct runs a labels file names (for a progress bar's total)."""
     labels_path = Path(labels_path)
-    return len({run_files(lb, labels_path.parent)[0] for lb in read_labels(labels_path)})
+    return len(runs_of(read_labels(labels_path), labels_path.parent, group_wandb=group_wandb)[1])

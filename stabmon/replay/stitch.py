@@ -6,8 +6,11 @@ actually became, so it supersedes the earlier one from its first step on, and th
 restart. Segments are ordered by (first step, last step): of two segments starting at the same step, the one
 that ended first was the aborted attempt.
 
-Files belong to the same run when they share the prefix before the W&B run id (``410m-seed5_4cpv52gc.tsv`` and
-``410m-seed5_i8jjatq1.tsv`` are run ``410m-seed5``).
+Which files are one run is said, never guessed: a labels file's glob or ``run`` column
+(:mod:`stabmon.replay.labels`), or the files given to one ``stabmon replay``. Only when it is asked for
+(``--group-wandb``) are files joined because they share the prefix before a W&B run id
+(:func:`run_key`: ``410m-seed5_4cpv52gc.tsv`` and ``410m-seed5_i8jjatq1.tsv`` are run ``410m-seed5``); a name
+that merely ends in ``_`` and 8 letters or digits is otherwise just a name.
 
 >>> from stabmon.events import StepRecord
 >>> from stabmon.replay.importers.base import ImportResult
@@ -32,7 +35,8 @@ _WANDB_ID = re.compile(r"^(?P<prefix>.+)_(?P<id>[a-z0-9]{8})$")
 
 
 def run_key(path: str | Path) -> str:
-    """The run a file belongs to: the stem without a trailing ``_<8-character W&B run id>``."""
+    """The run a file belongs to when grouping by W&B run id is asked for: the stem without a trailing
+    ``_<8-character W&B run id>``."""
     stem = Path(path).name.split(".")[0]
     m = _WANDB_ID.match(stem)
     return m.group("prefix") if m else stem

@@ -7,8 +7,10 @@ replaying them through stabmon (the same detectors and, when given, runbook as
 small reward for lead time, minus a penalty per false alarm per 10k steps. Runs are split into ``folds``
 groups (``leave_one_out``: one group per run); for each fold the best candidate on the other runs is reported on
 the held-out one (so the figures are not fitted to the runs they describe), and the candidate best over all
-runs is the one written. :func:`held_out` sums the held-out folds into one figure. Candidates are
-scored in parallel processes (``jobs``); each worker imports the runs once.
+runs is the one written. :func:`held_out` sums the held-out folds into one figure. With the local engine
+candidates are scored in parallel processes (``jobs``), each worker importing the runs once; with a distributed
+engine (``engine="ray"``, :mod:`stabmon.replay.engines`) each run is one task that imports it from its files and
+replays every candidate on it. Both give the same result.
 
 The output is a YAML mapping ``{"detectors": {name: {param: value}}}`` that a runbook merges with
 ``include: tuned.yaml``.
@@ -36,10 +38,10 @@ from typing import Any
 
 import yaml
 
-from stabmon.replay.eval import RunAlerts, _spawn, alerts_for, default_factory, score
+from stabmon.replay.engines import Engine, LocalEngine, make_engine, spawn_context
+from stabmon.replay.eval import RunAlerts, alerts_for, default_factory, score
 from stabmon.replay.importers.pattern import compile_patterns
-from stabmon.replay.importers.sniff import import_files
-from stabmon.replay.labels import Label, read_labels, run_files
+from stabmon.replay.labels import Label, RunSpec, read_labels, runs_of
 
 DEFAULT_SPACE: dict[str, list[Any]] = {
     "spike.z_threshold": [4.0, 6.0, 8.0],
@@ -93,30 +95,39 @@ def validate_space(space: Mapping[str, Any]) -> dict[str, list[Any]]:
 @dataclass
 class LabelledRun:
     name: str
-    records: list[Any]
+    records: list[Any]  # empty where the run was replayed in a distributed engine's task, not here
     restarts: list[int]
     labels: list[Label]
 
 
-def load_runs(labels_path: str | Path, patterns: Sequence[str] = ()) -> list[LabelledRun]:
-    """Every run with at least one numeric or control label, imported (segments stitched), in name order;
-    with ``patterns`` every file is read as a text log with them (``importers/pattern.py``)."""
+def labelled_specs(
+    labels_path: str | Path, patterns: Sequence[str] = (), *, group_wandb: bool = False
+) -> list[tuple[RunSpec, list[Label]]]:
+    """Every run with files and at least one numeric or control label, with its labels, in name order."""
     labels_path = Path(labels_path)
+    labels = read_labels(labels_path)
+    label_runs, specs = runs_of(labels, labels_path.parent, patterns=patterns, group_wandb=group_wandb)
+    by_run: dict[str, list[Label]] = {}
+    for i, lb in enumerate(labels):
+        by_run.setdefault(label_runs[i], []).append(lb)
+    return [(specs[n], by_run[n]) for n in sorted(specs)
+            if specs[n].error is None and any(lb.category != "other" for lb in by_run[n])]
+
+
+def load_runs(labels_path: str | Path, patterns: Sequence[str] = (), *, group_wandb: bool = False) -> list[LabelledRun]:
+    """Every run with at least one numeric or control label, imported (segments stitched), in name order; a
+    file is read with its row's ``format`` / ``pattern`` column, else with ``patterns`` when given
+    (``importers/pattern.py``), else its sniffed format. A run no importer reads is left out."""
     if patterns:
         compile_patterns(patterns)  # a bad pattern is one error here, not every run silently left out
-    runs: dict[str, LabelledRun] = {}
-    for lb in read_labels(labels_path):
-        name, files = run_files(lb, labels_path.parent)
-        if not files:
+    runs = []
+    for spec, labels in labelled_specs(labels_path, patterns, group_wandb=group_wandb):
+        try:
+            imported = spec.read()
+        except Exception:  # noqa: BLE001 - a run no importer reads is left out of tuning
             continue
-        if name not in runs:
-            try:
-                imported = import_files(files, format="pattern" if patterns else None, patterns=patterns)
-            except Exception:  # noqa: BLE001 - a run no importer reads is left out of tuning
-                continue
-            runs[name] = LabelledRun(name, imported.records, imported.restarts, [])
-        runs[name].labels.append(lb)
-    return [runs[k] for k in sorted(runs) if any(lb.category != "other" for lb in runs[k].labels)]
+        runs.append(LabelledRun(spec.name, imported.records, imported.restarts, labels))
+    return runs
 
 
 def metrics_for(runs: Sequence[LabelledRun], alerts: Mapping[str, RunAlerts]) -> dict[str, Any]:
@@ -135,20 +146,36 @@ def metrics_for(runs: Sequence[LabelledRun], alerts: Mapping[str, RunAlerts]) ->
 _RUNS: list[LabelledRun] = []
 
 
-def _init_worker(labels_path: str, patterns: Sequence[str]) -> None:
+def _init_worker(labels_path: str, patterns: Sequence[str], group_wandb: bool) -> None:
     global _RUNS
-    _RUNS = load_runs(labels_path, patterns)
+    _RUNS = load_runs(labels_path, patterns, group_wandb=group_wandb)
+
+
+def _factory(overrides: Mapping[str, Any], runbook: Any) -> Callable[[], Any]:
+    items = tuple(f"{k}={v}" for k, v in overrides.items())
+    return functools.partial(default_factory, runbook=runbook, overrides=items)
 
 
 def _candidate_alerts(
     overrides: Mapping[str, Any], runbook: Any, runs: Sequence[LabelledRun] | None = None
 ) -> dict[str, RunAlerts]:
-    items = tuple(f"{k}={v}" for k, v in overrides.items())
-    factory = functools.partial(default_factory, runbook=runbook, overrides=items)
+    factory = _factory(overrides, runbook)
     return {
         r.name: alerts_for(r.records, run=r.name, factory=factory, restarts=r.restarts, peers=False)
         for r in (runs if runs is not None else _RUNS)
     }
+
+
+def _run_candidates(spec: RunSpec, candidates: Sequence[Mapping[str, Any]], runbook: Any) -> list[RunAlerts] | None:
+    """One run's task in a distributed engine: import it from its files, replay every candidate on it (None: no
+    importer reads it, and it is left out, as :func:`load_runs` leaves it out)."""
+    try:
+        imported = spec.read()
+    except Exception:  # noqa: BLE001 - a run no importer reads is left out of tuning
+        return None
+    records = imported.records
+    return [alerts_for(records, run=spec.name, factory=_factory(c, runbook), restarts=imported.restarts, peers=False)
+            for c in candidates]
 
 
 @dataclass
@@ -184,31 +211,25 @@ def tune(
     score_fn: Callable[[Mapping[str, Any]], float] = objective,
     progress: Callable[[int], None] | None = None,
     patterns: Sequence[str] = (),
+    engine: str | Engine = "local",
+    group_wandb: bool = False,
 ) -> TuneResult:
-    """Search, cross-validate and pick the winner; see the module docstring."""
+    """Search, cross-validate and pick the winner; see the module docstring. ``engine``: ``"local"`` (``jobs``
+    processes, one candidate each at a time), ``"ray"`` (one task per run) or an :class:`Engine`."""
     space = validate_space(space if space is not None else DEFAULT_SPACE)
     if folds < 1:
         raise ValueError(f"tune.folds must be >= 1, got {folds}")
     if jobs < 1:
         raise ValueError(f"tune.jobs must be >= 1, got {jobs}")
     candidates = random_candidates(space, n_random, seed=seed) if n_random else grid(space)
-    runs = load_runs(labels_path, patterns)
-    if not runs:
-        raise ValueError(f"{labels_path}: no labelled run could be imported")
-    per_candidate: list[dict[str, RunAlerts]] = []
-    if jobs > 1:
-        init = (str(labels_path), tuple(patterns))
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=_spawn(), initializer=_init_worker,
-                                 initargs=init) as pool:
-            for res in pool.map(functools.partial(_candidate_alerts, runbook=runbook), candidates):
-                per_candidate.append(res)
-                if progress:
-                    progress(1)
+    runner = make_engine(engine, jobs=jobs) if isinstance(engine, str) else engine
+    if runner.distributed:
+        runs, per_candidate = _distributed(runner, labels_path, candidates, runbook, patterns, group_wandb, progress)
     else:
-        for cand in candidates:
-            per_candidate.append(_candidate_alerts(cand, runbook, runs))
-            if progress:
-                progress(1)
+        runs = load_runs(labels_path, patterns, group_wandb=group_wandb)
+        if not runs:
+            raise ValueError(f"{labels_path}: no labelled run could be imported")
+        per_candidate = _local(runner, runs, labels_path, candidates, runbook, patterns, group_wandb, progress)
     rows: list[dict[str, Any]] = []
     for cand, alerts in zip(candidates, per_candidate, strict=True):
         m = metrics_for(runs, alerts)
@@ -237,6 +258,61 @@ def tune(
     return TuneResult(
         best=candidates[best_i], best_metrics=rows[best_i]["metrics"], candidates=rows, folds=fold_rows
     )
+
+
+def _local(
+    runner: Engine, runs: list[LabelledRun], labels_path: str | Path, candidates: list[dict[str, Any]], runbook: Any,
+    patterns: Sequence[str], group_wandb: bool, progress: Callable[[int], None] | None,
+) -> list[dict[str, RunAlerts]]:
+    """Per candidate, its alerts on every run: candidates in ``jobs`` processes, each importing the runs once."""
+    jobs = runner.jobs if isinstance(runner, LocalEngine) else 1
+    per_candidate: list[dict[str, RunAlerts]] = []
+    if jobs > 1:
+        init = (str(labels_path), tuple(patterns), group_wandb)
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=spawn_context(), initializer=_init_worker,
+                                 initargs=init) as pool:
+            for res in pool.map(functools.partial(_candidate_alerts, runbook=runbook), candidates):
+                per_candidate.append(res)
+                if progress:
+                    progress(1)
+    else:
+        for cand in candidates:
+            per_candidate.append(_candidate_alerts(cand, runbook, runs))
+            if progress:
+                progress(1)
+    return per_candidate
+
+
+def _distributed(
+    runner: Engine, labels_path: str | Path, candidates: list[dict[str, Any]], runbook: Any,
+    patterns: Sequence[str], group_wandb: bool, progress: Callable[[int], None] | None,
+) -> tuple[list[LabelledRun], list[dict[str, RunAlerts]]]:
+    """(runs, per candidate its alerts on every run) with one task per run, each reading its own files."""
+    if patterns:
+        compile_patterns(patterns)
+    pairs = labelled_specs(labels_path, patterns, group_wandb=group_wandb)
+    share = _Share(len(candidates), len(pairs), progress)
+    work = functools.partial(_run_candidates, candidates=candidates, runbook=runbook)
+    results = runner.map(work, [spec for spec, _ in pairs], progress=share.advance)
+    kept = [(spec, labels, res) for (spec, labels), res in zip(pairs, results, strict=True) if res is not None]
+    if not kept:
+        raise ValueError(f"{labels_path}: no labelled run could be imported")
+    runs = [LabelledRun(spec.name, [], [], labels) for spec, labels, _ in kept]
+    return runs, [{spec.name: res[c] for spec, _, res in kept} for c in range(len(candidates))]
+
+
+class _Share:
+    """A progress callback counted in candidates, advanced by runs done (``total`` candidates over ``runs``)."""
+
+    def __init__(self, total: int, runs: int, progress: Callable[[int], None] | None) -> None:
+        self.total, self.runs, self.progress, self.done, self.shown = total, max(runs, 1), progress, 0, 0
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = self.total * self.done // self.runs
+        if self.progress and now > self.shown:
+            self.progress(now - self.shown)
+        self.shown = max(self.shown, now)
 
 
 def held_out(folds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
