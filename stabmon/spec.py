@@ -24,15 +24,19 @@ unexpected keyword argument 'clip'
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.config import MonitorConfig
 from stabmon.pipeline import EngineLike
 from stabmon.recipe import check_recipe
 from stabmon.store.limits import check_name
+
+if TYPE_CHECKING:
+    from stabmon.integrations.otel import OtlpConfig
 
 MODES = ("propose", "apply", "observe", None)
 
@@ -77,6 +81,9 @@ class MonitorSpec:
     """``propose`` (a human approves), ``apply``, ``observe`` (detectors only) or None (the runbook's own)."""
     detectors: Any = None
     """None (defaults, or the runbook's ``detectors:``), False (none), a config mapping or a detector suite."""
+    thresholds: str | os.PathLike[str] | None = None
+    """A thresholds file (what ``stabmon tune --out`` writes): its detector settings on top of the runbook's
+    ``detectors:`` (or ``detectors=``), so a shipped runbook takes a tuning without being copied."""
     notifier: Any = None
     """A ready notifier (``handle()`` and ``close()``); wins over ``alerts``."""
     alerts: Iterable[str] | str | None = None
@@ -102,6 +109,13 @@ class MonitorSpec:
     """The run's own settings (its arguments), stored with the run for ``stabmon diff``."""
     loop: Loop = field(default_factory=Loop)
     """What the training loop does with steps and batches (:class:`Loop`; the HF and Lightning callbacks say)."""
+    otlp: bool | str | OtlpConfig | None = None
+    """Live export over OTLP/HTTP (:mod:`stabmon.integrations.otel`, extra ``otel``): None exports when
+    ``$OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` or ``$OTEL_EXPORTER_OTLP_ENDPOINT`` is set; False: never; True: to
+    those or ``localhost:4318``; a URL: there; an :class:`~stabmon.integrations.otel.OtlpConfig` for more."""
+
+    _thresholds: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    """The ``detector.param=value`` settings read from :attr:`thresholds`."""
 
     def __post_init__(self) -> None:
         config = MonitorConfig() if self.config is None else self.config
@@ -124,12 +138,26 @@ class MonitorSpec:
             from stabmon.factory import resolve_runbook
 
             self._set("runbook", resolve_runbook(self.runbook))  # raises "runbook: ..." now
-        if isinstance(self.detectors, Mapping):
+        if self.thresholds is not None:
+            from stabmon.detect.config import load_thresholds
+
+            self._set("_thresholds", tuple(load_thresholds(self.thresholds)))  # raises "thresholds: ..."
+            if self.detectors is False or not (self.detectors is None or isinstance(self.detectors, Mapping)):
+                raise ValueError("thresholds: apply to the default detectors or a detectors= mapping, not to "
+                                 f"detectors={type(self.detectors).__name__}")
+        if isinstance(self.detectors, Mapping) or self.thresholds is not None:
             from stabmon.factory import resolve_detectors
 
-            resolve_detectors(self.detectors)  # raises "detectors: ..." now rather than after the run opened
+            # raises "detectors: ..." now rather than after the run opened (a bad tuned value included)
+            runbook = self.loaded_runbook
+            base = self.detectors if self.detectors is not None else runbook.detectors if runbook is not None else None
+            resolve_detectors(dict(base) if base else None, self.threshold_overrides)
         if self.notifier is not None or self.alerts is not None:
             _check_alerts(self.notifier, self.alerts)
+        if self.otlp is not None:
+            from stabmon.integrations.otel import check_otlp
+
+            check_otlp(self.otlp)  # raises "otlp: ..."
         if self.resume and self.resume_run_id is None:  # a saved monitor state names its run: reopen that one
             self._set("resume_run_id", self.resume.get("run_id"))
 
@@ -147,13 +175,18 @@ class MonitorSpec:
         return _with_cadence(self.config, checkpoint_dir=self.checkpoint_dir, checkpoints=self.checkpoints)
 
     @property
+    def threshold_overrides(self) -> list[str]:
+        """The ``detector.param=value`` settings of :attr:`thresholds` (none without a file)."""
+        return list(self._thresholds)
+
+    @property
     def loaded_runbook(self) -> Any:
         """The :class:`~stabmon.runbook.Runbook` the engine will run (None: none, observe mode, or a ready
         engine given as ``runbook=``)."""
         return None if self.mode == "observe" or isinstance(self.runbook, EngineLike) else self.runbook
 
 
-FIELDS = tuple(sorted(f.name for f in dataclasses.fields(MonitorSpec)))
+FIELDS = tuple(sorted(f.name for f in dataclasses.fields(MonitorSpec) if f.init))
 
 
 def spec_of(spec: MonitorSpec | None, options: Mapping[str, Any]) -> MonitorSpec:

@@ -197,6 +197,7 @@ def test_trait_reads_pass_the_action_rule(source: str) -> None:
 # -- a component gets its collaborators, not the Monitor that owns them --
 MONITOR_USERS = {  # modules that may take a Monitor as a parameter: users of its public API, not its parts
     "stabmon/monitor.py",
+    "stabmon/integrations/_shared.py",  # the framework callbacks' helpers: the monitor the callback built
     "stabmon/cli/demo.py",  # prints the summary of the run it made, from the monitor's public attributes
 }
 
@@ -363,13 +364,15 @@ PROBES_ALLOWED: dict[tuple[str, str], str] = {
     ("stabmon/replay/importers/sniff.py", "mod"): "importer modules discovered by their members",
     ("stabmon/replay/importers/sniff.py", "m"): "importer modules discovered by their members",
     ("stabmon/environment.py", "fn"): "a probe function's name for the log",
-    ("stabmon/__init__.py", "monitor"): "the package's lazy attributes (PEP 562)",
+    ("stabmon/__init__.py", "import_module(where[0])"): "the package's lazy attributes (PEP 562)",
     # reflection by field name over a dataclass or pydantic model of our own (its fields, not a capability)
     ("stabmon/alerts/config.py", "self"): "its own dataclass fields by name",
     ("stabmon/collect/signals/memory.py", "self"): "its own dataclass fields by name",
     ("stabmon/detect/base.py", "self"): "its own state attributes by name (state_dict)",
     ("stabmon/detect/scorer.py", "cls"): "a class's own methods by name",
     ("stabmon/diff.py", "self"): "its own dataclass fields by name",
+    ("stabmon/replay/advice.py", "config"): "a detector config dataclass's fields by name",
+    ("stabmon/replay/advice.py", "configs[firing.detector]"): "a detector config dataclass's field by name",
     ("stabmon/events.py", "event"): "an event dataclass's fields by name",
     ("stabmon/store/store.py", "self"): "its own settings by name (validation)",
     ("stabmon/interventions/_override.py", "overrides"): "the Overrides field an intervention names",

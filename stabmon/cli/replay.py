@@ -91,6 +91,15 @@ def replay_command(
     store_result: Annotated[bool, typer.Option("--store/--no-store", help="Store the replay as a run.")] = True,
     name: Annotated[str | None, typer.Option("--name", help="Name of the stored replay run.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per event, one per line.")] = False,
+    thresholds: Annotated[
+        Path | None,
+        typer.Option("--thresholds", help="Detector settings file (what `stabmon tune --out` writes), over the "
+                                          "runbook's; --set on top."),
+    ] = None,
+    show_all: Annotated[bool, typer.Option("--all", help="Also list the info reports in the event table.")] = False,
+    check: Annotated[
+        bool, typer.Option("--check/--no-check", help="Check each suggested setting by replaying again.")
+    ] = True,
     report: Annotated[
         Path | None, typer.Option("--report", help="Also write the replay's HTML report (as `stabmon report`).")
     ] = None,
@@ -102,6 +111,13 @@ def replay_command(
     from stabmon.replay.replay import event_rows, replay
 
     url = db_url(db)
+    if thresholds is not None:
+        from stabmon.detect.config import load_thresholds
+
+        try:
+            sets = [*load_thresholds(thresholds), *(sets or [])]
+        except ValueError as exc:
+            fail(f"--{exc}")
     parent_id = None
     restarts: list[int] = []
     config: dict[str, Any] = {}
@@ -134,18 +150,46 @@ def replay_command(
             flush_every=every,
             progress=advance,
         )
+    stored_mode = config.get("mode") if config.get("mode") in MODES else None
+
+    def again(extra: list[str]) -> list[Any]:
+        """The replay's events with ``extra`` detector settings (the check of a suggestion)."""
+        p, t = _pipeline(runbook, [*(sets or []), *extra], mode or stored_mode,
+                         _live_checkpoints(config) if missing else 1, config or None)
+        return replay(records, pipeline=p, target=t, approve=approve, restarts=restarts, flush_every=every).events
+
     low = [e for e in result.events if type(e).__name__ != "StepRecord"]
     run_id = _store(url, name or f"replay of {label}", low, parent_id, label, runbook, sets) if store_result else None
     if report is not None:
         _write_report(report, records, low, run_id or "not stored", name or f"replay of {label}", label, parent_id,
                       url)
     rows = event_rows(low)
+    from stabmon.replay.advice import advise, summarize
+
+    summary = summarize(low)
+    advice = advise(summary, _detector_configs(pipeline), again if check else None,
+                    tune_hint=f"stabmon tune --labels LABELS.csv --runbook {runbook}")
     if json_output:
         for row in rows:
             print_json(row)
-        print_json({"type": "summary", "run_id": run_id, **result.summary()})
+        print_json({"type": "summary", "run_id": run_id, **result.summary(), "verdict": summary.verdict,
+                    "detectors": {f.detector: f.counts for f in summary.firings},
+                    "advice": [{"detector": a.detector, "setting": a.setting, "text": a.line, **a.checked}
+                               for a in advice]})
         return
-    _print_table(rows)
+    _print_summary(label, summary, advice)
+    if check:
+        from stabmon.replay.advice import together
+
+        both = together(summary, advice, again)
+        if both is not None:
+            echo(f"tune: {both}")
+    shown = rows if show_all else [r for r in rows if not (r["type"] == "Anomaly" and r.get("severity") == "info")]
+    hidden = len(rows) - len(shown)
+    if shown:
+        _print_table(shown)
+    if hidden:
+        echo(f"({hidden} info report(s) not listed: --all lists them)")
     s = result.summary()
     echo(
         f"{s['steps']} steps replayed: {s['anomalies']} anomalies, {s['decisions']} decisions, "
@@ -228,6 +272,29 @@ def _store(
             return run_id
     except ValueError as exc:
         fail(str(exc))
+
+
+def _detector_configs(pipeline: Any) -> dict[str, Any]:
+    """The replay's detector configs by name (none for a suite that does not say)."""
+    from stabmon.detect import DetectorSuite
+
+    return dict(pipeline.detectors.configs) if isinstance(pipeline.detectors, DetectorSuite) else {}
+
+
+def _print_summary(label: str, summary: Any, advice: list[Any]) -> None:
+    """The first screen: the verdict, each detector that fired, what to tune."""
+    echo(f"{label}: {summary.verdict}" + (f" ({', '.join(summary.changes)})" if summary.changes else ""))
+    for f in summary.firings:
+        counts = ", ".join(f"{n} {s}" for s, n in f.counts.items() if n)
+        echo(f"  {f.detector:<16} {', '.join(f.metrics)[:40]:<40} {counts}")
+    if not summary.firings:
+        echo("  no detector fired")
+    if summary.firings and not advice:
+        echo("tune: nothing to tune: no detector reported 3 or more times below the severity it should keep")
+    for a in advice:
+        echo(f"tune: {a.line}")
+        if a.setting is not None:
+            echo(f"      try: --set {a.setting}  (or put it in a thresholds file: --thresholds FILE)")
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:

@@ -165,3 +165,52 @@ def apply_overrides(
             raise ValueError(f"detectors.{name} must be a mapping, got {section!r}")
         section[key] = value
     return out
+
+
+MAX_THRESHOLDS_BYTES = 1 << 20
+"""A thresholds file is a few settings: a larger one is refused."""
+
+
+def load_thresholds(path: str | Any) -> list[str]:
+    """The ``detector.param=value`` overrides of a thresholds file: what ``stabmon tune --out`` writes
+    (``detectors: {spike: {z_threshold: 7}}``; the ``detectors:`` level may be left out), for ``--thresholds`` and
+    ``Monitor(thresholds=...)``. Errors are one line naming the file.
+
+    >>> import tempfile, pathlib
+    >>> f = pathlib.Path(tempfile.mkdtemp()) / "tuned.yaml"
+    >>> _ = f.write_text("detectors:\\n  spike: {z_threshold: 7.5}\\n  drift: {enabled: false}\\n")
+    >>> load_thresholds(f)
+    ['drift.enabled=false', 'spike.z_threshold=7.5']
+    >>> _ = f.write_text("spike: 3\\n")
+    >>> load_thresholds(f)
+    Traceback (most recent call last):
+    ValueError: thresholds: ...tuned.yaml: spike must map parameters to values, got 3
+    """
+    import os
+
+    import yaml
+
+    name = os.fspath(path)
+    try:
+        with open(name, "rb") as fh:
+            raw = fh.read(MAX_THRESHOLDS_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"thresholds: cannot read {name}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_THRESHOLDS_BYTES:
+        raise ValueError(f"thresholds: {name} is larger than {MAX_THRESHOLDS_BYTES} bytes: not a thresholds file")
+    try:
+        data = yaml.safe_load(raw.decode("utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ValueError(f"thresholds: {name} is no YAML mapping ({str(exc).splitlines()[0]})") from None
+    if isinstance(data, Mapping) and set(data) == {"detectors"}:
+        data = data["detectors"]
+    if not isinstance(data, Mapping) or not data:
+        raise ValueError(f"thresholds: {name} must map detectors to their parameters (as `stabmon tune --out` "
+                         "writes it)")
+    items = []
+    for detector, params in sorted(data.items(), key=lambda kv: str(kv[0])):
+        if not isinstance(params, Mapping):
+            raise ValueError(f"thresholds: {name}: {detector} must map parameters to values, got {params!r}")
+        for key, value in sorted(params.items(), key=lambda kv: str(kv[0])):
+            items.append(f"{detector}.{key}={json.dumps(value)}")
+    return items

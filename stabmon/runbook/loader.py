@@ -3,10 +3,13 @@
 The YAML is composed once to learn the line of every key and list item, then validated by the pydantic
 :class:`~stabmon.runbook.schema.Runbook` model; each validation error's location is mapped back to the line it
 came from. Hostile YAML (huge, deeply nested, alias bombs, bad UTF-8, duplicate keys) is refused first with
-FILE:LINE errors (:mod:`stabmon.runbook.yamlsafe`). An ``include:`` file (an override file, e.g. written by
-``stabmon tune``) is merged over the
-runbook: mappings merge key by key, anything else is replaced; errors in included values point into the
-included file.
+FILE:LINE errors (:mod:`stabmon.runbook.yamlsafe`). ``extends: NAME`` (a bundled runbook or a path, relative to
+the file) starts from that runbook and merges the file over it; an ``include:`` file (an override file, e.g. written
+by ``stabmon tune``) is then merged over the result. Mappings merge key by key, anything else is replaced; errors
+point into the file a value came from. A tuned default, without copying it::
+
+    extends: default
+    include: tuned.yaml
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def load_runbook(name_or_path: str | os.PathLike[str]) -> Runbook:
     'set_clip'
     """
     path = resolve(name_or_path)
-    data, lines = _compose(path)
+    data, lines = _extended(path, ())
     if isinstance(data, Mapping) and isinstance(data.get("include"), str):
         inc = _include_path(path, data["include"], lines)
         inc_data, inc_lines = _compose(inc)
@@ -95,6 +98,38 @@ def loads_runbook(text: str, *, filename: str = "<string>") -> Runbook:
         return Runbook.model_validate(data)
     except ValidationError as exc:
         raise RunbookError([_issue(e, lines, filename) for e in exc.errors()]) from None
+
+
+MAX_EXTENDS = 8
+"""How deep ``extends:`` may chain."""
+
+
+def _extended(path: Path, chain: tuple[Path, ...]) -> tuple[Any, dict[Loc, tuple[str, int]]]:
+    """The runbook file's data with what it ``extends:`` under it (its own name, or its file's stem, kept)."""
+    data, lines = _compose(path)
+    if not isinstance(data, Mapping) or "extends" not in data:
+        return data, lines
+    where = lines.get(("extends",), (str(path), 1))
+    base_name = data["extends"]
+    if not isinstance(base_name, str) or not base_name.strip():
+        raise RunbookError([RunbookIssue(*where, "extends", "must name a bundled runbook or a runbook file")])
+    local = Path(os.path.expandvars(base_name)).expanduser()
+    local = local if local.is_absolute() else path.parent / local
+    try:
+        base = local if local.is_file() else resolve(base_name)
+    except RunbookError:
+        known = ", ".join(bundled_runbooks())
+        raise RunbookError([RunbookIssue(*where, "extends", f"no runbook file and no bundled runbook named "
+                                                             f"{base_name!r} (bundled: {known})")]) from None
+    if base.resolve() in chain or base.resolve() == path.resolve() or len(chain) >= MAX_EXTENDS:
+        raise RunbookError([RunbookIssue(*where, "extends", f"{base_name!r} extends itself (a cycle of extends)")])
+    base_data, base_lines = _extended(base, (*chain, path.resolve()))
+    if not isinstance(base_data, Mapping):
+        raise RunbookError([RunbookIssue(str(base), 1, "(root)", "an extended runbook must hold a mapping")])
+    own = {k: v for k, v in data.items() if k != "extends"}
+    merged = _merge({k: v for k, v in base_data.items() if k != "name"}, own, (), base_lines, lines)
+    merged.setdefault("name", path.stem)
+    return merged, base_lines
 
 
 def _include_path(path: Path, include: str, lines: dict[Loc, tuple[str, int]]) -> Path:
