@@ -6,12 +6,12 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_tune import write_series
 from typer.testing import CliRunner
 
 from stabmon.replay.engines import RAY_MISSING, LocalEngine, RayEngine, make_engine
@@ -117,25 +117,15 @@ def test_eval_on_ray_equals_the_local_engine_on_real_finetunes(
     assert on_ray.rows() == local.rows() and on_ray.summary == local.summary
 
 
-def _series(path: Path, n: int, spike_at: int) -> None:
-    rows = ["step,loss,grad_norm"]
-    for s in range(n):
-        loss, norm = 3.0 + 0.02 * math.sin(s), 0.5 + 0.02 * math.cos(s * 1.7)
-        if spike_at <= s < spike_at + 3:
-            loss, norm = loss + 4.0, norm * 30
-        rows.append(f"{s},{loss},{norm}")
-    path.write_text("\n".join(rows) + "\n")
-
-
 @needs_ray
 def test_tune_on_ray_equals_the_local_engine(ray_instance: None, tmp_path: Path) -> None:
     from stabmon.cli import app
 
     rows = ["file,step_start,step_end,kind,label_source,note"]
     for i, spike in enumerate([120, 150, 180]):
-        _series(tmp_path / f"r{i}.csv", 300, spike)
+        write_series(tmp_path / f"r{i}.csv", 300, spike)
         rows.append(f"r{i}.csv,{spike},{spike + 2},loss_spike,author,synthetic")
-    _series(tmp_path / "unread.csv", 300, 100)
+    write_series(tmp_path / "unread.csv", 300, 100)
     (tmp_path / "unread.csv").write_bytes(b"\x00\x01 not a log")  # no importer reads it: left out by both engines
     rows.append("unread.csv,1,2,loss_spike,author,x")
     labels = tmp_path / "LABELS.csv"

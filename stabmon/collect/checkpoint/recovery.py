@@ -49,7 +49,6 @@ from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.checkpoint.restore import ROLLBACK, TrainingState
 from stabmon.collect.cluster.joint import LANDING, Agreement, Joint, RankChannel, restore_agreed
 from stabmon.collect.cluster.rank_policy import RankPolicy, SavePath
-from stabmon.collect.data import DataCursor
 from stabmon.collect.failsafe import Failsafe
 from stabmon.collect.flushing import Outbox
 from stabmon.collect.run_state import RunState
@@ -128,10 +127,6 @@ class Recovery:
     def step(self) -> int:
         """Optimizer steps completed (the index the next step will get)."""
         return self.run.step
-
-    @property
-    def cursor(self) -> DataCursor:
-        return self.run.cursor
 
     @property
     def exit_code(self) -> int:
@@ -238,22 +233,22 @@ class Recovery:
         they are), so one copy of the weights is held while the ranks agree."""
         now = self.state.state_dict()
         saved = {name: value if name == "optimizer" else copy.deepcopy(value) for name, value in now.items()}
-        return partial(self._restore, saved, self.cursor.position)
+        return partial(self._restore, saved, self.run.cursor.position)
 
     def _rollback_from(
         self, choose: Callable[[Any, int, Callable[[dict[str, Any]], int]], tuple[Any, dict[str, Any]]], *,
         onset_step: int, lookback: int, skip_batches: int, checkpoint_dir: str | None = None,
     ) -> dict[str, Any]:
         manager = self._manager(checkpoint_dir)
-        from_step, from_position = self.step, self.cursor.position
+        from_step, from_position = self.step, self.run.cursor.position
         # a run younger than the lookback goes back to its oldest checkpoint (the initial state is saved at step 0)
         land = partial(self._restore, from_position=from_position)  # returns the step it restored
         info, landing = choose(manager, max(0, onset_step - lookback), land)
-        start = self.cursor.position
+        start = self.run.cursor.position
         # skipping needs the loop to draw its batches through monitor.steps(); a hand-written loop that
         # samples its own batches (nanoGPT's get_batch) gets no skip, and the record says so
-        skip = skip_batches if self.cursor.drawing else 0
-        skipped = self.cursor.skip_range(start, skip)
+        skip = skip_batches if self.run.cursor.drawing else 0
+        skipped = self.run.cursor.skip_range(start, skip)
         if skipped:
             self.outbox.write_skipped_batches(step=self.step, batch_indices=skipped)
         unrecorded = self._record_timeline(manager, info)
@@ -271,7 +266,7 @@ class Recovery:
             "restored_step": self.step,
             "from_step": from_step,
             "skipped": [start, start + skip],
-            "rewound_data": self.cursor.rewindable and self.cursor.drawing,
+            "rewound_data": self.run.cursor.rewindable and self.run.cursor.drawing,
         }
         if skip_batches and not skip:
             facts["skip_not_applied"] = "the loop does not draw its batches through monitor.steps()"
@@ -289,13 +284,13 @@ class Recovery:
     def _restore(self, state: dict[str, Any], from_position: int) -> int:
         """The checkpoint's training state (the overrides in force are excluded), the skip set in force kept;
         returns the step restored."""
-        skipped_before = set(self.cursor.skip)
+        skipped_before = set(self.run.cursor.skip)
         self.state.load(state, reason=ROLLBACK)
-        self.cursor.skip |= skipped_before
-        if self.cursor.rewindable:
-            self.cursor.rewind(self.cursor.position)
+        self.run.cursor.skip |= skipped_before
+        if self.run.cursor.rewindable:
+            self.run.cursor.rewind(self.run.cursor.position)
         else:  # a one-shot iterator cannot be rewound: the data keeps flowing forward
-            self.cursor.position = from_position
+            self.run.cursor.position = from_position
         return self.step
 
     def _record_timeline(self, manager: CheckpointStore, target: Any) -> dict[str, str]:
