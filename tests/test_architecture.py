@@ -373,6 +373,7 @@ PROBES_ALLOWED: dict[tuple[str, str], str] = {
     ("stabmon/diff.py", "self"): "its own dataclass fields by name",
     ("stabmon/replay/advice.py", "config"): "a detector config dataclass's fields by name",
     ("stabmon/replay/advice.py", "configs[firing.detector]"): "a detector config dataclass's field by name",
+    ("stabmon/replay/advice.py", "configs[detector]"): "a detector config dataclass's field by name",
     ("stabmon/events.py", "event"): "an event dataclass's fields by name",
     ("stabmon/store/store.py", "self"): "its own settings by name (validation)",
     ("stabmon/interventions/_override.py", "overrides"): "the Overrides field an intervention names",

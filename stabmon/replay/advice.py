@@ -167,7 +167,7 @@ def advise(summary: Summary, configs: Mapping[str, Any], rerun: Callable[[list[s
         if found is None or param is None:
             why = "its threshold is no single setting" if param is None else "its noise and its signal overlap"
             out.append(Advice(firing.detector, f"{head}; {why}: search for a setting against labelled incidents "
-                                               f"with `{tune_hint} --space space.yaml --out tuned.yaml`"))
+                                               f"with `{_tune_command(tune_hint, configs, firing.detector, param)}`"))
             continue
         value, keep, dropped = found
         if rerun is None:
@@ -177,12 +177,22 @@ def advise(summary: Summary, configs: Mapping[str, Any], rerun: Callable[[list[s
             continue
         now = float(getattr(configs[firing.detector], param))
         advice = _checked(firing, head, param, keep, _ladder(now, value, checks), rerun)
+        command = _tune_command(tune_hint, configs, firing.detector, param)
         out.append(advice or Advice(firing.detector, f"{head}; no setting of {firing.detector}.{param} between "
                                                      f"{now:g} and {value:g} keeps its {keep} reports once replayed "
                                                      f"(what it no longer flags, it learns): search against labelled "
-                                                     f"incidents with `{tune_hint} --space space.yaml --out "
-                                                     f"tuned.yaml`"))
+                                                     f"incidents with `{command}`"))
     return out
+
+
+def _tune_command(hint: str, configs: Mapping[str, Any], detector: str, param: str | None) -> str:
+    """The exact ``stabmon tune`` command: over the detector's threshold (``param``: from its setting in force to
+    4x it), or over the default space when it has no single threshold setting."""
+    if param is None or detector not in configs:
+        return f"{hint} --out tuned.yaml"
+    now = float(getattr(configs[detector], param))
+    values = ", ".join(f"{now * f:g}" for f in (1, 1.5, 2, 3, 4))
+    return f"echo '{detector}.{param}: [{values}]' > space.yaml && {hint} --space space.yaml --out tuned.yaml"
 
 
 def _ladder(now: float, top: float, n: int) -> list[float]:
