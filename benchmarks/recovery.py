@@ -51,6 +51,9 @@ ARMS = ("unmonitored", *(f"stabmon:{r}" for r in RUNBOOKS), "stabmon:restart-onl
         *(f"stabmon:only-{a}" for a in ALONE), *PEERS)
 RESCUE_TOLERANCE = 0.10
 CHECKPOINT_EVERY = 25
+SNAPSHOTS, SNAPSHOT_EVERY, SNAPSHOT_KEEP = "+snapshots", 5, 10
+"""``stabmon:RUNBOOK+snapshots``: that arm with a host-memory snapshot every 5 steps (the last 10 kept) in front of
+the disk checkpoints every 25 (``MonitorConfig.snapshots``)."""
 ATTENTION_EVERY = 10
 """Every stabmon arm samples the max attention logits and the per-layer update ratios every 10 steps (both off in
 the monitor's defaults), so that the ``level`` detector can see attention-logit growth (``in-place-first`` answers
@@ -110,11 +113,14 @@ def monitored(
     config: tiny_gpt.TrainConfig, runbook: str, ckpt: str, detectors: dict[str, Any] | None = None,
     signals: int = ATTENTION_EVERY,
 ) -> tiny_gpt.TrainResult:
-    from stabmon.collect.config import AttentionConfig, UpdateConfig
+    from stabmon.collect.config import AttentionConfig, SnapshotConfig, UpdateConfig
     from stabmon.monitor import Monitor, MonitorConfig
 
     # signals=0: the monitor's defaults (no attention logits; update ratios where they cost no copy)
     sampled = {"attention": AttentionConfig(every=signals), "updates": UpdateConfig(every=signals)} if signals else {}
+    if runbook.endswith(SNAPSHOTS):  # the host-memory snapshot tier in front of the disk checkpoints
+        runbook = runbook.removesuffix(SNAPSHOTS)
+        sampled["snapshots"] = SnapshotConfig(every=SNAPSHOT_EVERY, keep=SNAPSHOT_KEEP)
     book: Any = (alone_runbook(runbook.removeprefix("only-")) if runbook.startswith("only-") else
                  restart_only_runbook() if runbook == "restart-only" else runbook)
 
@@ -335,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         if name not in sc.SCENARIOS:
             p.error(f"--scenarios: unknown scenario {name!r} (known: {', '.join(sc.SCENARIOS)})")
     for arm in arms:
-        if arm not in ARMS and not (arm.startswith("stabmon:") and Path(arm.split(":", 1)[1]).is_file()):
+        if arm.removesuffix(SNAPSHOTS) not in ARMS and not (arm.startswith("stabmon:")
+                                                             and Path(arm.split(":", 1)[1]).is_file()):
             p.error(f"--arms: unknown arm {arm!r} (known: {', '.join(ARMS)}, or stabmon:PATH of a runbook YAML)")
     cases = [(n, s) for s in seeds for n in names]  # seed by seed: a stopped run still has whole seeds
     rows: list[Row] = []

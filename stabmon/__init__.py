@@ -22,6 +22,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "HangConfig": ("stabmon.collect.config", "HangConfig"),
     "LogitConfig": ("stabmon.collect.config", "LogitConfig"),
     "MomentConfig": ("stabmon.collect.config", "MomentConfig"),
+    "SnapshotConfig": ("stabmon.collect.config", "SnapshotConfig"),
     "UpdateConfig": ("stabmon.collect.config", "UpdateConfig"),
     # the exit codes a job script or a scheduler reads
     "STOP_EXIT_CODE": ("stabmon.checkpoints", "STOP_EXIT_CODE"),

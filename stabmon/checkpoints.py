@@ -635,6 +635,12 @@ def _atomic_write(path: Path, write: Callable[[Any], Any]) -> int:
     return path.stat().st_size
 
 
+def nonfinite_entry(state: Any) -> str | None:
+    """The dotted path of the first floating-point tensor in ``state`` holding NaN or inf ("" for ``state``
+    itself), or None when every one is finite."""
+    return next(_nonfinite(state, ""), None)
+
+
 def _nonfinite(obj: Any, where: str) -> Iterator[str]:
     """Paths of floating-point tensors holding NaN or inf, depth first (plain floats such as an infinite clip
     threshold are legitimate state and are not checked)."""

@@ -47,12 +47,14 @@ from stabmon.collect.build import (
     build_outbox,
     build_pipeline,
     build_signals,
+    build_snapshots,
     build_training_state,
     kill_switch,
 )
 from stabmon.collect.checkpoint.monitor_state import build_monitor_state
 from stabmon.collect.checkpoint.recovery import Recovery
 from stabmon.collect.checkpoint.resume import ResumeCheck
+from stabmon.collect.checkpoint.snapshots import TieredCheckpoints
 from stabmon.collect.cluster.distributed import PeerLost, RankFollower, broadcast, world
 from stabmon.collect.cluster.joint import RankChannel
 from stabmon.collect.cluster.rank_policy import SavePath, rank_policy
@@ -149,8 +151,13 @@ class Monitor:
             loss_fn=spec.loss_fn, own=self.signals.rank_values.own if self.signals.rank_values is not None else None,
             rank=self.rank, world_size=self.world_size, channel=self._channel)
         handed: deque[Event] = deque()  # a joint action's disagreements, for the flush's publish
+        self.snapshots = build_snapshots(cfg, checkpoints, sharded=layout.sharded)
+        """The host-memory snapshots a rollback restores first (None: ``config.snapshots`` off)."""
+        rollback_from: CheckpointStore | None = checkpoints
+        if self.snapshots is not None and checkpoints is not None:
+            rollback_from = TieredCheckpoints(checkpoints, self.snapshots)
         self.recovery = Recovery(run, state=training, outbox=self.outbox, failsafe=self.failsafe,
-                                 stop_code=cfg.exit_code, checkpoints=checkpoints, policy=self.policy,
+                                 stop_code=cfg.exit_code, checkpoints=rollback_from, policy=self.policy,
                                  channel=self._channel, reports=handed)
         self.handle = self.recovery.handle(hparams=self.signals.hooks.hparams, diagnose=self._diagnoser)
         """What every intervention of the runbook acts on (:class:`~stabmon.interventions.handle.Handle`)."""
@@ -491,6 +498,7 @@ class Monitor:
             self._watchdog.beat(self.run.step - 1)
         every = self.config.checkpoint_every
         flush = len(self.signals.buffer) >= self.config.flush_every
+        completed = self.run.step
         if every and self.checkpoints is not None and self.run.step % every == 0:
             step = self.run.step
             if flush:  # both due: the flush first, and the checkpoint holds what it decided
@@ -499,6 +507,10 @@ class Monitor:
                 self._timed_save()
         elif flush:
             self.flush()
+        snapshots = self.snapshots
+        if snapshots is not None and self.run.step == completed and snapshots.due(completed):
+            with self.outside_steps("snapshot"):  # (a rollback in the flush above landed elsewhere: none now)
+                self.failsafe.call("checkpoint", partial(snapshots.take, completed, self.recovery.state.state_dict))
         self.signals.recorder.restart_clock()  # flush and checkpoint time stay out of the next step's time
 
     # -- flush -------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from stabmon.alerts.notifier import resolve_notifier
 from stabmon.checkpoints import CheckpointStore
 from stabmon.collect.checkpoint.monitor_state import REQUIRED, add_pipeline_state, excluded
 from stabmon.collect.checkpoint.restore import NamedStates, Stateful, TrainingState
+from stabmon.collect.checkpoint.snapshots import HostSnapshots
 from stabmon.collect.cluster.distributed import max_over_ranks, reduce_across_ranks
 from stabmon.collect.cluster.ranks import RankGather, RankProbe
 from stabmon.collect.cluster.sharding import Layout, ShardedSquares, embedding_counted, layout_of
@@ -281,6 +282,23 @@ def build_checkpoints(spec: MonitorSpec, outbox: Outbox) -> CheckpointStore | No
 
     return CheckpointManager(spec.checkpoint_dir, keep=spec.config.checkpoint_keep, sink=outbox.store,
                              run_id=outbox.run_id)
+
+
+def build_snapshots(config: MonitorConfig, checkpoints: CheckpointStore | None, *, sharded: bool
+                    ) -> HostSnapshots | None:
+    """The host-memory snapshot tier ``config.snapshots`` asks for (None: off, no checkpoints to stand in front
+    of, or a sharded model: said once)."""
+    want = config.snapshots
+    if not want.every:
+        return None
+    if checkpoints is None:
+        log.warning("stabmon: config.snapshots needs checkpoints (checkpoint_dir= or checkpoints=): no snapshots")
+        return None
+    if sharded:
+        log.warning("stabmon: config.snapshots: not for a sharded model yet (FSDP): rollbacks use the disk "
+                    "checkpoints")
+        return None
+    return HostSnapshots(every=want.every, keep=want.keep, max_bytes=want.max_bytes)
 
 
 def build_training_state(

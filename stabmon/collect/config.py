@@ -251,6 +251,29 @@ class HangConfig:
 
 
 @dataclass
+class SnapshotConfig:
+    """The host-memory snapshot tier (:mod:`stabmon.collect.checkpoint.snapshots`): a copy of what a checkpoint
+    holds every ``every`` steps, the last ``keep`` of them, that a rollback restores before it reaches for the disk.
+    Off by default (``every=0``); it needs checkpoints (``checkpoint_dir=`` or ``checkpoints=``) and a model that is
+    not sharded (FSDP: disk checkpoints only, said once at start)."""
+
+    every: int = 0
+    """Steps between snapshots (0: no snapshots)."""
+    keep: int = 2
+    """Snapshots held (the oldest is dropped)."""
+    max_bytes: int | None = None
+    """Host memory the snapshots may hold in all (None: ``keep`` copies of the state, whatever their size)."""
+
+    def validate(self, path: str) -> None:
+        if self.every < 0:
+            raise ValueError(f"{path}.every must be >= 0, got {self.every}")
+        if self.keep < 1:
+            raise ValueError(f"{path}.keep must be >= 1, got {self.keep}")
+        if self.max_bytes is not None and self.max_bytes < 1:
+            raise ValueError(f"{path}.max_bytes must be >= 1 or None, got {self.max_bytes}")
+
+
+@dataclass
 class MonitorConfig:
     """Everything the live :class:`~stabmon.monitor.Monitor` needs besides the objects it watches."""
 
@@ -286,6 +309,8 @@ class MonitorConfig:
     """Seconds without a completed step before a ``hang`` anomaly is raised from a watchdog thread, until a
     deadline is learned from step times (``hang``); it also caps that deadline. None: no watchdog."""
     hang: HangConfig = field(default_factory=HangConfig)
+    snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
+    """Host-memory snapshots a rollback restores first (off by default)."""
     history: int = 10_000
     """How many recent StepRecords :attr:`Monitor.records` keeps in memory, and how many recent events and
     anomalies :attr:`Monitor.events` / :attr:`Monitor.anomalies` keep (0 keeps none; the store holds them all):
@@ -318,6 +343,7 @@ class MonitorConfig:
         self.logits.validate("config.logits")
         self.diagnose.validate("config.diagnose")
         self.hang.validate("config.hang")
+        self.snapshots.validate("config.snapshots")
 
     def checkpoint_cadence(self, *, can_save: bool) -> int:
         """The checkpoint cadence in force for a monitor that can (or cannot) save checkpoints itself.
@@ -347,6 +373,7 @@ class MonitorConfig:
             ("logits", LogitConfig),
             ("diagnose", DiagnoseConfig),
             ("hang", HangConfig),
+            ("snapshots", SnapshotConfig),
         ):
             if isinstance(data.get(key), dict):
                 data[key] = sub(**data[key])
