@@ -77,6 +77,10 @@ class Row:
     worse_than_unmonitored: bool
     stopped_at: int | None
     wasted_steps_pct: float
+    wasted_steps: int
+    """Steps trained again, batches skipped and diagnosis passes: what the rescue cost, in steps."""
+    goodput_pct: float
+    """The run's steps over the steps it spent (``steps / (steps + wasted)``)."""
     detect_step: int | None
     interventions: int
     false_interventions: int
@@ -226,6 +230,7 @@ def run_case(scenario: str, seed: int, arms: Iterable[str], signals: int = ATTEN
             healthy_loss=healthy, unmonitored_loss=base.val_loss,
             worse_than_unmonitored=not stopped and result.val_loss > base.val_loss * 1.02 + 1e-9,
             stopped_at=result.stopped_at, wasted_steps_pct=100.0 * facts["wasted"] / config.steps,
+            wasted_steps=int(facts["wasted"]), goodput_pct=100.0 * config.steps / (config.steps + facts["wasted"]),
             detect_step=facts["detect_step"], interventions=facts["interventions"],
             false_interventions=facts["interventions"] if s.healthy else 0, actions=facts["actions"],
             seconds=round(result.seconds, 2)))
@@ -264,15 +269,18 @@ def table(rows: list[Row], arms: list[str]) -> list[str]:
 
 
 def summary(rows: list[Row], arms: list[str]) -> list[str]:
-    out = [f"{'arm':<24} {'rescue rate':>16} {'worse':>6} {'false interv.':>14} {'wasted% (rescued)':>18}"]
+    out = [f"{'arm':<28} {'rescue rate':>16} {'worse':>6} {'false interv.':>14} {'wasted% (rescued)':>18} "
+           f"{'steps wasted/rescue':>20} {'goodput% (rescued)':>19}"]
     for arm in arms:
         rs = [r for r in rows if r.arm == arm]
         pool = [r for r in rs if r.failed_unmonitored and r.rescuable and not r.healthy_control]
         rescued = [r for r in pool if r.rescued]
         rate = f"{len(rescued)}/{len(pool)} ({100 * len(rescued) / len(pool):.0f}%)" if pool else "-"
         wasted = f"{statistics.mean(r.wasted_steps_pct for r in rescued):.1f}" if rescued else "-"
-        out.append(f"{arm:<24} {rate:>16} {sum(r.worse_than_unmonitored for r in rs):>6} "
-                   f"{sum(r.false_interventions for r in rs):>14} {wasted:>18}")
+        steps = f"{statistics.mean(r.wasted_steps for r in rescued):.1f}" if rescued else "-"
+        goodput = f"{statistics.mean(r.goodput_pct for r in rescued):.1f}" if rescued else "-"
+        out.append(f"{arm:<28} {rate:>16} {sum(r.worse_than_unmonitored for r in rs):>6} "
+                   f"{sum(r.false_interventions for r in rs):>14} {wasted:>18} {steps:>20} {goodput:>19}")
     return out
 
 
@@ -320,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"{ATTENTION_EVERY}; 0: the monitor's defaults)")
     args = p.parse_args(argv)
     if args.table is not None:
-        rows = [Row(**r) for r in json.loads(args.table.read_text())]
+        # a file written before the absolute waste and the goodput were recorded: those columns read nan
+        rows = [Row(**{"wasted_steps": math.nan, "goodput_pct": math.nan, **r}) for r in
+                json.loads(args.table.read_text())]
         report(rows, [a for a in ARMS if any(r.arm == a for r in rows)])
         return 0
     if args.seeds < 1 or args.jobs < 1:
