@@ -66,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lr-jump-at", type=int, default=None, help="iteration of a one-time 1000x LR jump")
     p.add_argument("--lr-jump-iters", type=int, default=5)
+    p.add_argument("--lr-jump-factor", type=float, default=LR_JUMP)
+    p.add_argument("--lr-jump-in-schedule", action="store_true",
+                   help="the jump is part of the schedule: it comes back whenever the loop reaches those iterations")
+    p.add_argument("--snapshots", type=int, default=0, help="MonitorConfig.snapshots: a snapshot every N steps")
     p.add_argument("--db", default="sqlite:///stabmon.db", help="the monitor's store URL (stabmon trace reads it)")
     p.add_argument("--runbook", default="default")
     p.add_argument("--mode", default="apply", choices=("apply", "propose", "observe"))
@@ -135,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal jump_spent
         if args.lr_jump_at is None or jump_spent or not args.lr_jump_at <= it < args.lr_jump_at + args.lr_jump_iters:
             return lr
-        jump_spent = it == args.lr_jump_at + args.lr_jump_iters - 1
-        return lr * LR_JUMP
+        jump_spent = it == args.lr_jump_at + args.lr_jump_iters - 1 and not args.lr_jump_in_schedule
+        return lr * args.lr_jump_factor
 
     @torch.no_grad()
     def estimate_loss() -> dict[str, float]:
@@ -171,12 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         detectors = {"step_time": {"enabled": False}} if args.no_step_time else None  # (the tests' option)
         monitor = stabmon.Monitor(model, optimizer, store=args.db, runbook=args.runbook, mode=args.mode,  # stabmon
-                                  config=stabmon.MonitorConfig(clip=grad_clip, checkpoint_every=eval_interval),  # noqa: E501  # stabmon
+                                  config=stabmon.MonitorConfig(  # stabmon
+                                      clip=grad_clip, checkpoint_every=eval_interval,
+                                      snapshots=stabmon.SnapshotConfig(every=args.snapshots, keep=10)),
                                   resume=checkpoint and checkpoint["monitor"], checkpoints=checkpoints,  # stabmon
                                   detectors=detectors)
 
     X, Y = get_batch("train")
     t0 = time.time()
+    trained = 0
     while True:
         lr = injected(iter_num, get_lr(iter_num))
         for param_group in optimizer.param_groups:
@@ -197,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
         optimizer.step()  # the monitor clips at grad_clip (nanoGPT's clip_grad_norm_ line is gone)
         optimizer.zero_grad(set_to_none=True)
+        trained += 1  # optimizer steps taken, those a rollback undoes included (the run's cost)
         monitor.end_step()  # stabmon
         iter_num = monitor.step  # stabmon: was iter_num += 1; a rollback rewinds it
         if iter_num % args.log_interval == 0:
@@ -205,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"time {dt * 1000 / args.log_interval:.1f}ms", flush=True)
     monitor.close()  # stabmon
     losses = estimate_loss()
-    print(f"done: {iter_num} iters, val loss {losses['val']:.4f}", flush=True)
+    print(f"done: {iter_num} iters, val loss {losses['val']:.4f}, {trained} steps trained", flush=True)
     return int(getattr(monitor, "exit_code", 0))
 
 
