@@ -5,6 +5,7 @@ snapshot validates."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,17 @@ from stabmon.collect.checkpoint.snapshots import PREFIX, HostSnapshots, TieredCh
 from stabmon.collect.config import MonitorConfig, SnapshotConfig
 from stabmon.monitor import Monitor
 
+SEED = int(os.environ.get("STABMON_TEST_SEED", "0"))
+"""The weights' and data's seed (``STABMON_TEST_SEED``); torch's threads: ``STABMON_TEST_THREADS``."""
+THREADS = int(os.environ.get("STABMON_TEST_THREADS", "0"))
 
-def train(tmp_path: Path, steps: int, *, snapshots: SnapshotConfig | None, seed: int = 0
+
+def train(tmp_path: Path, steps: int, *, snapshots: SnapshotConfig | None, seed: int = SEED
           ) -> tuple[Monitor, dict[int, list[torch.Tensor]], dict[int, int]]:
     """A small AdamW loop drawing its data through ``monitor.steps``; the weights and data position after
     each step."""
+    if THREADS:
+        torch.set_num_threads(THREADS)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -156,7 +163,7 @@ def _ddp_train(rank: int, size: int, root: str) -> dict[str, Any]:
 
     from stabmon.events import InterventionRecord
 
-    torch.manual_seed(0)
+    torch.manual_seed(SEED)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
                                                                           torch.nn.Linear(8, 1)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -164,7 +171,7 @@ def _ddp_train(rank: int, size: int, root: str) -> dict[str, Any]:
                   runbook=Scripted("rollback", {"lookback": 0, "onset_step": 21}, at=22),
                   config=MonitorConfig(flush_every=2, checkpoint_every=15, hang_timeout=None,
                                        snapshots=SnapshotConfig(every=5, keep=3)))
-    gen = torch.Generator().manual_seed(3 + rank)
+    gen = torch.Generator().manual_seed(SEED + 3 + rank)
     seen, after = [], {}
     for step, x in mon.steps([torch.randn(8, 4, generator=gen) for _ in range(STEPS)]):
         seen.append(step)
