@@ -218,7 +218,7 @@ class HangConfig:
     """Learned deadline: ``factor`` x the slowest step time since the warm-up (or of the last ``window``)."""
     floor: float = 40.0
     """Seconds: the learned deadline never goes below this. With steps of up to 4 s a frozen rank is named
-    within ``floor`` + one poll (5 s) + 10 s for the other ranks' reports; NCCL's own watchdog waits 10 minutes.
+    within ``floor`` + one poll (2 s) + 6 s for the other ranks' reports; NCCL's own watchdog waits 10 minutes.
     Work outside the steps is not judged by it: a declared pause (``monitor.paused``), the monitor's own
     checkpoint saves, the HF Trainer's evaluations and checkpoints, Lightning's validation (the cap applies to
     the last three)."""

@@ -95,8 +95,8 @@ class HangReporter:
     """Under torch.distributed: tells every rank to report its own stacks now, and counts the reports."""
     gather: float = 15.0
     """Seconds to wait, before exiting, for every rank's report (the first exit makes torchrun stop the rest)."""
-    name_silent_after: float = 10.0
-    """Rank 0: seconds after its own report (two polls of the peers' watchdogs) to name the ranks that have not
+    name_silent_after: float = 6.0
+    """Rank 0: seconds after its own report (three polls of the peers' watchdogs) to name the ranks that have not
     reported: stopped, frozen or dead, the ones the others wait for."""
     linger: float = 2.0
     """Seconds a rank not waiting in a collective waits after every report, so that the others exit first."""

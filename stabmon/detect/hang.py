@@ -30,6 +30,10 @@ from stabmon.events import Anomaly, Severity
 
 log = logging.getLogger(__name__)
 
+POLL = 2.0
+"""Seconds between two looks of the watchdog at most (a quarter of the floor when that is less): a hang is
+reported within a poll of its deadline, and a peer's alarm is seen within one."""
+
 
 def dump_stacks() -> str:
     """Every thread's Python stack, as :func:`faulthandler.dump_traceback` writes it (it needs a real file).
@@ -68,7 +72,7 @@ class HangWatchdog:
         self.timeout = float(timeout)
         self.callback = callback
         self.factor, self.floor, self.learn_after = float(factor), float(floor), int(learn_after)
-        self.poll = float(poll if poll is not None else min(min(self.timeout, self.floor) / 4, 5.0))
+        self.poll = float(poll if poll is not None else min(min(self.timeout, self.floor) / 4, POLL))
         self.clock = clock
         self.stacks = stacks
         self.label = label
