@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         detectors = {"step_time": {"enabled": False}} if args.no_step_time else None  # (the tests' option)
         monitor = stabmon.Monitor(model, optimizer, store=args.db, runbook=args.runbook, mode=args.mode,  # stabmon
-                                  config=stabmon.MonitorConfig(  # stabmon
+                                  config=stabmon.MonitorConfig(
                                       clip=grad_clip, checkpoint_every=eval_interval,
                                       snapshots=stabmon.SnapshotConfig(every=args.snapshots, keep=10)),
                                   resume=checkpoint and checkpoint["monitor"], checkpoints=checkpoints,  # stabmon

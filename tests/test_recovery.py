@@ -76,7 +76,7 @@ def test_scale_lr_holds_under_schedulers_and_across_resume(name: str) -> None:
 
     train(mon, model, opt, sched, 10)
     ref_steps(10, 1.0)
-    rec = Executor(mon).execute(decision("scale_lr", {"factor": 0.5}))
+    rec = Executor(mon.handle).execute(decision("scale_lr", {"factor": 0.5}))
     assert rec.error is None and rec.after["lr_scale"] == 0.5
     train(mon, model, opt, sched, 10)
     ref_steps(10, 0.5)
@@ -146,7 +146,7 @@ def test_rollback_skips_a_corrupt_newest_checkpoint(tmp_path: Path, corruption: 
         torch.save(state, newest.path)
         mon.checkpoints.register(newest.path, step=20)  # same size is possible; NaN is still caught
     params = {"onset_step": 20, "lookback": 0, "skip_batches": 7}
-    rec = Executor(mon).execute(decision("rollback", params))
+    rec = Executor(mon.handle).execute(decision("rollback", params))
     assert rec.error is None, rec.error
     assert rec.after["checkpoint_step"] == 15 and rec.after["restored_step"] == 15 and mon.step == 15
     skipped = list(range(*rec.after["skipped"]))
@@ -170,7 +170,7 @@ def test_rollback_without_any_valid_checkpoint_is_recorded_not_raised(tmp_path: 
     feed(mon, model, opt, indexed_data(20), seen, max_steps=10)
     for c in mon.checkpoints.checkpoints:
         Path(c.path).unlink()
-    ex = Executor(mon)
+    ex = Executor(mon.handle)
     rec = ex.execute(decision("rollback", {"onset_step": 10, "lookback": 0, "skip_batches": 0}))
     assert rec.error.startswith("NoValidCheckpointError: no valid checkpoint at or before step 10")
     assert ex.errors == 1 and mon.step == 10
