@@ -30,6 +30,7 @@ steps). Saves, the registry, resumes: the disk's. A rollback drops the snapshots
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections import deque
@@ -47,50 +48,51 @@ PREFIX = "memory://snapshot-"
 """The ``path`` of a snapshot's :class:`~stabmon.checkpoints.CheckpointInfo` (no file: host memory)."""
 
 
+def _tree_map(obj: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A copy of a state tree: ``tensor(t)`` for each tensor, a deep copy of every other leaf."""
+    if isinstance(obj, torch.Tensor):
+        return tensor(obj)
+    if isinstance(obj, dict):
+        return {k: _tree_map(v, tensor) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_tree_map(v, tensor) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_tree_map(v, tensor) for v in obj)
+    return copy.deepcopy(obj)
+
+
 def _to_host(obj: Any, stream: Any) -> Any:
     """A copy of ``obj`` whose tensors live in host memory (pinned and copied on ``stream`` from a GPU)."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.device.type == "cuda":
-            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-            with torch.cuda.stream(stream):
-                out.copy_(t, non_blocking=True)
-            return out
-        return t.clone()
-    if isinstance(obj, dict):
-        return {k: _to_host(v, stream) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_host(v, stream) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_host(v, stream) for v in obj)
-    import copy
 
-    return copy.deepcopy(obj)
+    def host(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.device.type != "cuda":
+            return t.clone()
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        with torch.cuda.stream(stream):
+            out.copy_(t, non_blocking=True)
+        return out
+
+    return _tree_map(obj, host)
 
 
 def _clone(obj: Any) -> Any:
     """A copy a restore may keep (the snapshot stays as it was taken)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_clone(v) for v in obj)
-    import copy
+    return _tree_map(obj, torch.Tensor.clone)
 
-    return copy.deepcopy(obj)
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
+    return sum(t.numel() * t.element_size() for t in _tensors(obj))
 
 
 class HostSnapshots:
@@ -167,16 +169,6 @@ class HostSnapshots:
     @property
     def nbytes(self) -> int:
         return sum(i.nbytes for i, _, _ in self._held)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 class TieredCheckpoints:
