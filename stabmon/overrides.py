@@ -85,6 +85,14 @@ class Overrides:
     rewarm_left: int = 0
     """Steps of the re-warm-up still to go: the LR is multiplied by ``1 - rewarm_left / (rewarm_steps + 1)``,
     and the optimizer hook counts it down once per step."""
+    remembered: list[dict[str, Any]] = field(default_factory=list)
+    """Faults met before (``rollback`` with ``lr_cap``): each ``{"start", "end", "lr_cap"}`` says that the steps
+    ``start`` to ``end - 1`` broke down before and that a learning rate of at most ``lr_cap`` got the run through
+    them. Whenever the run is in such a range again (after a later rollback, or a resume from a checkpoint before
+    it), that cap is in force from its first step, and lifted when the run leaves it (:meth:`at_step`); outside
+    the ranges nothing changes. Kept when a rollback restores an older state, and in the checkpoints."""
+    range_cap: float | None = None
+    """The cap of the remembered range the current step is in (None: in none); set by :meth:`at_step`."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -128,6 +136,45 @@ class Overrides:
         if not 0 <= self.rewarm_left <= self.rewarm_steps:
             raise ValueError(f"overrides.rewarm_left must be in [0, rewarm_steps={self.rewarm_steps}], got "
                              f"{self.rewarm_left}")
+        for i, known in enumerate(self.remembered):
+            start, end, cap = known.get("start"), known.get("end"), known.get("lr_cap")
+            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end
+                    and isinstance(cap, (int, float)) and cap > 0):
+                raise ValueError(f"overrides.remembered[{i}]: expected start < end (steps >= 0) and lr_cap > 0, "
+                                 f"got {known}")
+
+    def remember(self, *, start: int, end: int, lr_cap: float) -> None:
+        """Remember that steps ``start`` to ``end - 1`` broke down and that ``lr_cap`` got the run through them
+        (see ``remembered``). A range already known is updated, not repeated.
+
+        >>> o = Overrides(); o.remember(start=300, end=320, lr_cap=1e-3)
+        >>> [(s, o.at_step(s) or o.range_cap) for s in (299, 300, 319, 320)]
+        [(299, None), (300, 0.001), (319, 0.001), (320, None)]
+        >>> o.scaled_lr(0.1), o.at_step(305) or o.scaled_lr(0.1)   # outside the range / inside it
+        (0.1, 0.001)
+        """
+        self.remembered = [r for r in self.remembered if (r["start"], r["end"]) != (start, end)]
+        self.remembered.append({"start": int(start), "end": int(end), "lr_cap": float(lr_cap)})
+
+    def forget(self, *, start: int, end: int) -> None:
+        """Drop the remembered range ``start``..``end`` (the change that remembered it was undone)."""
+        self.remembered = [r for r in self.remembered if (r["start"], r["end"]) != (start, end)]
+        if not self.remembered:
+            self.range_cap = None
+
+    def at_step(self, step: int) -> None:
+        """The next optimizer step is ``step``: put in force the cap of the remembered range it is in (the lowest,
+        where ranges overlap), or none (host arithmetic only, once per step)."""
+        if self.remembered or self.range_cap is not None:
+            self.range_cap = min((r["lr_cap"] for r in self.remembered if r["start"] <= step < r["end"]),
+                                 default=None)
+
+    @property
+    def cap_in_force(self) -> float | None:
+        """The learning-rate cap this step: ``lr_cap`` or a remembered range's, the lower of the two."""
+        if self.range_cap is None:
+            return self.lr_cap
+        return self.range_cap if self.lr_cap is None else min(self.lr_cap, self.range_cap)
 
     def ramp(self, fraction: float, steps: int) -> None:
         """Start a re-warm-up: the LR in force begins at ``fraction`` of what it would be and climbs back to it
@@ -229,7 +276,7 @@ class Overrides:
     def lr_changed(self) -> bool:
         """Whether the learning rate in force differs from the scheduler's."""
         return (self.lr_scale != 1.0 or self.lr_cap is not None or self.ramp_from is not None or self.rewarm_left > 0
-                or bool(self.layer_lr))
+                or bool(self.layer_lr) or self.range_cap is not None)
 
     def qk_bound(self) -> float | None:
         """The standing QK-clip's bound in force (None: off), and one step of its release counted.
@@ -269,27 +316,27 @@ class Overrides:
         out = lr * (self.lr_scale * self.rewarm_factor)
         if self.layer_lr:
             out = out * self.layer_factor(group)
-        if self.lr_cap is not None and hasattr(out, "clamp"):
-            out = out.clamp(max=self._tensor_cap(lr, ref))
-        elif self.lr_cap is not None:
-            out = min(out, self._cap_for(lr, ref))
+        cap = self.cap_in_force
+        if cap is not None and hasattr(out, "clamp"):
+            out = out.clamp(max=self._tensor_cap(lr, ref, cap))
+        elif cap is not None:
+            out = min(out, self._cap_for(lr, ref, cap))
         if self.ramp_from is not None:
             out = out * self.ramp_from ** (1.0 - self.ramp_done / self.ramp_steps)
         return out
 
-    def _cap_for(self, lr: float, ref: Any) -> float:
-        """``lr_cap`` for a group whose schedule gives ``lr`` while group 0's gives ``ref``: times their ratio."""
-        cap = self.lr_cap
-        assert cap is not None
+    @staticmethod
+    def _cap_for(lr: float, ref: Any, cap: float) -> float:
+        """The cap ``cap`` for a group whose schedule gives ``lr`` while group 0's gives ``ref``: times their
+        ratio."""
         if isinstance(ref, (int, float)) and ref > 0 and lr != ref:
             return cap * lr / ref
         return cap
 
-    def _tensor_cap(self, lr: Any, ref: Any) -> Any:
+    @staticmethod
+    def _tensor_cap(lr: Any, ref: Any, cap: float) -> Any:
         """:meth:`_cap_for` of a tensor ``lr`` (``ref`` a tensor or a float): the ratio is a tensor on ``lr``'s
         device (1 where ``ref`` is 0), never read back."""
-        cap = self.lr_cap
-        assert cap is not None
         if ref is None or ref is lr:
             return cap
         return (lr / ref).nan_to_num(nan=1.0, posinf=1.0, neginf=1.0) * cap

@@ -108,6 +108,10 @@ class Rollback(Intervention):
             overrides.lr_cap = cap if overrides.lr_cap is None else min(cap, overrides.lr_cap * p.lr_cap)
             result["lr_cap"] = overrides.lr_cap
             self._undo["lr_cap"] = [before["lr_cap"], overrides.lr_cap]
+            if onset < before_step:  # the steps that broke down: when the run is there again, the cap is in force
+                overrides.remember(start=onset, end=before_step, lr_cap=overrides.lr_cap)
+                result["remembered"] = [onset, before_step]
+                self._undo["remembered"] = [onset, before_step]
         if p.lr_factor is not None:  # restart with a lower LR: the one recipe change this rung makes
             overrides = self.target.overrides
             before["lr_scale"] = overrides.lr_scale
@@ -117,8 +121,13 @@ class Rollback(Intervention):
         return before, result
 
     def _revert(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
-        """Give back the learning-rate change (the weights stay as restored)."""
-        return self._set(0)
+        """Give back the learning-rate change (the weights stay as restored), and forget the range it remembered
+        (a cap that did not resolve the incident is no fix to put back there)."""
+        before, after = self._set(0)
+        if (known := self._undo.get("remembered")) is not None:
+            self.target.overrides.forget(start=known[0], end=known[1])
+            after = {**after, "forgot": known}
+        return before, after
 
     def _release(self, steps: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         """A cap is given back only once the schedule is below the LR at which the trouble began (a schedule
@@ -140,6 +149,9 @@ class Rollback(Intervention):
 
     def _reapply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         self.target.overrides.cap_until = None
+        if (known := self._undo.get("remembered")) is not None:
+            cap = self._undo["lr_cap"][1]
+            self.target.overrides.remember(start=known[0], end=known[1], lr_cap=cap)
         return self._set(1)
 
     def _set(self, which: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:

@@ -95,6 +95,7 @@ class Simulation:
                 self.overrides.advance(last.step + 1 - self._step)
             if "lr" in recorded:
                 self.overrides.settle(recorded["lr"])
+            self.overrides.at_step(last.step + 1)  # the next block's steps: in a remembered fault's range?
             if self.overrides.rewarm_left:  # a re-warm-up in force counts down as the recorded steps pass
                 self.overrides.rewarm_left = max(0, self.overrides.rewarm_left - (last.step + 1 - self._step))
             self._step = last.step + 1

@@ -259,8 +259,10 @@ class Engine:
         inc = self._incident
         assert inc is not None
         rule = self.runbook.rule(inc.rule)
-        if anomalies and not traits_of(inc.current.action).changes_training and self._acting(anomalies, rule):
-            # whenever it comes, an alert awaiting approval (propose mode) included: it has nothing to wait for
+        if anomalies and (rule.yields or not traits_of(inc.current.action).changes_training) \
+                and self._acting(anomalies, rule):
+            # whenever it comes, an alert awaiting approval (propose mode) included: it has nothing to wait for;
+            # a first-sign rule's change is given back and the rule that acts takes over
             return self._supersede(record, anomalies)
         if inc.phase == "proposed":
             return self._timeout(record.step) if self._expired(inc) else []
@@ -337,9 +339,10 @@ class Engine:
         done = Outcome(intervention_id=inc.intervention_id, decision_id=inc.current.id, step=record.step,
                        verdict=Verdict.SUPERSEDED, evidence={"observed_steps": len(inc.window)},
                        incident_id=inc.id, id=self._next_id())
-        inc.alerted, inc.changed = True, False  # no cooldown after an alert
+        given_back = self._revert_in_force(record.step, why="superseded by a rule that acts")  # a first sign
+        inc.alerted, inc.changed = True, False  # no cooldown: the rule that acts opens its incident now
         self._close()
-        return [done, *self._maybe_open(record, anomalies)]
+        return [done, *given_back, *self._maybe_open(record, anomalies)]
 
     def _expired(self, inc: Incident) -> bool:
         approval = self.runbook.approval
@@ -512,7 +515,7 @@ class Engine:
             self._start(decision)
         return decision
 
-    def _revert_in_force(self, step: int) -> list[Decision]:
+    def _revert_in_force(self, step: int, *, why: str = "did not resolve the incident") -> list[Decision]:
         """Undo, newest first, every change of the incident still in force: the rungs that did not resolve it."""
         inc = self._incident
         assert inc is not None
@@ -521,7 +524,7 @@ class Engine:
             if not change.revertible:
                 continue
             params = {"intervention_id": change.intervention_id, "decision_id": change.decision_id}
-            reason = f"rung {change.rung + 1} ({change.action}) did not resolve the incident: revert it"
+            reason = f"rung {change.rung + 1} ({change.action}) {why}: revert it"
             out.append(dataclasses.replace(self._decision(REVERT, params, DecisionStatus.APPLY, step, reason),
                                            rung=change.rung))
         return out

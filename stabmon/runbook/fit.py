@@ -27,7 +27,7 @@ from typing import Any
 
 from stabmon.interventions import INTERVENTIONS, Intervention, RunFacts, ScaleLr, get_intervention, not_applicable
 from stabmon.interventions._override import OverrideIntervention
-from stabmon.interventions.traits import traits_of
+from stabmon.interventions.traits import levers_of, traits_of
 from stabmon.runbook.schema import Runbook
 
 
@@ -55,6 +55,39 @@ def unfit_rungs(
             why = _cannot_act(rung, checkpoints=checkpoints, facts=facts, sampled=sampled, batches=batches)
             if why is not None:
                 out[(rule.name, i)] = why
+        if batches is False:
+            out.update(_restarts_subsumed(rule, out))
+    return out
+
+
+def _restarts_subsumed(rule: Any, unfit: Mapping[tuple[str, int], str]) -> dict[tuple[str, int], str]:
+    """Without the batches a rollback that only skips data is a plain restart; where a later rung of the ladder
+    restarts too (and changes the recipe as well), the plain one would only meet the same fault again before it:
+    dropped, so that the first restart that runs is the one that changes something. A plain restart that is the
+    ladder's last restart is kept (a transient fault is fixed by restarting alone).
+
+    >>> from stabmon.runbook import load_runbook
+    >>> rb = load_runbook("default")
+    >>> dropped = unfit_rungs(rb, batches=False)
+    >>> print(dropped[("instability", 2)])
+    rollback skips batches, and this loop hands none to the monitor: it would be a plain restart, and rung 4 (rollback) restarts too, with a change
+    >>> ("loss_scale", 0) in dropped  # its last restart: kept, a plain restart
+    False
+    """
+    out: dict[tuple[str, int], str] = {}
+    ladder: list[Any] = list(rule.ladder)
+    for i, rung in enumerate(ladder):
+        if (rule.name, i) in unfit or not traits_of(rung.action).rewinds_step:
+            continue
+        if levers_of(rung.action, rung.params.model_dump()) != {"data"}:
+            continue
+        later = next((j for j in range(i + 1, len(ladder)) if (rule.name, j) not in unfit
+                      and traits_of(ladder[j].action).rewinds_step
+                      and levers_of(ladder[j].action, ladder[j].params.model_dump()) - {"data"}), None)
+        if later is not None:
+            out[(rule.name, i)] = (f"{rung.action} skips batches, and this loop hands none to the monitor: it would "
+                                   f"be a plain restart, and rung {later + 1} ({ladder[later].action}) restarts too, "
+                                   "with a change")
     return out
 
 

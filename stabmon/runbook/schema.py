@@ -29,6 +29,8 @@ files with :func:`stabmon.runbook.load_runbook`, which reports errors as ``FILE:
 from __future__ import annotations
 
 import fnmatch
+import math
+import statistics
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
@@ -69,6 +71,10 @@ class Condition(_Strict):
     severity: Severity = Severity.WARNING
     persistence: Persistence = Persistence()
     verdict: Literal["data", "state", "hardware_suspect"] | None = None
+    ratio: float | None = Field(default=None, gt=1)
+    """The flagged value must be at least this many times the median of the values before it in the anomaly's
+    evidence (the metric's recent history; at least 8 of them): a size, where ``severity`` is a detector's
+    confidence. None: any size."""
 
     def matches(self, anomaly: Anomaly) -> bool:
         kinds = [self.kind] if isinstance(self.kind, str) else self.kind
@@ -76,7 +82,30 @@ class Condition(_Strict):
             any(fnmatch.fnmatchcase(anomaly.kind, k) for k in kinds)
             and fnmatch.fnmatchcase(anomaly.metric, self.metric)
             and Severity(anomaly.severity) >= self.severity
+            and (self.ratio is None or _times_median(anomaly) >= self.ratio)
         )
+
+
+_RATIO_HISTORY = 8
+
+
+def _times_median(anomaly: Anomaly) -> float:
+    """The flagged value over the median of the evidence before it (0.0 without 8 positive finite values before
+    it, or a flagged value that is not finite: a NaN is the nonfinite rule's).
+
+    >>> from stabmon.events import Anomaly, Severity
+    >>> a = Anomaly("spike", "grad_norm", 9, 9.0, Severity.WARNING, "spike",
+    ...             evidence=tuple((s, 1.0 + 0.1 * (s % 2)) for s in range(9)) + ((9, 50.0),))
+    >>> _times_median(a)
+    50.0
+    """
+    values = [v for _, v in anomaly.evidence]
+    if len(values) <= _RATIO_HISTORY or not math.isfinite(values[-1]):
+        return 0.0
+    before = sorted(v for v in values[:-1] if math.isfinite(v) and v > 0)
+    if len(before) < _RATIO_HISTORY:
+        return 0.0
+    return values[-1] / statistics.median(before)
 
 
 class Success(_Strict):
@@ -153,6 +182,10 @@ class Rule(_Strict):
     description: str = ""
     when: Condition = Condition()
     ladder: list[Rung] = Field(min_length=1)  # type: ignore[valid-type]
+    yields: bool = False
+    """A first-sign rule: while its change is observed, an anomaly that another rule changes training for
+    closes its incident at once (its changes given back first, one change in force at a time) and opens that
+    rule's own, instead of counting against the change and waiting for its window to end."""
 
     @property
     def actions(self) -> list[str]:

@@ -119,6 +119,7 @@ class StepRecorder:
             self.buffer.add_host(name, value)
         self._carry.clear()
         self.hooks.new_step()
+        self.hooks.overrides.at_step(step)  # a remembered fault's range: its cap in force from its first step
         self._scale_snapshot = None
         self._hp_snapshot = None
         self._lr_snapshot = None

@@ -1,0 +1,243 @@
+"""What a rescue costs (issue: roll back steps, not hundreds; act at the first sign; never meet the same fault
+twice), on real loops driven through the ``default`` runbook:
+
+- the first sign: a gradient norm 100x its running median (an injected fault) is answered at once with the
+  reversible skip guard (rule ``first_sign``), and the healthy twin of the run gets nothing;
+- a fault met before: once a capped rollback remembered the steps that broke down, the cap is in force from the
+  first of those steps whenever the run is there again (after a later rollback, after a resume) and lifted after
+  them;
+- a loop that hands no batches: the restart that could only skip them is dropped, so the first restart that runs
+  changes something.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stabmon.collect.config import MonitorConfig, SnapshotConfig
+from stabmon.interventions.rollback import Rollback
+from stabmon.monitor import Monitor
+from stabmon.runbook import load_runbook
+from stabmon.runbook.fit import unfit_rungs
+
+SEED = int(os.environ.get("STABMON_TEST_SEED", "0"))
+THREADS = int(os.environ.get("STABMON_TEST_THREADS", "0"))
+
+
+def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
+    if THREADS:
+        torch.set_num_threads(THREADS)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(seed + 1)
+    data = [torch.randn(32, 8, generator=g) for _ in range(400)]
+    return model, opt, data
+
+
+def decisions(db: Path) -> list[tuple[str, str, str]]:
+    with sqlite3.connect(db) as conn:
+        return conn.execute("select rule, action, status from decisions order by step").fetchall()
+
+
+def run_with_grad_spike(tmp_path: Path, *, spike_at: int | None, steps: int = 240) -> Path:
+    """A regression loop on the default runbook; at ``spike_at`` the gradients are scaled after backward so that
+    their norm is 100x the median of the last 16 steps' (a bad batch's gradient, by construction, whatever the
+    seed's own noise). Returns the store's file."""
+    model, opt, data = _model(SEED)
+    target = torch.nn.Linear(8, 1)
+    db = tmp_path / "run.db"
+    mon = Monitor(model, opt, store=f"sqlite:///{db}", runbook="default", mode="apply",
+                  checkpoint_dir=str(tmp_path / "ckpt"),
+                  config=MonitorConfig(flush_every=10, clip=1.0, hang_timeout=None, checkpoint_every=50))
+    norms: list[float] = []
+    try:
+        for step, x in mon.steps(data[:steps]):
+            with torch.no_grad():
+                y = target(x)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            mon.observe(loss=loss)
+            loss.backward()
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+            if step == spike_at:
+                factor = 100.0 * statistics.median(norms[-16:]) / norm
+                for p in model.parameters():
+                    p.grad.mul_(factor)
+            norms.append(norm)
+            opt.step()
+            opt.zero_grad()
+    finally:
+        mon.close()
+    return db
+
+
+def test_the_first_sign_a_100x_gradient_is_answered_at_once_and_the_healthy_twin_is_left_alone(tmp_path: Path
+                                                                                              ) -> None:
+    healthy = run_with_grad_spike(tmp_path / "healthy", spike_at=None)
+    assert [d for d in decisions(healthy) if d[1] not in ("alert_only",)] == []  # no change on the healthy twin
+    faulty = run_with_grad_spike(tmp_path / "spike", spike_at=150)
+    made = decisions(faulty)
+    first = [d for d in made if d[0] == "first_sign"]
+    assert first and first[0][1:] == ("skip_step", "apply"), made
+    with sqlite3.connect(faulty) as conn:
+        done = [a for (a,) in conn.execute("select action from interventions order by step")]
+    assert done[0] == "skip_step", done  # applied: the guard was on from the next step
+    # it was given back: by its own release after a quiet window, or by a rule that acted on damage
+    assert any(d[1] in ("release", "revert") for d in made if d[0] == "first_sign"), made
+
+
+def test_a_first_sign_needs_a_large_gradient_not_any_warning() -> None:
+    from stabmon.events import Anomaly, Severity
+
+    rule = load_runbook("default").rule("first_sign")
+    calm = tuple((s, 1.0 + 0.05 * (s % 3)) for s in range(15))
+    big = Anomaly("spike", "grad_norm", 15, 30.0, Severity.WARNING, "spike", evidence=(*calm, (15, 100.0)))
+    small = Anomaly("spike", "grad_norm", 15, 30.0, Severity.WARNING, "spike", evidence=(*calm, (15, 20.0)))
+    loss = Anomaly("spike", "loss", 15, 30.0, Severity.WARNING, "spike", evidence=(*calm, (15, 100.0)))
+    short = Anomaly("spike", "grad_norm", 3, 30.0, Severity.WARNING, "spike", evidence=(*calm[:3], (3, 100.0)))
+    assert rule.when.matches(big)
+    assert not rule.when.matches(small) and not rule.when.matches(loss) and not rule.when.matches(short)
+
+
+class Schedule:
+    """Constant LR with a fault in the schedule: x100 at steps [40, 50), every time the run gets there."""
+
+    def __init__(self, opt: torch.optim.Optimizer, base: float) -> None:
+        self.opt, self.base, self.last_used = opt, base, float("nan")
+
+    def watch(self) -> None:
+        """Read the LR each update uses: a pre-step hook registered after the monitor's, which writes the
+        effective values (overrides applied) into the param groups."""
+        self.opt.register_step_pre_hook(lambda o, a, k: setattr(self, "last_used", float(o.param_groups[0]["lr"])))
+
+    def set(self, step: int) -> float:
+        lr = self.base * (100.0 if 40 <= step < 50 else 1.0)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        return lr
+
+
+def _loop(mon: Monitor, sched: Schedule, data: list[torch.Tensor], until: int, used: dict[int, float]) -> None:
+    """Train until step ``until``, recording the LR each optimizer step really used."""
+    model, opt = mon.model, mon.optimizer
+    while mon.step < until:
+        step = mon.step
+        sched.set(step)
+        mon.begin_step()
+        model(data[step % len(data)]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        mon.observe(loss=torch.tensor(1.0))
+        mon.end_step()
+        used[step] = sched.last_used
+
+
+def test_a_remembered_fault_has_its_cap_in_force_before_it_recurs_and_lifted_after(tmp_path: Path) -> None:
+    model, opt, data = _model(SEED)
+    sched = Schedule(opt, base=1e-2)
+    config = MonitorConfig(flush_every=10, hang_timeout=None, checkpoint_every=100,
+                           snapshots=SnapshotConfig(every=10, keep=10))
+    mon = Monitor(model, opt, store=None, detectors=False, checkpoint_dir=str(tmp_path / "ckpt"), config=config)
+    sched.watch()
+    used: dict[int, float] = {}
+    try:
+        _loop(mon, sched, data, 50, used)
+        assert used[45] == pytest.approx(1.0)  # the fault, met the first time
+        # the runbook's capped restart, as the engine issues it (onset 40, the LR at the onset 1e-2)
+        rb = Rollback(mon.handle, {"onset_step": 40, "lookback": 0, "lr_cap": 0.5, "onset_lr": 1e-2},
+                      decision_id="d")
+        record = rb.apply()
+        assert record.after["remembered"] == [40, 50] and mon.step == 40
+        rb.release(decision_id="r", steps=0)  # resolved, given back: the cap lifts once the schedule is <= 1e-2
+        used.clear()
+        _loop(mon, sched, data, 80, used)
+        assert all(used[s] == pytest.approx(5e-3) for s in range(40, 50))  # the fault's steps: capped
+        assert mon.overrides.lr_cap is None  # the standing cap was lifted (the schedule fell back to 1e-2)
+        assert all(used[s] == pytest.approx(1e-2) for s in range(50, 80))  # after the range: the schedule's own
+        # a later rollback to before the range: the fix is in force again before the fault recurs
+        mon.rollback(onset_step=30, lookback=0, skip_batches=0)
+        assert mon.step == 30
+        used.clear()
+        _loop(mon, sched, data, 35, used)
+        state = mon.state_dict()  # a checkpoint at step 35, before the range, on the new timeline
+        _loop(mon, sched, data, 60, used)
+        assert all(used[s] == pytest.approx(1e-2) for s in range(30, 40))
+        assert all(used[s] == pytest.approx(5e-3) for s in range(40, 50))
+        assert all(used[s] == pytest.approx(1e-2) for s in range(50, 60))
+    finally:
+        mon.close()
+    # the process dies; the next one resumes from the checkpoint at 35 and caps the range too
+    model2, opt2, _ = _model(SEED)
+    sched2 = Schedule(opt2, base=1e-2)
+    mon2 = Monitor(model2, opt2, store=None, detectors=False, checkpoint_dir=str(tmp_path / "ckpt2"),
+                   config=MonitorConfig(flush_every=10, hang_timeout=None, checkpoint_every=0), resume=state)
+    sched2.watch()
+    try:
+        assert mon2.step == 35
+        assert mon2.overrides.remembered == [{"start": 40, "end": 50, "lr_cap": pytest.approx(5e-3)}]
+        used2: dict[int, float] = {}
+        _loop(mon2, sched2, data, 55, used2)
+        assert [round(used2[s], 6) for s in (39, 40, 49, 50)] == [1e-2, 5e-3, 5e-3, 1e-2]
+    finally:
+        mon2.close()
+
+
+def test_a_failed_capped_restart_forgets_its_range(tmp_path: Path) -> None:
+    model, opt, data = _model(SEED)
+    mon = Monitor(model, opt, store=None, detectors=False, checkpoint_dir=str(tmp_path / "ckpt"),
+                  config=MonitorConfig(flush_every=10, hang_timeout=None, checkpoint_every=10))
+    try:
+        sched = Schedule(opt, base=1e-2)
+        _loop(mon, sched, data, 50, {})
+        rb = Rollback(mon.handle, {"onset_step": 40, "lookback": 0, "lr_cap": 0.5, "onset_lr": 1e-2},
+                      decision_id="d")
+        rb.apply()
+        assert mon.overrides.remembered
+        record = rb.revert(decision_id="r")
+        assert record.after["forgot"] == [40, 50] and mon.overrides.remembered == []
+        assert mon.overrides.lr_cap is None and mon.overrides.range_cap is None
+    finally:
+        mon.close()
+
+
+def test_without_batches_the_restart_that_only_skips_them_is_dropped_and_the_capped_one_runs_first() -> None:
+    rb = load_runbook("default")
+    dropped = unfit_rungs(rb, batches=False)
+    instability = rb.rule("instability")
+    first_restart = next(i for i, rung in enumerate(instability.ladder)
+                         if rung.action == "rollback" and ("instability", i) not in dropped)
+    assert instability.ladder[first_restart].params.lr_cap == 0.5
+    assert ("loss_scale", 0) not in dropped  # the ladder's only restart stays (a plain restart, without batches)
+    assert not any(k for k in unfit_rungs(rb, batches=True) if "skips batches" in unfit_rungs(rb, batches=True)[k])
+
+
+def _args(extra: list[str]) -> list[str]:
+    return ["--max-iters", "360", "--eval-interval", "100", "--lr-jump-at", "300", "--lr-jump-iters", "20",
+            "--lr-jump-factor", "100", "--lr-jump-in-schedule", "--no-step-time", "--threads", str(THREADS or 1),
+            "--seed", str(1337 + SEED), *extra]
+
+
+def test_nanogpt_shaped_a_fault_in_the_schedule_costs_one_rollback_to_a_snapshot(
+        tmp_path: Path, capsys: Any, caplog: Any) -> None:
+    """The issue's case, shortened: LR x100 for 20 iterations at 300, in the schedule (a rollback replays it),
+    checkpoints every 100, snapshots every 10. One rollback, to a snapshot after the disk checkpoint at 300's
+    predecessor, with the cap in force when the run gets to 300 again: no second meeting."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import nanogpt_style
+
+    db = tmp_path / "s.db"
+    assert nanogpt_style.main(_args(["--out-dir", str(tmp_path / "o"), "--db", f"sqlite:///{db}",
+                                     "--snapshots", "10"])) == 0
+    out = capsys.readouterr().out
+    rollbacks = [r.getMessage() for r in caplog.records if "rolled back from step" in r.getMessage()]
+    assert len(rollbacks) == 1 and "memory://snapshot-" in rollbacks[0], out
+    trained = int(out.rsplit(" steps trained", 1)[0].rsplit(" ", 1)[1])
+    assert trained - 360 <= 60, out  # steps wasted
