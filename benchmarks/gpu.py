@@ -77,6 +77,8 @@ class Arm:
     skip_factor: float | None = None
     compile: bool = False
     lead_signals: bool = False
+    snapshots: int = 0
+    """MonitorConfig.snapshots every this many steps (2 kept): the host-memory snapshot tier's cost."""
 
 
 ARMS = {
@@ -87,6 +89,7 @@ ARMS = {
     "bf16-lead-signals": Arm(lead_signals=True),
     "fp16-scaler": Arm(dtype="fp16"),
     "bf16-compile": Arm(compile=True),
+    "bf16-snapshots": Arm(snapshots=10),
 }
 
 
@@ -160,7 +163,7 @@ class Loop:
     """One model + fused AdamW (+ GradScaler), unmonitored or monitored, stepping over fixed batches."""
 
     def __init__(self, arm: Arm, s: Settings, *, monitored: bool, batches: list[tuple[torch.Tensor, ...]]) -> None:
-        from stabmon.collect.config import AttentionConfig, LogitConfig, MomentConfig
+        from stabmon.collect.config import AttentionConfig, LogitConfig, MomentConfig, SnapshotConfig
         from stabmon.monitor import ActivationConfig, EmbeddingConfig, Monitor, MonitorConfig
 
         torch.manual_seed(0)
@@ -184,8 +187,14 @@ class Loop:
                     "logits": LogitConfig(every=10)} if arm.lead_signals else {}),
             )
             store = f"sqlite:///{s.store_dir}/gpu-benchmark.db" if arm.store else None
+            tier: dict[str, Any] = {}
+            if arm.snapshots:  # snapshots sit in front of a checkpoint store (none saved to disk while timed)
+                config.snapshots = SnapshotConfig(every=arm.snapshots, keep=2)
+                config.checkpoint_every = 0
+                tier["checkpoint_dir"] = tempfile.mkdtemp(dir=s.store_dir)
             self.mon = Monitor(
-                self.model, self.opt, scaler=self.scaler, store=store, config=config, run_name="gpu-benchmark"
+                self.model, self.opt, scaler=self.scaler, store=store, config=config, run_name="gpu-benchmark",
+                **tier,
             )
             self.mon.overrides.skip_factor = arm.skip_factor
 
@@ -290,6 +299,8 @@ def peak_alone(arm: Arm, s: Settings, batches: list[Any], *, monitored: bool) ->
     )  # parameters, gradients, optimizer state
     if loop.mon is not None:
         out["monitor_device"] = asdict(loop.mon.device_memory())
+        held = loop.mon.snapshots.candidates() if loop.mon.snapshots is not None else []
+        out["snapshot_host_bytes"] = sum(c.nbytes for c in held) if held else None
     loop.close()
     del loop
     return out
@@ -350,6 +361,7 @@ def run_arm(name: str, s: Settings) -> dict[str, Any]:
         "peak_bytes_monitored": mem_b["peak_bytes"],
         "model_optimizer_bytes": mem_a["model_optimizer_bytes"],
         "monitor_device": mem_b["monitor_device"],
+        "snapshot_host_bytes": mem_b.get("snapshot_host_bytes"),
         "monitor_errors": errors,
     }
     if arm.compile:
@@ -395,6 +407,9 @@ def table(results: list[dict[str, Any]], header: str) -> str:
         share = total / r["model_optimizer_bytes"] * 100
         syncs = "n/a (CPU)" if r["syncs_monitored"] is None else f"{r['syncs_monitored']} ({r['syncs_unmonitored']})"
         extra = f"; {r['graph_breaks']} graph breaks, {r['unique_graphs']} graphs" if "graph_breaks" in r else ""
+        if r.get("snapshot_host_bytes"):
+            extra += (f"; snapshots hold {_mib(r['snapshot_host_bytes'])} MiB of host memory "
+                      f"({r['snapshot_host_bytes'] / r['model_optimizer_bytes']:.2f}x model+optimizer)")
         lines.append(
             f"| {r['arm']}{extra} | {r['ms_unmonitored']:.2f} | {r['ms_monitored']:.2f} | {_ratio(r)} | "
             f"{syncs} | {_mib(r['peak_bytes_unmonitored'])} / {_mib(r['peak_bytes_monitored'])} | "

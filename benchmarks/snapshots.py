@@ -12,7 +12,10 @@ the snapshots hold against one copy of the model and optimizer::
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -50,8 +53,14 @@ def main() -> None:
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--peak-of", choices=("off", "on"), help=argparse.SUPPRESS)  # one arm alone, for its peak RSS
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.peak_of:
+        tier = SnapshotConfig(every=args.every, keep=args.keep) if args.peak_of == "on" else SnapshotConfig()
+        run(args.width, args.steps, tier)
+        print(_high_water())
+        return
     off, on = [], []
     mon = None
     for _ in range(args.rounds):
@@ -76,6 +85,28 @@ def main() -> None:
           f"at this cadence), {one / 1e6:.1f} MB ({one / state:.2f} x model + optimizer state, "
           f"{state / 1e6:.1f} MB); held: {args.keep} x {one / 1e6:.1f} MB = {args.keep * one / 1e6:.1f} MB of host "
           "memory")
+    peaks = {arm: _peak(arm, args) for arm in ("off", "on")}
+    print(f"  peak RSS, each arm alone in its own process: off {peaks['off'] / 1e6:.1f} MB, on "
+          f"{peaks['on'] / 1e6:.1f} MB (+{(peaks['on'] - peaks['off']) / 1e6:.1f} MB)")
+
+
+def _high_water() -> int:
+    """This process's peak resident memory in bytes: ``VmHWM`` (its own address space's; ``ru_maxrss`` would carry
+    the parent's peak over ``exec``), else ``ru_maxrss`` where there is no ``/proc``."""
+    try:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux (bytes on macOS)
+
+
+def _peak(arm: str, args: argparse.Namespace) -> int:
+    """The peak resident memory of a process that runs one arm alone."""
+    out = subprocess.run([sys.executable, __file__, "--peak-of", arm, "--width", str(args.width), "--steps",
+                          str(args.steps), "--every", str(args.every), "--keep", str(args.keep), "--threads",
+                          str(args.threads)], check=True, capture_output=True, text=True)
+    return int(out.stdout.split()[-1])
 
 
 if __name__ == "__main__":
