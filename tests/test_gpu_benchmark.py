@@ -15,7 +15,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 ARMS = ["bf16-defaults", "bf16-sqlite", "bf16-every-signal", "bf16-skip-guard", "bf16-lead-signals", "fp16-scaler",
-        "bf16-compile"]
+        "bf16-compile", "bf16-snapshots"]
 
 
 def _run(tmp_path: Path, *extra: str) -> dict:
@@ -43,6 +43,9 @@ def test_every_arm_runs_and_reports_its_figures(tmp_path: Path) -> None:
         assert set(r["monitor_device"]) == {"embeddings", "skip_guard", "pending"}
     assert arms["bf16-skip-guard"]["monitor_device"]["skip_guard"] == 0  # fused AdamW: the zero-copy guard
     assert arms["bf16-compile"]["graph_breaks"] >= 0 and arms["bf16-compile"]["unique_graphs"] >= 1
+    held = arms["bf16-snapshots"]["snapshot_host_bytes"]  # the snapshot tier's host copies, 2 kept
+    assert held is not None and held >= arms["bf16-snapshots"]["model_optimizer_bytes"] / 2
+    assert arms["bf16-defaults"]["snapshot_host_bytes"] is None
 
 
 @pytest.mark.gpu
@@ -50,7 +53,7 @@ def test_every_arm_runs_and_reports_its_figures(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_arms_count_no_host_sync_outside_flushes(tmp_path: Path) -> None:
     report = _run(tmp_path, "--device", "cuda", "--arms", "bf16-defaults", "bf16-skip-guard", "bf16-lead-signals",
-                  "fp16-scaler")
+                  "fp16-scaler", "bf16-snapshots")
     for r in report["arms"]:
         assert r["syncs_monitored"] == 0, r
         assert r["peak_bytes_monitored"] is not None
