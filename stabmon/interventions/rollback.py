@@ -108,10 +108,13 @@ class Rollback(Intervention):
             overrides.lr_cap = cap if overrides.lr_cap is None else min(cap, overrides.lr_cap * p.lr_cap)
             result["lr_cap"] = overrides.lr_cap
             self._undo["lr_cap"] = [before["lr_cap"], overrides.lr_cap]
-            if onset < before_step:  # the steps that broke down: when the run is there again, the cap is in force
-                overrides.remember(start=onset, end=before_step, lr_cap=overrides.lr_cap)
-                result["remembered"] = [onset, before_step]
-                self._undo["remembered"] = [onset, before_step]
+            # the steps that broke down: when the run is there again, the cap is in force. Where it rolled back
+            # from is the rollback's own fact (a rank called into it by rank 0 stands at the restored step by now)
+            end = int(result.get("from_step", before_step))
+            if onset < end:
+                overrides.remember(start=onset, end=end, lr_cap=overrides.lr_cap)
+                result["remembered"] = [onset, end]
+                self._undo["remembered"] = [onset, end]
         if p.lr_factor is not None:  # restart with a lower LR: the one recipe change this rung makes
             overrides = self.target.overrides
             before["lr_scale"] = overrides.lr_scale
