@@ -148,10 +148,12 @@ class Overrides:
         (see ``remembered``). A range already known is updated, not repeated.
 
         >>> o = Overrides(); o.remember(start=300, end=320, lr_cap=1e-3)
-        >>> [(s, o.at_step(s) or o.range_cap) for s in (299, 300, 319, 320)]
-        [(299, None), (300, 0.001), (319, 0.001), (320, None)]
-        >>> o.scaled_lr(0.1), o.at_step(305) or o.scaled_lr(0.1)   # outside the range / inside it
-        (0.1, 0.001)
+        >>> o.at_step(299), o.range_cap, o.scaled_lr(0.1)   # before the range: nothing in force
+        (None, None, 0.1)
+        >>> o.at_step(300), o.scaled_lr(0.1)                # its first step: entered, capped
+        ({'start': 300, 'end': 320, 'lr_cap': 0.001}, 0.001)
+        >>> o.at_step(319), o.range_cap, o.at_step(320), o.range_cap   # its last step, then out of it
+        (None, 0.001, None, None)
         """
         self.remembered = [r for r in self.remembered if (r["start"], r["end"]) != (start, end)]
         self.remembered.append({"start": int(start), "end": int(end), "lr_cap": float(lr_cap)})
@@ -162,12 +164,16 @@ class Overrides:
         if not self.remembered:
             self.range_cap = None
 
-    def at_step(self, step: int) -> None:
+    def at_step(self, step: int) -> dict[str, Any] | None:
         """The next optimizer step is ``step``: put in force the cap of the remembered range it is in (the lowest,
-        where ranges overlap), or none (host arithmetic only, once per step)."""
-        if self.remembered or self.range_cap is not None:
-            self.range_cap = min((r["lr_cap"] for r in self.remembered if r["start"] <= step < r["end"]),
-                                 default=None)
+        where ranges overlap), or none (host arithmetic only, once per step). Returns the range when the run has
+        just entered it (to say so), else None."""
+        if not self.remembered and self.range_cap is None:
+            return None
+        inside = [r for r in self.remembered if r["start"] <= step < r["end"]]
+        entered = self.range_cap is None and bool(inside)
+        self.range_cap = min((r["lr_cap"] for r in inside), default=None)
+        return min(inside, key=lambda r: r["lr_cap"]) if entered else None
 
     @property
     def cap_in_force(self) -> float | None:

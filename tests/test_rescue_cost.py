@@ -139,7 +139,8 @@ def _loop(mon: Monitor, sched: Schedule, data: list[torch.Tensor], until: int, u
         used[step] = sched.last_used
 
 
-def test_a_remembered_fault_has_its_cap_in_force_before_it_recurs_and_lifted_after(tmp_path: Path) -> None:
+def test_a_remembered_fault_has_its_cap_in_force_before_it_recurs_and_lifted_after(tmp_path: Path,
+                                                                                   caplog: Any) -> None:
     model, opt, data = _model(SEED)
     sched = Schedule(opt, base=1e-2)
     config = MonitorConfig(flush_every=10, hang_timeout=None, checkpoint_every=100,
@@ -159,6 +160,8 @@ def test_a_remembered_fault_has_its_cap_in_force_before_it_recurs_and_lifted_aft
         used.clear()
         _loop(mon, sched, data, 80, used)
         assert all(used[s] == pytest.approx(5e-3) for s in range(40, 50))  # the fault's steps: capped
+        said = [r.getMessage() for r in caplog.records if "broke down before" in r.getMessage()]
+        assert said == ["stabmon: steps 40-49 broke down before; the learning rate is capped at 0.005 until step 50"]
         assert mon.overrides.lr_cap is None  # the standing cap was lifted (the schedule fell back to 1e-2)
         assert all(used[s] == pytest.approx(1e-2) for s in range(50, 80))  # after the range: the schedule's own
         # a later rollback to before the range: the fix is in force again before the fault recurs

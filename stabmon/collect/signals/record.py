@@ -119,7 +119,10 @@ class StepRecorder:
             self.buffer.add_host(name, value)
         self._carry.clear()
         self.hooks.new_step()
-        self.hooks.overrides.at_step(step)  # a remembered fault's range: its cap in force from its first step
+        entered = self.hooks.overrides.at_step(step)  # a remembered fault's range: its cap from its first step
+        if entered is not None:
+            log.warning("stabmon: steps %d-%d broke down before; the learning rate is capped at %.4g until step %d",
+                        entered["start"], entered["end"] - 1, entered["lr_cap"], entered["end"])
         self._scale_snapshot = None
         self._hp_snapshot = None
         self._lr_snapshot = None
