@@ -244,3 +244,25 @@ def test_nanogpt_shaped_a_fault_in_the_schedule_costs_one_rollback_to_a_snapshot
     assert len(rollbacks) == 1 and "memory://snapshot-" in rollbacks[0], out
     trained = int(out.rsplit(" steps trained", 1)[0].rsplit(" ", 1)[1])
     assert trained - 360 <= 60, out  # steps wasted
+
+
+@pytest.mark.parametrize(("rule", "expected"), [
+    ("{name: r, when: {ratio: 0.5}, ladder: [{action: alert_only}]}", "rules[0].when.ratio"),
+    ("{name: r, when: {ratio: big}, ladder: [{action: alert_only}]}", "rules[0].when.ratio"),
+    ("{name: r, yields: maybe, ladder: [{action: alert_only}]}", "rules[0].yields"),
+])
+def test_a_bad_ratio_or_yields_is_one_line_naming_where(rule: str, expected: str) -> None:
+    from stabmon.runbook import loads_runbook
+
+    with pytest.raises(ValueError) as info:
+        loads_runbook(f"name: bad\nrules:\n  - {rule}\n")
+    assert expected in str(info.value) and "\n" not in str(info.value).strip()
+
+
+@pytest.mark.parametrize("known", [{"start": 5, "end": 5, "lr_cap": 1e-3}, {"start": 0, "end": 9, "lr_cap": 0},
+                                   {"start": "a", "end": 9, "lr_cap": 1e-3}])
+def test_a_bad_remembered_range_in_a_saved_state_is_refused_in_one_line(known: dict[str, Any]) -> None:
+    from stabmon.overrides import Overrides
+
+    with pytest.raises(ValueError, match=r"^overrides\.remembered\[0\]: expected start < end"):
+        Overrides().load_state_dict({"remembered": [known]})
