@@ -266,3 +266,74 @@ def test_a_bad_remembered_range_in_a_saved_state_is_refused_in_one_line(known: d
 
     with pytest.raises(ValueError, match=r"^overrides\.remembered\[0\]: expected start < end"):
         Overrides().load_state_dict({"remembered": [known]})
+
+
+def _engine_with_first_sign() -> Any:
+    from stabmon.runbook import loads_runbook
+    from stabmon.runbook.engine import Engine
+
+    rb = loads_runbook("""
+name: first-sign
+cooldown: 0
+rules:
+  - name: damage
+    when: {kind: spike, metric: loss, severity: error}
+    ladder: [{action: set_clip, params: {max_norm: 0.5}, observe: 5}]
+  - name: first_sign
+    when: {kind: spike, metric: grad_norm, severity: warning, ratio: 50}
+    yields: true
+    ladder: [{action: skip_step, params: {factor: 5.0}, observe: 5, success: {quiet_steps: 5}}]
+""")
+    return Engine(rb, id_seed="t")
+
+
+def _anomaly(metric: str, step: int, severity: Any) -> Any:
+    from stabmon.events import Anomaly
+
+    calm = tuple((s, 1.0) for s in range(step - 12, step))
+    return Anomaly("spike", metric, step, 30.0, severity, "spike", evidence=(*calm, (step, 100.0)))
+
+
+class _Applied:
+    """What the executor tells the engine after applying a decision (a record with its id)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.n = engine, 0
+
+    def __call__(self, produced: list[Any]) -> list[Any]:
+        from stabmon.events import Decision, InterventionRecord
+
+        for d in produced:
+            if isinstance(d, Decision) and d.status.value == "apply" and d.action not in ("revert",):
+                self.n += 1
+                self.engine.applied(d, InterventionRecord(step=d.step, action=d.action, decision_id=d.id,
+                                                          before={}, after={"ok": 1}, id=f"iv{self.n}"))
+        return produced
+
+
+def test_a_first_sign_gives_its_change_back_when_a_rule_that_acts_takes_over() -> None:
+    from stabmon.events import Severity, StepRecord
+
+    engine = _engine_with_first_sign()
+    told = _Applied(engine)
+    out = told(engine.process(StepRecord(20, {"loss": 1.0}), [_anomaly("grad_norm", 20, Severity.WARNING)]))
+    assert [(d.rule, d.action) for d in out] == [("first_sign", "skip_step")]
+    out = told(engine.process(StepRecord(21, {"loss": 5.0}), [_anomaly("loss", 21, Severity.ERROR)]))
+    kinds = [(type(e).__name__, getattr(e, "action", getattr(e, "verdict", None))) for e in out]
+    assert kinds[0][0] == "Outcome" and out[0].verdict.value == "superseded"
+    assert [(d.rule, d.action) for d in out[1:]] == [("first_sign", "revert"), ("damage", "set_clip")]
+    assert out[1].params["intervention_id"] == "iv1"
+
+
+def test_a_released_first_sign_is_not_reverted_again() -> None:
+    from stabmon.events import Severity, StepRecord
+
+    engine = _engine_with_first_sign()
+    told = _Applied(engine)
+    told(engine.process(StepRecord(20, {"loss": 1.0}), [_anomaly("grad_norm", 20, Severity.WARNING)]))
+    actions = []
+    for step in range(21, 28):  # quiet: resolved, then released
+        actions += [getattr(e, "action", None) for e in told(engine.process(StepRecord(step, {"loss": 1.0}), []))]
+    assert "release" in actions
+    out = told(engine.process(StepRecord(28, {"loss": 5.0}), [_anomaly("loss", 28, Severity.ERROR)]))
+    assert [(d.rule, d.action) for d in out[1:]] == [("damage", "set_clip")]  # nothing left to revert

@@ -339,7 +339,8 @@ class Engine:
         done = Outcome(intervention_id=inc.intervention_id, decision_id=inc.current.id, step=record.step,
                        verdict=Verdict.SUPERSEDED, evidence={"observed_steps": len(inc.window)},
                        incident_id=inc.id, id=self._next_id())
-        given_back = self._revert_in_force(record.step, why="superseded by a rule that acts")  # a first sign
+        # a first sign's change is undone (one change in force at a time); a release has given it back already
+        given_back = [] if inc.releasing else self._revert_in_force(record.step, why="superseded by a rule that acts")
         inc.alerted, inc.changed = True, False  # no cooldown: the rule that acts opens its incident now
         self._close()
         return [done, *given_back, *self._maybe_open(record, anomalies)]
