@@ -210,7 +210,10 @@ def test_a_loop_that_hands_no_batch_is_told_so_and_its_diagnose_rungs_are_droppe
     # the verdict says what is missing (before: "no loss recorded for the incident", though the losses were)
     assert ev["verdict"] == "inconclusive" and ev["summary"].startswith("no batch was handed to the monitor"), ev
     dropped = [r.getMessage() for r in caplog.records if "dropped from the ladder" in r.getMessage()]
-    assert len(dropped) == 1 and "diagnose needs the batches" in dropped[0], dropped  # said once, at the first step
+    # said once, at the first step, one line per reason: the diagnoses, and the restarts that could only skip
+    # batches (a capped restart follows them in the ladder)
+    assert len(dropped) == 2 and "diagnose needs the batches" in dropped[0], dropped
+    assert "it would be a plain restart" in dropped[1], dropped
 
 
 # -- the verdict logic, pure ------------------------------------------------------------------------------------
