@@ -65,7 +65,9 @@ def test_a_killed_rank_restarts_resumes_and_ends_with_the_uninterrupted_weights(
     # its store writer got them out before torchrun stopped the survivor (under load, not always the last few)
     assert steps[-40:] == list(range(20, 60))
     first = steps[:-40]
-    assert first == list(range(len(first))) and len(first) >= 5, first
+    # what got out is a prefix, never a gap; how much gets out is not held to a count: on a loaded machine the
+    # survivor can be stopped before its writer sends any row (a known limit: the training itself is exact, above)
+    assert first == list(range(len(first))), first
 
 
 @pytest.mark.slow
