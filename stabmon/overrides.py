@@ -155,7 +155,7 @@ class Overrides:
         >>> o.at_step(319), o.range_cap, o.at_step(320), o.range_cap   # its last step, then out of it
         (None, 0.001, None, None)
         """
-        self.remembered = [r for r in self.remembered if (r["start"], r["end"]) != (start, end)]
+        self.forget(start=start, end=end)
         self.remembered.append({"start": int(start), "end": int(end), "lr_cap": float(lr_cap)})
 
     def forget(self, *, start: int, end: int) -> None:
