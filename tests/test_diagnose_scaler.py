@@ -27,7 +27,9 @@ def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return (model(batch[0]) - batch[1]).pow(2).mean()
 
 
-def _run(tmp_path: Path, *, flaky: bool, seed: int) -> tuple[Monitor, dict[str, Any]]:
+def _run(tmp_path: Path, *, flaky: bool, seed: int, after: list[float] | None = None
+         ) -> tuple[Monitor, dict[str, Any]]:
+    """The run and the diagnosis; ``after``: each later step's gradient norm, unscaled by hand, is appended."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
     hit = {"armed": False}
@@ -62,6 +64,16 @@ def _run(tmp_path: Path, *, flaky: bool, seed: int) -> tuple[Monitor, dict[str, 
     ev = mon.diagnose(onset_step=FAULT_STEP, step=29, metric="loss", max_batches=3, rtol=1e-4,
                       recur=0.5).as_after()
     assert scaler.get_scale() == scale  # the scaler's state is put back with the model's
+    if after is not None:  # the loop goes on: its next steps see their own gradients, unscaled by scaler.step
+        for step, batch in mon.steps(data[:3]):
+            loss = _loss(model, batch)
+            scaler.scale(loss).backward()
+            mon.observe(loss=loss)
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+            after.append(float(norm) / scaler.get_scale())
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
     mon.close()
     return mon, ev
 
@@ -84,3 +96,14 @@ def test_an_inf_in_one_execution_only_is_hardware_suspect(tmp_path: Path, seed: 
     assert ev["verdict"] == "hardware_suspect", ev["summary"]
     m = ev["rerun"]["mismatch"]
     assert m["step"] == FAULT_STEP and m["metric"] == Metric.LOSS and m["recorded"] == "inf"
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_loops_next_step_after_a_diagnosis_is_unscaled(tmp_path: Path, seed: int) -> None:
+    """A re-run ends on ``unscale_`` with no update: the scaler is left as the loop had it, so the next live step
+    is unscaled and overflow-checked by ``scaler.step`` as always (it once updated on gradients 2^16 too large)."""
+    by_hand: list[float] = []
+    mon, _ = _run(tmp_path, flaky=True, seed=seed, after=by_hand)
+    recorded = [r.get(Metric.GRAD_NORM) for r in mon.records if r.step >= 30]
+    assert len(recorded) == len(by_hand) == 3
+    assert recorded == pytest.approx(by_hand, rel=1e-4)

@@ -256,10 +256,15 @@ def _verdict(plan: Plan, evidence: Sequence[dict[str, Any]], recur: float, where
 
 @contextlib.contextmanager
 def _restored(bench: Bench) -> Iterator[None]:
-    """Model, optimizer, GradScaler, gradients and RNG exactly as they were, afterwards."""
+    """Model, optimizer, GradScaler, gradients and RNG exactly as they were, afterwards. The GradScaler's
+    per-optimizer stage too, which its ``state_dict`` leaves out: a re-run ends on ``unscale_`` with no update,
+    and a scaler left at that stage would hand the loop's next step its gradients still scaled (and the re-run's
+    overflow flag)."""
     model_state = copy.deepcopy(bench.model.state_dict())
     opt_state = copy.deepcopy(bench.optimizer.state_dict())
     scaler_state = copy.deepcopy(bench.scaler.state_dict()) if bench.scaler is not None else None
+    stages = getattr(bench.scaler, "_per_optimizer_states", None)  # (scaler.update() replaces the dict)
+    stages = copy.deepcopy(stages) if stages is not None else None
     grads = [None if p.grad is None else p.grad.detach().clone() for p in bench.grads.params]
     rng = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -270,6 +275,8 @@ def _restored(bench: Bench) -> Iterator[None]:
         bench.optimizer.load_state_dict(opt_state)
         if scaler_state is not None:
             bench.scaler.load_state_dict(scaler_state)
+        if stages is not None:
+            bench.scaler._per_optimizer_states = stages
         for p, g in zip(bench.grads.params, grads, strict=True):
             p.grad = g
         torch.set_rng_state(rng)
