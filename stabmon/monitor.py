@@ -65,6 +65,7 @@ from stabmon.collect.flushing import Flusher
 from stabmon.collect.hangs import HangReporter, LoopActivity, start_watchdog, write_last_words
 from stabmon.collect.interrupts import INTERRUPTED, ExitGuard, InterruptHold, deliver_held
 from stabmon.collect.run_state import RunState
+from stabmon.collect.signals.alarm import NonfiniteAlarm
 from stabmon.collect.signals.buffer import StepBuffer
 from stabmon.collect.signals.memory import DeviceMemory
 from stabmon.collect.signals.vocab import untrained_loss
@@ -124,6 +125,8 @@ class Monitor:
         self.rank, self.world_size = world()
         self.signals = build_signals(model, optimizer, config=cfg, run=run, failsafe=self.failsafe,
                                      world_size=self.world_size, scaler=scaler)
+        # a flush is a collective under torch.distributed: only one process may flush off the cadence
+        self._alarm = NonfiniteAlarm() if cfg.flush_on_nonfinite and self.world_size == 1 else None
         layout = self.signals.layout
         where = spec.checkpoints.directory if spec.checkpoints is not None else spec.checkpoint_dir
         self.policy = rank_policy(self.rank, self.world_size, sharded=layout.sharded,
@@ -482,6 +485,8 @@ class Monitor:
             metrics = {**metrics, Metric.UNTRAINED_LOSS: self._untrained}
             self._untrained = None
         self.signals.recorder.observe((("loss", loss), *metrics.items()), tokens=tokens, step=self.run.step)
+        if self._alarm is not None:
+            self._alarm.watch(loss)
 
     def end_step(self) -> None:
         """Close the step's record; flush when ``config.flush_every`` steps are waiting."""
@@ -498,6 +503,8 @@ class Monitor:
             self._watchdog.beat(self.run.step - 1)
         every = self.config.checkpoint_every
         flush = len(self.signals.buffer) >= self.config.flush_every
+        if self._alarm is not None and self._alarm.rang():
+            flush = True  # a NaN or inf loss: the runbook answers now, not at the cadence
         completed = self.run.step
         if every and self.checkpoints is not None and self.run.step % every == 0:
             step = self.run.step

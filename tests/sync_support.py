@@ -11,12 +11,16 @@ SYNCS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu
 
 class SyncCounter(TorchFunctionMode):
     """Counts host reads (``.item()``, ``bool()``, ``.tolist()``, ...) by name, and separates those made while
-    ``in_flush`` is set (a test sets it around the monitor's flush) from all others."""
+    ``in_flush`` is set (a test sets it around the monitor's flush), those made while ``in_landed`` is set (around
+    the nonfinite alarm's read of a host slot whose copy has landed: host memory, no device to wait for) and all
+    others."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: dict[str, int] = {}
         self.in_flush = 0
+        self.in_landed = 0
+        self.landed: list[str] = []
         self.outside: list[str] = []
         self.inside: list[str] = []
 
@@ -24,5 +28,5 @@ class SyncCounter(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in SYNCS:
             self.calls[name] = self.calls.get(name, 0) + 1
-            (self.inside if self.in_flush else self.outside).append(name)
+            (self.inside if self.in_flush else self.landed if self.in_landed else self.outside).append(name)
         return func(*args, **(kwargs or {}))

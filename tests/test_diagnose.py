@@ -331,7 +331,8 @@ def test_the_engine_continues_the_incident_with_the_verdicts_rule(verdict: str, 
                     evidence=((8, 1.0), (9, 1.0), (10, 5.0)))
     (first,) = engine.process(StepRecord(10, {"loss": 5.0}), [spike])
     assert isinstance(first, Decision) and first.action == "diagnose"
-    assert (first.params["onset_step"], first.params["step"], first.params["metric"]) == (8, 10, "loss")
+    # a lone spike: its onset is the update before it (step 9), not the first step of its evidence
+    assert (first.params["onset_step"], first.params["step"], first.params["metric"]) == (9, 10, "loss")
     engine.applied(first, InterventionRecord(decision_id=first.id, step=11, action="diagnose", before={},
                                              after={"verdict": verdict, "summary": "why"}))
     out = engine.process(StepRecord(11, {"loss": 5.0}), [])

@@ -65,7 +65,7 @@ def _run(tmp_path: Path, *, flaky: bool, seed: int, after: list[float] | None = 
                       recur=0.5).as_after()
     assert scaler.get_scale() == scale  # the scaler's state is put back with the model's
     if after is not None:  # the loop goes on: its next steps see their own gradients, unscaled by scaler.step
-        for step, batch in mon.steps(data[:3]):
+        for _, batch in mon.steps(data[:3]):
             loss = _loss(model, batch)
             scaler.scale(loss).backward()
             mon.observe(loss=loss)

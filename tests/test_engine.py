@@ -724,12 +724,13 @@ def test_a_diagnosis_after_a_reverted_change_looks_only_at_steps_trained_without
                        "    ladder:\n      - {action: scale_lr, params: {factor: 0.5}, observe: 3, "
                        "on_failure: revert}\n      - {action: diagnose, observe: 1}\n")
     d = Driver(Engine(rb, id_seed="g"))
-    d.run(4)
-    (cut,) = decisions(d.run(1, anomalous=[5]))  # onset: step 3, the first evidence step
+    d.run(2)
+    d.run(2, anomalous=[3], make=lambda s: spike(s, severity=Severity.WARNING))  # a sign no rule acts on
+    (cut,) = decisions(d.run(1, anomalous=[5]))  # onset: step 2, the update before the spike's first sign
     assert cut.action == "scale_lr" and cut.step == 5
     out = d.run(4, anomalous=[6, 7, 8])
     (diag,) = [x for x in decisions(out) if x.action == "diagnose"]
-    assert diag.params["onset_step"] == 3 and diag.params["step"] == 4  # not the step it was decided at
+    assert diag.params["onset_step"] == 2 and diag.params["step"] == 4  # not the step it was decided at
     assert diag.step > 5
 
 

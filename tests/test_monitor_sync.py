@@ -53,6 +53,19 @@ def _run(
             counter.in_flush -= 1
 
     mon.flush = counted_flush  # type: ignore[method-assign]
+    alarm = mon._alarm
+    if alarm is not None:
+        real_read = alarm._read
+
+        def counted_read(host: torch.Tensor) -> bool:
+            assert host.device.type == "cpu"  # a host slot, written by a copy that has landed
+            counter.in_landed += 1
+            try:
+                return real_read(host)
+            finally:
+                counter.in_landed -= 1
+
+        alarm._read = counted_read  # type: ignore[method-assign]
     with counter:
         for _, idx in mon.steps(data):
             logits = model(idx)
@@ -87,6 +100,7 @@ def test_no_host_sync_outside_flushes(every: int) -> None:
     assert mon.batches is not None and len(mon.batches.entries) == 50 and "update_ratio" in mon.records[0].metrics
     # 50 steps, flush_every=20: flushes after steps 20 and 40, and at close: one host copy each
     assert counter.inside == ["tolist"] * 3
+    assert counter.landed == ["__bool__"] * 50  # the nonfinite alarm: each step's flag, from its host slot
     assert len(mon.records) == 50
     rec = mon.records[0]
     assert "act_rms/blocks.0" in rec.metrics and "emb_drift/wte" in rec.metrics and "skipped" in rec.metrics
@@ -122,6 +136,8 @@ def test_no_host_sync_outside_flushes_on_cuda() -> None:
     mon = _run(cfg, counter, overrides=Overrides(lr_scale=0.5, skip_factor=3.0), device="cuda")
     assert counter.outside == []
     assert counter.inside == ["tolist"] * 3  # of the pinned host buffer, after one event wait
+    # the nonfinite alarm read only pinned slots whose event had completed: at most one per step
+    assert set(counter.landed) <= {"__bool__"} and len(counter.landed) <= 50
     assert len(mon.records) == 50 and mon.records[0].metrics["grad_norm"] > 0
 
 

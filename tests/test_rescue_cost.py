@@ -268,21 +268,22 @@ def test_a_bad_remembered_range_in_a_saved_state_is_refused_in_one_line(known: d
         Overrides().load_state_dict({"remembered": [known]})
 
 
-def _engine_with_first_sign() -> Any:
+def _engine_with_first_sign(damage: str = "{action: set_clip, params: {max_norm: 0.5}, observe: 5}",
+                            observe: int = 5) -> Any:
     from stabmon.runbook import loads_runbook
     from stabmon.runbook.engine import Engine
 
-    rb = loads_runbook("""
+    rb = loads_runbook(f"""
 name: first-sign
 cooldown: 0
 rules:
   - name: damage
-    when: {kind: spike, metric: loss, severity: error}
-    ladder: [{action: set_clip, params: {max_norm: 0.5}, observe: 5}]
+    when: {{kind: spike, metric: loss, severity: error}}
+    ladder: [{damage}]
   - name: first_sign
-    when: {kind: spike, metric: grad_norm, severity: warning, ratio: 50}
+    when: {{kind: spike, metric: grad_norm, severity: warning, ratio: 50}}
     yields: true
-    ladder: [{action: skip_step, params: {factor: 5.0}, observe: 5, success: {quiet_steps: 5}}]
+    ladder: [{{action: skip_step, params: {{factor: 5.0}}, observe: {observe}, success: {{quiet_steps: {observe}}}}}]
 """)
     return Engine(rb, id_seed="t")
 
@@ -337,3 +338,93 @@ def test_a_released_first_sign_is_not_reverted_again() -> None:
     assert "release" in actions
     out = told(engine.process(StepRecord(28, {"loss": 5.0}), [_anomaly("loss", 28, Severity.ERROR)]))
     assert [(d.rule, d.action) for d in out[1:]] == [("damage", "set_clip")]  # nothing left to revert
+
+
+# -- the onset: where a rollback lands ---------------------------------------------------------------------------
+_ROLLBACK_ON = """
+name: onsets
+cooldown: 0
+rules:
+  - name: r
+    when: {{kind: {kind}, severity: error}}
+    ladder: [{{action: rollback, params: {{lookback: 0, lr_cap: 0.5}}, observe: 5}}]
+"""
+
+
+def _onset_engine(kind: str) -> Any:
+    from stabmon.runbook import loads_runbook
+    from stabmon.runbook.engine import Engine
+
+    return Engine(loads_runbook(_ROLLBACK_ON.format(kind=kind)), id_seed="o")
+
+
+def _point(kind: str, step: int, severity: Any) -> Any:
+    from stabmon.events import Anomaly
+
+    window = tuple((s, 2.0) for s in range(step - 15, step + 1))
+    return Anomaly(kind, "loss", step, 1.0, severity, kind, evidence=window)
+
+
+def _feed(engine: Any, steps: range, anomalies: dict[int, Any], lr: Any = lambda s: 1e-3) -> list[Any]:
+    from stabmon.events import Decision, StepRecord
+
+    out = []
+    for s in steps:
+        found = anomalies.get(s)
+        out += engine.process(StepRecord(s, {"loss": 2.0, "lr": lr(s)}), [found] if found else [])
+    return [d for d in out if isinstance(d, Decision)]
+
+
+def test_a_nan_rollback_lands_before_the_update_ahead_of_the_first_nan() -> None:
+    """NaN warnings at 40 and 41, critical at 42: the trouble began with the update of step 39, not 16 records
+    before the critical one (where the evidence window starts)."""
+    from stabmon.events import Severity
+
+    engine = _onset_engine("nonfinite")
+    found = {40: _point("nonfinite", 40, Severity.WARNING), 41: _point("nonfinite", 41, Severity.WARNING),
+             42: _point("nonfinite", 42, Severity.CRITICAL)}
+    (rollback,) = _feed(engine, range(1, 45), found)
+    assert rollback.step == 42 and rollback.params["onset_step"] == 39
+
+
+def test_signs_further_apart_than_the_gap_are_two_episodes_and_a_trend_keeps_its_evidence() -> None:
+    from stabmon.events import Severity
+
+    engine = _onset_engine("spike")
+    found = {10: _point("spike", 10, Severity.WARNING), 40: _point("spike", 40, Severity.ERROR)}
+    (rollback,) = _feed(engine, range(1, 45), found)
+    assert rollback.params["onset_step"] == 39  # the warning 30 steps earlier was another episode
+    # a loss scale that fell to its floor is reported once it is there: its evidence reaches back to the fall
+    engine = _onset_engine("loss_scale_collapse")
+    (rollback,) = _feed(engine, range(1, 45), {40: _point("loss_scale_collapse", 40, Severity.CRITICAL)})
+    assert rollback.params["onset_step"] == 25
+
+
+def test_the_cap_is_half_the_lr_before_the_onsets_update_and_the_signs_survive_a_resume() -> None:
+    """The learning rate jumps x100 at step 30 (its update is the trouble): the cap is half the LR before it."""
+    from stabmon.events import Severity
+    from stabmon.runbook.engine import Engine
+
+    lr = lambda s: 1e-3 if s < 30 else 0.1  # noqa: E731
+    engine = _onset_engine("spike")
+    _feed(engine, range(1, 32), {31: _point("spike", 31, Severity.WARNING)}, lr)
+    resumed = Engine(engine.runbook, id_seed="o")
+    resumed.load_state_dict(engine.state_dict())  # a resume between the first sign and the error
+    (rollback,) = _feed(resumed, range(32, 36), {33: _point("spike", 33, Severity.ERROR)}, lr)
+    assert rollback.params["onset_step"] == 30
+    assert rollback.params["onset_lr"] == pytest.approx(1e-3)
+
+
+def test_a_superseded_first_sign_carries_its_onset_to_the_incident_that_acts() -> None:
+    """The first sign at step 20 (a grad spike) and the damage 25 steps later, past the gap that links signs:
+    the rollback still lands before the first sign, because the first sign's incident was still open."""
+    from stabmon.events import Decision, Severity, StepRecord
+
+    engine = _engine_with_first_sign("{action: rollback, params: {lookback: 0}, observe: 5}", observe=40)
+    told = _Applied(engine)
+    told(engine.process(StepRecord(20, {"loss": 1.0}), [_anomaly("grad_norm", 20, Severity.WARNING)]))
+    for s in range(21, 45):
+        told(engine.process(StepRecord(s, {"loss": 1.0}), []))
+    out = told(engine.process(StepRecord(45, {"loss": 5.0}), [_anomaly("loss", 45, Severity.ERROR)]))
+    (rollback,) = [d for d in out if isinstance(d, Decision) and d.rule == "damage"]
+    assert rollback.action == "rollback" and rollback.params["onset_step"] == 19

@@ -279,6 +279,10 @@ class MonitorConfig:
 
     flush_every: int = 20
     """Steps between flushes: one device-to-host copy, then detectors, runbook engine and store."""
+    flush_on_nonfinite: bool = True
+    """Flush at the end of a step whose loss is NaN or inf (read a step or two late on an accelerator, never
+    waiting for it: :mod:`stabmon.collect.signals.alarm`), so the runbook answers within steps, not up to
+    ``flush_every`` later. One process only (under torch.distributed the flushes keep their cadence)."""
     clip: float | None = None
     """Gradient clipping max_norm applied by the monitor (do not clip yourself). None measures only; an
     intervention can still set one through overrides."""

@@ -263,7 +263,8 @@ def _restored(bench: Bench) -> Iterator[None]:
     model_state = copy.deepcopy(bench.model.state_dict())
     opt_state = copy.deepcopy(bench.optimizer.state_dict())
     scaler_state = copy.deepcopy(bench.scaler.state_dict()) if bench.scaler is not None else None
-    stages = getattr(bench.scaler, "_per_optimizer_states", None)  # (scaler.update() replaces the dict)
+    scaler = bench.scaler
+    stages = getattr(scaler, "_per_optimizer_states", None)  # (scaler.update() replaces the dict)
     stages = copy.deepcopy(stages) if stages is not None else None
     grads = [None if p.grad is None else p.grad.detach().clone() for p in bench.grads.params]
     rng = torch.get_rng_state()
@@ -276,7 +277,7 @@ def _restored(bench: Bench) -> Iterator[None]:
         if scaler_state is not None:
             bench.scaler.load_state_dict(scaler_state)
         if stages is not None:
-            bench.scaler._per_optimizer_states = stages
+            scaler._per_optimizer_states = stages
         for p, g in zip(bench.grads.params, grads, strict=True):
             p.grad = g
         torch.set_rng_state(rng)

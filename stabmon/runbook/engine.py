@@ -33,6 +33,7 @@ from stabmon.events import (
     InterventionRecord,
     Metric,
     Outcome,
+    Severity,
     StepRecord,
     Verdict,
     new_id,
@@ -48,6 +49,10 @@ _LOSS, _LR = Metric.LOSS, Metric.LR  # read on every record: module constants, n
 _HISTORY_MARGIN = 256  # loss history kept beyond baseline_steps, to reach back before a persistent onset
 _OTHERS_KEPT = 8  # anomalies of other rules named in a judged rung's evidence (the count is in ``matched``)
 _STATE_VERSION = 2  # 1: the incident a dict, sightings and window rows lists
+_SIGN_GAP = 16  # steps: a sign this close before an incident's onset belongs to the same episode (see _onset)
+_SIGNS_KEPT = 64
+_NOT_SIGNS = frozenset({"step_time", "hang", "missing", "straggler"})  # of time and bookkeeping, not the model
+_POINT_KINDS = frozenset({"spike", "nonfinite"})  # detectors that report each flagged point (see _onset)
 
 
 class Engine:
@@ -87,6 +92,8 @@ class Engine:
         self._losses: deque[tuple[int, float]] = deque(maxlen=runbook.baseline_steps + _HISTORY_MARGIN)
         self._lrs: deque[tuple[int, float]] = deque(maxlen=runbook.baseline_steps + _HISTORY_MARGIN)
         self._history: dict[str, list[Sighting]] = {}  # rule name -> its sightings within its horizon
+        #: the steps of recent signs (anomalies of the model's values, warning or above, any rule): an episode
+        self._signs: deque[int] = deque(maxlen=_SIGNS_KEPT)
         self._cooldown_until = 0
         #: rule name -> the levers (``Intervention.levers``) of its changes that did not keep its trouble away
         self._spent: dict[str, set[str]] = {}
@@ -117,6 +124,9 @@ class Engine:
         lr = metrics.get(_LR)
         if lr is not None:
             self._lrs.append((step, lr))
+        for a in anomalies:
+            if a.severity >= Severity.WARNING and a.kind not in _NOT_SIGNS:
+                self._signs.append(a.step)
         if self.stopped:
             return []
         if self._incident is not None:
@@ -197,7 +207,7 @@ class Engine:
 
     # -- idle: does a rule fire? --
     def _maybe_open(self, record: StepRecord, anomalies: Sequence[Anomaly], *,
-                    cooldown: bool = True) -> list[Decision | Outcome]:
+                    cooldown: bool = True, since: int | None = None) -> list[Decision | Outcome]:
         if not anomalies and not self._history:
             return []  # the idle path: nothing new, nothing remembered to expire
         fresh: dict[str, Anomaly] = {}
@@ -205,8 +215,7 @@ class Engine:
             rule = self._rule_for(a)
             if rule is None:
                 continue
-            onset = a.evidence[0][0] if a.evidence else a.step
-            self._history.setdefault(rule.name, []).append(Sighting(self._tick, a.step, onset))
+            self._history.setdefault(rule.name, []).append(Sighting(self._tick, a.step, self._onset(a, since)))
             best = fresh.get(rule.name)
             if best is None or a.severity > best.severity or (a.severity == best.severity and a.score >
             best.score):
@@ -218,6 +227,27 @@ class Engine:
             if rule.name in fresh and self._persistent(rule):
                 return self._open(rule, fresh[rule.name], record)
         return []
+
+    def _onset(self, anomaly: Anomaly, since: int | None = None) -> int:
+        """Where the trouble ``anomaly`` reports began, which a rollback must land before.
+
+        A spike or a NaN is reported at every flagged point, so the first of them is where its trouble shows
+        first: the flagged point, reached back through the signs that came before it with no gap over
+        ``_SIGN_GAP`` steps (the first NaN before the critical one, a spike's first flagged point, the warning
+        before the error), and one step more: a step's values are measured on the state the update before it
+        left, so that update is the first the fault may have touched (a checkpoint at step N holds the state
+        before step N). A detector that reports a trend once it has lasted (a regression, a loss scale that
+        fell to its floor, a drift) names the start of its evidence, from before the rise. Either reaches back
+        to ``since`` (the onset of a first-sign incident this one supersedes). A rollback further back than the
+        episode's first sign would train again steps the fault never touched."""
+        ev = anomaly.evidence
+        point = anomaly.kind in _POINT_KINDS or not ev
+        start = anomaly.step if point else ev[0][0]
+        for step in sorted(set(self._signs), reverse=True):
+            if start - _SIGN_GAP <= step < start:
+                start = step
+        start = max(0, start - 1) if point else start
+        return start if since is None else min(start, since)
 
     def _within_horizons(self) -> dict[str, list[Sighting]]:
         """Each rule's sightings still within its persistence horizon; a rule with none is left out, so an
@@ -343,7 +373,7 @@ class Engine:
         given_back = [] if inc.releasing else self._revert_in_force(record.step, why="superseded by a rule that acts")
         inc.alerted, inc.changed = True, False  # no cooldown: the rule that acts opens its incident now
         self._close()
-        return [done, *given_back, *self._maybe_open(record, anomalies)]
+        return [done, *given_back, *self._maybe_open(record, anomalies, since=inc.onset_step)]
 
     def _expired(self, inc: Incident) -> bool:
         approval = self.runbook.approval
@@ -457,7 +487,9 @@ class Engine:
             params["message"] = inc.seen  # an alert says what the detector saw
         if traits.rewinds_step:
             params["onset_step"] = inc.onset_step
-            onset_lr = next((v for st, v in reversed(self._lrs) if st <= inc.onset_step), None)
+            # the LR in force before the onset's update (that update's own LR may be the trouble)
+            onset_lr = next((v for st, v in reversed(self._lrs) if st < inc.onset_step),
+                            next((v for st, v in self._lrs if st <= inc.onset_step), None))
             if onset_lr is not None and "lr_cap" in params:
                 params["onset_lr"] = onset_lr  # the cap is a fraction of the LR at which the trouble began
         reason = f"{inc.trigger}; rung {inc.rung + 1}/{len(rule.ladder)} of rule {rule.name}"
@@ -633,6 +665,7 @@ class Engine:
             "counter": self._counter, "tick": self._tick, "losses": [list(x) for x in self._losses],
             "lrs": [list(x) for x in self._lrs],
             "history": {rule: [dataclasses.asdict(h) for h in hist] for rule, hist in self._history.items()},
+            "signs": list(self._signs),
             "cooldown_until": self._cooldown_until, "budget": list(self._budget),
             "spent": {rule: sorted(levers) for rule, levers in self._spent.items()},
             "incident": None if self._incident is None else incident_state(self._incident),
@@ -651,6 +684,7 @@ class Engine:
         self._lrs = deque(((int(s), float(v)) for s, v in state["lrs"]), maxlen=self._lrs.maxlen)
         sighting = (lambda h: Sighting(*h)) if version == 1 else (lambda h: Sighting(**h))
         self._history = {rule: [sighting(h) for h in hist] for rule, hist in state["history"].items()}
+        self._signs = deque((int(s) for s in state.get("signs", ())), maxlen=_SIGNS_KEPT)
         self._cooldown_until, self._budget = state["cooldown_until"], list(state["budget"])
         self._spent = {rule: set(levers) for rule, levers in state.get("spent", {}).items()}
         incident = state["incident"]
