@@ -428,3 +428,32 @@ def test_a_superseded_first_sign_carries_its_onset_to_the_incident_that_acts() -
     out = told(engine.process(StepRecord(45, {"loss": 5.0}), [_anomaly("loss", 45, Severity.ERROR)]))
     (rollback,) = [d for d in out if isinstance(d, Decision) and d.rule == "damage"]
     assert rollback.action == "rollback" and rollback.params["onset_step"] == 19
+
+
+@pytest.mark.parametrize(("first", "baseline"), [(4, None), (3, 2.0)])
+def test_a_baseline_needs_five_losses_before_the_onset(first: int, baseline: float | None) -> None:
+    """A loss logged every 10 steps, a spike at step 80: with four records before its onset (one, at step 10, in
+    the real DPO record that showed it) a median is no baseline to judge "loss back within 10%" by; five are."""
+    from stabmon.events import InterventionRecord, Outcome, Severity, StepRecord
+    from stabmon.runbook import loads_runbook
+    from stabmon.runbook.engine import Engine
+
+    engine = Engine(loads_runbook("""
+name: baseline
+cooldown: 0
+rules:
+  - name: r
+    when: {kind: spike, severity: error}
+    ladder: [{action: scale_lr, params: {factor: 0.5}, observe: 3, success: {quiet_steps: 3, loss_within: 0.1}}]
+"""), id_seed="b")
+    out = []
+    for s in range(first * 10, 200, 10):
+        found = [_point("spike", s, Severity.ERROR)] if s == 80 else []
+        produced = engine.process(StepRecord(s, {"loss": 2.0 if s < 80 else 2.1, "lr": 1e-3}), found)
+        for d in produced:
+            if type(d).__name__ == "Decision" and d.action == "scale_lr":
+                engine.applied(d, InterventionRecord(decision_id=d.id, step=d.step, action=d.action, before={},
+                                                     after={}, id="iv"))
+        out += produced
+    (judged,) = [o for o in out if isinstance(o, Outcome)]
+    assert judged.evidence.get("loss_baseline") == baseline
