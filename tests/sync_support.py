@@ -30,3 +30,30 @@ class SyncCounter(TorchFunctionMode):
             self.calls[name] = self.calls.get(name, 0) + 1
             (self.inside if self.in_flush else self.landed if self.in_landed else self.outside).append(name)
         return func(*args, **(kwargs or {}))
+
+
+def count_alarm_reads(monitor: Any, counter: SyncCounter) -> None:
+    """Put the monitor's nonfinite alarm reads (a host slot whose copy has landed: no device to wait for) in
+    ``counter.landed`` instead of with the others."""
+    alarm = monitor._alarm
+    if alarm is None:
+        return
+    real = alarm._read
+
+    def read(host: Any) -> bool:
+        assert host.device.type == "cpu"
+        counter.in_landed += 1
+        try:
+            return bool(real(host))
+        finally:
+            counter.in_landed -= 1
+
+    alarm._read = read
+
+
+def without_landed(counter: SyncCounter) -> dict[str, int]:
+    """``counter.calls`` less the reads counted in ``counter.landed``."""
+    calls = dict(counter.calls)
+    for name in counter.landed:
+        calls[name] -= 1
+    return {name: n for name, n in calls.items() if n}

@@ -13,7 +13,7 @@ pytest.importorskip("accelerate")
 
 import torch  # noqa: E402
 from store_support import metrics_by_step  # noqa: E402
-from sync_support import SyncCounter  # noqa: E402
+from sync_support import SyncCounter, count_alarm_reads, without_landed  # noqa: E402
 
 from stabmon.checkpoints import STOP_EXIT_CODE  # noqa: E402
 from stabmon.integrations.hf import STATE_FILE, StabmonCallback  # noqa: E402
@@ -209,12 +209,15 @@ def test_callback_adds_one_host_read_per_flush_and_none_per_step(tmp_path: Path)
     """The Trainer reads tensors back itself (its NaN filter); the same run with the callback reads back
     exactly one more time per monitor flush and never on the steps in between."""
 
+    counters: list[SyncCounter] = []
+
     def run(callbacks: list[Any]) -> dict[str, int]:
         args = make_args(tmp_path / f"out{len(callbacks)}", max_steps=24, max_grad_norm=1.0)
         trainer = transformers.Trainer(model=tiny_model(), args=args, train_dataset=dataset(), callbacks=callbacks)
-        with SyncCounter() as counter:
+        counters.append(SyncCounter())
+        with counters[-1] as counter:
             trainer.train()
-        return counter.calls
+        return without_landed(counter)
 
     cb = StabmonCallback(store=None, config=MonitorConfig(flush_every=5, hang_timeout=None))
     flushes = []
@@ -223,6 +226,7 @@ def test_callback_adds_one_host_read_per_flush_and_none_per_step(tmp_path: Path)
         def on_train_begin(self, *a: Any, **k: Any) -> None:
             real = cb.monitor.flush
             cb.monitor.flush = lambda: (flushes.append(1), real())[1]
+            count_alarm_reads(cb.monitor, counters[-1])
 
     plain = run([])
     monitored = run([cb, CountFlushes()])
@@ -230,6 +234,7 @@ def test_callback_adds_one_host_read_per_flush_and_none_per_step(tmp_path: Path)
     expected = dict(plain)
     expected["tolist"] = expected.get("tolist", 0) + len(flushes)
     assert monitored == expected
+    assert counters[-1].landed == ["__bool__"] * 24  # the nonfinite alarm: each step's flag, from its host slot
 
 
 @pytest.mark.slow

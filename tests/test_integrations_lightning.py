@@ -12,7 +12,7 @@ L = pytest.importorskip("lightning.pytorch")
 
 import torch  # noqa: E402
 from store_support import metrics_by_step  # noqa: E402
-from sync_support import SyncCounter  # noqa: E402
+from sync_support import SyncCounter, count_alarm_reads, without_landed  # noqa: E402
 
 from stabmon.checkpoints import STOP_EXIT_CODE  # noqa: E402
 from stabmon.integrations.lightning import StabmonCallback  # noqa: E402
@@ -224,11 +224,14 @@ def test_fp16_grad_scaler_overflow_steps_are_recorded_and_overrides_do_not_compo
 def test_callback_adds_one_host_read_per_flush_and_none_per_step(tmp_path: Path) -> None:
     """The same fit with the callback reads tensors back exactly one more time per monitor flush."""
 
+    counters: list[SyncCounter] = []
+
     def run(callbacks: list[Any]) -> dict[str, int]:
         t = trainer(tmp_path, callbacks, max_steps=20, gradient_clip_val=1.0)
-        with SyncCounter() as counter:
+        counters.append(SyncCounter())
+        with counters[-1] as counter:
             t.fit(Tiny(opt="adamw", lr=1e-2), loader())
-        return counter.calls
+        return without_landed(counter)
 
     cb = StabmonCallback(store=None, config=MonitorConfig(flush_every=6, hang_timeout=None))
     flushes = []
@@ -237,6 +240,7 @@ def test_callback_adds_one_host_read_per_flush_and_none_per_step(tmp_path: Path)
         def on_fit_start(self, *a: Any) -> None:
             real = cb.monitor.flush
             cb.monitor.flush = lambda: (flushes.append(1), real())[1]
+            count_alarm_reads(cb.monitor, counters[-1])
 
     plain = run([])
     monitored = run([cb, CountFlushes()])
@@ -244,6 +248,7 @@ def test_callback_adds_one_host_read_per_flush_and_none_per_step(tmp_path: Path)
     expected = dict(plain)
     expected["tolist"] = expected.get("tolist", 0) + len(flushes)
     assert monitored == expected
+    assert counters[-1].landed == ["__bool__"] * 20  # the nonfinite alarm: each step's flag, from its host slot
 
 
 def test_a_crash_in_training_ends_the_run_as_failed(tmp_path: Path, sqlite_url: str) -> None:

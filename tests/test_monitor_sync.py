@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sync_support import SyncCounter
+from sync_support import SyncCounter, count_alarm_reads
 from test_monitor import Tiny
 from torch import nn
 
@@ -53,19 +53,7 @@ def _run(
             counter.in_flush -= 1
 
     mon.flush = counted_flush  # type: ignore[method-assign]
-    alarm = mon._alarm
-    if alarm is not None:
-        real_read = alarm._read
-
-        def counted_read(host: torch.Tensor) -> bool:
-            assert host.device.type == "cpu"  # a host slot, written by a copy that has landed
-            counter.in_landed += 1
-            try:
-                return real_read(host)
-            finally:
-                counter.in_landed -= 1
-
-        alarm._read = counted_read  # type: ignore[method-assign]
+    count_alarm_reads(mon, counter)
     with counter:
         for _, idx in mon.steps(data):
             logits = model(idx)
