@@ -298,7 +298,9 @@ def _quiet(cell: Invariants, stderr: dict[int, list[str]]) -> None:
 
 
 def _stabmon_frames(text: str) -> list[list[str]]:
-    """The stabmon frames of each traceback in ``text`` that has any."""
+    """The stabmon frames of each traceback in ``text`` that has any, less a traceback that ends in the SIGTERM
+    handler: it raises SystemExit by design, wherever the signal landed (in the loop, or at the end of ``close()``
+    where a signal held during the close is delivered)."""
     import stabmon
 
     package = str(Path(stabmon.__file__).resolve().parent) + os.sep
@@ -312,10 +314,10 @@ def _stabmon_frames(text: str) -> list[list[str]]:
         found = []
         while i < len(lines) and lines[i].startswith(" "):
             m = frame.match(lines[i])
-            if m and m.group(1).startswith(package) and m.group(2) != "_on_sigterm":
+            if m and m.group(1).startswith(package):
                 found.append(f"{m.group(1)[len(package):]} in {m.group(2)}")
             i += 1
-        if found:
+        if found and not found[-1].endswith(" in _on_sigterm"):
             out.append(found)
     return out
 
