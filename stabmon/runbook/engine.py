@@ -49,7 +49,6 @@ _LOSS, _LR = Metric.LOSS, Metric.LR  # read on every record: module constants, n
 _HISTORY_MARGIN = 256  # loss history kept beyond baseline_steps, to reach back before a persistent onset
 _OTHERS_KEPT = 8  # anomalies of other rules named in a judged rung's evidence (the count is in ``matched``)
 _STATE_VERSION = 2  # 1: the incident a dict, sightings and window rows lists
-_MIN_BASELINE = 5  # losses before the onset that make a baseline (as judging.spread needs)
 _SIGN_GAP = 16  # steps: a sign this close before an incident's onset belongs to the same episode (see _onset)
 _SIGNS_KEPT = 64
 _NOT_SIGNS = frozenset({"step_time", "hang", "missing", "straggler"})  # of time and bookkeeping, not the model
@@ -272,7 +271,7 @@ class Engine:
         hist = self._history.get(rule.name, [])
         onset = min([h.onset for h in hist] + [anomaly.step])
         before = [v for s, v in self._losses if s < onset][-self.runbook.baseline_steps:]
-        if len(before) < _MIN_BASELINE:  # a median of a few losses is no baseline (nor is their spread)
+        if len(before) < judging.MIN_LOSSES:  # a median of a few losses is no baseline (nor is their spread)
             before = []
         seen = len({h.tick for h in hist})
         self._incident = Incident(

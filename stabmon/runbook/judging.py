@@ -86,14 +86,18 @@ CLEARLY_WORSE_REL = 0.1
 """... and at least this fraction of that median: a run whose loss barely moved before is not judged on noise."""
 
 
+MIN_LOSSES = 5
+"""The fewest losses that make a baseline or a spread (fewer: none)."""
+
+
 def spread(losses: list[float]) -> float | None:
-    """1.4826 x the median absolute deviation of ``losses`` (None: fewer than 5 finite ones).
+    """1.4826 x the median absolute deviation of ``losses`` (None: fewer than ``MIN_LOSSES`` finite ones).
 
     >>> round(spread([2.0, 2.1, 1.9, 2.0, 2.2]), 5)
     0.14826
     """
     finite = [v for v in losses if math.isfinite(v)]
-    if len(finite) < 5:
+    if len(finite) < MIN_LOSSES:
         return None
     mid = statistics.median(finite)
     return 1.4826 * statistics.median(abs(v - mid) for v in finite)

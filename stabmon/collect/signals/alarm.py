@@ -49,16 +49,15 @@ class NonfiniteAlarm:
         if loss.device.type == "meta":
             return
         self._drain()
+        on_device = loss.device.type == "cuda"
         free = [i for i in range(len(self._slots)) if i not in self._busy]
         if not free and len(self._slots) < _SLOTS:
-            pinned = loss.device.type == "cuda"
-            self._slots.append((torch.zeros(1, dtype=torch.bool, pin_memory=pinned), None))
+            self._slots.append((torch.zeros(1, dtype=torch.bool, pin_memory=on_device), None))
             free = [len(self._slots) - 1]
         if not free:
             return  # every slot in flight: the device is more than _SLOTS steps behind; the flush sees it
         i = free[0]
         host, _ = self._slots[i]
-        on_device = loss.device.type == "cuda"
         host.copy_(torch.isfinite(loss.detach()).all().logical_not().reshape(1), non_blocking=on_device)
         event = None
         if on_device:
