@@ -139,6 +139,7 @@ def monitored(
 
 
 def _stabmon_facts(result: tiny_gpt.TrainResult, steps: int) -> dict[str, Any]:
+    from stabmon.events import Metric
     from stabmon.interventions.traits import changed_training
 
     mon = result.monitor
@@ -146,10 +147,12 @@ def _stabmon_facts(result: tiny_gpt.TrainResult, steps: int) -> dict[str, Any]:
     changes = [e for e in mon.events if type(e).__name__ == "InterventionRecord" and changed_training(e)]
     decisions = [e for e in mon.events if type(e).__name__ == "Decision"]
     recomputed = result.steps - min(mon.step, steps)
+    kept = {r.step: r for r in mon.records}  # the last record of each step: the run's own timeline
+    discarded = sum(1 for r in kept.values() if r.get(Metric.SKIPPED) == 1.0)  # the guard's, a screen's
     diagnosed = sum(diagnose_passes(e.after) for e in mon.events
                     if type(e).__name__ == "InterventionRecord" and e.action == "diagnose")
     return {
-        "wasted": recomputed + len(mon.cursor.skip) + diagnosed,
+        "wasted": recomputed + len(mon.cursor.skip) + discarded + diagnosed,
         "detect_step": detect_step(mon.anomalies),
         "interventions": len(changes),
         "actions": [f"{e.action}@{e.step}" for e in decisions if e.action != "revert"][:12],

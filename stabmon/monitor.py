@@ -162,7 +162,9 @@ class Monitor:
         self.recovery = Recovery(run, state=training, outbox=self.outbox, failsafe=self.failsafe,
                                  stop_code=cfg.exit_code, checkpoints=rollback_from, policy=self.policy,
                                  channel=self._channel, reports=handed)
-        self.handle = self.recovery.handle(hparams=self.signals.hooks.hparams, diagnose=self._diagnoser)
+        hooks = self.signals.hooks
+        self.handle = self.recovery.handle(hparams=hooks.hparams, diagnose=self._diagnoser,
+                                           loss_first=lambda: hooks.loss_first)
         """What every intervention of the runbook acts on (:class:`~stabmon.interventions.handle.Handle`)."""
         self.pipeline = build_pipeline(self.handle, engine=engine, detectors=detectors, states=self._state,
                                        failsafe=self.failsafe, grace_steps=cfg.grace_steps)

@@ -16,6 +16,7 @@ ValueError: overrides.lr_scale must be > 0, got 0.0
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,11 @@ class Overrides:
     the ranges nothing changes. Kept when a rollback restores an older state, and in the checkpoints."""
     range_cap: float | None = None
     """The cap of the remembered range the current step is in (None: in none); set by :meth:`at_step`."""
+    screen_bar: float | None = None
+    """A data screen in force (``rollback`` with ``screen``): an update whose loss exceeds this is discarded on the
+    device, as the skip guard discards one (the loss must be observed before ``optimizer.step()``). None: off."""
+    screen_until: int | None = None
+    """The first step the screen no longer covers (:meth:`screening` turns it off there)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -110,6 +116,10 @@ class Overrides:
             raise ValueError(f"overrides.weight_decay must be >= 0, got {self.weight_decay}")
         if self.skip_factor is not None and not self.skip_factor > 1.0:
             raise ValueError(f"overrides.skip_factor must be > 1, got {self.skip_factor}")
+        if (self.screen_bar is None) != (self.screen_until is None) or (
+                self.screen_bar is not None and not math.isfinite(self.screen_bar)):
+            raise ValueError(f"overrides.screen_bar and screen_until go together (a finite bar and a step), got "
+                             f"{self.screen_bar} until {self.screen_until}")
         if self.ramp_from is not None and not (0.0 < self.ramp_from < 1.0 and self.ramp_steps >= 1):
             raise ValueError(f"overrides.ramp_from must be in (0, 1) with ramp_steps >= 1, got {self.ramp_from} "
                              f"over {self.ramp_steps} steps")
@@ -174,6 +184,21 @@ class Overrides:
         entered = self.range_cap is None and bool(inside)
         self.range_cap = min((r["lr_cap"] for r in inside), default=None)
         return min(inside, key=lambda r: r["lr_cap"]) if entered else None
+
+    def screening(self, step: int) -> float | None:
+        """The loss bar of the data screen for optimizer step ``step``, or None; the screen turns itself off at
+        ``screen_until``.
+
+        >>> o = Overrides(screen_bar=2.5, screen_until=102)
+        >>> o.screening(101), o.screening(102), o.screen_bar
+        (2.5, None, None)
+        """
+        if self.screen_until is None:
+            return None
+        if step >= self.screen_until:
+            self.screen_bar = self.screen_until = None
+            return None
+        return self.screen_bar
 
     @property
     def cap_in_force(self) -> float | None:

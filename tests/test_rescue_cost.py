@@ -457,3 +457,43 @@ rules:
         out += produced
     (judged,) = [o for o in out if isinstance(o, Outcome)]
     assert judged.evidence.get("loss_baseline") == baseline
+
+
+_TREND_AFTER_SIGN = """
+name: trend-after-sign
+cooldown: 0
+rules:
+  - name: damage
+    when: {{kind: regression, metric: loss, severity: error}}
+    ladder: [{{action: rollback, params: {{lookback: 0}}, observe: 5}}]
+  - name: {first}
+    when: {{kind: spike, metric: grad_norm, severity: warning{ratio}}}
+    {yields}
+    ladder: [{ladder}]
+"""
+
+
+@pytest.mark.parametrize(("yields", "onset"), [(True, 59), (False, 35)])
+def test_a_trend_that_shows_a_first_signs_damage_starts_at_the_sign(yields: bool, onset: int) -> None:
+    """A 5,000x gradient norm at step 60 (the first sign), then a regression whose evidence window starts at 35:
+    the rollback lands before the sign, not 25 steps further back where the window happens to begin. A superseded
+    alert (no first-sign rule) says nothing of where the trend began: its evidence stands."""
+    from stabmon.events import Anomaly, Decision, Severity, StepRecord
+    from stabmon.runbook import loads_runbook
+    from stabmon.runbook.engine import Engine
+
+    text = _TREND_AFTER_SIGN.format(
+        first="first_sign" if yields else "other", ratio=", ratio: 50" if yields else "",
+        yields="yields: true" if yields else "",
+        ladder="{action: skip_step, params: {factor: 5.0}, observe: 40, success: {quiet_steps: 40}}" if yields
+        else "{action: alert_only, observe: 40}")
+    engine = Engine(loads_runbook(text), id_seed="s")
+    told = _Applied(engine)
+    for s in range(1, 82):
+        told(engine.process(StepRecord(s, {"loss": 2.0}), [_anomaly("grad_norm", 60, Severity.WARNING)]
+                            if s == 60 else []))
+    trend = Anomaly("regression", "loss", 82, 1.4, Severity.ERROR, "regression",
+                    evidence=tuple((s, 2.0 if s < 60 else 2.5) for s in range(35, 83)))
+    out = told(engine.process(StepRecord(82, {"loss": 2.5}), [trend]))
+    (rollback,) = [d for d in out if isinstance(d, Decision) and d.action == "rollback"]
+    assert rollback.params["onset_step"] == onset

@@ -167,6 +167,8 @@ class DetectorSuite:
         """Every detector that watches the record (:meth:`Detector.watches`) sees it; return the
         anomalies found, most severe first per (kind, metric)."""
         metrics = record.metrics
+        if metrics.get(Metric.SKIPPED) == 1.0:
+            metrics = _without_discarded(metrics)
         names = tuple(metrics)
         plan = self._plans.get(names)
         if plan is None:
@@ -246,3 +248,19 @@ class DetectorSuite:
 
 def _rank(a: Anomaly) -> tuple[int, float]:
     return a.severity.rank, a.score / a.threshold if a.threshold else a.score
+
+
+def _without_discarded(metrics: Mapping[str, float]) -> dict[str, float]:
+    """A record whose update stabmon discarded (the skip guard or a data screen: ``skipped == 1``) without its
+    finite loss and gradient norms: they measured a batch the run did not learn from, and a detector that read
+    them would see the trouble the guard kept out (a bad batch's loss) as the trouble coming back. Non-finite
+    values stay: a NaN is reported whatever was done with its update.
+
+    >>> _without_discarded({"loss": 4.6, "grad_norm": 3.0, "grad_norm/h.0": 1.0, "skipped": 1.0, "lr": 0.1})
+    {'skipped': 1.0, 'lr': 0.1}
+    >>> _without_discarded({"loss": float("nan"), "skipped": 1.0})
+    {'loss': nan, 'skipped': 1.0}
+    """
+    return {k: v for k, v in metrics.items()
+            if not ((k == Metric.LOSS or k == Metric.GRAD_NORM or k.startswith(Metric.GRAD_NORM_PREFIX))
+                    and math.isfinite(v))}

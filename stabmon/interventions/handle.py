@@ -78,6 +78,9 @@ class Handle:
     """``diagnose(onset_step=, step=, metric=, max_batches=, rtol=, recur=)``: the incident's verdict."""
     training: Training | None = None
     """This rank's model and optimizer; None in replay."""
+    screens: Callable[[], bool] = lambda: False
+    """Whether a data screen can act in this run (``rollback`` with ``screen``): one process whose loop observes
+    the loss before ``optimizer.step()``. Replay cannot (it has no losses of batches not yet drawn)."""
     follow_ups: FollowUps | None = None
     """Where a change leaves what must wait until it is committed (the live run's; replay has none)."""
     notes: list[dict[str, Any]] = field(default_factory=list)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from stabmon.events import InterventionRecord
 from stabmon.interventions.base import Intervention, NoChange, Params
@@ -38,7 +38,13 @@ class RollbackParams(Params):
     which the trouble began, whatever the schedule does next. A cap already in force is cut by the same fraction,
     so with ``repeat`` it keeps halving while the instability recurs. None: no new cap.
     ``checkpoint_dir``: where the checkpoints are, when not the monitor's own directory; must exist.
-    ``onset_step``: set by the engine."""
+    ``screen``: instead of skipping batches, screen them: from the restored step to ``skip_batches`` steps past
+    the onset, each batch is trained on unless its loss exceeds ``screen_bar`` (set by the engine from the losses
+    before the onset), in which case its update is discarded on the device, as the skip guard discards one: a
+    bad shard costs its own batches, not a fixed count. Where it cannot act (no baseline, several processes, a
+    loop that observes the loss after ``optimizer.step()``, replay), the ``skip_batches`` are skipped as
+    without it.
+    ``onset_step``, ``onset_lr``, ``screen_bar``: set by the engine."""
 
     lookback: int = Field(default=100, ge=0)
     skip_batches: int = Field(default=0, ge=0)
@@ -46,7 +52,15 @@ class RollbackParams(Params):
     lr_cap: float | None = Field(default=None, gt=0, le=1)
     onset_lr: float | None = Field(default=None, gt=0)
     checkpoint_dir: str | None = None
+    screen: bool | None = None
+    screen_bar: float | None = None
     onset_step: int | None = None
+
+    @model_validator(mode="after")
+    def _screen_reach(self) -> RollbackParams:
+        if self.screen and not self.skip_batches:
+            raise ValueError("screen needs skip_batches > 0 (how many steps past the onset to screen)")
+        return self
 
     @field_validator("checkpoint_dir")
     @classmethod
@@ -87,20 +101,32 @@ class Rollback(Intervention):
 
     @classmethod
     def holds(cls, record: InterventionRecord) -> bool:
-        """Only a rollback that capped or scaled the learning rate leaves something in force to undo."""
-        return any(key in record.after for key in _LR_FIELDS)
+        """Only a rollback that capped or scaled the learning rate, or screens the data, leaves something in force
+        to undo."""
+        return any(key in record.after for key in (*_LR_FIELDS, "screen_bar"))
 
     def _apply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         p = self.params
         assert isinstance(p, RollbackParams)
         before_step = int(self.target.step)
         onset = p.onset_step if p.onset_step is not None else before_step
-        kwargs: dict[str, Any] = {"onset_step": onset, "lookback": p.lookback, "skip_batches": p.skip_batches}
+        screen = bool(p.screen and p.skip_batches and p.screen_bar is not None and self.target.screens())
+        kwargs: dict[str, Any] = {"onset_step": onset, "lookback": p.lookback,
+                                  "skip_batches": 0 if screen else p.skip_batches}
         if p.checkpoint_dir is not None:
             kwargs["checkpoint_dir"] = p.checkpoint_dir
         lr_now = (p.onset_lr or _lr_in_force(self.target)) if p.lr_cap is not None else None
         result = dict(self.target.rollback(**kwargs))
         before: dict[str, Any] = {"step": before_step, "onset_step": onset, "lookback": p.lookback}
+        if screen:  # from where it landed to skip_batches steps past the onset: a high loss loses its update
+            overrides = self.target.overrides
+            start = int(result.get("restored_step", self.target.step))
+            end = max(start, onset) + p.skip_batches
+            before["screen_bar"] = overrides.screen_bar
+            was = (overrides.screen_bar, overrides.screen_until)
+            overrides.screen_bar, overrides.screen_until = p.screen_bar, end
+            result["screened"], result["screen_bar"] = [start, end], p.screen_bar
+            self._undo["screen"] = [was, (overrides.screen_bar, overrides.screen_until)]
         if p.lr_cap is not None and lr_now is not None:  # never again above a fraction of the LR that broke it
             overrides = self.target.overrides
             before["lr_cap"] = overrides.lr_cap
@@ -125,8 +151,16 @@ class Rollback(Intervention):
 
     def _revert(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         """Give back the learning-rate change (the weights stay as restored), and forget the range it remembered
-        (a cap that did not resolve the incident is no fix to put back there)."""
-        before, after = self._set(0)
+        (a cap that did not resolve the incident is no fix to put back there), and end the data screen."""
+        screen = self._undo.get("screen")
+        if screen is None:
+            before, after = self._set(0)
+        else:
+            before, after = self._set(0) if any(k in self._undo for k in _LR_FIELDS) else ({}, {})
+            overrides = self.target.overrides
+            before = {**before, "screen_bar": overrides.screen_bar}
+            overrides.screen_bar, overrides.screen_until = screen[0]
+            after = {**after, "screen_bar": overrides.screen_bar}
         if (known := self._undo.get("remembered")) is not None:
             self.target.overrides.forget(start=known[0], end=known[1])
             after = {**after, "forgot": known}
@@ -135,9 +169,12 @@ class Rollback(Intervention):
     def _release(self, steps: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         """A cap is given back only once the schedule is below the LR at which the trouble began (a schedule
         still above it, a warm-up that keeps rising, would only bring the trouble back): until then it holds,
-        and the record says when it lifts. A factor is given back at once."""
+        and the record says when it lifts. A factor is given back at once. A data screen runs to its end (the
+        batches it covers are still to come)."""
         p = self.params
         assert isinstance(p, RollbackParams)
+        if self._screen_only():  # nothing to give back: the screen ends by itself
+            return self._screen_values(), self._screen_values()
         cap = self._undo.get("lr_cap")
         if cap is None or p.onset_lr is None or cap[0] is not None:
             return self._set(0)
@@ -151,11 +188,20 @@ class Rollback(Intervention):
         return before, after
 
     def _reapply(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        if self._screen_only():  # the release left the screen as it was
+            return self._screen_values(), self._screen_values()
         self.target.overrides.cap_until = None
         if (known := self._undo.get("remembered")) is not None:
             cap = self._undo["lr_cap"][1]
             self.target.overrides.remember(start=known[0], end=known[1], lr_cap=cap)
         return self._set(1)
+
+    def _screen_only(self) -> bool:
+        return "screen" in self._undo and not any(k in self._undo for k in _LR_FIELDS)
+
+    def _screen_values(self) -> dict[str, Any]:
+        overrides = self.target.overrides
+        return {"screen_bar": overrides.screen_bar, "screen_until": overrides.screen_until}
 
     def _set(self, which: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         """Set each learning-rate override this rollback changed to its value before (0) or after (1) it."""

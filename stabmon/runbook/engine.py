@@ -45,7 +45,7 @@ from stabmon.runbook import judging, rejection, verdicts
 from stabmon.runbook.schema import Rule, Runbook, Success
 from stabmon.runbook.state import Incident, Sighting, WindowRow, incident_from_state, incident_state
 
-_LOSS, _LR = Metric.LOSS, Metric.LR  # read on every record: module constants, not class attributes
+_LOSS, _LR, _SKIPPED = Metric.LOSS, Metric.LR, Metric.SKIPPED  # read on every record: module constants
 _HISTORY_MARGIN = 256  # loss history kept beyond baseline_steps, to reach back before a persistent onset
 _OTHERS_KEPT = 8  # anomalies of other rules named in a judged rung's evidence (the count is in ``matched``)
 _STATE_VERSION = 2  # 1: the incident a dict, sightings and window rows lists
@@ -119,7 +119,7 @@ class Engine:
         self._now = record.time
         metrics, step = record.metrics, record.step
         loss = metrics.get(_LOSS)  # remember the recent losses (inline: this runs on every record)
-        if loss is not None and math.isfinite(loss):
+        if loss is not None and math.isfinite(loss) and metrics.get(_SKIPPED) != 1.0:  # not a discarded update's
             self._losses.append((step, loss))
         lr = metrics.get(_LR)
         if lr is not None:
@@ -207,7 +207,8 @@ class Engine:
 
     # -- idle: does a rule fire? --
     def _maybe_open(self, record: StepRecord, anomalies: Sequence[Anomaly], *,
-                    cooldown: bool = True, since: int | None = None) -> list[Decision | Outcome]:
+                    cooldown: bool = True, since: int | None = None,
+                    sign: int | None = None) -> list[Decision | Outcome]:
         if not anomalies and not self._history:
             return []  # the idle path: nothing new, nothing remembered to expire
         fresh: dict[str, Anomaly] = {}
@@ -215,7 +216,7 @@ class Engine:
             rule = self._rule_for(a)
             if rule is None:
                 continue
-            self._history.setdefault(rule.name, []).append(Sighting(self._tick, a.step, self._onset(a, since)))
+            self._history.setdefault(rule.name, []).append(Sighting(self._tick, a.step, self._onset(a, since, sign)))
             best = fresh.get(rule.name)
             if best is None or a.severity > best.severity or (a.severity == best.severity and a.score >
             best.score):
@@ -228,7 +229,7 @@ class Engine:
                 return self._open(rule, fresh[rule.name], record)
         return []
 
-    def _onset(self, anomaly: Anomaly, since: int | None = None) -> int:
+    def _onset(self, anomaly: Anomaly, since: int | None = None, sign: int | None = None) -> int:
         """Where the trouble ``anomaly`` reports began, which a rollback must land before.
 
         A spike or a NaN is reported at every flagged point, so the first of them is where its trouble shows
@@ -237,12 +238,15 @@ class Engine:
         before the error), and one step more: a step's values are measured on the state the update before it
         left, so that update is the first the fault may have touched (a checkpoint at step N holds the state
         before step N). A detector that reports a trend once it has lasted (a regression, a loss scale that
-        fell to its floor, a drift) names the start of its evidence, from before the rise. Either reaches back
-        to ``since`` (the onset of a first-sign incident this one supersedes). A rollback further back than the
-        episode's first sign would train again steps the fault never touched."""
+        fell to its floor, a drift) names the start of its evidence, from before the rise; where this incident
+        supersedes a first-sign incident (a ``yields`` rule's), at that sign's onset (``sign``) when it is later:
+        the trend is the sign's damage showing, and its window's start only says how much history the detector
+        compares (a regression 20 steps after a 10,000x gradient norm would otherwise send the run back 50 steps
+        before the spike). Either reaches back to ``since`` (the onset of the incident this one supersedes). A
+        rollback further back than the episode's first sign would train again steps the fault never touched."""
         ev = anomaly.evidence
         point = anomaly.kind in _POINT_KINDS or not ev
-        start = anomaly.step if point else ev[0][0]
+        start = anomaly.step if point else ev[0][0] if sign is None else max(sign, ev[0][0])
         for step in sorted(set(self._signs), reverse=True):
             if start - _SIGN_GAP <= step < start:
                 start = step
@@ -315,7 +319,10 @@ class Engine:
             inc.others = [*inc.others, *others][:_OTHERS_KEPT]
         matched = own + len(others)
         signal = record.get(inc.metric)
-        inc.window.append(WindowRow(record.step, _num(record.get(Metric.LOSS)), _num(signal), matched))
+        discarded = record.get(_SKIPPED) == 1.0  # an update the guard or a data screen threw away: no loss to judge
+        loss = None if discarded else _num(record.get(_LOSS))
+        inc.window.append(WindowRow(record.step, loss, None if discarded and inc.metric == _LOSS else _num(signal),
+                                    matched))
         if inc.releasing and matched:  # the trouble is back while the changes are given back: judge now
             out = self._judge(record.step)
             if not own and self._incident is None:
@@ -375,7 +382,8 @@ class Engine:
         given_back = [] if inc.releasing else self._revert_in_force(record.step, why="superseded by a rule that acts")
         inc.alerted, inc.changed = True, False  # no cooldown: the rule that acts opens its incident now
         self._close()
-        return [done, *given_back, *self._maybe_open(record, anomalies, since=inc.onset_step)]
+        sign = inc.onset_step if self.runbook.rule(inc.rule).yields else None
+        return [done, *given_back, *self._maybe_open(record, anomalies, since=inc.onset_step, sign=sign)]
 
     def _expired(self, inc: Incident) -> bool:
         approval = self.runbook.approval
@@ -494,6 +502,8 @@ class Engine:
                             next((v for st, v in self._lrs if st <= inc.onset_step), None))
             if onset_lr is not None and "lr_cap" in params:
                 params["onset_lr"] = onset_lr  # the cap is a fraction of the LR at which the trouble began
+            if params.get("screen") and (bar := judging.screen_bar(inc.baseline, inc.noise)) is not None:
+                params["screen_bar"] = bar  # a batch stands out above the losses before the onset
         reason = f"{inc.trigger}; rung {inc.rung + 1}/{len(rule.ladder)} of rule {rule.name}"
         if passed:
             spent = "/".join(sorted(self._spent[rule.name]))
@@ -719,3 +729,4 @@ def _lag(record: InterventionRecord) -> int:
 def _kept(decision: Decision) -> Decision:
     """The engine's own copy of a decision it hands out (its params are not shared with the consumers)."""
     return dataclasses.replace(decision, params=dict(decision.params))
+

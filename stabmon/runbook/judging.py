@@ -89,6 +89,25 @@ CLEARLY_WORSE_REL = 0.1
 MIN_LOSSES = 5
 """The fewest losses that make a baseline or a spread (fewer: none)."""
 
+SCREEN_NOISE = 6.0
+"""A data screen (``rollback`` with ``screen``) discards the update of a batch whose loss is above the pre-incident
+median by this many spreads (1.4826 x MAD of the losses before the onset) ..."""
+SCREEN_REL = 0.25
+"""... and by at least this fraction of that median. One batch's loss is noisier than a median of them: both
+margins are wider than the ones a judgement uses (``CLEARLY_WORSE_*``). A clean batch above the bar costs its
+update, a bad one below it is trained on."""
+
+
+def screen_bar(baseline: float | None, noise: float | None) -> float | None:
+    """The loss above which a data screen discards a batch's update (None: no baseline to screen against).
+
+    >>> screen_bar(2.0, 0.02), screen_bar(2.0, 0.2), screen_bar(None, 0.1)
+    (2.5, 3.2, None)
+    """
+    if baseline is None or noise is None or not math.isfinite(baseline):
+        return None
+    return baseline + max(SCREEN_NOISE * noise, SCREEN_REL * abs(baseline))
+
 
 def spread(losses: list[float]) -> float | None:
     """1.4826 x the median absolute deviation of ``losses`` (None: fewer than ``MIN_LOSSES`` finite ones).

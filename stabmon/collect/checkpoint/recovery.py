@@ -101,14 +101,18 @@ class Recovery:
         self.follow_ups = FollowUps()
         """The checkpoints this flush's changes leave to write once they are committed."""
 
-    def handle(self, *, hparams: Callable[[], dict[str, float]], diagnose: Callable[..., Diagnosis]) -> Handle:
+    def handle(self, *, hparams: Callable[[], dict[str, float]], diagnose: Callable[..., Diagnosis],
+               loss_first: Callable[[], bool | None] = lambda: None) -> Handle:
         """What the executor passes every intervention: the run's overrides and step, ``hparams`` (the values in
-        force), this object's rollback and stop, ``diagnose``, this rank's model and optimizer, the follow-ups."""
+        force), this object's rollback and stop, ``diagnose``, this rank's model and optimizer, the follow-ups.
+        ``loss_first``: whether the loop observed its last step's loss before ``optimizer.step()``; a data screen
+        acts only then, and only in one process (each rank's loss is its own: ranks would discard apart)."""
         run = self.run
         return Handle(run.overrides, clock=lambda: run.step, hparams=hparams, rollback=self.rollback,
                       checkpoint_and_stop=self.checkpoint_and_stop, diagnose=diagnose,
                       training=Training(model=self.state.model, optimizer=self.state.optimizer),
-                      follow_ups=self.follow_ups)
+                      follow_ups=self.follow_ups,
+                      screens=lambda: not self.policy.distributed and loss_first() is True)
 
     @property
     def checkpoints(self) -> CheckpointStore | None:

@@ -120,6 +120,7 @@ class StepRecorder:
         self._carry.clear()
         self.hooks.new_step()
         entered = self.hooks.overrides.at_step(step)  # a remembered fault's range: its cap from its first step
+        self.hooks.screen_bar = self.hooks.overrides.screening(step)
         if entered is not None:
             log.warning("stabmon: steps %d-%d broke down before; the learning rate is capped at %.4g until step %d",
                         entered["start"], entered["end"] - 1, entered["lr_cap"], entered["end"])
@@ -168,6 +169,8 @@ class StepRecorder:
         """Queue one observed value. A value that cannot be a metric (meta tensor, complex, a name the store
         cannot hold) is dropped alone, logged once per name and counted in ``errors``; never raised."""
         problem = name_problem("observe: metric name", name) or value_problem(name, value)
+        if problem is None and name == Metric.LOSS:
+            self.hooks.step_loss = value.detach() if isinstance(value, torch.Tensor) else value
         if problem is None and isinstance(value, torch.Tensor):
             self.buffer.add([name], value.detach())
         elif problem is None:

@@ -99,11 +99,15 @@ class SkipGuard:
         self._warned_sparse = False
 
     # -- decision ----------------------------------------------------------------------------------------
-    def decide(self, total: torch.Tensor, factor: float | None) -> torch.Tensor | None:
-        """The skip flag (0-d bool on ``total``'s device) for this step, or None when the guard is off."""
+    def decide(self, total: torch.Tensor, factor: float | None,
+               also: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The skip flag (0-d bool on ``total``'s device) for this step, or None when the guard is off. ``also``:
+        another reason to discard this update, already decided on the device (the data screen's loss bar); it
+        does not enter the running mean."""
         if factor is None:
-            self.off()
-            return None
+            if also is None:
+                self.off()
+            return also
         if self._ema is None:
             seed = self.ema_host if self.ema_host is not None else float("nan")
             self._ema = torch.tensor(seed, device=total.device, dtype=total.dtype)
@@ -113,7 +117,7 @@ class SkipGuard:
         skip = known & ((total > factor * ema) | ~finite)
         learned = torch.where(known, self.ema_decay * ema + (1 - self.ema_decay) * total, total)
         self._ema = torch.where(skip | ~finite, ema, learned)
-        return skip
+        return skip if also is None else skip | also
 
     def off(self) -> None:
         """The guard is off: forget the device mean and free the fallback's buffers."""

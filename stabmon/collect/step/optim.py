@@ -129,6 +129,13 @@ class OptimizerHooks:
         self.skip_reported = False
         """The caller said this step's update was skipped (``after_step(skipped=True)``): a loss scaler's
         overflow, recorded as such even without a GradScaler the monitor knows of."""
+        self.step_loss: Any = None
+        """This step's loss as observed (a detached tensor or a float); None until the loop observes it."""
+        self.screen_bar: float | None = None
+        """The data screen's loss bar for this step (``Overrides.screening``), or None."""
+        self.loss_first: bool | None = None
+        """Whether the loop observed the loss before ``optimizer.step()`` on its last step (None: no step yet): a
+        data screen can discard an update only on a loss it has before the update."""
         self._post_pending = False  # before_step ran and after_step has not yet undone its changes
         self._cut = False  # this step's optimizer.step() raised after its pre-step work (reset as a step begins)
         self.interrupts = InterruptHold()
@@ -215,6 +222,7 @@ class OptimizerHooks:
     def new_step(self) -> None:
         """A step begins: nothing stepped, skipped or cut in it yet."""
         self.stepped = self.skip_reported = self._cut = False
+        self.step_loss = None
 
     def before_step(self) -> None:
         """The pre-step work (steps 1-5 of the module docstring); the step pre-hook, or called by a framework
@@ -223,6 +231,7 @@ class OptimizerHooks:
         if self.buffer.open:
             self.interrupts.hold()
         self.stepped = True
+        self.loss_first = self.step_loss is not None
         self._post_pending = True
         grad_scale = self._scaled_handoff()
         self.last_hparams = self.hparams()
@@ -236,7 +245,7 @@ class OptimizerHooks:
             self.buffer.add(names, torch.stack([result.total, result.nonfinite.to(result.total.dtype)]))
             if result.layers is not None:
                 self.buffer.add([Metric.GRAD_NORM_PREFIX + n for n in self.grads.layer_names], result.layers)
-            skip = self.guard.decide(result.total, self.overrides.skip_factor)
+            skip = self.guard.decide(result.total, self.overrides.skip_factor, also=self._screened(result.total))
             if skip is not None:
                 self.buffer.add([Metric.SKIPPED], skip.to(result.total.dtype))
             self._clip(self._state_level(result, grad_scale), grad_scale)
@@ -247,6 +256,16 @@ class OptimizerHooks:
         self._capping = self.overrides.update_rms_cap is not None
         if self._capping:
             self.update_cap.before(self.optimizer)
+
+    def _screened(self, total: torch.Tensor) -> torch.Tensor | None:
+        """The data screen's flag for this step (0-d bool on ``total``'s device, no host read): the loss above the
+        screen's bar. None when no screen is in force, or the loss was not observed before the update."""
+        bar, loss = self.screen_bar, self.step_loss
+        if bar is None or loss is None:
+            return None
+        if isinstance(loss, torch.Tensor):
+            return (loss.to(total.device, torch.float32) > bar).reshape(())
+        return torch.tensor(float(loss) > bar, device=total.device)
 
     def after_step(self, *, skipped: bool = False) -> None:
         """The post-step work: scheduler-visible values back, the guard finished, embeddings measured.
