@@ -67,6 +67,7 @@ class CheckpointStore(Protocol):
 
     directory: Path
     reader: bool
+    hold_before: int | None
 
     @property
     def can_save(self) -> bool: ...
@@ -161,6 +162,11 @@ class CheckpointManager:
         self.sink, self.run_id, self.weights_only = sink, run_id, weights_only
         self.store_errors = 0
         self.reader = False
+        self.hold_before: int | None = None
+        """While an incident is open, its onset (the monitor sets it after each flush; None: none open): the
+        newest of this manager's checkpoints at or before it is not pruned, whatever ``keep`` says, so that
+        the checkpoints saved while the incident is being diagnosed and answered cannot push out the one its
+        rollback needs."""
         """Another process (rank 0, in a directory every rank shares) keeps the registry: read it afresh before
         each use (set from the :class:`~stabmon.collect.cluster.rank_policy.RankPolicy`)."""
         self._entries: list[CheckpointInfo] = self._read_registry()
@@ -219,6 +225,10 @@ class CheckpointManager:
         """Take the oldest of this manager's own checkpoints past ``keep`` out of the registry; returns them
         (their files are deleted once the registry is written)."""
         own = sorted((e for e in self._entries if e.own), key=lambda e: (not e.abandoned, e.step, e.timeline))
+        if self.hold_before is not None:  # an open incident's rollback target stays (one file over keep)
+            held = max((e for e in own if not e.abandoned and e.step <= self.hold_before),
+                       key=lambda e: (e.step, e.timeline), default=None)
+            own = [e for e in own if e is not held]
         pruned = own[: max(0, len(own) - self.keep)]
         for old in pruned:
             self._entries.remove(old)

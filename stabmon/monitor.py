@@ -537,6 +537,9 @@ class Monitor:
             pass
         finally:
             self._flushing = False
+        checkpoints, engine = self.recovery.checkpoints, self.pipeline.engine
+        if checkpoints is not None:  # the checkpoints saved while an incident is open keep its rollback's target
+            checkpoints.hold_before = getattr(engine, "open_onset", None)  # (an engine of the user's may not say)
         return records
 
     def _start_watchdog(self, store: Any) -> Any:

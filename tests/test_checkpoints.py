@@ -108,6 +108,23 @@ def test_keep_prunes_own_files_but_never_the_users(tmp_path: Path) -> None:
     assert user.exists() and not (tmp_path / "ckpt" / "ckpt-000000010.pt").exists()
 
 
+def test_an_open_incidents_rollback_target_is_not_pruned_while_it_is_answered(tmp_path: Path) -> None:
+    """An incident whose onset is step 12 opens after the checkpoint of step 20; with keep=2 the saves at 30 and
+    40 (made while it is diagnosed and answered) would push out the checkpoint of step 10, the one its rollback
+    needs. Held, it stays (one file over keep) until the incident closes."""
+    m = manager(tmp_path, keep=2)
+    for s in (10, 20):
+        m.save(state(s), step=s)
+    m.hold_before = 12
+    for s in (30, 40):
+        m.save(state(s), step=s)
+    assert [c.step for c in m.checkpoints] == [10, 30, 40]
+    assert m.last_known_good(before_step=12)[0].step == 10
+    m.hold_before = None  # the incident closed: keep applies again at the next save
+    m.save(state(50), step=50)
+    assert [c.step for c in m.checkpoints] == [40, 50]
+
+
 def test_registry_is_persisted_beside_the_files(tmp_path: Path) -> None:
     m = manager(tmp_path)
     info = m.save(state(10), step=10)

@@ -114,6 +114,11 @@ class Engine:
         """True while an incident is open (a proposal waits or a change is being observed)."""
         return self._incident is not None
 
+    @property
+    def open_onset(self) -> int | None:
+        """The open incident's onset (where its rollback lands before), or None."""
+        return self._incident.onset_step if self._incident is not None else None
+
     def process(self, record: StepRecord, anomalies: Sequence[Anomaly]) -> list[Decision | Outcome]:
         self._tick += 1
         self._now = record.time

@@ -222,6 +222,14 @@ class TieredCheckpoints:
         self.disk.reader = value
 
     @property
+    def hold_before(self) -> int | None:
+        return self.disk.hold_before
+
+    @hold_before.setter
+    def hold_before(self, value: int | None) -> None:
+        self.disk.hold_before = value  # the snapshots' ring keeps its own count: the disk is the fallback
+
+    @property
     def can_save(self) -> bool:
         return self.disk.can_save
 
