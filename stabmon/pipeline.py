@@ -109,6 +109,7 @@ class EvidenceFiller(Protocol):
 _KEPT_ANOMALIES = 1024
 """How many recent anomalies the pipeline keeps for the decisions that name them (an incident's first anomaly
 older than that, or from before a resume, leaves the rung to its own parameters)."""
+_SETTLE_PASSES = 64  # rungs gone past on one record at most (a ladder of failing rungs, each repeated)
 
 
 class Pipeline:
@@ -140,7 +141,21 @@ class Pipeline:
             produced = engine.process(record, anomalies)
             if produced:  # most records produce nothing: skip the executor loop
                 self._run_engine(produced, events)
+                self._settle(record, events)
         return events
+
+    def _settle(self, record: StepRecord, events: list[Event]) -> None:
+        """Let the engine go on, on the same record, past rungs that needed none (``Engine.settle``: one not
+        applicable in this loop, a failed one, a diagnosis and its verdict's rule); bounded, since each pass
+        moves the ladder on. An engine of the user's without ``settle`` goes on at its next record."""
+        settle = getattr(self.engine, "settle", None)
+        if settle is None or self.executor is None:
+            return
+        for _ in range(_SETTLE_PASSES):
+            more = settle(record)
+            if not more:
+                return
+            self._run_engine(more, events)
 
     def take_produced(self) -> list[Event]:
         """The events of the last :meth:`process` or :meth:`answer` call, also when it raised part-way."""

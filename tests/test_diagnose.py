@@ -86,7 +86,7 @@ def test_the_default_runbook_keeps_a_batch_log_only_with_checkpoints_to_diagnose
 
 def test_a_batch_log_bounded_below_the_incident_falls_through_to_the_restart(tmp_path: Path) -> None:
     """The default runbook on a corrupted shard with a batch log of one batch's bytes: the diagnosis cannot reach
-    back to its checkpoint, says why, and the restart that skips 200 batches follows (as before diagnosing)."""
+    back to its checkpoint, says why, and the restart that screens 200 batches follows (as before diagnosing)."""
     from stabmon.collect.config import DiagnoseConfig
 
     sc = scenarios()
@@ -105,8 +105,11 @@ def test_a_batch_log_bounded_below_the_incident_falls_through_to_the_restart(tmp
     rollback = actions_after(result, d)
     assert rollback and rollback[0] == "rollback"
     restart = next(e for e in result.monitor.events if isinstance(e, InterventionRecord) and e.action == "rollback")
-    start, stop = restart.after["skipped"]
-    assert stop - start == 200
+    # the default's restart screens the 200 batches past the onset (skipping none blind) where the loop observes its
+    # loss before the step, as this one does
+    start, stop = restart.after["screened"]
+    assert restart.after["skipped"] == [start, start]
+    assert stop - max(start, restart.before["onset_step"]) == 200
 
 
 def test_a_corrupted_shard_is_data_and_its_batches_are_skipped(tmp_path: Path) -> None:

@@ -116,3 +116,31 @@ def test_replay_keeps_the_usual_window_for_a_simulated_rollback() -> None:
         events.extend(pipe.process(record))
     (outcome,) = [e for e in events if isinstance(e, Outcome)]
     assert outcome.verdict == Verdict.RESOLVED and outcome.step == 45  # records 41-45, as before this rule
+
+
+SETTLE = """
+name: settle
+mode: apply
+cooldown: 0
+rules:
+  - name: spikes
+    when: {kind: spike, metric: grad_norm}
+    ladder:
+      - {action: scale_layer_lr, params: {factor: 0.01}, observe: 5}
+      - {action: rollback, params: {lookback: 5}, observe: 5}
+"""
+
+
+def test_a_rung_that_cannot_act_hands_over_on_the_same_record() -> None:
+    """The first rung (a layer cut, with no layer flagged) changes nothing: the rollback follows on the record
+    that opened the incident, not on the next one (which, live, may be a flush later)."""
+    target = ScheduledRun()
+    pipe = Pipeline(ScriptedDetectors(), Engine(loads_runbook(SETTLE), id_seed="s"), Executor(target))
+    for step in range(1, 30):
+        target.step = step + 1
+        pipe.process(StepRecord(step, {"loss": 2.0, "lr": 0.01, "grad_norm": 1.0}))
+    target.step = 31
+    events = pipe.process(StepRecord(30, {"loss": 2.0, "lr": 0.01, "grad_norm": 9.0}))
+    records = [e for e in events if isinstance(e, InterventionRecord)]
+    assert [(r.action, r.not_applied is not None) for r in records] == [("scale_layer_lr", True), ("rollback", False)]
+    assert target.rewound_to == 20  # the checkpoint 5 steps before the onset (29), on the opening record

@@ -129,7 +129,8 @@ def test_default_runbook_rescues_a_majority_of_seeds(name: str, tmp_path: Path) 
             restart = changes[i + 1]  # the restart the verdict chose
             assert restart.action == "rollback", outcomes
             skipped, cap = restart.after.get("skipped"), restart.after.get("lr_cap")
-            assert (verdict, bool(skipped and skipped[1] > skipped[0]), cap is not None) in {
+            data = bool(skipped and skipped[1] > skipped[0]) or "screened" in restart.after  # skipped, or screened
+            assert (verdict, data, cap is not None) in {
                 ("data", True, False), ("state", False, True), ("hardware_suspect", False, False),
                 ("inconclusive", True, False)}, (seed, verdict, restart.after)
     rescued = [s for s, (loss, healthy, _) in outcomes.items() if loss <= 1.1 * healthy]

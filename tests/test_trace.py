@@ -193,5 +193,7 @@ rules:
         target.step = step
         actions += [(e.action, detectors.graces) for e in pipe.process(StepRecord(step, {"grad_norm": g}))
                     if isinstance(e, Decision)]
-    # the spent ladder's last change is undone: a change too, so the detectors re-enter grace after it
-    assert actions == [("alert_only", 0), ("rollback", 0), ("set_clip", 1), ("revert", 2)]
+    # the failed rollback hands over to set_clip on its own record (Engine.settle): one grace for that record, the
+    # set_clip's, none for the rollback that changed nothing; the spent ladder's last change is undone: a change
+    # too, so the detectors re-enter grace after it
+    assert actions == [("alert_only", 0), ("rollback", 1), ("set_clip", 1), ("revert", 2)]

@@ -341,6 +341,23 @@ class Engine:
             return []
         return self._judge(record.step)
 
+    def settle(self, record: StepRecord) -> list[Decision | Outcome]:
+        """Go on at once, still on ``record``, where the rung just applied needs no record of its own: it changed
+        nothing (not applicable in this loop), it failed, or it is a diagnosis whose verdict names the rule to
+        follow. Without this the next rung waits for the next record, and where that record is in the next
+        flush, for ``flush_every`` more steps of training under the trouble (a regression flagged on the last
+        record of a flush used to be diagnosed there and answered 20 steps later). The pipeline calls it after
+        each decision it applied; nothing to do: []."""
+        inc = self._incident
+        if inc is None or inc.phase == "proposed" or inc.releasing or record.step < (inc.await_step or 0):
+            return []
+        step = record.step
+        if inc.diagnosis is not None and (followed := self._follow_diagnosis(step)):
+            return followed
+        if inc.skipped is not None or inc.error is not None:
+            return self._judge(step)
+        return []
+
     def _follow_diagnosis(self, step: int) -> list[Decision | Outcome]:
         """Close the diagnose rung and continue the incident with the rule for its verdict (none: the rung
         failed, its own ladder goes on)."""
