@@ -159,3 +159,33 @@ def test_a_discarded_update_hides_its_finite_loss_from_the_detectors_but_not_a_n
     found = suite.update(StepRecord(61, {"loss": float("nan"), "grad_norm": 1.0, "skipped": 1.0}))
     assert any(a.kind == "nonfinite" for a in found)
     assert any(a.kind == "spike" for a in suite.update(StepRecord(62, {"loss": 400.0, "grad_norm": 90.0})))
+
+
+@pytest.mark.parametrize(("halves", "discarded"), [((1.0, 5.0), False), ((3.0, 5.0), True)])
+def test_a_screen_judges_the_mean_of_a_steps_micro_batch_losses(halves: tuple[float, float], discarded: bool,
+                                                                tmp_path: Path) -> None:
+    """Two micro-batches per step, observed one by one (nanoGPT's way); the bar is 3.5. Their mean is what the
+    step's record holds and what the screen compares: 3.0 trains, 4.0 is discarded, whichever micro-batch
+    came last."""
+    torch.manual_seed(SEED)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = Monitor(model, opt, store=None, config=MonitorConfig(flush_every=5, hang_timeout=None))
+    mon.overrides.screen_bar, mon.overrides.screen_until = 3.5, 4
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        for step in range(6):
+            for scale in halves:
+                out = model(torch.ones(2, 4)).sum()
+                mon.observe(loss=out * 0 + scale)  # the value the step's micro-batch reports
+                (out / len(halves)).backward()
+            opt.step()
+            opt.zero_grad()
+            mon.end_step()
+            if step == 0:
+                moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+                assert moved is not discarded
+    finally:
+        mon.close()
+    flags = [r.get(Metric.SKIPPED) for r in mon.records]
+    assert flags[:4] == [1.0 if discarded else 0.0] * 4 and all(not f for f in flags[4:])  # off at screen_until

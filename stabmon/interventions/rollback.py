@@ -39,8 +39,9 @@ class RollbackParams(Params):
     so with ``repeat`` it keeps halving while the instability recurs. None: no new cap.
     ``checkpoint_dir``: where the checkpoints are, when not the monitor's own directory; must exist.
     ``screen``: instead of skipping batches, screen them: from the restored step to ``skip_batches`` steps past
-    the onset, each batch is trained on unless its loss exceeds ``screen_bar`` (set by the engine from the losses
-    before the onset), in which case its update is discarded on the device, as the skip guard discards one: a
+    the onset, each batch is trained on unless its loss (a step's micro-batches' mean, as its record holds it)
+    exceeds ``screen_bar`` (set by the engine from the losses before the onset), in which case its update is
+    discarded on the device, as the skip guard discards one: a
     bad shard costs its own batches, not a fixed count. Where it cannot act (no baseline, several processes, a
     loop that observes the loss after ``optimizer.step()``, replay), the ``skip_batches`` are skipped as
     without it.

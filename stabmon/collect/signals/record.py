@@ -170,7 +170,7 @@ class StepRecorder:
         cannot hold) is dropped alone, logged once per name and counted in ``errors``; never raised."""
         problem = name_problem("observe: metric name", name) or value_problem(name, value)
         if problem is None and name == Metric.LOSS:
-            self.hooks.step_loss = value.detach() if isinstance(value, torch.Tensor) else value
+            self.hooks.observed_loss(value)
         if problem is None and isinstance(value, torch.Tensor):
             self.buffer.add([name], value.detach())
         elif problem is None:

@@ -129,8 +129,10 @@ class OptimizerHooks:
         self.skip_reported = False
         """The caller said this step's update was skipped (``after_step(skipped=True)``): a loss scaler's
         overflow, recorded as such even without a GradScaler the monitor knows of."""
-        self.step_loss: Any = None
-        """This step's loss as observed (a detached tensor or a float); None until the loop observes it."""
+        self.loss_seen = False
+        """The loop observed this step's loss (so far)."""
+        self._loss_sum: Any = None  # while a screen is on: this step's observed losses summed (micro-batches)
+        self._losses = 0
         self.screen_bar: float | None = None
         """The data screen's loss bar for this step (``Overrides.screening``), or None."""
         self.loss_first: bool | None = None
@@ -221,8 +223,18 @@ class OptimizerHooks:
 
     def new_step(self) -> None:
         """A step begins: nothing stepped, skipped or cut in it yet."""
-        self.stepped = self.skip_reported = self._cut = False
-        self.step_loss = None
+        self.stepped = self.skip_reported = self._cut = self.loss_seen = False
+        self._loss_sum, self._losses = None, 0
+
+    def observed_loss(self, value: Any) -> None:
+        """The loop observed a loss for this step (one per micro-batch where it observes each): kept, summed on
+        its device, only while a data screen is on."""
+        self.loss_seen = True
+        if self.screen_bar is None:
+            return
+        v = value.detach().to(torch.float32).reshape(()) if isinstance(value, torch.Tensor) else float(value)
+        self._loss_sum = v if self._loss_sum is None else self._loss_sum + v
+        self._losses += 1
 
     def before_step(self) -> None:
         """The pre-step work (steps 1-5 of the module docstring); the step pre-hook, or called by a framework
@@ -231,7 +243,7 @@ class OptimizerHooks:
         if self.buffer.open:
             self.interrupts.hold()
         self.stepped = True
-        self.loss_first = self.step_loss is not None
+        self.loss_first = self.loss_seen
         self._post_pending = True
         grad_scale = self._scaled_handoff()
         self.last_hparams = self.hparams()
@@ -259,13 +271,15 @@ class OptimizerHooks:
 
     def _screened(self, total: torch.Tensor) -> torch.Tensor | None:
         """The data screen's flag for this step (0-d bool on ``total``'s device, no host read): the loss above the
-        screen's bar. None when no screen is in force, or the loss was not observed before the update."""
-        bar, loss = self.screen_bar, self.step_loss
-        if bar is None or loss is None:
+        screen's bar (the mean of the step's micro-batch losses, as its record has it). None when no screen is in
+        force, or the loss was not observed before the update."""
+        bar, total_loss = self.screen_bar, self._loss_sum
+        if bar is None or total_loss is None:
             return None
-        if isinstance(loss, torch.Tensor):
-            return (loss.to(total.device, torch.float32) > bar).reshape(())
-        return torch.tensor(float(loss) > bar, device=total.device)
+        mean = total_loss / self._losses
+        if isinstance(mean, torch.Tensor):
+            return (mean.to(total.device) > bar).reshape(())
+        return torch.tensor(mean > bar, device=total.device)
 
     def after_step(self, *, skipped: bool = False) -> None:
         """The post-step work: scheduler-visible values back, the guard finished, embeddings measured.
