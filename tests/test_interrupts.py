@@ -34,6 +34,13 @@ LOOP = textwrap.dedent("""
             how = sys.argv[2]
             if how == "exit":
                 sys.exit(0)
+            if how == "crash, then sigterm while closing":  # as torchrun stops a rank whose peer died
+                close = monitor.outbox.close
+                def sigterm_then_close(status):
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    close(status)
+                monitor.outbox.close = sigterm_then_close
+                raise RuntimeError("Connection reset by peer")
             os.kill(os.getpid(), signal.SIGINT if how == "sigint" else signal.SIGTERM)
 """)
 
@@ -57,7 +64,10 @@ def _run(tmp_path: Path, how: str) -> tuple[int, str, int]:
     return proc.returncode, status, steps
 
 
-@pytest.mark.parametrize(("how", "code"), [("sigint", None), ("sigterm", 128 + 15), ("exit", 0)])
+@pytest.mark.parametrize(("how", "code"), [
+    ("sigint", None), ("sigterm", 128 + 15), ("exit", 0),
+    ("crash, then sigterm while closing", -signal.SIGTERM),  # the close at exit finishes, then SIGTERM ends it
+])
 def test_an_interrupted_loop_keeps_its_steps_and_ends_interrupted(tmp_path: Path, how: str, code: int | None) -> None:
     returncode, status, steps = _run(tmp_path, how)
     assert status == "interrupted"

@@ -9,7 +9,9 @@ that simply ends) would keep its unflushed steps in memory and its status ``runn
   the loop unwinds like on Ctrl-C (``KeyboardInterrupt``): ``with Monitor(...)`` blocks and ``finally`` clauses
   run. A handler the user or a framework installed is left alone.
 - interpreter exit: an ``atexit`` callback flushes and closes a monitor that was not closed, with the run status
-  ``interrupted`` (after Ctrl-C, SIGTERM, or a script that ended without ``close()``).
+  ``interrupted`` (after Ctrl-C, SIGTERM, or a script that ended without ``close()``). A SIGTERM during that
+  close waits until its rows are stored (a second one does not), then ends the process as SIGTERM does: a
+  launcher stopping the other ranks of a job whose rank failed (``torchrun``) no longer cuts the drain short.
 
 ``close()`` releases both. Only the main thread can install signal handlers; elsewhere only ``atexit`` is used.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import _signal
 import atexit
+import os
 import signal
 import threading
 import weakref
@@ -42,6 +45,7 @@ class ExitGuard:
         self._close: Callable[[str], None] | None = close
         self._previous: Any = None
         self._installed = False
+        self._exiting = False
         self._atexit = _fire_later(weakref.ref(self))
         atexit.register(self._atexit)
         if sigterm and threading.current_thread() is threading.main_thread():
@@ -57,14 +61,23 @@ class ExitGuard:
             self._installed = False
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        if self._exiting:  # the interpreter is ending: no SystemExit to unwind into, the default action ends it
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         raise SystemExit(128 + signum)
 
     def fire(self) -> None:
-        """Close the run now as ``interrupted`` (idempotent); ``atexit`` calls it."""
+        """Close the run now as ``interrupted`` (idempotent); ``atexit`` calls it. The SIGTERM handler stays
+        while it closes, so that the close can hold a SIGTERM until the run's rows are stored."""
         close, self._close = self._close, None
-        self.release()
-        if close is not None:
-            close(INTERRUPTED)
+        self._exiting = True
+        self.disarm()
+        try:
+            if close is not None:
+                close(INTERRUPTED)
+        finally:
+            self.release()
 
     def disarm(self) -> None:
         """The run is being closed: exit no longer closes it (its SIGTERM handler stays until :meth:`release`)."""
