@@ -115,8 +115,10 @@ def restart_only_runbook() -> Any:
 
 def monitored(
     config: tiny_gpt.TrainConfig, runbook: str, ckpt: str, detectors: dict[str, Any] | None = None,
-    signals: int = ATTENTION_EVERY,
+    signals: int = ATTENTION_EVERY, **monitor_config: Any,
 ) -> tiny_gpt.TrainResult:
+    """``config`` trained under stabmon in apply mode with ``runbook`` (see :data:`ARMS`); ``monitor_config``: more
+    ``MonitorConfig`` fields."""
     from stabmon.collect.config import AttentionConfig, SnapshotConfig, UpdateConfig
     from stabmon.monitor import Monitor, MonitorConfig
 
@@ -133,7 +135,8 @@ def monitored(
                        detectors=detectors,
                        checkpoint_dir=ckpt, run_name=f"recovery-{runbook}",
                        config=MonitorConfig(clip=config.clip, checkpoint_every=CHECKPOINT_EVERY,
-                                            checkpoint_keep=40, hang_timeout=None, **sampled))
+                                            checkpoint_keep=40, hang_timeout=None, **sampled,
+                                            **monitor_config))
 
     return tiny_gpt.train(config, monitor=factory)
 

@@ -23,6 +23,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "LogitConfig": ("stabmon.collect.config", "LogitConfig"),
     "MomentConfig": ("stabmon.collect.config", "MomentConfig"),
     "SnapshotConfig": ("stabmon.collect.config", "SnapshotConfig"),
+    "WatchConfig": ("stabmon.collect.config", "WatchConfig"),
     "UpdateConfig": ("stabmon.collect.config", "UpdateConfig"),
     # the exit codes a job script or a scheduler reads
     "STOP_EXIT_CODE": ("stabmon.checkpoints", "STOP_EXIT_CODE"),

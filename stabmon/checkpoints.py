@@ -90,6 +90,8 @@ class CheckpointStore(Protocol):
 
     def rolled_back(self, target: CheckpointInfo) -> str | None: ...
 
+    def starts_at(self, step: int) -> list[CheckpointInfo]: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def adopt(self, state: Mapping[str, Any]) -> int: ...
@@ -293,11 +295,7 @@ class CheckpointManager:
         undone) and later saves belong to a new timeline, so a resume continues the rolled-back line. Returns
         why the registry file could not be updated (None: it was); the rollback stands either way, and this
         manager keeps the new timeline in memory."""
-        self.timeline += 1
-        self._entries = [
-            CheckpointInfo(**{**asdict(e), "abandoned": True}) if e.step > target.step and not e.abandoned else e
-            for e in self._entries
-        ]
+        self._abandon_after(target.step)
         try:
             self._write_registry()
         except OSError as exc:
@@ -305,6 +303,27 @@ class CheckpointManager:
                       target.step, self.directory / REGISTRY_NAME, type(exc).__name__, exc)
             return f"{type(exc).__name__}: {exc}"
         return None
+
+    def starts_at(self, step: int) -> list[CheckpointInfo]:
+        """This process's training starts at ``step`` (a fresh run, or a resume): the checkpoints registered after
+        it are of a line it does not continue (an earlier run in this directory, or the steps after an older
+        checkpoint a resume chose). They are set aside as a rollback abandons its undone steps (never restored,
+        never resumed from; later saves go on a new timeline), and they no longer count against ``keep`` nor are
+        they deleted: they are not this run's files. Returns them (none: the registry is not touched)."""
+        later = [e for e in self._entries if e.step > step and not e.abandoned]
+        if not later:
+            return []
+        self._abandon_after(step, own=False)
+        self._write_registry()
+        return later
+
+    def _abandon_after(self, step: int, *, own: bool | None = None) -> None:
+        """Every checkpoint after ``step`` not abandoned yet is (``own``: set it too, when not None); later saves
+        go on a new timeline."""
+        self.timeline += 1
+        mark: dict[str, Any] = {"abandoned": True} if own is None else {"abandoned": True, "own": own}
+        self._entries = [CheckpointInfo(**{**asdict(e), **mark}) if e.step > step and not e.abandoned else e
+                         for e in self._entries]
 
     def maybe_save(self, state_fn: Callable[[], Mapping[str, Any]], *, step: int) -> CheckpointInfo | None:
         """Save ``state_fn()`` when ``step`` is a positive multiple of ``every``."""

@@ -82,6 +82,11 @@ class Metric:
     UNTRAINED_LOSS = "untrained_loss"  # ln(output classes): an untrained model's loss, recorded once (collect/vocab)
 
 
+NOT_OF_THE_MODEL = frozenset({"step_time", "hang", "missing", "straggler"})
+"""Anomaly kinds about time and bookkeeping, not the model's state: never a sign of damage (the runbook engine's
+first signs) nor a reason to flush sooner (``MonitorConfig.watch``)."""
+
+
 class Severity(str, Enum):
     """How bad an anomaly is. Ordered: ``INFO < WARNING < ERROR < CRITICAL``."""
 

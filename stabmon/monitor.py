@@ -77,7 +77,7 @@ from stabmon.interventions._state import run_facts
 from stabmon.interventions.diagnose import Diagnose
 from stabmon.interventions.handle import Training
 from stabmon.overrides import Overrides
-from stabmon.pipeline import LadderEngine
+from stabmon.pipeline import LadderEngine, calls_for_closer_flushes, open_onset
 from stabmon.recipe import run_recipe
 from stabmon.runbook.fit import dropped_as_config
 from stabmon.spec import MonitorSpec, spec_of
@@ -178,6 +178,9 @@ class Monitor:
         self._closed = False
         self._flushing = False
         self._initial_saved = False
+        self._started = False
+        self._watch_until = 0
+        """Until this step the monitor flushes every ``config.watch.flush_every`` steps (:meth:`_watch`)."""
         self.activity = LoopActivity()  # pauses in progress, the loop's end: read by the hang watchdog
         self._watchdog = self._start_watchdog(spec.store) if cfg.hang_timeout is not None else None
         self._hooks.install()
@@ -461,6 +464,10 @@ class Monitor:
         if self.run.restored:  # a loaded state says where the loop is
             self._resume.settle()
         self._resume.first_step(self.run.step)  # a resumed run must not start over at step 0
+        if not self._started:  # this process's first step: checkpoints after it are of a line it does not continue
+            self._started = True
+            self.recovery.starts_at(self.run.step)
+            self._watch([])  # (an incident a resume brought back)
         if not (self._initial_saved or self.run.restored) and self.config.checkpoint_every:
             # the first step of a run not restored from a state (its first step may be 1, as in HF Trainer):
             # the initial state is known-good, so a rollback can always reach it
@@ -504,7 +511,9 @@ class Monitor:
         if self._watchdog is not None:
             self._watchdog.beat(self.run.step - 1)
         every = self.config.checkpoint_every
-        flush = len(self.signals.buffer) >= self.config.flush_every
+        waiting = len(self.signals.buffer)
+        flush = waiting >= self.config.flush_every or (
+            self.run.step < self._watch_until and waiting >= self.config.watch.flush_every)  # something is wrong
         if self._alarm is not None and self._alarm.rang():
             flush = True  # a NaN or inf loss: the runbook answers now, not at the cadence
         completed = self.run.step
@@ -531,16 +540,27 @@ class Monitor:
             self.signals.hooks.learn_host(r.get(Metric.GRAD_NORM), bool(r.get(Metric.SKIPPED)))
         self.records.extend(records)
         self._flushing = True
+        events: list[Event] = []
         try:
-            self.flusher.flush(records, stored=self.signals.buffer.take_stored())
+            events = self.flusher.flush(records, stored=self.signals.buffer.take_stored())
         except PeerLost:  # said once, in one line, where it happened: this rank goes on without the others
             pass
         finally:
             self._flushing = False
-        checkpoints, engine = self.recovery.checkpoints, self.pipeline.engine
+        checkpoints = self.recovery.checkpoints
         if checkpoints is not None:  # the checkpoints saved while an incident is open keep its rollback's target
-            checkpoints.hold_before = getattr(engine, "open_onset", None)  # (an engine of the user's may not say)
+            checkpoints.hold_before = open_onset(self.pipeline.engine)
+        self._watch(events)
         return records
+
+    def _watch(self, events: list[Event]) -> None:
+        """After a flush: trouble with the model in ``events``, or an incident open, brings the next flushes closer
+        for ``config.watch.steps`` steps (:class:`~stabmon.collect.config.WatchConfig`)."""
+        watch = self.config.watch
+        if not watch.steps or self.world_size > 1:  # ranks must flush on the same steps: the cadence stays
+            return
+        if calls_for_closer_flushes(events, self.pipeline.engine):
+            self._watch_until = self.run.step + watch.steps
 
     def _start_watchdog(self, store: Any) -> Any:
         """The hang watchdog (a thread): rank 0 publishes without waiting for a flush (never at the same time

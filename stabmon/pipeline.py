@@ -18,7 +18,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from stabmon.events import Anomaly, Decision, DecisionStatus, Event, InterventionRecord, Outcome, StepRecord
+from stabmon.events import (
+    NOT_OF_THE_MODEL,
+    Anomaly,
+    Decision,
+    DecisionStatus,
+    Event,
+    InterventionRecord,
+    Outcome,
+    Severity,
+    StepRecord,
+)
 from stabmon.interventions.traits import changed_training
 
 
@@ -76,6 +86,27 @@ class RunbookEngine(Protocol):
 
     @property
     def runbook(self) -> Any: ...
+
+
+@runtime_checkable
+class IncidentEngine(Protocol):
+    """An engine that says where its open incident began (a rollback lands before it)."""
+
+    @property
+    def open_onset(self) -> int | None: ...
+
+
+def open_onset(engine: Any) -> int | None:
+    """``engine``'s open incident's onset; None when none is open or the engine does not say (a user's own)."""
+    return engine.open_onset if isinstance(engine, IncidentEngine) else None
+
+
+def calls_for_closer_flushes(events: Iterable[Event], engine: Any) -> bool:
+    """After a flush: an anomaly at warning or above about the model (not about time or bookkeeping) among its
+    ``events``, or an incident open in ``engine``, brings the next flushes closer (``MonitorConfig.watch``); the
+    live monitor and a replay of its run decide it alike."""
+    return open_onset(engine) is not None or any(
+        isinstance(e, Anomaly) and e.severity >= Severity.WARNING and e.kind not in NOT_OF_THE_MODEL for e in events)
 
 
 @runtime_checkable

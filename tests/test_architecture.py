@@ -339,7 +339,6 @@ PROBES_ALLOWED: dict[tuple[str, str], str] = {
     ("stabmon/collect/signals/vocab.py", "model"): "a user's model (an HF config, if any)",
     ("stabmon/collect/signals/vocab.py", "getattr(model, 'config', None)"): "an HF config's vocab_size",
     ("stabmon/diagnose/rerun.py", "scaler"): "torch: GradScaler's per-optimizer state (private)",
-    ("stabmon/monitor.py", "engine"): "the runbook engine may be a user's own EngineLike (need not say its onset)",
     ("stabmon/pipeline.py", "self.engine"): "a user's own EngineLike need not settle (it goes on at its next record)",
     ("stabmon/diagnose/experiments.py", "scaler"): "torch: GradScaler's per-optimizer stage, put back (private)",
     ("stabmon/diagnose/experiments.py", "out"): "a user's model output (an HF ModelOutput's loss)",

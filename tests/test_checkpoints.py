@@ -125,6 +125,29 @@ def test_an_open_incidents_rollback_target_is_not_pruned_while_it_is_answered(tm
     assert [c.step for c in m.checkpoints] == [40, 50]
 
 
+def test_a_run_starting_before_registered_checkpoints_sets_them_aside_without_deleting_them(tmp_path: Path) -> None:
+    """A fresh run (step 0) in the directory of a longer one: the other's later checkpoints are never restored nor
+    resumed from, do not count against ``keep`` (so the new run's own survive for its rollback), and are not this
+    run's to delete."""
+    first = manager(tmp_path, keep=3)
+    for s in (40, 50, 60):
+        first.save(state(s), step=s)
+    again = manager(tmp_path, keep=3)  # a new process, a new run
+    assert again.starts_at(60) == [] and again.timeline == 0  # nothing after its start: nothing touched
+    aside = again.starts_at(0)
+    assert [e.step for e in aside] == [40, 50, 60]
+    for s in (10, 20, 30):
+        again.save(state(s), step=s)
+    assert again.last_known_good(before_step=25)[0].step == 20
+    assert again.latest() is not None and again.latest().step == 30  # a resume continues this run's line
+    assert all(Path(e.path).is_file() for e in aside)  # the other run's files are still there
+    assert [(c.step, c.abandoned, c.own) for c in manager(tmp_path).checkpoints] == [  # and so says the registry
+        (10, False, True), (20, False, True), (30, False, True),
+        (40, True, False), (50, True, False), (60, True, False)]
+    with pytest.raises(NoValidCheckpointError):
+        again.last_known_good(before_step=5)  # (the first run's files are no candidates)
+
+
 def test_registry_is_persisted_beside_the_files(tmp_path: Path) -> None:
     m = manager(tmp_path)
     info = m.save(state(10), step=10)

@@ -93,6 +93,32 @@ def test_an_lr_jump_is_rescued_through_the_loops_own_checkpoints(tmp_path: Path)
 
 
 @pytest.mark.slow
+def test_a_fresh_run_in_a_longer_runs_directory_still_rolls_back_and_resumes_its_own_line(tmp_path: Path) -> None:
+    """A run started again from scratch in the out dir of a longer one (nanoGPT's default ``out``). Before, the
+    other run's later files (steps 150-200) stayed in the registry, counted against ``keep=3``: each of the new
+    run's saves pruned itself, its rollback found no checkpoint before the incident, and the run was stopped."""
+    run_example(tmp_path, "--max-iters", "200", "--seed", str(SEED))
+    old = {p.name for p in (tmp_path / "out").glob("ckpt-*.pt")}
+    assert old == {"ckpt-000150.pt", "ckpt-000175.pt", "ckpt-000200.pt"}, old
+    out = run_example(tmp_path, "--max-iters", "160", "--seed", str(SEED + 1), "--lr-jump-at", "60")
+    assert "3 checkpoint(s) after step 0 (steps 150-200) of a line this run does not continue" in out, out[-3000:]
+    assert re.search(r"rolled back from step \d+ to checkpoint step (25|50) ", out), out[-3000:]
+    assert "failed" not in out and "stopping the run" not in out, out[-3000:]
+    db = tmp_path / "s.db"
+    assert query(db, "select status from runs order by started_at") == [("finished",), ("finished",)]
+    assert {p.name for p in (tmp_path / "out").glob("ckpt-*.pt")} >= old - {"ckpt-000150.pt"}  # not deleted
+    # (the new line's own save at 150 replaced the other run's file of that name)
+    resumed = run_example(tmp_path, "--max-iters", "170", "--seed", str(SEED + 1), "--init-from", "resume")
+    # from its own line's newest checkpoint (150, saved after the rollback), not the other run's 175 or 200
+    assert resumed.startswith("step 150: train loss") and "170 iters, val loss" in resumed, resumed[-3000:]
+    assert "20 steps trained" in resumed, resumed[-3000:]
+    assert query(db, "select count(*) from runs") == [(2,)]  # the resume continued the second run
+    assert query(db, "select status from runs order by started_at") == [("finished",), ("finished",)]
+    assert query(db, "select max(step) from steps where run_key = "
+                     "(select key from runs order by started_at desc limit 1)") == [(169,)]
+
+
+@pytest.mark.slow
 def test_ctrl_c_then_resume_stores_every_step_and_decision_once(tmp_path: Path) -> None:
     db = tmp_path / "s.db"
     cmd = [sys.executable, "-u", str(EXAMPLE), "--out-dir", str(tmp_path / "out"), "--db", f"sqlite:///{db}",

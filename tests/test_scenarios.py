@@ -99,8 +99,10 @@ def test_learning_rate_scenarios_fail_unmonitored_on_every_seed(name: str) -> No
     assert failed == list(SEEDS), losses
 
 
-def _monitored(name: str, seed: int, runbook: str, tmp_path: Path, detectors: dict[str, Any] | None = None) -> Any:
-    return recovery().monitored(config(name, seed), runbook, str(tmp_path / f"{name}-{seed}-{runbook}"), detectors)
+def _monitored(name: str, seed: int, runbook: str, tmp_path: Path, detectors: dict[str, Any] | None = None,
+               **monitor_config: Any) -> Any:
+    where = tmp_path / f"{name}-{seed}-{runbook}{'-' if monitor_config else ''}{'-'.join(monitor_config)}"
+    return recovery().monitored(config(name, seed), runbook, str(where), detectors, **monitor_config)
 
 
 @pytest.mark.slow
@@ -264,3 +266,30 @@ def test_in_place_first_rescues_a_second_moment_spike_without_a_restart(tmp_path
                if loss <= 1.1 * healthy and actions[:1] == ["reset_moments"] and "rollback" not in actions
                and steps == config("second-moment-spike", s).steps]
     assert len(rescued) >= 2, outcomes
+
+
+@pytest.mark.slow
+def test_closer_flushes_after_a_first_sign_bring_the_restart_sooner(tmp_path: Path) -> None:
+    """second-moment-spike (a 10^4x gradient at step 60, injected): the first sign is a warning, so the flushes come
+    every 4 steps while the regression builds; the restart is decided and made within 4 steps of the record
+    that shows it, not up to 20 later, and re-trains fewer steps. Off (``WatchConfig(steps=0)``), the same run
+    restarts at a multiple of 20."""
+    from stabmon.collect.config import WatchConfig
+
+    seed = SEEDS[0]
+    restarts = {}
+    for label, watch in (("closer", WatchConfig()), ("cadence", WatchConfig(steps=0))):
+        result = _monitored("second-moment-spike", seed, "default", tmp_path, watch=watch)
+        rollbacks = [e for e in result.monitor.events
+                     if type(e).__name__ == "InterventionRecord" and e.action == "rollback" and e.ok]
+        assert rollbacks, (label, [f"{e.action}@{e.step}" for e in result.monitor.events
+                                   if type(e).__name__ == "Decision"])
+        first = rollbacks[0]
+        regression = min(a.step for a in result.monitor.anomalies if a.kind == "regression")
+        restarts[label] = (first.after["from_step"], regression, result.steps, result.val_loss)
+        assert result.val_loss <= 1.1 * healthy_loss("second-moment-spike", seed), restarts
+    (closer_at, closer_seen, closer_trained, _), (cadence_at, _, cadence_trained, _) = (
+        restarts["closer"], restarts["cadence"])
+    assert cadence_at % 20 == 0, restarts
+    assert closer_at - closer_seen <= 4 and closer_at < cadence_at, restarts
+    assert closer_trained < cadence_trained, restarts  # fewer steps trained again

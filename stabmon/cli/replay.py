@@ -62,6 +62,19 @@ def _live_flush_every(config: dict[str, Any]) -> int:
     return value if isinstance(value, int) and value >= 1 else 1
 
 
+def _live_watch(config: dict[str, Any]) -> tuple[int, int]:
+    """The closer flushes a stored live run was monitored with (``MonitorConfig.watch``; none when not
+    recorded: a run stored before it, or a file)."""
+    monitor = config.get("monitor") if isinstance(config, dict) else None
+    watch = monitor.get("watch") if isinstance(monitor, dict) else None
+    if not isinstance(watch, dict):
+        return 0, 1
+    steps, every = watch.get("steps"), watch.get("flush_every")
+    if isinstance(steps, int) and isinstance(every, int) and steps >= 0 and every >= 1:
+        return steps, every
+    return 0, 1
+
+
 def _live_checkpoints(config: dict[str, Any]) -> int | None:
     """The checkpoint cadence of a stored live run (None: it saved none, so its rollbacks failed); 1 for a
     recording that says nothing about checkpoints (an imported log: assume one may be anywhere)."""
@@ -140,6 +153,7 @@ def replay_command(
         stored_mode = config.get("mode") if config.get("mode") in MODES else None
         pipeline, target = _pipeline(runbook, sets, mode or stored_mode, _live_checkpoints(config), config)
     every = flush_every or _live_flush_every(config)
+    watch = _live_watch(config) if flush_every is None else (0, 1)  # (--flush-every: that cadence throughout)
     with progress_bar("replay", total=len(records), enabled=wanted(json_output)) as advance:
         result = replay(
             records,
@@ -148,6 +162,7 @@ def replay_command(
             approve=approve,
             restarts=restarts,
             flush_every=every,
+            watch=watch,
             progress=advance,
         )
     stored_mode = config.get("mode") if config.get("mode") in MODES else None
@@ -156,7 +171,8 @@ def replay_command(
         """The replay's events with ``extra`` detector settings (the check of a suggestion)."""
         p, t = _pipeline(runbook, [*(sets or []), *extra], mode or stored_mode,
                          _live_checkpoints(config) if missing else 1, config or None)
-        return replay(records, pipeline=p, target=t, approve=approve, restarts=restarts, flush_every=every).events
+        return replay(records, pipeline=p, target=t, approve=approve, restarts=restarts, flush_every=every,
+                      watch=watch).events
 
     low = [e for e in result.events if type(e).__name__ != "StepRecord"]
     run_id = _store(url, name or f"replay of {label}", low, parent_id, label, runbook, sets) if store_result else None

@@ -274,6 +274,29 @@ class SnapshotConfig:
 
 
 @dataclass
+class WatchConfig:
+    """Closer flushes while something is wrong: after an anomaly at warning or above (a slow step and a hang
+    excepted), and while the runbook has an incident open, the monitor flushes every ``flush_every`` steps for the
+    next ``steps`` steps instead of every ``MonitorConfig.flush_every``, so that the runbook answers the evidence
+    within a few steps of its arrival, not up to a whole flush interval later (a rollback then re-trains fewer
+    steps). Each of these flushes is one device-to-host copy, as every flush is, made more often only in that window.
+    One process only: under torch.distributed the flushes keep their cadence (every rank must flush on the same
+    step)."""
+
+    steps: int = 60
+    """Steps the closer cadence lasts after the last anomaly that asked for it (0: never closer)."""
+    flush_every: int = 4
+    """Steps between flushes meanwhile (a flush interval longer than ``MonitorConfig.flush_every`` changes
+    nothing)."""
+
+    def validate(self, path: str) -> None:
+        if self.steps < 0:
+            raise ValueError(f"{path}.steps must be >= 0, got {self.steps}")
+        if self.flush_every < 1:
+            raise ValueError(f"{path}.flush_every must be >= 1, got {self.flush_every}")
+
+
+@dataclass
 class MonitorConfig:
     """Everything the live :class:`~stabmon.monitor.Monitor` needs besides the objects it watches."""
 
@@ -315,6 +338,8 @@ class MonitorConfig:
     hang: HangConfig = field(default_factory=HangConfig)
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
     """Host-memory snapshots a rollback restores first (off by default)."""
+    watch: WatchConfig = field(default_factory=WatchConfig)
+    """Closer flushes after a warning and during an incident (one process)."""
     history: int = 10_000
     """How many recent StepRecords :attr:`Monitor.records` keeps in memory, and how many recent events and
     anomalies :attr:`Monitor.events` / :attr:`Monitor.anomalies` keep (0 keeps none; the store holds them all):
@@ -348,6 +373,7 @@ class MonitorConfig:
         self.diagnose.validate("config.diagnose")
         self.hang.validate("config.hang")
         self.snapshots.validate("config.snapshots")
+        self.watch.validate("config.watch")
 
     def checkpoint_cadence(self, *, can_save: bool) -> int:
         """The checkpoint cadence in force for a monitor that can (or cannot) save checkpoints itself.
@@ -378,6 +404,7 @@ class MonitorConfig:
             ("diagnose", DiagnoseConfig),
             ("hang", HangConfig),
             ("snapshots", SnapshotConfig),
+            ("watch", WatchConfig),
         ):
             if isinstance(data.get(key), dict):
                 data[key] = sub(**data[key])

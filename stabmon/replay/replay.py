@@ -17,7 +17,7 @@ random event ids; :func:`canonical` replaces those by ordinals so two replays co
 ...     def enter_grace(self, steps=None): pass
 ...     def state_dict(self): return {}
 ...     def load_state_dict(self, s): pass
->>> from stabmon.pipeline import LadderEngine, Pipeline, RunbookEngine
+>>> from stabmon.pipeline import LadderEngine, Pipeline, RunbookEngine, calls_for_closer_flushes
 >>> records = [StepRecord(s, {"loss": v}) for s, v in enumerate([2.0, 9.0, 2.1])]
 >>> res = replay(records, pipeline=Pipeline(Above()))
 >>> [(a.step, a.kind) for a in res.anomalies], res.steps, res.samples
@@ -42,7 +42,7 @@ from stabmon.events import (
 )
 from stabmon.factory import build_pipeline
 from stabmon.interventions.executor import Executor
-from stabmon.pipeline import LadderEngine, Pipeline, RunbookEngine
+from stabmon.pipeline import LadderEngine, Pipeline, RunbookEngine, calls_for_closer_flushes
 from stabmon.replay.simulate import Simulation
 
 Progress = Callable[[int], None]
@@ -126,6 +126,7 @@ def replay(
     restarts: Sequence[int] = (),
     grace_on_restart: bool = False,
     flush_every: int = 1,
+    watch: tuple[int, int] = (0, 1),
     progress: Progress | None = None,
     progress_every: int = 1000,
 ) -> ReplayResult:
@@ -139,9 +140,14 @@ def replay(
     of records processed since the last call.
     ``flush_every``: the live monitor's flush cadence (``MonitorConfig.flush_every``); interventions take effect
     after each block of that many records, as they did live (this matters to replay a live run exactly).
+    ``watch``: the live monitor's closer flushes (``MonitorConfig.watch``: steps, flush_every): after a block with
+    trouble in it, or with an incident open, the blocks are that many records for that many steps, as they were
+    live (``(0, 1)``: never).
     """
     if flush_every < 1:
         raise ValueError(f"replay.flush_every must be >= 1, got {flush_every}")
+    if watch[0] < 0 or watch[1] < 1:
+        raise ValueError(f"replay.watch must be (steps >= 0, flush_every >= 1), got {watch}")
     if pipeline is None:
         pipeline, target = simulated_pipeline(
             runbook=runbook, detector_config=detector_config, overrides=overrides, target=target
@@ -156,8 +162,11 @@ def replay(
     events = result.events
     process = pipeline.process
     begin_block = target.begin_block
-    for block in _blocks(records, flush_every):
+    closer = _Closer(*watch, pipeline=pipeline) if watch[0] and flush_every > 1 else None
+    blocks = closer.blocks(records, flush_every) if closer is not None else _blocks(records, flush_every)
+    for block in blocks:
         begin_block(block)
+        first = len(events)
         for record in block:
             if restart_set and record.step in restart_set:
                 pipeline.detectors.enter_grace()
@@ -173,10 +182,36 @@ def replay(
                     progress(pending)
                     pending = 0
             steps += 1
+        if closer is not None:
+            closer.flushed(block[-1].step, events[first:])
     result.steps, result.samples = steps, samples
     if progress is not None and pending:
         progress(pending)
     return result
+
+
+class _Closer:
+    """The live monitor's closer flushes in a replay: which records make a block (see :func:`replay`'s ``watch``).
+    Live, the decision is taken after each flush, from its events and the engine (the rule is
+    :func:`~stabmon.pipeline.calls_for_closer_flushes`, shared); here, after each block."""
+
+    def __init__(self, steps: int, every: int, *, pipeline: Pipeline) -> None:
+        self.steps, self.every, self.pipeline = steps, every, pipeline
+        self.until = 0  # the step before which blocks are ``every`` records (the live monitor's ``_watch_until``)
+
+    def blocks(self, records: Iterable[StepRecord], size: int) -> Iterator[list[StepRecord]]:
+        block: list[StepRecord] = []
+        for record in records:
+            block.append(record)
+            if len(block) >= size or (record.step + 1 < self.until and len(block) >= self.every):
+                yield block  # (the caller processes it and calls flushed() before the next is built)
+                block = []
+        if block:
+            yield block
+
+    def flushed(self, last_step: int, events: Sequence[Event]) -> None:
+        if calls_for_closer_flushes(events, self.pipeline.engine):
+            self.until = last_step + 1 + self.steps
 
 
 def _blocks(records: Iterable[StepRecord], size: int) -> Iterable[Sequence[StepRecord]]:

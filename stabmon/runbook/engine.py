@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stabmon.events import (
+    NOT_OF_THE_MODEL,
     Anomaly,
     Decision,
     DecisionStatus,
@@ -51,7 +52,7 @@ _OTHERS_KEPT = 8  # anomalies of other rules named in a judged rung's evidence (
 _STATE_VERSION = 2  # 1: the incident a dict, sightings and window rows lists
 _SIGN_GAP = 16  # steps: a sign this close before an incident's onset belongs to the same episode (see _onset)
 _SIGNS_KEPT = 64
-_NOT_SIGNS = frozenset({"step_time", "hang", "missing", "straggler"})  # of time and bookkeeping, not the model
+_NOT_SIGNS = NOT_OF_THE_MODEL
 _POINT_KINDS = frozenset({"spike", "nonfinite"})  # detectors that report each flagged point (see _onset)
 
 

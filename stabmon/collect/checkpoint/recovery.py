@@ -171,6 +171,22 @@ class Recovery:
             return None
         return self.failsafe.call("checkpoint", lambda: manager.save(self.state.state_dict, step=self.step))
 
+    def starts_at(self, step: int) -> None:
+        """This process trains from ``step`` on (its first step; a resume's state is loaded by then): checkpoints
+        registered after it are of a line it does not continue and are set aside (``CheckpointStore.starts_at``),
+        said in one line. Before, a fresh run in the directory of a longer one counted the other's later files
+        against ``keep``, pruned its own, and its rollback found no checkpoint before the incident."""
+        manager = self.checkpoints
+        if manager is None or not self.policy.keeps_registry:
+            return
+        aside = self.failsafe.call("checkpoint", partial(manager.starts_at, step)) or []
+        if aside:
+            steps = sorted({e.step for e in aside})
+            log.warning("stabmon: %s holds %d checkpoint(s) after step %d (steps %d-%d) of a line this run does "
+                        "not continue (an earlier run in this directory, or the steps after the checkpoint it "
+                        "resumed from): set aside, never restored, not deleted", manager.directory, len(aside),
+                        step, steps[0], steps[-1])
+
     def checkpoint_and_stop(self, *, reason: str, exit_code: int | None = None) -> dict[str, Any]:
         """Save a checkpoint (when there is a manager) and ask the loop to stop with ``exit_code`` (default
         ``stop_code``); under torch.distributed on every rank together, from rank 0's decision."""

@@ -212,6 +212,10 @@ class TieredCheckpoints:
         self.snapshots.drop_after(target.step)
         return self.disk.rolled_back(target)
 
+    def starts_at(self, step: int) -> list[CheckpointInfo]:
+        self.snapshots.drop_after(step)
+        return self.disk.starts_at(step)
+
     # -- the rest is the disk's ----------------------------------------------------------------------------
     @property
     def reader(self) -> bool:
