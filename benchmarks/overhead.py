@@ -12,7 +12,9 @@ B... so machine-load drifts hit both; each round's ratio is B/A and the median o
   (b) every signal every step (activation and embedding sampling every step),
   (c) the defaults with the real SQLite store (background writer) instead of no store,
   (d) the defaults plus the signals with lead (second-moment ratio, attention logits, output-logit scale), each
-      sampled every 10 steps (they are off by default).
+      sampled every 10 steps (they are off by default),
+  (e) the defaults as they run in a watch window (``MonitorConfig.watch``: after a warning, and during an
+      incident, a flush every 4 steps instead of 20): its cost for the steps it lasts.
 
 Then the same two settings are measured "isolated": the monitor's own CPU time per step, timed inside its entry
 points, against the CPU time of the clip_grad_norm_ call it replaces, timed inside the unmonitored loop. That
@@ -267,6 +269,9 @@ def main(argv: list[str] | None = None) -> None:
             store=f"sqlite:///{tmp}/overhead.db",
         )
     measure(tg, "(d) defaults + signals with lead every 10 steps", lead, rounds=args.rounds, block=args.block)
+    watching = dataclasses.replace(defaults, flush_every=defaults.watch.flush_every)
+    measure(tg, "(e) defaults in a watch window (a flush every 4 steps)", watching, rounds=args.rounds,
+            block=args.block)
     print(
         f"targets: (a) <= 1.01 {'met' if a <= 1.01 else 'NOT met'}; "
         f"(b) <= 1.05 {'met' if b <= 1.05 else 'NOT met'}"
@@ -281,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     batch_log(tg, steps=args.rounds * args.block)
     isolated(tg, "(b) every signal every step", everything, steps=args.rounds * args.block)
     isolated(tg, "(d) defaults + signals with lead every 10 steps", lead, steps=args.rounds * args.block)
+    isolated(tg, "(e) defaults in a watch window (a flush every 4 steps)", watching, steps=args.rounds * args.block)
 
 
 if __name__ == "__main__":

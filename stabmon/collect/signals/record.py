@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
+from stabmon.collect.cluster.distributed import world
 from stabmon.collect.cluster.ranks import RankProbe
 from stabmon.collect.config import MonitorConfig
 from stabmon.collect.failsafe import Failsafe
@@ -121,7 +122,7 @@ class StepRecorder:
         self.hooks.new_step()
         entered = self.hooks.overrides.at_step(step)  # a remembered fault's range: its cap from its first step
         self.hooks.screen_bar = self.hooks.overrides.screening(step)
-        if entered is not None:
+        if entered is not None and world()[0] == 0:  # every rank enters it together: said once, by rank 0
             log.warning("stabmon: steps %d-%d broke down before; the learning rate is capped at %.4g until step %d",
                         entered["start"], entered["end"] - 1, entered["lr_cap"], entered["end"])
         self._scale_snapshot = None
