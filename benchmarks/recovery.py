@@ -164,13 +164,19 @@ def _stabmon_facts(result: tiny_gpt.TrainResult, steps: int) -> dict[str, Any]:
 
 
 def diagnose_passes(after: dict[str, Any]) -> int:
-    """The training passes a diagnosis ran: the steps it re-ran from the checkpoint and the batches it replayed.
+    """The training passes a diagnosis ran: the steps it re-ran from the checkpoint (``from_step`` to ``to_step``,
+    each trained again, whatever it found) and the batches it replayed.
 
-    >>> diagnose_passes({"rerun": {"steps": [{}, {}]}, "incident_steps": [5, 6], "reference_steps": [3, 4]})
-    6
+    >>> rerun = {"from_step": 10, "to_step": 13, "reproduced": False}
+    >>> diagnose_passes({"rerun": rerun, "incident_steps": [13, 14], "reference_steps": [8, 9]})
+    8
+    >>> diagnose_passes({"rerun": {"from_step": 10, "to_step": 13, "reproduced": None}, "incident_steps": [13]})
+    1
     """
-    return (len((after.get("rerun") or {}).get("steps", ())) + len(after.get("incident_steps", ()))
-            + len(after.get("reference_steps", ())))
+    rerun = after.get("rerun") or {}
+    ran = rerun.get("reproduced") is not None and isinstance(rerun.get("from_step"), int)
+    reran = rerun["to_step"] - rerun["from_step"] + 1 if ran else 0  # (a re-run skipped says why, and ran none)
+    return reran + len(after.get("incident_steps", ())) + len(after.get("reference_steps", ()))
 
 
 def detect_step(anomalies: list[Any]) -> int | None:

@@ -511,16 +511,15 @@ class Monitor:
         if self._watchdog is not None:
             self._watchdog.beat(self.run.step - 1)
         every = self.config.checkpoint_every
-        waiting = len(self.signals.buffer)
-        flush = waiting >= self.config.flush_every or (
-            self.run.step < self._watch_until and waiting >= self.config.watch.flush_every)  # something is wrong
+        waiting, watching = len(self.signals.buffer), self.run.step < self._watch_until  # (something is wrong)
+        flush = waiting >= self.config.flush_every or (watching and waiting >= self.config.watch.flush_every)
         if self._alarm is not None and self._alarm.rang():
             flush = True  # a NaN or inf loss: the runbook answers now, not at the cadence
         completed = self.run.step
         if every and self.checkpoints is not None and self.run.step % every == 0:
             step = self.run.step
-            if flush:  # both due: the flush first, and the checkpoint holds what it decided
-                self.flush()
+            if flush or (watching and waiting):  # the flush first (a watch window's off its cadence too), and the
+                self.flush()  # checkpoint holds what it decided
             if self.run.step == step:  # (a rollback in that flush saved the state it restored already)
                 self._timed_save()
         elif flush:

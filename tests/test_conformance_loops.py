@@ -28,7 +28,7 @@ from conformance_support import (
 
 import stabmon
 from stabmon.checkpoints import CheckpointManager
-from stabmon.collect.config import AttentionConfig, MonitorConfig
+from stabmon.collect.config import AttentionConfig, MonitorConfig, WatchConfig
 
 STEPS = 100
 STOP_AT = 63  # where the crash or the Ctrl-C comes: after every forced action has been applied and judged
@@ -39,13 +39,16 @@ class Crash(RuntimeError):
     """The loop's own failure (a node lost): the run ends as failed, and is resumed."""
 
 
-def _config(flush_every: int = 5) -> MonitorConfig:
-    return MonitorConfig(clip=1.0, flush_every=flush_every, checkpoint_every=10, attention=AttentionConfig(every=5))
+def _config(flush_every: int = 5, *, watch: bool = True) -> MonitorConfig:
+    """``watch``: the closer flushes after a warning (a checkpoint in their window flushes first)."""
+    return MonitorConfig(clip=1.0, flush_every=flush_every, checkpoint_every=10, attention=AttentionConfig(every=5),
+                         **({} if watch else {"watch": WatchConfig(steps=0)}))
 
 
 # -- a plain loop -------------------------------------------------------------------------------------------
 def _plain(tmp: Path, action: str, *, event: str, state: dict[str, Any] | None = None,
-           fault: Fault | None = None, probe: Probe | None = None, flush_every: int = 5) -> tuple[Any, Any]:
+           fault: Fault | None = None, probe: Probe | None = None, flush_every: int = 5,
+           watch: bool = True) -> tuple[Any, Any]:
     """Train to :data:`STEPS` (from ``state``, a checkpoint, when given); the event ends it early."""
     model, optimizer, scheduler = tiny_setup(SEED + (1 if state is not None else 0))
     if state is not None:
@@ -55,7 +58,7 @@ def _plain(tmp: Path, action: str, *, event: str, state: dict[str, Any] | None =
     fault = fault or Fault()
     monitor = stabmon.Monitor(model, optimizer, scheduler=scheduler, store=f"sqlite:///{tmp / 'run.db'}",
                               runbook=forced_runbook(action), mode="apply", checkpoint_dir=str(tmp / "ckpt"),
-                              config=_config(flush_every), run_name=f"plain-{action}",
+                              config=_config(flush_every, watch=watch), run_name=f"plain-{action}",
                               resume=state["monitor"] if state is not None else None)
     manager = monitor.checkpoints
     assert isinstance(manager, CheckpointManager)
@@ -242,7 +245,8 @@ def test_nanogpt_shaped_loop(action: str, event: str, tmp_path: Path, caplog: py
 
 @pytest.mark.parametrize("action", ["rollback", "scale_lr"])
 def test_a_checkpoint_between_flushes_holds_the_steps_not_flushed_yet(action: str, tmp_path: Path) -> None:
-    """Checkpoints every 10 steps, flushes every 7: a checkpoint is written with steps waiting for their flush.
+    """Checkpoints every 10 steps, flushes every 7 (and no closer flushes after the fault, whose window flushes
+    before each checkpoint): a checkpoint is written with steps waiting for their flush.
     They go with it (read to the host, still waiting: the flush cadence, and every decision's timing, as without
     checkpoints), so the crashed run's resume flushes them first: every step is stored once."""
     from stabmon.store import open_store
@@ -250,7 +254,7 @@ def test_a_checkpoint_between_flushes_holds_the_steps_not_flushed_yet(action: st
 
     cell = Invariants(f"plain-flush7/{action}/resume")
     fault = Fault()
-    monitor, probe = _plain(tmp_path, action, event="resume", fault=fault, flush_every=7)
+    monitor, probe = _plain(tmp_path, action, event="resume", fault=fault, flush_every=7, watch=False)
     manager = monitor.checkpoints
     assert manager is not None
     newest = manager.latest()
@@ -258,7 +262,8 @@ def test_a_checkpoint_between_flushes_holds_the_steps_not_flushed_yet(action: st
     state = torch.load(newest.path, weights_only=True, map_location="cpu")
     assert state["monitor"]["pending"], "the newest checkpoint was written between flushes"
     cell.resumed(probe.at(newest.path), _resumed_state(newest.path, action))
-    monitor, probe = _plain(tmp_path, action, event="resume", state=state, fault=fault, probe=probe, flush_every=7)
+    monitor, probe = _plain(tmp_path, action, event="resume", state=state, fault=fault, probe=probe, flush_every=7,
+                            watch=False)
     store = open_store(f"sqlite:///{tmp_path / 'run.db'}")
     try:
         with store.session() as session:

@@ -222,7 +222,8 @@ def test_fp16_grad_scaler_overflow_steps_are_recorded_and_overrides_do_not_compo
 
 
 def test_callback_adds_one_host_read_per_flush_and_none_per_step(tmp_path: Path) -> None:
-    """The same fit with the callback reads tensors back exactly one more time per monitor flush."""
+    """The same fit with the callback reads tensors back exactly one more time per monitor flush (the closer
+    flushes of a watch window included)."""
 
     counters: list[SyncCounter] = []
 
@@ -244,7 +245,7 @@ def test_callback_adds_one_host_read_per_flush_and_none_per_step(tmp_path: Path)
 
     plain = run([])
     monitored = run([cb, CountFlushes()])
-    assert len(flushes) == 4  # steps 6, 12, 18 and the rest at fit end
+    assert len(flushes) >= 4  # steps 6, 12, 18 and the rest at fit end, and closer ones after an early warning
     expected = dict(plain)
     expected["tolist"] = expected.get("tolist", 0) + len(flushes)
     assert monitored == expected
