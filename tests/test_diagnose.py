@@ -126,6 +126,9 @@ def test_a_corrupted_shard_is_data_and_its_batches_are_skipped(tmp_path: Path) -
     rollback = next(e for e in result.monitor.events if isinstance(e, InterventionRecord) and e.action == "rollback")
     start, stop = rollback.after["skipped"]
     assert start <= 150 and stop >= 250  # the whole shard is skipped
+    # the data is to blame, not the state the diagnosis judged at: the restart lands there (checkpoint 150, the
+    # state before the first bad batch), not at the one before the onset (the update before the spike, step 149)
+    assert rollback.after["checkpoint_step"] == ev["checkpoint_step"] == 150
 
 
 def test_a_learning_rate_far_too_high_is_state_and_the_lr_is_capped(tmp_path: Path) -> None:
@@ -348,6 +351,48 @@ def test_the_engine_continues_the_incident_with_the_verdicts_rule(verdict: str, 
         assert outcome.evidence == {"diagnosis": verdict, "next_rule": rule}
     if verdict == "hardware_suspect":
         assert nxt.params["exit_code"] == 88
+
+
+@pytest.mark.parametrize(("verdict", "cleared"), [("data", 25), ("hardware_suspect", 25), ("state", None),
+                                                  ("inconclusive", None)])
+def test_a_restart_lands_at_the_checkpoint_a_diagnosis_cleared_unless_it_blamed_the_state(
+        verdict: str, cleared: int | None) -> None:
+    """A diagnosis that blames the data or the execution found its checkpoint's state good: a restart goes back no
+    further than that (here the checkpoint of step 25 for a trend whose evidence starts at step 9). A ``state``
+    verdict clears nothing (that state is on its way to the trouble), nor does no verdict; the LR cap is still a
+    fraction of the LR at the incident's onset."""
+    from stabmon.events import Anomaly, Decision, Severity, StepRecord
+    from stabmon.runbook import Engine, load_runbook
+
+    engine = Engine(load_runbook("default"), id_seed="t")
+    for s in range(30):
+        engine.process(StepRecord(s, {"loss": 2.0, "lr": 0.001 * (s + 1)}), [])
+    trend = Anomaly(kind="regression", metric="loss", step=30, score=9.0, severity=Severity.ERROR, detector="r",
+                    evidence=tuple((s, 2.0 + s / 10) for s in range(9, 31)))
+    out = engine.process(StepRecord(30, {"loss": 5.0, "lr": 0.031}), [trend])
+    first = next(e for e in out if isinstance(e, Decision))
+    if first.action == "scale_layer_lr":  # no layer is out of line: not applicable, the diagnosis follows
+        engine.applied(first, InterventionRecord(decision_id=first.id, step=30, action="scale_layer_lr", before={},
+                                                 after={}, not_applied="no layer is flagged"))
+        first = next(e for e in engine.settle(StepRecord(30, {"loss": 5.0})) if isinstance(e, Decision))
+    assert first.action == "diagnose" and first.params["onset_step"] == 9
+    engine.applied(first, InterventionRecord(decision_id=first.id, step=30, action="diagnose", before={},
+                                             after={"verdict": verdict, "summary": "why", "checkpoint_step": 25}))
+    restart = next(e for e in engine.process(StepRecord(31, {"loss": 5.0}), []) if isinstance(e, Decision))
+    assert restart.action == "rollback" and restart.params["onset_step"] == 9  # the incident's onset, as it was
+    assert restart.params.get("cleared_step") == cleared
+    if cleared is not None:  # the rollback goes back to the cleared checkpoint, not to the one before the onset
+        from stabmon.interventions.handle import Handle
+        from stabmon.interventions.rollback import Rollback
+        from stabmon.overrides import Overrides
+
+        asked = []
+        handle = Handle(Overrides(), clock=lambda: 31, hparams=lambda: {},
+                        rollback=lambda **kw: asked.append(kw) or {"restored_step": 25, "from_step": 31})
+        Rollback(handle, restart.params, decision_id=restart.id).apply()
+        assert asked[0]["onset_step"] == 25 and asked[0]["lookback"] == 0
+    if "lr_cap" in restart.params:
+        assert restart.params["onset_lr"] == pytest.approx(0.009)  # the LR in force before the onset's update
 
 
 # -- replay: no model, no verdict ---------------------------------------------------------------------------------

@@ -94,6 +94,10 @@ def test_a_trainers_bad_shard_is_screened_and_the_screen_holds_after_a_resume(tm
     assert len(rollbacks) == 1, [(e.action, dict(e.after)) for e in mon.events
                                  if isinstance(e, InterventionRecord)]
     (rollback,) = rollbacks
+    (diagnosis,) = [e for e in mon.events if isinstance(e, InterventionRecord) and e.action == "diagnose"]
+    assert diagnosis.after["verdict"] == "data", diagnosis.after["summary"]
+    # the data is to blame, not the state the diagnosis judged at: the restart lands on that checkpoint
+    assert rollback.after["checkpoint_step"] == diagnosis.after["checkpoint_step"]
     start, end = rollback.after["screened"]
     assert end >= start + 200 and rollback.after["screen_bar"] > 0
     # the Trainer's data goes on (it is not rewound): the shard's batches still to come after the rollback are the

@@ -45,7 +45,9 @@ class RollbackParams(Params):
     bad shard costs its own batches, not a fixed count. Where it cannot act (no baseline, several processes, a
     loop that observes the loss after ``optimizer.step()``, replay), the ``skip_batches`` are skipped as
     without it.
-    ``onset_step``, ``onset_lr``, ``screen_bar``: set by the engine."""
+    ``onset_step``, ``onset_lr``, ``screen_bar``: set by the engine. So is ``cleared_step``: the checkpoint a
+    diagnosis judged the state good at (a ``data`` or ``hardware_suspect`` verdict); the rollback then lands no
+    further back than it, even where the onset is earlier."""
 
     lookback: int = Field(default=100, ge=0)
     skip_batches: int = Field(default=0, ge=0)
@@ -56,6 +58,7 @@ class RollbackParams(Params):
     screen: bool | None = None
     screen_bar: float | None = None
     onset_step: int | None = None
+    cleared_step: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _screen_reach(self) -> RollbackParams:
@@ -112,13 +115,16 @@ class Rollback(Intervention):
         before_step = int(self.target.step)
         onset = p.onset_step if p.onset_step is not None else before_step
         screen = bool(p.screen and p.skip_batches and p.screen_bar is not None and self.target.screens())
-        kwargs: dict[str, Any] = {"onset_step": onset, "lookback": p.lookback,
+        land = onset if p.cleared_step is None else max(onset, p.cleared_step)  # a state a diagnosis cleared
+        kwargs: dict[str, Any] = {"onset_step": land, "lookback": p.lookback,
                                   "skip_batches": 0 if screen else p.skip_batches}
         if p.checkpoint_dir is not None:
             kwargs["checkpoint_dir"] = p.checkpoint_dir
         lr_now = (p.onset_lr or _lr_in_force(self.target)) if p.lr_cap is not None else None
         result = dict(self.target.rollback(**kwargs))
         before: dict[str, Any] = {"step": before_step, "onset_step": onset, "lookback": p.lookback}
+        if p.cleared_step is not None:
+            before["cleared_step"] = p.cleared_step
         if screen:  # from where it landed to skip_batches steps past the onset: a high loss loses its update
             overrides = self.target.overrides
             start = int(result.get("restored_step", self.target.step))

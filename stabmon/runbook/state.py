@@ -110,6 +110,8 @@ class Incident:
     stop: bool = False  #: the pending decision is the runbook's checkpoint-and-stop
     releasing: bool = False  #: the current decision gives back the changes that resolved it (a release)
     diagnosis: str | None = None  #: the verdict of an applied ``diagnose`` rung, until the engine follows it
+    cleared: int | None = None  #: the checkpoint step a diagnosis judged from, where its verdict did not blame the
+    #: state (``data``, ``hardware_suspect``): a known-good state, so a restart lands no further back than it
     in_force: list[Change] = field(default_factory=list)  #: changes made and not reverted, oldest first
     seen: str = ""  #: the first line of the opening anomaly's message: what an ``alert_only`` with no text says
     reached: float | None = None  #: the lowest loss before the onset (of the baseline's records)
