@@ -218,7 +218,7 @@ class Cell:
                                attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         mon = stabmon.Monitor(model, optimizer, scheduler=scheduler, store=self.url,
                               runbook=forced_runbook(self.action), mode="apply", checkpoint_dir=str(self.ckpt),
-                              config=_config(), run_name=f"{self.loop}-{self.action}-{self.event}",
+                              config=_config(), run_name=f"{self.loop}-{self.action}-{self.event}", loss_fn=tiny_loss,
                               resume_run_id=state["monitor"]["run_id"] if state is not None else None)
         if state is not None:
             mon.load_training_state(state)

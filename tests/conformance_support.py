@@ -4,7 +4,9 @@ one assertion helper every loop uses (:class:`Invariants`).
 A cell of the matrix is (loop, action, event). The loop trains a small model; a transient fault (the loss
 multiplied by 1,000 on three steps, the first time the run reaches them: a gradient spike and a loss spike the
 default detectors call an error on every seed) opens an incident; the runbook of the cell answers it with the
-one action under test (:func:`forced_runbook`). Then the event: the run goes on to its end (``continue``), or it
+one action under test (:func:`forced_runbook`; ``diagnose`` is followed by the restart its verdict calls for, which
+lands on the checkpoint a ``data`` or ``hardware_suspect`` verdict cleared: the fault does not come back on a
+re-run, so the verdict is ``hardware_suspect`` wherever the loop hands its batches and loss). Then the event: the run goes on to its end (``continue``), or it
 is resumed from its newest checkpoint (``resume``), or it is interrupted by Ctrl-C and resumed (``interrupt``),
 or one of its ranks is SIGKILLed and ``torchrun`` restarts it (``kill``, the multi-rank loops).
 
@@ -66,6 +68,11 @@ def forced_runbook(action: str, params: Mapping[str, Any] | None = None, *, obse
     rung = {"action": action, "params": params, "observe": 1 if action in ("alert_only", "diagnose") else observe}
     doc = {"name": f"forced-{action}", "mode": "apply", "cooldown": 0, "baseline_steps": 20,
            "rules": [{"name": "forced", "when": {"kind": "*", "severity": "error"}, "ladder": [rung]}]}
+    if action == "diagnose":  # and the restart its verdict calls for, as the shipped runbooks follow one: a
+        # data or hardware_suspect verdict lands it on the checkpoint the diagnosis cleared
+        restart = {"action": "rollback", "params": {"lookback": 0}, "observe": observe}
+        doc["rules"] += [{"name": f"after_{v}", "when": {"verdict": v}, "ladder": [restart]}
+                         for v in ("data", "state", "hardware_suspect")]
     runbook = loads_runbook(_yaml(doc))
     assert isinstance(runbook, Runbook)
     return runbook
@@ -293,6 +300,13 @@ class Invariants:
         if stopped:
             assert any(traits_of(r.action).stops_run for r in records), f"{self.cell}: no stop recorded"
         rollbacks = [r for r in records if traits_of(r.action).rewinds_step and changed_training(r)]
+        if action == "diagnose":  # its verdict's restart followed, and a cleared state is where it landed
+            verdicts = [r.after.get("verdict") for r in forced]
+            restarts = [r for r in rollbacks if r.before.get("cleared_step") is not None]
+            if verdicts[0] in ("data", "hardware_suspect"):
+                assert restarts and all(r.after["checkpoint_step"] == r.before["cleared_step"]
+                                        == forced[0].after["checkpoint_step"] for r in restarts), (
+                    f"{self.cell}: verdict {verdicts[0]}, rollbacks {[(r.before, r.after) for r in rollbacks]}")
         abandoned = sum(int(r.after["from_step"]) - int(r.after["checkpoint_step"]) for r in rollbacks)
         assert ledger.cause("rollback").steps >= abandoned, (
             f"{self.cell}: {abandoned} steps rolled back, goodput books {ledger.cause('rollback').steps}")

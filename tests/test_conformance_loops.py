@@ -58,7 +58,7 @@ def _plain(tmp: Path, action: str, *, event: str, state: dict[str, Any] | None =
     fault = fault or Fault()
     monitor = stabmon.Monitor(model, optimizer, scheduler=scheduler, store=f"sqlite:///{tmp / 'run.db'}",
                               runbook=forced_runbook(action), mode="apply", checkpoint_dir=str(tmp / "ckpt"),
-                              config=_config(flush_every, watch=watch), run_name=f"plain-{action}",
+                              config=_config(flush_every, watch=watch), run_name=f"plain-{action}", loss_fn=tiny_loss,
                               resume=state["monitor"] if state is not None else None)
     manager = monitor.checkpoints
     assert isinstance(manager, CheckpointManager)
