@@ -1,14 +1,15 @@
 """The conformance matrix's shared parts: the runbooks that force each action, the fault that forces them, and the
 one assertion helper every loop uses (:class:`Invariants`).
 
-A cell of the matrix is (loop, action, event). The loop trains a small model; a transient fault (the loss
-multiplied by 1,000 on three steps, the first time the run reaches them: a gradient spike and a loss spike the
-default detectors call an error on every seed) opens an incident; the runbook of the cell answers it with the
-one action under test (:func:`forced_runbook`; ``diagnose`` is followed by the restart its verdict calls for, which
-lands on the checkpoint a ``data`` or ``hardware_suspect`` verdict cleared: the fault does not come back on a
-re-run, so the verdict is ``hardware_suspect`` wherever the loop hands its batches and loss). Then the event: the run goes on to its end (``continue``), or it
-is resumed from its newest checkpoint (``resume``), or it is interrupted by Ctrl-C and resumed (``interrupt``),
-or one of its ranks is SIGKILLed and ``torchrun`` restarts it (``kill``, the multi-rank loops).
+A cell of the matrix is (loop, action, event). The loop trains a small model; a transient fault (the loss multiplied
+by 1,000 on three steps, the first time the run reaches them: a gradient spike and a loss spike the default
+detectors call an error on every seed) opens an incident; the runbook of the cell answers it with the one action
+under test (:func:`forced_runbook`; ``diagnose`` is followed by the restart its verdict calls for, which lands on
+the checkpoint a ``data`` or ``hardware_suspect`` verdict cleared: the fault does not come back on a re-run, so the
+verdict is ``hardware_suspect`` wherever the loop hands its batches and loss). Then the event: the run goes on to
+its end (``continue``), or it is resumed from its newest checkpoint (``resume``), or it is interrupted by Ctrl-C and
+resumed (``interrupt``), or one of its ranks is SIGKILLed and ``torchrun`` restarts it (``kill``, the multi-rank
+loops).
 
 The invariants (each a method of :class:`Invariants`):
 
