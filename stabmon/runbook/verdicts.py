@@ -5,7 +5,8 @@ answers an incident whose ``diagnose`` rung returned that verdict. When the diag
 :func:`note_verdict` keeps its verdict in the incident; at the next record the engine closes the diagnose rung
 with an ``escalated`` outcome (evidence: the diagnosis and the rule that follows) and continues the same incident
 with the first rung of :func:`rule_for_verdict`'s rule. No verdict (``inconclusive``), or no rule for it, counts
-as a failed rung: the diagnose rule's own next rung follows.
+as a failed rung: the diagnose rule's own next rung follows. A ``data`` or ``hardware_suspect`` verdict also clears
+the state at the diagnosis' checkpoint (``Incident.cleared``): the incident's restarts land no further back than it.
 
 >>> from stabmon.runbook import loads_runbook
 >>> rb = loads_runbook('''
