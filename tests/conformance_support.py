@@ -302,12 +302,12 @@ class Invariants:
             assert any(traits_of(r.action).stops_run for r in records), f"{self.cell}: no stop recorded"
         rollbacks = [r for r in records if traits_of(r.action).rewinds_step and changed_training(r)]
         if action == "diagnose":  # its verdict's restart followed, and a cleared state is where it landed
-            verdicts = [r.after.get("verdict") for r in forced]
+            verdict, cleared = forced[0].after.get("verdict"), forced[0].after.get("checkpoint_step")
             restarts = [r for r in rollbacks if r.before.get("cleared_step") is not None]
-            if verdicts[0] in ("data", "hardware_suspect"):
-                assert restarts and all(r.after["checkpoint_step"] == r.before["cleared_step"]
-                                        == forced[0].after["checkpoint_step"] for r in restarts), (
-                    f"{self.cell}: verdict {verdicts[0]}, rollbacks {[(r.before, r.after) for r in rollbacks]}")
+            if verdict in ("data", "hardware_suspect"):
+                assert restarts and all(r.after["checkpoint_step"] == r.before["cleared_step"] == cleared
+                                        for r in restarts), (
+                    f"{self.cell}: verdict {verdict}, rollbacks {[(r.before, r.after) for r in rollbacks]}")
         abandoned = sum(int(r.after["from_step"]) - int(r.after["checkpoint_step"]) for r in rollbacks)
         assert ledger.cause("rollback").steps >= abandoned, (
             f"{self.cell}: {abandoned} steps rolled back, goodput books {ledger.cause('rollback').steps}")

@@ -102,6 +102,11 @@ def test_missing_checkpoint_directory(tmp_path: Path) -> None:
     assert load_runbook(ok).rules[0].ladder[2].params.checkpoint_dir == str(tmp_path)
 
 
+def test_a_negative_cleared_step_is_one_line(tmp_path: Path) -> None:
+    p = write(tmp_path, GOOD + "      - action: rollback\n        params: {lookback: 0, cleared_step: -1}\n")
+    assert error_of(p) == f"{p}:15: rules[0].ladder[2].params.cleared_step: Input should be greater than or equal to 0"
+
+
 def test_unknown_field_is_forbidden(tmp_path: Path) -> None:
     p = write(tmp_path, GOOD.replace("    when: {kind: spike}", "    when: {kind: spike, sevrity: error}"))
     assert error_of(p) == f"{p}:5: rules[0].when.sevrity: Extra inputs are not permitted"

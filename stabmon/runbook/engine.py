@@ -519,13 +519,8 @@ class Engine:
         if "message" in type(rung.params).model_fields and not params.get("message") and inc.seen:
             params["message"] = inc.seen  # an alert says what the detector saw
         if traits.rewinds_step:
-            # a diagnosis that blamed the data or the execution, not the state, judged its checkpoint's state good:
-            # a restart need not go further back (a point's onset is the update before the flagged step, in case that
-            # update did the harm; a checkpoint on the flagged step holds the state the diagnosis cleared). A
-            # ``state`` verdict clears nothing: that state is on its way to the trouble (a trend restarted from its
-            # diagnosis' checkpoint was rescued on 2-3 of 5 seeds, against 5 from the onset)
             params["onset_step"] = inc.onset_step
-            if inc.cleared is not None:
+            if inc.cleared is not None:  # a state a diagnosis cleared: no need to land before it (Incident.cleared)
                 params["cleared_step"] = inc.cleared
             # the LR in force before the onset's update (that update's own LR may be the trouble)
             onset_lr = next((v for st, v in reversed(self._lrs) if st < inc.onset_step),
