@@ -93,6 +93,23 @@ def test_lr_far_too_high_without_warmup_opens_an_error_within_50_steps(seed: int
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("seed", [FIRST, FIRST + 1])
+def test_lr_far_too_high_after_a_warmup_is_judged_at_step_50_when_the_weights_thrash(seed: int) -> None:
+    """lr-too-high (a 30-step warm-up to 100x the stable peak): the loss never goes below the frequency baseline
+    and the weights move 3-6% of their norm a step (the update ratios the monitor samples by default with AdamW,
+    every 20 steps). Not learning while thrashing is judged at step 50, not only at 100; the healthy twin moves
+    0.3-0.5% a step and is never judged."""
+    sc = scenarios()
+    wrecked, anomalies = _train(seed, **sc.scenario("lr-too-high").changes)
+    healthy, quiet = _train(seed)
+    assert wrecked.val_loss > 1.1 * healthy.val_loss
+    errors = [a for a in anomalies if a.severity >= Severity.ERROR and a.kind == "no_progress"]
+    assert errors and 50 <= errors[0].step <= 60 and "of their norm per step" in errors[0].message, errors
+    assert len(errors) == 1, errors  # judged once: not again at step 100
+    assert not [a for a in quiet if a.kind == "no_progress" and a.severity >= Severity.WARNING], quiet
+
+
+@pytest.mark.slow
 def test_nanogpt_style_loop_at_lr_1e_1_is_flagged_and_at_3e_3_is_quiet() -> None:
     """A hand-written loop in nanoGPT's train.py shape (AdamW, constant LR, clip 1.0, the monitor owning the
     step counter), on the tiny GPT model and its character corpus."""

@@ -35,6 +35,7 @@ from stabmon.pipeline import DetectorSuiteLike, Pipeline
         ({"regression": {"z": -1}}, "detectors.regression.z must be > 0, got -1.0"),
         ({"no_progress": {"untrained_fraction": 1.5}}, "detectors.no_progress.untrained_fraction must be in (0, 1)"),
         ({"no_progress": {"untrained_loss": -2}}, "detectors.no_progress.untrained_loss must be >= 0, got -2.0"),
+        ({"no_progress": {"early_step": -50}}, "detectors.no_progress.early_step must be >= 0, got -50"),
         ({"nonfinite": {"of": 30}}, "detectors.nonfinite.evidence must be >= detectors.nonfinite.of (30), got 20"),
         ({"spike": {"corroborate_records": 0}}, "detectors.spike.corroborate_records must be >= 1, got 0"),
         ({"nonfinite": {"metrics": [1]}}, "detectors.nonfinite.metrics must be a list of metric names"),

@@ -281,6 +281,9 @@ class NoProgressConfig(DetectorConfig):
                          "and this many records at the stream's logging interval)")
     by_records: int = param(20, at_least_one, "fewest records by the judgement (by_step is the longer of by_step "
                             "steps and this many records)")
+    early_step: int = param(50, non_negative, "training step from which a run whose weights thrash (thrash) and "
+                            "whose loss has not fallen min_drop is judged already, before by_step (0: never; "
+                            "the longer of this and by_records / 2 records)")
     max_fall: float = param(0.4, open_unit, "a loss that has fallen this much below its first value has learned: "
                             "a stall after it is a plateau, not a run wrecked from its first steps")
     update_metric: str = param(Metric.UPDATE_RATIO, non_empty, "relative update size per step (||dtheta|| / "
@@ -353,11 +356,11 @@ class NoProgress(Rule):
     >>> found = [d.update(s, {"loss": 2.6 - 0.001 * s, "update_ratio": 0.001}) for s in range(120)]
     >>> [(a.step, a.severity.value) for a in found if a]
     [(100, 'info')]
-    >>> d = NoProgress("loss")   # blown up at step 2, then a plateau, the weights thrashing: errors
+    >>> d = NoProgress("loss")   # blown up at step 2, then a plateau, the weights thrashing: errors (judged at 50)
     >>> found = [d.update(s, {"loss": [2.7, 2.9, 4.3, 3.3, 3.0][s] if s < 5 else 2.35, "update_ratio": 0.05})
     ...          for s in range(120)]
     >>> [(a.step, a.severity.value) for a in found if a]
-    [(2, 'error'), (100, 'error')]
+    [(2, 'error'), (50, 'error')]
     >>> d = NoProgress("loss")   # a run from scratch (ln 13 = 2.56 untrained) that does not learn: an error
     >>> found = [d.update(s, {"loss": 2.6 - 0.001 * s, **({"untrained_loss": 2.565} if s == 0 else {})})
     ...          for s in range(120)]
@@ -379,14 +382,15 @@ class NoProgress(Rule):
     config: NoProgressConfig
     grace_exempt = "it judges the warm-up itself"
     shares_evidence = False  # its evidence holds the finite losses it judged, not every raw value
-    _state_attrs = ("_first", "_recent", "_judged", "_start", "_over", "_likelihood", "_last_step", "_learned",
-                    "_first_grads", "_history", "_stall_reported", "_cadence", "_updates", "_untrained")
+    _state_attrs = ("_first", "_recent", "_judged", "_judged_early", "_start", "_over", "_likelihood", "_last_step",
+                    "_learned", "_first_grads", "_history", "_stall_reported", "_cadence", "_updates", "_untrained")
 
     def _reset(self) -> None:
         self._first: list[tuple[int, float]] = []
         # (step, loss) of the last ``window`` training steps (a sparse log has fewer values in them)
         self._recent: deque[tuple[int, float]] = deque(maxlen=self.config.window)
         self._judged = False
+        self._judged_early = 0  # the step of a judgement made before by_step, thrashing (0: none)
         self._start: int | None = None
         self._over = False  # above the ceiling, reported
         self._likelihood = True  # False once the loss has been <= 0 (no likelihood: the ceiling is off)
@@ -444,15 +448,33 @@ class NoProgress(Rule):
             ceiling = None if self._learned else self._above_ceiling(step, v)
             self._learned = self._learned or self._score(v, x) < self.threshold
             stalled = self._stalled(step, v, grad, w)
+            if self._judged_early and step < self._judged_early:  # a rollback to before the early judgement
+                self._judged_early = 0
             self._judged = False  # back before by_step (a rollback): judge again when it is passed
-            return ceiling or stalled
+            return ceiling or stalled or self._early(step, v)
         if self._judged:
             return None
         self._judged = True
+        if self._judged_early:  # reported already, thrashing, before by_step
+            return None
         score = self._score(v, x)
         if score < self.threshold:
             return None
         return self._report_verdict(step, v, score, "not_learning")
+
+    def _early(self, step: int, v: float) -> Anomaly | None:
+        """Not learning by ``early_step`` while the weights thrash: the same judgement as at ``by_step``, made as
+        soon as its strongest corroboration is there."""
+        early = self._cadence.span(steps=self.config.early_step, records=(self.config.by_records + 1) // 2)
+        start = 0 if self._start is None else self._start
+        if (not self.config.early_step or self._judged_early or self._learned or step < start + early
+                or self._thrashing() is None):
+            return None
+        score = self._score(v, {})
+        if score < self.threshold:
+            return None
+        self._judged_early = step
+        return self._report_verdict(step, v, score, "thrashing", corroborated=True)
 
     def _see_update(self, step: int, x: X) -> None:
         """Keep the relative update sizes of the last window (sampled: a live monitor measures them every few
@@ -557,7 +579,7 @@ class NoProgress(Rule):
         return self._verdict_message(score) + self._corroboration_message()
 
     def _corroboration_message(self) -> str:
-        if self._verdict == "stalled":
+        if self._verdict in ("stalled", "thrashing"):
             return ""
         if self._from_scratch():
             untrained = self.config.untrained_loss or self._untrained
@@ -579,6 +601,11 @@ class NoProgress(Rule):
         if self._verdict == "above_ceiling":
             return (f"{self.metric} is {score - 1:.0%} above its first value {self._first[0][1]:.4g} (ceiling "
                     f"{self.config.ceiling:.0%}): the model is worse than untrained")
+        if self._verdict == "thrashing":
+            return (f"{self.metric} has fallen only {1 - score:.0%} from its first steps by step {self._judged_early} "
+                    f"(needs {self.config.min_drop:.0%}) while the weights move {self._thrashing() or 0:.1%} of "
+                    f"their norm per step (thrash {self.config.thrash:.0%}): the run is not learning, judged before "
+                    f"step {self.config.by_step}: damage")
         return (f"{self.metric} has fallen only {1 - score:.0%} from its first steps by step "
                 f"{self.config.by_step} (needs {self.config.min_drop:.0%}): the run is not learning")
 
