@@ -26,9 +26,11 @@ from typer.testing import CliRunner
 from stabmon.collect.batches import BatchLog
 from stabmon.collect.config import UpdateConfig
 from stabmon.collect.signals.updates import UpdateNorms
+from stabmon.diagnose.experiments import REPLAY_NOT_NEEDED
 from stabmon.diagnose.verdict import incident_steps, replay_recurs, verdict_of
 from stabmon.events import InterventionRecord, Metric
 from stabmon.monitor import Monitor, MonitorConfig
+from stabmon.runbook.trace import diagnosis_lines
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = int(os.environ.get("STABMON_TEST_SEED", "5"))
@@ -148,6 +150,12 @@ def test_a_fault_in_one_execution_of_a_step_is_hardware_suspect_and_stops_for_a_
     assert ev["rerun"]["mismatch"]["step"] == 110 and ev["rerun"]["mismatch"]["recorded"] == "nan"
     assert ev["rerun"]["from_step"] < 110  # steps before the fault were re-run and reproduced exactly
     assert ev["host"] and ev["rank"] == 0
+    # one process: the re-run decided it, so no batch was replayed (each would be a forward and backward pass)
+    assert ev["replay"]["recurs"] is None and ev["replay"]["skipped"] == REPLAY_NOT_NEEDED
+    assert ev["batches"] and all(b["at_checkpoint"] is None for b in ev["batches"])
+    lines = diagnosis_lines({"step": d.step, "after": ev})
+    assert any(f"replay of the batches: not run ({REPLAY_NOT_NEEDED})" in line for line in lines), lines
+    assert not any("at the checkpoint of step" in line for line in lines), lines
     assert actions_after(result, d) == ["checkpoint_and_stop"]
     assert result.exit_code == 88
 

@@ -205,15 +205,32 @@ def _entry(batches: BatchLog, step: int) -> BatchEntry:
     return entry
 
 
+REPLAY_NOT_NEEDED = "the re-run did not reproduce: the verdict is hardware_suspect whatever the replay shows"
+"""Why one process replays no batch after a re-run that did not reproduce (see :func:`_local`)."""
+
+
 def _local(bench: Bench, plan: Plan, rtol: float, host: str) -> dict[str, Any]:
-    """This rank's evidence: its replayed values and its re-run, or the error that stopped them."""
+    """This rank's evidence: its replayed values and its re-run, or the error that stopped them.
+
+    In one process the re-run comes first, and when it does not reproduce the batches are not replayed: that
+    verdict (``hardware_suspect``) does not depend on them, and each replayed batch is a forward and backward
+    pass. Under torch.distributed another rank's re-run may be the one that did not reproduce, so every rank
+    runs both."""
     pick = 0 if plan.signal == Metric.LOSS else 1
     mine: dict[str, Any] = {"rank": bench.rank, "host": host}
+    alone = bench.channel is None or bench.channel.world_size == 1
     try:
         with bench.paused(), _restored(bench):
             _load(bench, plan.state)
+            if alone:
+                mine["rerun"] = _rerun(bench, plan, rtol)
+                if mine["rerun"].get("reproduced") is False:
+                    mine["measured"] = None
+                    return mine
+                _load(bench, plan.state)  # the replay is at the checkpoint's state, not the re-run's
             mine["measured"] = {s: _measure(bench, plan.entries[s])[pick] for s in plan.incident + plan.reference}
-            mine["rerun"] = _rerun(bench, plan, rtol)
+            if not alone:
+                mine["rerun"] = _rerun(bench, plan, rtol)
     except Exception as exc:  # noqa: BLE001 - the other ranks must still hear from this one
         mine["error"] = f"{type(exc).__name__}: {exc}"
     return mine
@@ -235,15 +252,20 @@ def _verdict(plan: Plan, evidence: Sequence[dict[str, Any]], recur: float, where
     if failed:
         raise _Missing(f"rank {failed[0]['rank']} could not run the experiments: {failed[0]['error']}")
     rerun = dx.combine_reruns([{**e["rerun"], "rank": e["rank"], "host": e["host"]} for e in evidence])
-    measured = dx.mean_values([e["measured"] for e in evidence])
     recorded, signal, incident, reference = plan.recorded, plan.signal, plan.incident, plan.reference
-    recorded_excess = _median([_value(recorded.get(s), signal) for s in incident]) - _median(plan.baseline)
-    replay = dx.replay_recurs(incident=[measured[s] for s in incident], reference=[measured[s] for s in reference],
-                              recorded_excess=recorded_excess, recur=recur)
+    if any(e["measured"] is None for e in evidence):  # one process, its re-run did not reproduce
+        measured: dict[int, float] = {}
+        replay: dict[str, Any] = {"recurs": None, "skipped": REPLAY_NOT_NEEDED}
+    else:
+        measured = dx.mean_values([e["measured"] for e in evidence])
+        recorded_excess = _median([_value(recorded.get(s), signal) for s in incident]) - _median(plan.baseline)
+        replay = dx.replay_recurs(incident=[measured[s] for s in incident],
+                                  reference=[measured[s] for s in reference], recorded_excess=recorded_excess,
+                                  recur=recur)
     replay["checkpoint_step"] = plan.checkpoint.step
     verdict, summary = dx.verdict_of(rerun, replay)
     batches = [{**plan.entries[s].describe(), "role": "incident" if s in incident else "reference",
-                "recorded": dx.plain(_value(recorded.get(s), signal)), "at_checkpoint": dx.plain(measured[s])}
+                "recorded": dx.plain(_value(recorded.get(s), signal)), "at_checkpoint": dx.plain(measured.get(s))}
                for s in sorted(plan.entries)]
     found = {"signal": signal, "checkpoint_step": plan.checkpoint.step, "checkpoint_path": str(plan.checkpoint.path),
              "incident_steps": incident, "reference_steps": reference, "replay": replay, "rerun": rerun,

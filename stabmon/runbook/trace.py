@@ -185,11 +185,15 @@ def diagnosis_lines(iv: dict[str, Any]) -> list[str]:
         for r in ranks if len(ranks) > 1 else []:
             lines.append(f"               rank {r['rank']} on {r['host']} at step {r['step']}: "
                          f"recorded {_values(r['recorded'])}; re-run {_values(r['rerun'])}")
+    skipped = (after.get("replay") or {}).get("skipped")
+    if skipped:
+        lines.append(f"               replay of the batches: not run ({skipped})")
     for b in after.get("batches", []):
         ids = f" samples {b['sample_ids']}" if b.get("sample_ids") is not None else ""
+        at = "" if skipped else (f", {_short(b['at_checkpoint'])} at the checkpoint of step "
+                                 f"{after.get('checkpoint_step')}")
         lines.append(f"               {b['role']:<9} step {b['step']} batch {b['batch_index']}: "
-                     f"{after.get('signal')} {_short(b['recorded'])} recorded, {_short(b['at_checkpoint'])} at the "
-                     f"checkpoint of step {after.get('checkpoint_step')}{ids}")
+                     f"{after.get('signal')} {_short(b['recorded'])} recorded{at}{ids}")
     if after.get("host") is not None:  # a replay's diagnosis ran nowhere
         lines.append(f"               rank {after.get('rank')} on {after.get('host')}, {after.get('seconds')} s")
     return lines
