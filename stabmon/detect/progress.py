@@ -427,6 +427,8 @@ class NoProgress(Rule):
             self._over, self._stall_reported = False, False
             self._history.clear()
             self._learned = self._learned and step >= self.config.window  # back to the start: prove it again
+            if step < self._judged_early:  # back before the early judgement: judge again
+                self._judged_early = 0
         self._last_step = step
         self._cadence.see(step)
         config = self.config
@@ -446,12 +448,11 @@ class NoProgress(Rule):
         self.n_learned += 1
         if step < by_step:
             ceiling = None if self._learned else self._above_ceiling(step, v)
-            self._learned = self._learned or self._score(v, x) < self.threshold
+            score = self._score(v, x)
+            self._learned = self._learned or score < self.threshold
             stalled = self._stalled(step, v, grad, w)
-            if self._judged_early and step < self._judged_early:  # a rollback to before the early judgement
-                self._judged_early = 0
             self._judged = False  # back before by_step (a rollback): judge again when it is passed
-            return ceiling or stalled or self._early(step, v)
+            return ceiling or stalled or self._early(step, v, score)
         if self._judged:
             return None
         self._judged = True
@@ -462,16 +463,13 @@ class NoProgress(Rule):
             return None
         return self._report_verdict(step, v, score, "not_learning")
 
-    def _early(self, step: int, v: float) -> Anomaly | None:
+    def _early(self, step: int, v: float, score: float) -> Anomaly | None:
         """Not learning by ``early_step`` while the weights thrash: the same judgement as at ``by_step``, made as
-        soon as its strongest corroboration is there."""
+        soon as its strongest corroboration is there (``score``: this record's, as at ``by_step``)."""
         early = self._cadence.span(steps=self.config.early_step, records=(self.config.by_records + 1) // 2)
         start = 0 if self._start is None else self._start
         if (not self.config.early_step or self._judged_early or self._learned or step < start + early
                 or self._thrashing() is None):
-            return None
-        score = self._score(v, {})
-        if score < self.threshold:
             return None
         self._judged_early = step
         return self._report_verdict(step, v, score, "thrashing", corroborated=True)

@@ -212,25 +212,21 @@ REPLAY_NOT_NEEDED = "the re-run did not reproduce: the verdict is hardware_suspe
 def _local(bench: Bench, plan: Plan, rtol: float, host: str) -> dict[str, Any]:
     """This rank's evidence: its replayed values and its re-run, or the error that stopped them.
 
-    In one process the re-run comes first, and when it does not reproduce the batches are not replayed: that
+    The re-run comes first. In one process, when it does not reproduce, the batches are not replayed: that
     verdict (``hardware_suspect``) does not depend on them, and each replayed batch is a forward and backward
     pass. Under torch.distributed another rank's re-run may be the one that did not reproduce, so every rank
-    runs both."""
+    replays."""
     pick = 0 if plan.signal == Metric.LOSS else 1
-    mine: dict[str, Any] = {"rank": bench.rank, "host": host}
+    mine: dict[str, Any] = {"rank": bench.rank, "host": host, "measured": None}
     alone = bench.channel is None or bench.channel.world_size == 1
     try:
         with bench.paused(), _restored(bench):
             _load(bench, plan.state)
-            if alone:
-                mine["rerun"] = _rerun(bench, plan, rtol)
-                if mine["rerun"].get("reproduced") is False:
-                    mine["measured"] = None
-                    return mine
-                _load(bench, plan.state)  # the replay is at the checkpoint's state, not the re-run's
+            mine["rerun"] = _rerun(bench, plan, rtol)
+            if alone and mine["rerun"].get("reproduced") is False:
+                return mine
+            _load(bench, plan.state)  # the replay is at the checkpoint's state, not the re-run's
             mine["measured"] = {s: _measure(bench, plan.entries[s])[pick] for s in plan.incident + plan.reference}
-            if not alone:
-                mine["rerun"] = _rerun(bench, plan, rtol)
     except Exception as exc:  # noqa: BLE001 - the other ranks must still hear from this one
         mine["error"] = f"{type(exc).__name__}: {exc}"
     return mine
