@@ -165,8 +165,8 @@ def _stabmon_facts(result: tiny_gpt.TrainResult, steps: int) -> dict[str, Any]:
 
 def diagnose_passes(after: dict[str, Any]) -> int:
     """The training passes a diagnosis ran: the steps it re-ran from the checkpoint (``from_step`` to ``to_step``,
-    each trained again, whatever it found) and the batches it replayed (none when the replay was skipped: one
-    process, a re-run that did not reproduce).
+    each trained again; one process stops at the first step that did not reproduce) and the batches it replayed
+    (none when the replay was skipped: one process, a re-run that did not reproduce).
 
     >>> rerun = {"from_step": 10, "to_step": 13, "reproduced": True}
     >>> diagnose_passes({"rerun": rerun, "incident_steps": [13, 14], "reference_steps": [8, 9], "replay": {}})

@@ -148,17 +148,17 @@ class Monitor:
                                      max_bytes=cfg.diagnose.max_bytes, checkpoints=checkpoints is not None)
         self.records: deque[StepRecord] = deque(maxlen=cfg.history)
         self._hooks = HookSwitch(self.signals.hooks)  # on or off as the loop wants them; a diagnosis keeps that
-        self._diagnoser = build_diagnoser(
-            model=model, optimizer=optimizer, scaler=scaler, grads=self.signals.grads, hooks=self._hooks,
-            batches=self.batches, records=self.records, checkpoints=checkpoints, check=training.mismatch,
-            loss_fn=spec.loss_fn, own=self.signals.rank_values.own if self.signals.rank_values is not None else None,
-            rank=self.rank, world_size=self.world_size, channel=self._channel)
-        handed: deque[Event] = deque()  # a joint action's disagreements, for the flush's publish
         self.snapshots = build_snapshots(cfg, checkpoints, sharded=layout.sharded)
         """The host-memory snapshots a rollback restores first (None: ``config.snapshots`` off)."""
         rollback_from: CheckpointStore | None = checkpoints
         if self.snapshots is not None and checkpoints is not None:
             rollback_from = TieredCheckpoints(checkpoints, self.snapshots)
+        self._diagnoser = build_diagnoser(
+            model=model, optimizer=optimizer, scaler=scaler, grads=self.signals.grads, hooks=self._hooks,
+            batches=self.batches, records=self.records, checkpoints=rollback_from, check=training.mismatch,
+            loss_fn=spec.loss_fn, own=self.signals.rank_values.own if self.signals.rank_values is not None else None,
+            rank=self.rank, world_size=self.world_size, channel=self._channel)
+        handed: deque[Event] = deque()  # a joint action's disagreements, for the flush's publish
         self.recovery = Recovery(run, state=training, outbox=self.outbox, failsafe=self.failsafe,
                                  stop_code=cfg.exit_code, checkpoints=rollback_from, policy=self.policy,
                                  channel=self._channel, reports=handed)

@@ -24,11 +24,11 @@ import torch
 from typer.testing import CliRunner
 
 from stabmon.collect.batches import BatchLog
-from stabmon.collect.config import UpdateConfig
+from stabmon.collect.config import SnapshotConfig, UpdateConfig
 from stabmon.collect.signals.updates import UpdateNorms
-from stabmon.diagnose.experiments import REPLAY_NOT_NEEDED
+from stabmon.diagnose.experiments import REPLAY_NOT_NEEDED, _peak
 from stabmon.diagnose.verdict import incident_steps, replay_recurs, verdict_of
-from stabmon.events import InterventionRecord, Metric
+from stabmon.events import InterventionRecord, Metric, StepRecord
 from stabmon.monitor import Monitor, MonitorConfig
 from stabmon.runbook.trace import diagnosis_lines
 
@@ -47,13 +47,15 @@ def scenarios() -> ModuleType:
     return module
 
 
-def train(scenario: str, steps: int, tmp_path: Path, **monitor: Any) -> Any:
+def train(scenario: str, steps: int, tmp_path: Path, snapshots: SnapshotConfig | None = None,
+          runbook: str = "diagnose-first", **monitor: Any) -> Any:
     sc = scenarios()
     config = sc.scenario(scenario).config(SEED, steps=steps, threads=THREADS)
 
     def factory(model: Any, opt: Any, sched: Any) -> Monitor:
-        return Monitor(model, opt, scheduler=sched, store=None, runbook="diagnose-first", mode="apply",
-                       config=MonitorConfig(clip=config.clip, checkpoint_every=25, checkpoint_keep=40),
+        return Monitor(model, opt, scheduler=sched, store=None, runbook=runbook, mode="apply",
+                       config=MonitorConfig(clip=config.clip, checkpoint_every=25, checkpoint_keep=40,
+                                            snapshots=snapshots or SnapshotConfig()),
                        checkpoint_dir=str(tmp_path / "ckpt"), **monitor)
 
     return sc.tiny_gpt.train(config, monitor=factory)
@@ -158,6 +160,52 @@ def test_a_fault_in_one_execution_of_a_step_is_hardware_suspect_and_stops_for_a_
     assert not any("at the checkpoint of step" in line for line in lines), lines
     assert actions_after(result, d) == ["checkpoint_and_stop"]
     assert result.exit_code == 88
+
+
+def test_with_snapshots_the_diagnosis_starts_from_the_newest_one_before_the_fault(tmp_path: Path) -> None:
+    """Host snapshots every 5 steps, disk checkpoints every 25: the re-run starts from the snapshot just before the
+    faulted step, not from the disk checkpoint of step 100, and comes to the same verdict."""
+    result = train("flaky-gpu", 125, tmp_path, snapshots=SnapshotConfig(every=5, keep=4), runbook="default")
+    (d,) = diagnoses(result)
+    ev = d.after
+    assert ev["verdict"] == "hardware_suspect", ev["summary"]
+    assert ev["checkpoint_path"].startswith("memory://snapshot-"), ev["checkpoint_path"]
+    assert 100 < ev["rerun"]["from_step"] <= 110 == ev["rerun"]["mismatch"]["step"]
+    rollback = next(e for e in result.monitor.events if isinstance(e, InterventionRecord) and e.action == "rollback")
+    assert rollback.after["checkpoint_step"] == ev["checkpoint_step"]  # the state the verdict cleared
+
+
+def test_a_gradient_spike_before_the_incidents_steps_is_re_run_with_snapshots_as_without(tmp_path: Path) -> None:
+    """second-moment-spike: one execution of step 60 brings a 10^4x gradient; the loss regresses 10-20 steps
+    later, so the incident's steps (chosen on the loss) all come after it. With a snapshot between the two, the
+    diagnosis still starts before the spike, re-runs it and calls it a transient fault, as from the disk alone."""
+    fault = scenarios().scenario("second-moment-spike").config(SEED).fault_step
+    verdicts = []
+    for snapshots in (None, SnapshotConfig(every=5, keep=10)):
+        result = train("second-moment-spike", 110, tmp_path / str(snapshots is None), snapshots=snapshots)
+        (d,) = diagnoses(result)
+        ev = d.after
+        assert min(ev["incident_steps"]) > fault, ev["incident_steps"]  # the loss rose after the spike
+        assert ev["checkpoint_step"] <= fault and ev["rerun"]["mismatch"]["step"] == fault, ev["rerun"]
+        # one process: the re-run stopped at the step that did not reproduce, the later ones were not trained again
+        assert ev["rerun"]["to_step"] == fault < min(ev["incident_steps"]), ev["rerun"]
+        verdicts.append((ev["verdict"], ev["checkpoint_path"].startswith("memory://")))
+    assert verdicts == [("hardware_suspect", False), ("hardware_suspect", True)]
+
+
+def test_the_diagnosis_starts_before_the_first_step_whose_gradient_stands_far_out() -> None:
+    def rec(step: int, grad_norm: float) -> StepRecord:
+        return StepRecord(step=step, metrics={Metric.GRAD_NORM: grad_norm})
+
+    calm = {s: rec(s, 1.0 + 0.01 * (s % 3)) for s in range(0, 40)}
+    assert _peak(calm, 30, 39, k=4) == 39  # nothing stands out: the incident's own steps decide
+    drift = {**calm, **{s: rec(s, 1.0 + s - 30) for s in range(30, 40)}}
+    assert _peak(drift, 30, 39, k=4) == 39  # a drift up to 10x is not a spike of 50x
+    spike = {**calm, 33: rec(33, 60.0)}
+    assert _peak(spike, 30, 39, k=4) == 33
+    nan = {**calm, 35: rec(35, math.nan), 36: rec(36, 500.0)}
+    assert _peak(nan, 30, 39, k=4) == 35
+    assert _peak({30: rec(30, 60.0)}, 30, 39, k=4) == 39  # no baseline before the onset: no bar
 
 
 def test_diagnose_restores_the_run_exactly(tmp_path: Path) -> None:

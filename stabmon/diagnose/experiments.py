@@ -150,13 +150,35 @@ def _plan(bench: Bench, onset: int, step: int, metric: str, k: int) -> Plan:
     entries = {s: _entry(bench.batches, s) for s in incident + reference}
     if bench.checkpoints is None:
         raise _Missing("diagnose needs checkpoints: create the Monitor with checkpoint_dir=...")
+    before = min(min(incident), _peak(recorded, onset, step, k))
     try:
-        info, state = bench.checkpoints.last_known_good(before_step=min(incident), check=bench.check)
+        info, state = bench.checkpoints.last_known_good(before_step=before, check=bench.check)
     except Exception as exc:  # noqa: BLE001 - no usable checkpoint: say so
-        raise _Missing(f"no valid checkpoint at or before step {min(incident)}: {exc}") from None
+        raise _Missing(f"no valid checkpoint at or before step {before}: {exc}") from None
     return Plan(signal=signal, incident=incident, reference=reference, baseline=baseline, entries=entries,
                 recorded=recorded, checkpoint=info, state=state,
                 rerun_skipped=_rerun_gap(bench, recorded, info.step, min(incident)))
+
+
+PEAK_RATIO = 50.0
+"""A gradient norm this many times its median before the onset (the default runbook's first sign), or a non-finite
+one, marks a step the diagnosis starts before (:func:`_peak`)."""
+
+
+def _peak(recorded: Mapping[int, StepRecord], onset: int, step: int, k: int) -> int:
+    """The first step of the incident (``onset..step``) whose gradient norm is non-finite or :data:`PEAK_RATIO`
+    times its median over the ``4 k`` steps before the onset (``step`` when there is none). The diagnosis starts
+    from a state before it as well as before the incident's first step: a step that does not reproduce shows there
+    first, and the incident's steps, chosen on the loss, can all come after it (a gradient spike whose damage to
+    Adam's second moment shows in the loss 10-20 steps later)."""
+    before = [v for s in range(onset - 4 * k, onset)
+              if (v := _value(recorded.get(s), Metric.GRAD_NORM)) is not None and math.isfinite(v)]
+    bar = PEAK_RATIO * statistics.median(before) if before else math.inf
+    for s in range(onset, step + 1):
+        v = _value(recorded.get(s), Metric.GRAD_NORM)
+        if v is not None and (not math.isfinite(v) or v > bar):
+            return s
+    return step
 
 
 def _rerun_gap(bench: Bench, recorded: Mapping[int, StepRecord], start: int, stop: int) -> str | None:
@@ -212,17 +234,17 @@ REPLAY_NOT_NEEDED = "the re-run did not reproduce: the verdict is hardware_suspe
 def _local(bench: Bench, plan: Plan, rtol: float, host: str) -> dict[str, Any]:
     """This rank's evidence: its replayed values and its re-run, or the error that stopped them.
 
-    The re-run comes first. In one process, when it does not reproduce, the batches are not replayed: that
-    verdict (``hardware_suspect``) does not depend on them, and each replayed batch is a forward and backward
-    pass. Under torch.distributed another rank's re-run may be the one that did not reproduce, so every rank
-    replays."""
+    The re-run comes first. In one process it stops at the first step that does not reproduce, and the batches
+    are then not replayed: that verdict (``hardware_suspect``) depends on neither the later steps nor the replay,
+    and each is a forward and backward pass. Under torch.distributed every rank re-runs every step (a backward
+    under DDP is a collective) and replays: another rank's re-run may be the one that did not reproduce."""
     pick = 0 if plan.signal == Metric.LOSS else 1
     mine: dict[str, Any] = {"rank": bench.rank, "host": host, "measured": None}
     alone = bench.channel is None or bench.channel.world_size == 1
     try:
         with bench.paused(), _restored(bench):
             _load(bench, plan.state)
-            mine["rerun"] = _rerun(bench, plan, rtol)
+            mine["rerun"] = _rerun(bench, plan, rtol, first_mismatch=alone)
             if alone and mine["rerun"].get("reproduced") is False:
                 return mine
             _load(bench, plan.state)  # the replay is at the checkpoint's state, not the re-run's
@@ -232,14 +254,14 @@ def _local(bench: Bench, plan: Plan, rtol: float, host: str) -> dict[str, Any]:
     return mine
 
 
-def _rerun(bench: Bench, plan: Plan, rtol: float) -> dict[str, Any]:
+def _rerun(bench: Bench, plan: Plan, rtol: float, first_mismatch: bool) -> dict[str, Any]:
     start, stop = plan.checkpoint.step, min(plan.incident)
     if plan.rerun_skipped is not None:
         return {"from_step": start, "to_step": stop, "rtol": rtol, "reproduced": None,
                 "skipped": plan.rerun_skipped}
     return rerun_steps(model=bench.model, optimizer=bench.optimizer, grads=bench.grads, loss_fn=bench.loss_fn,
                        batches=bench.batches, recorded=plan.recorded, own=bench.own, scaler=bench.scaler,
-                       start=start, stop=stop, rtol=rtol)
+                       start=start, stop=stop, rtol=rtol, first_mismatch=first_mismatch)
 
 
 def _verdict(plan: Plan, evidence: Sequence[dict[str, Any]], recur: float, where: dict[str, Any]) -> Diagnosis:

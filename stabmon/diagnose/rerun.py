@@ -49,11 +49,13 @@ def seed(entry: BatchEntry) -> None:
 def rerun_steps(
     *, model: nn.Module, optimizer: torch.optim.Optimizer, grads: GradNorms, loss_fn: LossFn, batches: BatchLog,
     recorded: Mapping[int, StepRecord], own: Mapping[int, Mapping[str, float]] | None, scaler: Any,
-    start: int, stop: int, rtol: float,
+    start: int, stop: int, rtol: float, first_mismatch: bool = False,
 ) -> dict[str, Any]:
     """Steps ``start..stop`` trained again (the last one not updated) from the state loaded now; each step's
     values compared with the record. ``own``: this rank's own recorded loss per step (None: one process,
-    the record's). The batches and records of every step must be there (the caller checked)."""
+    the record's). The batches and records of every step must be there (the caller checked).
+    ``first_mismatch``: stop at the first step that does not reproduce (``to_step`` is then that step); only
+    where no other rank waits on this one's steps (a backward under DDP is a collective)."""
     ratios = _lr_ratios(optimizer)
     steps: list[dict[str, Any]] = []
     first: dict[str, Any] | None = None
@@ -70,6 +72,9 @@ def rerun_steps(
                       "rerun": {k: dx.plain(v) for k, v in now.items()}})
         if first is None:
             first = _mismatch(s, expected, now, rtol)
+        if first is not None and first_mismatch:
+            stop = s
+            break
         if s < stop:
             _update(optimizer, scaler, result, record, ratios, overflow=bool(now.get(Metric.OVERFLOW)))
     out: dict[str, Any] = {"from_step": start, "to_step": stop, "rtol": rtol, "reproduced": first is None,
