@@ -166,7 +166,8 @@ def _stabmon_facts(result: tiny_gpt.TrainResult, steps: int) -> dict[str, Any]:
 def diagnose_passes(after: dict[str, Any]) -> int:
     """The training passes a diagnosis ran: the steps it re-ran from the checkpoint (``from_step`` to ``to_step``,
     each trained again; one process stops at the first step that did not reproduce) and the batches it replayed
-    (none when the replay was skipped: one process, a re-run that did not reproduce).
+    (``replay.replayed``: one process may stop after half of them; none when the replay was skipped: one process,
+    a re-run that did not reproduce).
 
     >>> rerun = {"from_step": 10, "to_step": 13, "reproduced": True}
     >>> diagnose_passes({"rerun": rerun, "incident_steps": [13, 14], "reference_steps": [8, 9], "replay": {}})
@@ -176,12 +177,18 @@ def diagnose_passes(after: dict[str, Any]) -> int:
     >>> diagnose_passes({"rerun": {**rerun, "reproduced": False}, "incident_steps": [13, 14],
     ...                  "reference_steps": [8, 9], "replay": {"recurs": None, "skipped": "not needed"}})
     4
+    >>> diagnose_passes({"rerun": rerun, "incident_steps": [13, 14], "reference_steps": [8, 9],
+    ...                  "replay": {"recurs": False, "replayed": 2}})
+    6
     """
     rerun = after.get("rerun") or {}
     ran = rerun.get("reproduced") is not None and isinstance(rerun.get("from_step"), int)
     reran = rerun["to_step"] - rerun["from_step"] + 1 if ran else 0  # (a re-run skipped says why, and ran none)
-    if (after.get("replay") or {}).get("skipped"):
+    replay = after.get("replay") or {}
+    if replay.get("skipped"):
         return reran
+    if isinstance(replay.get("replayed"), int):
+        return reran + replay["replayed"]
     return reran + len(after.get("incident_steps", ())) + len(after.get("reference_steps", ()))
 
 

@@ -126,7 +126,8 @@ class Monitor:
         self.signals = build_signals(model, optimizer, config=cfg, run=run, failsafe=self.failsafe,
                                      world_size=self.world_size, scaler=scaler)
         # a flush is a collective under torch.distributed: only one process may flush off the cadence
-        self._alarm = NonfiniteAlarm() if cfg.flush_on_nonfinite and self.world_size == 1 else None
+        self._alarm = (NonfiniteAlarm(rise=cfg.flush_on_rise) if cfg.flush_on_nonfinite and self.world_size == 1
+                       else None)
         layout = self.signals.layout
         where = spec.checkpoints.directory if spec.checkpoints is not None else spec.checkpoint_dir
         self.policy = rank_policy(self.rank, self.world_size, sharded=layout.sharded,

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from stabmon.collect.batches import BatchLog
 from stabmon.collect.config import SnapshotConfig, UpdateConfig
 from stabmon.collect.signals.updates import UpdateNorms
-from stabmon.diagnose.experiments import REPLAY_NOT_NEEDED, _peak
+from stabmon.diagnose.experiments import FIRST_HALF, REPLAY_NOT_NEEDED, Plan, _halves, _peak, _settled
 from stabmon.diagnose.verdict import incident_steps, replay_recurs, verdict_of
 from stabmon.events import InterventionRecord, Metric, StepRecord
 from stabmon.monitor import Monitor, MonitorConfig
@@ -105,7 +105,7 @@ def test_a_batch_log_bounded_below_the_incident_falls_through_to_the_restart(tmp
     result = sc.tiny_gpt.train(config, monitor=factory)
     (d,) = diagnoses(result)
     assert d.after["verdict"] == "inconclusive"
-    assert "is no longer in the batch log (it keeps 256 batches, at most 1 bytes" in d.after["summary"]
+    assert "in the batch log (it keeps 256 batches, at most 1 bytes" in d.after["summary"]
     rollback = actions_after(result, d)
     assert rollback and rollback[0] == "rollback"
     restart = next(e for e in result.monitor.events if isinstance(e, InterventionRecord) and e.action == "rollback")
@@ -126,6 +126,13 @@ def test_a_corrupted_shard_is_data_and_its_batches_are_skipped(tmp_path: Path) -
     assert incident and all(150 <= b["batch_index"] < 250 for b in incident)  # exactly the corrupted batches
     assert all(b["sample_ids"][:2] == ["row0", "row1"] for b in ev["batches"])
     assert ev["replay"]["recurs"] is True and ev["checkpoint_step"] <= min(ev["incident_steps"])
+    # random characters stand out by far more than twice the bar: half the batches decided it, the rest were
+    # not replayed (and say so in the trace)
+    replayed = [b for b in ev["batches"] if b["at_checkpoint"] is not None]
+    assert ev["replay"]["settled"] == FIRST_HALF and ev["replay"]["replayed"] == len(replayed) < len(ev["batches"])
+    assert float(ev["replay"]["excess"]) >= 2 * float(ev["replay"]["needed"])
+    lines = diagnosis_lines({"step": d.step, "after": ev})
+    assert any(f"{len(replayed)} replayed ({FIRST_HALF})" in line for line in lines), lines
     assert actions_after(result, d)[0] == "rollback"
     rollback = next(e for e in result.monitor.events if isinstance(e, InterventionRecord) and e.action == "rollback")
     start, stop = rollback.after["skipped"]
@@ -206,6 +213,29 @@ def test_the_diagnosis_starts_before_the_first_step_whose_gradient_stands_far_ou
     nan = {**calm, 35: rec(35, math.nan), 36: rec(36, 500.0)}
     assert _peak(nan, 30, 39, k=4) == 35
     assert _peak({30: rec(30, 60.0)}, 30, 39, k=4) == 39  # no baseline before the onset: no bar
+
+
+def test_one_process_replays_the_second_half_only_when_the_first_is_close_to_the_bar() -> None:
+    """The first half: the earlier half of the incident's steps and the reference steps nearest them. It settles
+    the answer only a factor of two away from the bar, either side; in between, every batch is replayed."""
+    incident, reference = [20, 21, 22, 23], [12, 13, 14, 15, 16, 17, 18, 19]
+    recorded = {s: StepRecord(step=s, metrics={Metric.LOSS: 3.0 if s in incident else 2.0}) for s in range(8, 24)}
+    plan = Plan(signal=Metric.LOSS, incident=incident, reference=reference, baseline=[2.0] * 8, entries={},
+                recorded=recorded, checkpoint=None, state={}, rerun_skipped=None)
+    first, rest = _halves(plan)
+    assert first == [20, 21, 16, 17, 18, 19] and sorted(first + rest) == sorted(incident + reference)
+
+    def settled(inc: float, spread: float = 0.01) -> bool:
+        refs = {s: 2.0 + spread * (i % 3) for i, s in enumerate(reference)}
+        return _settled(plan, {**{s: refs[s] for s in first if s in refs}, **{s: inc for s in first if s in incident}},
+                        recur=0.5)
+
+    # the bar here is half the recorded excess (1.0 x recur 0.5): 0.5 above the reference batches
+    assert settled(3.2)        # 1.2 above them: over twice the bar, the data
+    assert settled(2.2)        # 0.2 above: under half of it, not the data
+    assert not settled(2.6)    # 0.6: past the bar, but not by a factor of two
+    assert not settled(2.4)    # 0.4: under it, but not by a factor of two
+    assert _settled(plan, {s: 2.6 for s in incident + reference}, recur=0.5)  # every batch replayed: decided
 
 
 def test_diagnose_restores_the_run_exactly(tmp_path: Path) -> None:

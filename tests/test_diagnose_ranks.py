@@ -131,6 +131,9 @@ def test_a_corrupted_shard_on_every_rank_is_data_and_every_rank_skips_it(tmp_pat
     assert ev["verdict"] == "data", ev["summary"]
     assert ev["rerun"]["reproduced"] is True and len(ev["rerun"]["ranks"]) == 2
     assert all(150 <= b["batch_index"] < 250 for b in ev["batches"] if b["role"] == "incident")
+    # every rank replays every batch (one process may stop after half; ranks average their values first)
+    assert ev["replay"]["replayed"] == len(ev["incident_steps"]) + len(ev["reference_steps"])
+    assert "settled" not in ev["replay"]
     assert results[0]["skip"] and min(results[0]["skip"]) <= 150 and max(results[0]["skip"]) >= 249
     (stored,), lines = _stored(tmp_path, results[0]["run_id"])
     assert stored["after"]["verdict"] == "data"

@@ -74,3 +74,50 @@ def test_on_cuda_the_alarm_rings_once_the_copy_lands() -> None:
     alarm.watch(torch.tensor(float("nan"), device="cuda"))
     torch.cuda.synchronize()  # (the test waits; the monitor never does)
     assert alarm.rang() is True
+
+
+def _jump(tmp_path: Path, *, rise: float | None, at: int | None, steps: int = 100) -> list[int]:
+    """``steps`` steps of a regression whose targets are 10x larger from step ``at`` on (None: never): the loss
+    jumps there by construction. Returns how many records had been flushed after each step."""
+    torch.manual_seed(SEED)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(SEED)
+    data = [(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)) for _ in range(steps)]
+    mon = Monitor(model, opt, store=None, detectors=False,
+                  config=MonitorConfig(flush_every=20, flush_on_rise=rise, hang_timeout=None))
+    flushed = []
+    for step, (x, y) in mon.steps(data):
+        loss = (model(x) - (10 * y if at is not None and step >= at else y)).pow(2).mean()
+        loss.backward()
+        mon.observe(loss=loss)
+        opt.step()
+        opt.zero_grad()
+        mon.end_step()
+        flushed.append(len(mon.records))
+    mon.close()
+    return flushed
+
+
+def test_a_loss_that_jumps_is_flushed_at_its_own_step_and_a_steady_one_keeps_the_cadence(tmp_path: Path) -> None:
+    jump = 27
+    flushed = _jump(tmp_path, rise=1.5, at=jump)
+    assert flushed[jump - 1] == 20 and flushed[jump] == jump + 1  # the jump's step flushed at its end
+    cadence = [20 * ((s + 1) // 20) for s in range(100)]
+    assert _jump(tmp_path, rise=1.5, at=None) == _jump(tmp_path, rise=None, at=jump) == cadence
+    # a loss that stays up (100x) rings while the running means catch up, not for ever: the flushes with fewer
+    # than 20 records waiting are the alarm's, and there are none in the last 40 steps
+    flushes = [s for s in range(len(flushed)) if flushed[s] == s + 1]
+    rang = [s for s, before in zip(flushes, [-1, *flushes], strict=False) if s - before < 20]
+    assert rang[:2] == [jump, jump + 1] and rang[-1] < 60, (rang, flushed)
+
+
+def test_the_rise_is_checked_and_a_bad_one_named() -> None:
+    with pytest.raises(ValueError, match=r"^config.flush_on_rise must be > 1 or None, got 1.0$"):
+        MonitorConfig(flush_on_rise=1.0).validate()
+    with pytest.raises(ValueError, match=r"rise must be > 1"):
+        NonfiniteAlarm(rise=0.5)
+    alarm = NonfiniteAlarm(rise=2.0, warmup=2)
+    for loss in (-1.0, -1.0, -1.0, -5.0, 3.0):  # a loss that is not positive (an RL objective): never a rise
+        alarm.watch(loss)
+    assert alarm.rang() is False

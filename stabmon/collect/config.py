@@ -306,6 +306,11 @@ class MonitorConfig:
     """Flush at the end of a step whose loss is NaN or inf (read a step or two late on an accelerator, never
     waiting for it: :mod:`stabmon.collect.signals.alarm`), so the runbook answers within steps, not up to
     ``flush_every`` later. One process only (under torch.distributed the flushes keep their cadence)."""
+    flush_on_rise: float | None = 1.5
+    """With ``flush_on_nonfinite``, also flush at the end of a step whose loss is this many times the running mean
+    of the losses before it (after 20 steps; None: only NaN or inf). A loss spike is then seen, and answered, at
+    its own step rather than up to ``flush_every`` steps later; it moves a flush, never a decision (the detectors
+    judge the records as at any flush)."""
     clip: float | None = None
     """Gradient clipping max_norm applied by the monitor (do not clip yourself). None measures only; an
     intervention can still set one through overrides."""
@@ -351,6 +356,8 @@ class MonitorConfig:
     def validate(self) -> None:
         if self.flush_every < 1:
             raise ValueError(f"config.flush_every must be >= 1, got {self.flush_every}")
+        if self.flush_on_rise is not None and not self.flush_on_rise > 1.0:
+            raise ValueError(f"config.flush_on_rise must be > 1 or None, got {self.flush_on_rise}")
         if self.clip is not None and not (self.clip > 0 and not math.isnan(self.clip)):
             raise ValueError(f"config.clip must be > 0 or None, got {self.clip}")
         if self.checkpoint_every is not None and self.checkpoint_every < 0:

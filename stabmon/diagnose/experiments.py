@@ -111,7 +111,7 @@ def run(bench: Bench, *, onset_step: int, step: int, metric: str, max_batches: i
     channel = bench.channel or RankChannel(rank=0, world_size=1, timeout=1.0)
     try:
         plan = _agreed(channel, bench, onset_step, step, metric, max_batches)
-        local = _local(bench, plan, rtol, host)
+        local = _local(bench, plan, rtol, recur, host)
         found: Diagnosis = channel.share(_verdict(plan, channel.gather(local), recur, where))
     except _Missing as exc:
         found = Diagnosis.inconclusive(str(exc), **where)
@@ -205,7 +205,8 @@ def _choose(bench: Bench, recorded: dict[int, StepRecord], signal: str, onset: i
         raise _Missing(f"no {signal} recorded for the incident (steps {onset}-{step})")
     reference = dx.reference_steps(handed, incident, k)
     if not reference:
-        raise _Missing(f"no batches before the incident (steps {onset}-{step}) are still in the batch log")
+        raise _Missing(f"no batches before the incident (steps {onset}-{step}) are still in the batch log"
+                       f"{_bound(bench.batches)}")
     return incident, reference, baseline
 
 
@@ -221,23 +222,32 @@ def _median(values: Sequence[float | None]) -> float:
 def _entry(batches: BatchLog, step: int) -> BatchEntry:
     entry = batches.get(step)
     if entry is None:
-        bound = "" if batches.max_bytes is None else f", at most {batches.max_bytes} bytes"
-        raise _Missing(f"the batch of step {step} is no longer in the batch log (it keeps {batches.capacity} "
-                       f"batches{bound}: MonitorConfig.diagnose)")
+        raise _Missing(f"the batch of step {step} is no longer in the batch log{_bound(batches)}")
     return entry
+
+
+def _bound(batches: BatchLog) -> str:
+    size = "" if batches.max_bytes is None else f", at most {batches.max_bytes} bytes"
+    return f" (it keeps {batches.capacity} batches{size}: MonitorConfig.diagnose)"
 
 
 REPLAY_NOT_NEEDED = "the re-run did not reproduce: the verdict is hardware_suspect whatever the replay shows"
 """Why one process replays no batch after a re-run that did not reproduce (see :func:`_local`)."""
 
 
-def _local(bench: Bench, plan: Plan, rtol: float, host: str) -> dict[str, Any]:
+FIRST_HALF = "the first half of the batches decided it by a margin; the rest were not replayed"
+"""Why one process replayed only half the batches (see :func:`_settled`)."""
+
+
+def _local(bench: Bench, plan: Plan, rtol: float, recur: float, host: str) -> dict[str, Any]:
     """This rank's evidence: its replayed values and its re-run, or the error that stopped them.
 
     The re-run comes first. In one process it stops at the first step that does not reproduce, and the batches
     are then not replayed: that verdict (``hardware_suspect``) depends on neither the later steps nor the replay,
-    and each is a forward and backward pass. Under torch.distributed every rank re-runs every step (a backward
-    under DDP is a collective) and replays: another rank's re-run may be the one that did not reproduce."""
+    and each is a forward and backward pass. Also in one process, the replay runs in two halves and stops after
+    the first when its answer is settled by a margin (:func:`_settled`). Under torch.distributed every rank
+    re-runs every step (a backward under DDP is a collective) and replays every batch: another rank's re-run may
+    be the one that did not reproduce, and the ranks' values are averaged before any answer."""
     pick = 0 if plan.signal == Metric.LOSS else 1
     mine: dict[str, Any] = {"rank": bench.rank, "host": host, "measured": None}
     alone = bench.channel is None or bench.channel.world_size == 1
@@ -248,10 +258,46 @@ def _local(bench: Bench, plan: Plan, rtol: float, host: str) -> dict[str, Any]:
             if alone and mine["rerun"].get("reproduced") is False:
                 return mine
             _load(bench, plan.state)  # the replay is at the checkpoint's state, not the re-run's
-            mine["measured"] = {s: _measure(bench, plan.entries[s])[pick] for s in plan.incident + plan.reference}
+            measured: dict[int, float] = {}
+            for part in _halves(plan) if alone else [plan.incident + plan.reference]:
+                measured.update({s: _measure(bench, plan.entries[s])[pick] for s in part})
+                mine["measured"] = measured
+                if alone and _settled(plan, measured, recur):
+                    break
     except Exception as exc:  # noqa: BLE001 - the other ranks must still hear from this one
         mine["error"] = f"{type(exc).__name__}: {exc}"
     return mine
+
+
+def _halves(plan: Plan) -> list[list[int]]:
+    """The replay in two parts: the earlier half of the incident's steps (at least one) with the half of the
+    reference steps nearest them, then the rest."""
+    inc, ref = plan.incident, plan.reference
+    first = inc[: (len(inc) + 1) // 2] + ref[len(ref) // 2:]
+    return [first, [s for s in inc + ref if s not in first]]
+
+
+def _settled(plan: Plan, measured: Mapping[int, float], recur: float) -> bool:
+    """Whether the batches replayed so far decide by a factor of two either side of the bar: the incident's stand
+    out by at least twice the excess needed (data), or by at most half of it (not data). In between, the rest is
+    replayed and the answer is taken on every batch."""
+    if len(measured) == len(plan.incident) + len(plan.reference):
+        return True
+    found = _replay(plan, measured, recur)
+    if found.get("recurs") is None:
+        return False
+    excess, needed = float(found["excess"]), float(found["needed"])  # "inf": the incident's batches are non-finite
+    return excess >= 2 * needed if found["recurs"] else excess <= needed / 2
+
+
+def _replay(plan: Plan, measured: Mapping[int, float], recur: float) -> dict[str, Any]:
+    """The replay's answer on the batches ``measured`` (each step's value at the checkpoint state)."""
+    recorded, signal = plan.recorded, plan.signal
+    incident = [s for s in plan.incident if s in measured]
+    recorded_excess = _median([_value(recorded.get(s), signal) for s in incident]) - _median(plan.baseline)
+    return dx.replay_recurs(incident=[measured[s] for s in incident],
+                            reference=[measured[s] for s in plan.reference if s in measured],
+                            recorded_excess=recorded_excess, recur=recur)
 
 
 def _rerun(bench: Bench, plan: Plan, rtol: float, first_mismatch: bool) -> dict[str, Any]:
@@ -276,10 +322,9 @@ def _verdict(plan: Plan, evidence: Sequence[dict[str, Any]], recur: float, where
         replay: dict[str, Any] = {"recurs": None, "skipped": REPLAY_NOT_NEEDED}
     else:
         measured = dx.mean_values([e["measured"] for e in evidence])
-        recorded_excess = _median([_value(recorded.get(s), signal) for s in incident]) - _median(plan.baseline)
-        replay = dx.replay_recurs(incident=[measured[s] for s in incident],
-                                  reference=[measured[s] for s in reference], recorded_excess=recorded_excess,
-                                  recur=recur)
+        replay = {**_replay(plan, measured, recur), "replayed": len(measured)}
+        if len(measured) < len(incident) + len(reference):
+            replay["settled"] = FIRST_HALF
     replay["checkpoint_step"] = plan.checkpoint.step
     verdict, summary = dx.verdict_of(rerun, replay)
     batches = [{**plan.entries[s].describe(), "role": "incident" if s in incident else "reference",

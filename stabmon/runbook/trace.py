@@ -185,13 +185,16 @@ def diagnosis_lines(iv: dict[str, Any]) -> list[str]:
         for r in ranks if len(ranks) > 1 else []:
             lines.append(f"               rank {r['rank']} on {r['host']} at step {r['step']}: "
                          f"recorded {_values(r['recorded'])}; re-run {_values(r['rerun'])}")
-    skipped = (after.get("replay") or {}).get("skipped")
+    replay = after.get("replay") or {}
+    skipped = replay.get("skipped")
     if skipped:
         lines.append(f"               replay of the batches: not run ({skipped})")
+    elif replay.get("settled"):
+        lines.append(f"               replay of the batches: {replay.get('replayed')} replayed ({replay['settled']})")
     for b in after.get("batches", []):
         ids = f" samples {b['sample_ids']}" if b.get("sample_ids") is not None else ""
-        at = "" if skipped else (f", {_short(b['at_checkpoint'])} at the checkpoint of step "
-                                 f"{after.get('checkpoint_step')}")
+        at = ("" if skipped or b.get("at_checkpoint") is None else
+              f", {_short(b['at_checkpoint'])} at the checkpoint of step {after.get('checkpoint_step')}")
         lines.append(f"               {b['role']:<9} step {b['step']} batch {b['batch_index']}: "
                      f"{after.get('signal')} {_short(b['recorded'])} recorded{at}{ids}")
     if after.get("host") is not None:  # a replay's diagnosis ran nowhere

@@ -1,7 +1,17 @@
-"""The nonfinite alarm: a NaN or inf loss makes the monitor flush at the end of the step it is read in, not up to
-``flush_every`` steps later, so the runbook answers before the run trains on for the rest of the interval.
+"""The loss alarm: a NaN or inf loss, or one that jumps far above its running mean, makes the monitor flush at the
+end of the step it is read in, not up to ``flush_every`` steps later, so the detectors see it and the runbook
+answers before the run trains on for the rest of the interval.
 
-It reads without waiting for the device. Each step's flag (``isfinite`` of the loss, one small kernel) is copied
+The jump (``rise``, ``MonitorConfig.flush_on_rise``): a finite loss above ``rise`` times the running mean of the
+losses before it, and above that mean by ``z`` (6) times their running absolute deviation from it (exponential
+means, decay ``0.95``, plain averages while they hold fewer than 20 losses; a positive mean; nothing rings over
+the first ``warmup`` losses): a small batch's loss that moves +-50% from step to step does not ring on its noise.
+The means take in every finite loss, the jump's too, so a loss that stays up rings for a few steps while they
+catch up, not for ever. The alarm only moves a flush earlier: what the detectors report on the records, and so
+every decision, is theirs; on a healthy run it costs at most a few extra flushes.
+
+It reads without waiting for the device. Each step's flag (``isfinite`` of the loss and the comparison with the
+mean, a few scalar kernels) is copied
 into one of a few host slots (pinned, ``non_blocking=True``, behind a CUDA event on an accelerator; a plain copy on
 the CPU), and the end of the step reads the slots whose copy has landed (``Event.query()`` never blocks): on the
 CPU at once, on an accelerator a step or two after the NaN instead of at the next flush. When every slot is still
@@ -19,6 +29,11 @@ False
 (True, False)
 >>> alarm.watch(float("inf")); alarm.rang()
 True
+>>> alarm = NonfiniteAlarm(rise=1.5, warmup=3)
+>>> rang = []
+>>> for loss in (2.0, 2.0, 2.0, 2.1, 3.5, 2.0): alarm.watch(torch.tensor(loss)); rang.append(alarm.rang())
+>>> rang   # the fifth loss is 1.75x the mean of the four before it, which hardly moved
+[False, False, False, False, True, False]
 """
 
 from __future__ import annotations
@@ -34,7 +49,14 @@ _SLOTS = 4
 class NonfiniteAlarm:
     """See the module docstring: :meth:`watch` each step's loss, :meth:`rang` at the step's end."""
 
-    def __init__(self) -> None:
+    def __init__(self, rise: float | None = None, *, z: float = 6.0, warmup: int = 20, decay: float = 0.95) -> None:
+        if rise is not None and not rise > 1.0:
+            raise ValueError(f"the alarm's rise must be > 1 or None, got {rise}")
+        self.rise, self.z, self.warmup, self.decay = rise, z, warmup, decay
+        self._mean: torch.Tensor | None = None  # the running mean of the finite losses, where the loss lives
+        self._dev: torch.Tensor | None = None  # their running absolute deviation from it
+        self._host: tuple[float, float] | None = None  # (mean, deviation) of losses given as Python numbers
+        self._seen = 0  # losses watched (a host count: no device read)
         self._rung = False
         self._slots: list[tuple[torch.Tensor, Any]] = []  # (pinned host flag, CUDA event or None: free)
         self._busy: list[int] = []  # slot indices in flight, oldest first
@@ -44,7 +66,7 @@ class NonfiniteAlarm:
         if loss is None:
             return
         if not isinstance(loss, torch.Tensor):
-            self._rung |= not math.isfinite(float(loss))
+            self._rung |= self._number(float(loss))
             return
         if loss.device.type == "meta":
             return
@@ -58,13 +80,52 @@ class NonfiniteAlarm:
             return  # every slot in flight: the device is more than _SLOTS steps behind; the flush sees it
         i = free[0]
         host, _ = self._slots[i]
-        host.copy_(torch.isfinite(loss.detach()).all().logical_not().reshape(1), non_blocking=on_device)
+        host.copy_(self._flag(loss.detach()).reshape(1), non_blocking=on_device)
         event = None
         if on_device:
             event = torch.cuda.Event()
             event.record()
         self._slots[i] = (host, event)
         self._busy.append(i)
+
+    def _flag(self, loss: torch.Tensor) -> torch.Tensor:
+        """This step's flag, on the loss's device: non-finite, or (after the warm-up) a jump over the mean."""
+        bad = torch.isfinite(loss).all().logical_not()
+        if self.rise is None:
+            return bad
+        x = loss.float().mean()
+        self._seen += 1
+        if self._mean is None or self._dev is None:
+            self._mean = torch.where(bad, torch.full_like(x, math.nan), x)
+            self._dev = torch.zeros_like(x)
+            return bad
+        mean, dev, d = self._mean, self._dev, self._weight()
+        known = torch.isfinite(mean) & (mean > 0)
+        if self._seen > self.warmup:
+            bad = bad | (known & (x > self.rise * mean) & (x > mean + self.z * dev))
+        ok = torch.isfinite(x)
+        self._dev = torch.where(ok & known, d * dev + (1 - d) * (x - mean).abs(), dev)
+        self._mean = torch.where(ok, torch.where(known, d * mean + (1 - d) * x, x), mean)
+        return bad
+
+    def _weight(self) -> float:
+        """The running means' decay for this loss: a plain average over the warm-up, then ``decay``."""
+        return min(self.decay, 1 - 1 / self._seen)
+
+    def _number(self, loss: float) -> bool:
+        """:meth:`_flag` for a loss given as a Python number."""
+        if not math.isfinite(loss):
+            return True
+        if self.rise is None:
+            return False
+        self._seen += 1
+        if self._host is None or not self._host[0] > 0:
+            self._host = (loss, 0.0)
+            return False
+        mean, dev = self._host
+        d = self._weight()
+        self._host = (d * mean + (1 - d) * loss, d * dev + (1 - d) * abs(loss - mean))
+        return self._seen > self.warmup and loss > self.rise * mean and loss > mean + self.z * dev
 
     def _drain(self) -> None:
         """Read the slots whose copy has landed, oldest first; stop at the first still in flight."""
@@ -81,7 +142,7 @@ class NonfiniteAlarm:
         return bool(host)
 
     def rang(self) -> bool:
-        """Whether a loss read since the last call was NaN or inf (and forget it)."""
+        """Whether a loss read since the last call was NaN or inf, or jumped (and forget it)."""
         self._drain()
         rung, self._rung = self._rung, False
         return rung
