@@ -88,7 +88,7 @@ def test_no_host_sync_outside_flushes(every: int) -> None:
     assert mon.batches is not None and len(mon.batches.entries) == 50 and "update_ratio" in mon.records[0].metrics
     # 50 steps, flush_every=20: flushes after steps 20 and 40, and at close: one host copy each
     assert counter.inside == ["tolist"] * 3
-    assert counter.landed == ["__bool__"] * 50  # the nonfinite alarm: each step's flag, from its host slot
+    assert counter.landed == ["__float__"] * 50  # the loss alarm: each step's loss, from its host slot
     assert len(mon.records) == 50
     rec = mon.records[0]
     assert "act_rms/blocks.0" in rec.metrics and "emb_drift/wte" in rec.metrics and "skipped" in rec.metrics
@@ -125,7 +125,7 @@ def test_no_host_sync_outside_flushes_on_cuda() -> None:
     assert counter.outside == []
     assert counter.inside == ["tolist"] * 3  # of the pinned host buffer, after one event wait
     # the nonfinite alarm read only pinned slots whose event had completed: at most one per step
-    assert set(counter.landed) <= {"__bool__"} and len(counter.landed) <= 50
+    assert set(counter.landed) <= {"__float__"} and len(counter.landed) <= 50
     assert len(mon.records) == 50 and mon.records[0].metrics["grad_norm"] > 0
 
 

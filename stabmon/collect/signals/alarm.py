@@ -10,13 +10,12 @@ The means take in every finite loss, the jump's too, so a loss that stays up rin
 catch up, not for ever. The alarm only moves a flush earlier: what the detectors report on the records, and so
 every decision, is theirs; on a healthy run it costs at most a few extra flushes.
 
-It reads without waiting for the device. Each step's flag (``isfinite`` of the loss and the comparison with the
-mean, a few scalar kernels) is copied
-into one of a few host slots (pinned, ``non_blocking=True``, behind a CUDA event on an accelerator; a plain copy on
-the CPU), and the end of the step reads the slots whose copy has landed (``Event.query()`` never blocks): on the
-CPU at once, on an accelerator a step or two after the NaN instead of at the next flush. When every slot is still
-in flight, a step is not watched (the flush at ``flush_every`` still sees it). A loss given as a Python number is
-read as it is.
+It reads without waiting for the device. Each step's loss (one value; the mean of a loss that is not a scalar) is
+copied into one of a few host slots (pinned, ``non_blocking=True``, behind a CUDA event on an accelerator; a plain
+copy on the CPU), and the end of the step reads the slots whose copy has landed (``Event.query()`` never blocks)
+and judges them on the host: on the CPU at once, on an accelerator a step or two after the NaN instead of at the
+next flush. When every slot is still in flight, a step is not watched (the flush at ``flush_every`` still sees
+it). A loss given as a Python number is read as it is.
 
 One process only: under torch.distributed a flush is a collective that every rank must reach on the same step,
 and the ranks would not read their flags on the same step, so the monitor leaves the alarm off there.
@@ -53,12 +52,10 @@ class NonfiniteAlarm:
         if rise is not None and not rise > 1.0:
             raise ValueError(f"the alarm's rise must be > 1 or None, got {rise}")
         self.rise, self.z, self.warmup, self.decay = rise, z, warmup, decay
-        self._mean: torch.Tensor | None = None  # the running mean of the finite losses, where the loss lives
-        self._dev: torch.Tensor | None = None  # their running absolute deviation from it
-        self._host: tuple[float, float] | None = None  # (mean, deviation) of losses given as Python numbers
-        self._seen = 0  # losses watched (a host count: no device read)
+        self._means: tuple[float, float] | None = None  # the running mean of the finite losses, and their deviation
+        self._seen = 0  # finite losses read
         self._rung = False
-        self._slots: list[tuple[torch.Tensor, Any]] = []  # (pinned host flag, CUDA event or None: free)
+        self._slots: list[tuple[torch.Tensor, Any]] = []  # (pinned host value, CUDA event or None: free)
         self._busy: list[int] = []  # slot indices in flight, oldest first
 
     def watch(self, loss: Any) -> None:
@@ -66,7 +63,7 @@ class NonfiniteAlarm:
         if loss is None:
             return
         if not isinstance(loss, torch.Tensor):
-            self._rung |= self._number(float(loss))
+            self._rung |= self._judge(float(loss))
             return
         if loss.device.type == "meta":
             return
@@ -74,13 +71,16 @@ class NonfiniteAlarm:
         on_device = loss.device.type == "cuda"
         free = [i for i in range(len(self._slots)) if i not in self._busy]
         if not free and len(self._slots) < _SLOTS:
-            self._slots.append((torch.zeros(1, dtype=torch.bool, pin_memory=on_device), None))
+            self._slots.append((torch.zeros(1, dtype=torch.float32, pin_memory=on_device), None))
             free = [len(self._slots) - 1]
         if not free:
             return  # every slot in flight: the device is more than _SLOTS steps behind; the flush sees it
         i = free[0]
         host, _ = self._slots[i]
-        host.copy_(self._flag(loss.detach()).reshape(1), non_blocking=on_device)
+        value = loss.detach()
+        if value.numel() != 1:  # (its metadata: no device read) a NaN or inf anywhere makes the mean one
+            value = value.float().mean()
+        host.copy_(value.reshape(1), non_blocking=on_device)
         event = None
         if on_device:
             event = torch.cuda.Event()
@@ -88,43 +88,19 @@ class NonfiniteAlarm:
         self._slots[i] = (host, event)
         self._busy.append(i)
 
-    def _flag(self, loss: torch.Tensor) -> torch.Tensor:
-        """This step's flag, on the loss's device: non-finite, or (after the warm-up) a jump over the mean."""
-        bad = torch.isfinite(loss).all().logical_not()
-        if self.rise is None:
-            return bad
-        x = loss.float().mean()
-        self._seen += 1
-        if self._mean is None or self._dev is None:
-            self._mean = torch.where(bad, torch.full_like(x, math.nan), x)
-            self._dev = torch.zeros_like(x)
-            return bad
-        mean, dev, d = self._mean, self._dev, self._weight()
-        known = torch.isfinite(mean) & (mean > 0)
-        if self._seen > self.warmup:
-            bad = bad | (known & (x > self.rise * mean) & (x > mean + self.z * dev))
-        ok = torch.isfinite(x)
-        self._dev = torch.where(ok & known, d * dev + (1 - d) * (x - mean).abs(), dev)
-        self._mean = torch.where(ok, torch.where(known, d * mean + (1 - d) * x, x), mean)
-        return bad
-
-    def _weight(self) -> float:
-        """The running means' decay for this loss: a plain average over the warm-up, then ``decay``."""
-        return min(self.decay, 1 - 1 / self._seen)
-
-    def _number(self, loss: float) -> bool:
-        """:meth:`_flag` for a loss given as a Python number."""
+    def _judge(self, loss: float) -> bool:
+        """Whether this loss rings (non-finite, or after the warm-up a jump over the means), then learn it."""
         if not math.isfinite(loss):
             return True
         if self.rise is None:
             return False
         self._seen += 1
-        if self._host is None or not self._host[0] > 0:
-            self._host = (loss, 0.0)
+        if self._means is None or not self._means[0] > 0:  # (a loss that is not positive: no jump to judge)
+            self._means = (loss, 0.0)
             return False
-        mean, dev = self._host
-        d = self._weight()
-        self._host = (d * mean + (1 - d) * loss, d * dev + (1 - d) * abs(loss - mean))
+        mean, dev = self._means
+        d = min(self.decay, 1 - 1 / self._seen)  # a plain average until it holds 1 / (1 - decay) losses
+        self._means = (d * mean + (1 - d) * loss, d * dev + (1 - d) * abs(loss - mean))
         return self._seen > self.warmup and loss > self.rise * mean and loss > mean + self.z * dev
 
     def _drain(self) -> None:
@@ -133,13 +109,13 @@ class NonfiniteAlarm:
             host, event = self._slots[self._busy[0]]
             if event is not None and not event.query():
                 return
-            self._rung |= self._read(host)
+            self._rung |= self._judge(self._read(host))
             self._busy.pop(0)
 
     @staticmethod
-    def _read(host: torch.Tensor) -> bool:
-        """A landed slot's flag: host memory the copy has finished writing (no device to wait for)."""
-        return bool(host)
+    def _read(host: torch.Tensor) -> float:
+        """A landed slot's loss: host memory the copy has finished writing (no device to wait for)."""
+        return float(host)
 
     def rang(self) -> bool:
         """Whether a loss read since the last call was NaN or inf, or jumped (and forget it)."""
