@@ -201,6 +201,7 @@ class Monitor:
                             runbook=self.spec.loaded_runbook, user=self.spec.recipe)
         self._unfit = self._unfit_rungs(batches=self.spec.loop.batches)
         self._run_config = {"monitor": self.config.to_dict(), "mode": self.mode, "recipe": recipe,
+                            "world_size": self.world_size,
                             "ladder": self._ladder_config()}
         run_id = self.outbox.start_run(config=self._run_config, resume_run_id=resume_run_id)
         if self.world_size > 1:

@@ -234,7 +234,7 @@ def test_callback_adds_one_host_read_per_flush_and_none_per_step(tmp_path: Path)
     expected = dict(plain)
     expected["tolist"] = expected.get("tolist", 0) + len(flushes)
     assert monitored == expected
-    assert counters[-1].landed == ["__bool__"] * 24  # the nonfinite alarm: each step's flag, from its host slot
+    assert counters[-1].landed == ["__float__"] * 24  # the loss alarm: each step's loss, from its host slot
 
 
 @pytest.mark.slow

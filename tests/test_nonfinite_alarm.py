@@ -121,3 +121,33 @@ def test_the_rise_is_checked_and_a_bad_one_named() -> None:
     for loss in (-1.0, -1.0, -1.0, -5.0, 3.0):  # a loss that is not positive (an RL objective): never a rise
         alarm.watch(loss)
     assert alarm.rang() is False
+
+
+def test_a_replay_ends_its_blocks_where_the_live_alarm_flushed() -> None:
+    """``replay(alarm=...)`` judges the recorded losses with the same alarm: a block ends at a NaN loss and, with
+    the rise, at a jump, as the live flush did; without it, the cadence alone."""
+    from stabmon.events import StepRecord
+    from stabmon.replay.replay import replay, simulated_pipeline
+    from stabmon.replay.simulate import Simulation
+
+    losses = [2.0 + 0.01 * (s % 3) for s in range(60)]
+    losses[27], losses[44] = 9.0, float("nan")
+    records = [StepRecord(s, {Metric.LOSS: v}) for s, v in enumerate(losses)]
+
+    class Blocks(Simulation):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ends: list[int] = []
+
+        def begin_block(self, records):  # type: ignore[no-untyped-def]
+            self.ends.append(records[-1].step)
+            super().begin_block(records)
+
+    def ends(alarm: tuple[bool, float | None]) -> list[int]:
+        pipeline, target = simulated_pipeline(runbook=None, target=Blocks())
+        replay(records, pipeline=pipeline, target=target, flush_every=20, alarm=alarm)
+        return target.ends  # type: ignore[union-attr]
+
+    assert ends((False, None)) == [19, 39, 59]
+    assert ends((True, None)) == [19, 39, 44, 59]
+    assert ends((True, 1.5)) == [19, 27, 44, 59]

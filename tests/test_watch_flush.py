@@ -21,8 +21,8 @@ STEPS = 200
 
 
 def _monitor(model: nn.Module, opt: torch.optim.Optimizer, watch: WatchConfig | None = None,
-             **monitor: object) -> Monitor:
-    config = MonitorConfig(flush_every=20, hang_timeout=None, checkpoint_every=0, **(
+             flush_on_rise: float | None = 1.5, **monitor: object) -> Monitor:
+    config = MonitorConfig(flush_every=20, hang_timeout=None, checkpoint_every=0, flush_on_rise=flush_on_rise, **(
         {"watch": watch} if watch is not None else {}))
     return Monitor(model, opt, **{"store": None, **monitor}, config=config,  # type: ignore[arg-type]
                    detectors={"step_time": {"enabled": False}})
@@ -62,13 +62,13 @@ def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _train(*, spike: bool, watch: WatchConfig | None = None, threads: int | None = None,
-           **monitor: object) -> tuple[Monitor, list[int]]:
+           flush_on_rise: float | None = 1.5, **monitor: object) -> tuple[Monitor, list[int]]:
     """A steady regression of ``STEPS`` steps, the loss x1000 at ``SPIKE`` when ``spike``: the monitor and the
     steps after which a flush ran."""
     if threads is not None:
         torch.set_num_threads(threads)
     model, opt = _model()
-    mon = _monitor(model, opt, watch, **monitor)
+    mon = _monitor(model, opt, watch, flush_on_rise, **monitor)
     flushed = _steps(mon, model, opt, _batches(STEPS), spike=spike)
     mon.close()
     return mon, flushed
@@ -83,7 +83,7 @@ def test_after_a_warning_the_flushes_come_closer_then_the_cadence_resumes(thread
         torch.set_num_threads(previous)
     warned = [a.step for a in mon.anomalies if a.severity >= Severity.WARNING]
     assert SPIKE in warned, [(a.kind, a.metric, a.step, a.severity) for a in mon.anomalies]
-    assert flushed[:3] == [19, 39, 59]  # the cadence, up to the flush that sees the spike (records 40-59)
+    assert flushed[:3] == [19, 39, SPIKE]  # the cadence, then the spike's own step (the loss alarm flushes it)
     closer = flushed[2:]
     gaps = [b - a for a, b in zip(closer, closer[1:], strict=False)]
     n = gaps.index(20)  # every 4 steps, then every 20 again
@@ -99,7 +99,11 @@ def test_a_healthy_run_keeps_its_cadence() -> None:
 
 
 def test_off_the_cadence_holds_through_trouble() -> None:
+    """Without the watch window only the loss alarm moves a flush: to the spike's own step, the cadence counted on
+    from there; without the alarm's rise too, the cadence holds throughout."""
     _, flushed = _train(spike=True, runbook=None, watch=WatchConfig(steps=0))
+    assert flushed == [19, 39, SPIKE, *range(SPIKE + 20, STEPS, 20)]
+    _, flushed = _train(spike=True, runbook=None, watch=WatchConfig(steps=0), flush_on_rise=None)
     assert flushed == list(range(19, STEPS, 20))
 
 
@@ -138,7 +142,7 @@ def test_bad_settings_are_one_line_errors(field: str, value: int, message: str) 
 def test_a_replay_of_the_stored_run_makes_the_same_flushes(sqlite_url: str) -> None:
     """One pipeline: ``stabmon replay`` of a stored live run takes the closer flushes from its stored config and
     puts its blocks where the live flushes were (before: blocks of ``flush_every`` throughout)."""
-    from stabmon.cli.replay import _live_watch
+    from stabmon.cli.replay import _live_alarm, _live_watch
     from stabmon.replay.replay import replay, simulated_pipeline
     from stabmon.replay.simulate import Simulation
     from stabmon.store import open_store
@@ -148,7 +152,7 @@ def test_a_replay_of_the_stored_run_makes_the_same_flushes(sqlite_url: str) -> N
     with open_store(sqlite_url) as store, store.session() as session:
         records = load_steps(session=session, run_id=mon.run_id)
         config, _ = run_config(session=session, run_id=mon.run_id)
-    assert _live_watch(config) == (60, 4)
+    assert _live_watch(config) == (60, 4) and _live_alarm(config) == (True, 1.5)
 
     class Blocks(Simulation):
         ends: list[int] = []
@@ -158,11 +162,12 @@ def test_a_replay_of_the_stored_run_makes_the_same_flushes(sqlite_url: str) -> N
             super().begin_block(records)
 
     live = [*flushed, STEPS - 1] if flushed[-1] != STEPS - 1 else flushed  # (+ close()'s flush of the rest)
-    for watch, want in ((_live_watch(config), live), ((0, 1), list(range(19, STEPS, 20)))):
+    cases = ((_live_watch(config), _live_alarm(config), live), ((0, 1), (False, None), list(range(19, STEPS, 20))))
+    for watch, alarm, want in cases:
         target = Blocks()
         target.ends = []
         pipeline, target = simulated_pipeline(runbook=None, target=target)
-        replay(records, pipeline=pipeline, target=target, flush_every=20, watch=watch)
+        replay(records, pipeline=pipeline, target=target, flush_every=20, watch=watch, alarm=alarm)
         assert target.ends == want, (watch, target.ends, want)
     with pytest.raises(ValueError, match=r"replay.watch must be \(steps >= 0, flush_every >= 1\), got \(60, 0\)"):
         replay(records, flush_every=20, watch=(60, 0))

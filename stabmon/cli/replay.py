@@ -75,6 +75,16 @@ def _live_watch(config: dict[str, Any]) -> tuple[int, int]:
     return 0, 1
 
 
+def _live_alarm(config: dict[str, Any]) -> tuple[bool, float | None]:
+    """The loss alarm a stored live run flushed on (``MonitorConfig.flush_on_nonfinite``, ``flush_on_rise``; one
+    process only; none when not recorded: a run stored before it, or a file)."""
+    monitor = config.get("monitor") if isinstance(config, dict) else None
+    if not isinstance(monitor, dict) or config.get("world_size", 1) != 1:
+        return False, None
+    rise = monitor.get("flush_on_rise")
+    return monitor.get("flush_on_nonfinite") is True, rise if isinstance(rise, (int, float)) and rise > 1 else None
+
+
 def _live_checkpoints(config: dict[str, Any]) -> int | None:
     """The checkpoint cadence of a stored live run (None: it saved none, so its rollbacks failed); 1 for a
     recording that says nothing about checkpoints (an imported log: assume one may be anywhere)."""
@@ -154,6 +164,7 @@ def replay_command(
         pipeline, target = _pipeline(runbook, sets, mode or stored_mode, _live_checkpoints(config), config)
     every = flush_every or _live_flush_every(config)
     watch = _live_watch(config) if flush_every is None else (0, 1)  # (--flush-every: that cadence throughout)
+    alarm = _live_alarm(config) if flush_every is None else (False, None)
     with progress_bar("replay", total=len(records), enabled=wanted(json_output)) as advance:
         result = replay(
             records,
@@ -163,6 +174,7 @@ def replay_command(
             restarts=restarts,
             flush_every=every,
             watch=watch,
+            alarm=alarm,
             progress=advance,
         )
     stored_mode = config.get("mode") if config.get("mode") in MODES else None
@@ -172,7 +184,7 @@ def replay_command(
         p, t = _pipeline(runbook, [*(sets or []), *extra], mode or stored_mode,
                          _live_checkpoints(config) if missing else 1, config or None)
         return replay(records, pipeline=p, target=t, approve=approve, restarts=restarts, flush_every=every,
-                      watch=watch).events
+                      watch=watch, alarm=alarm).events
 
     low = [e for e in result.events if type(e).__name__ != "StepRecord"]
     run_id = _store(url, name or f"replay of {label}", low, parent_id, label, runbook, sets) if store_result else None

@@ -30,12 +30,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stabmon.collect.signals.jump import LossJump
 from stabmon.events import (
     Anomaly,
     Decision,
     DecisionStatus,
     Event,
     InterventionRecord,
+    Metric,
     Outcome,
     StepRecord,
     to_dict,
@@ -127,6 +129,7 @@ def replay(
     grace_on_restart: bool = False,
     flush_every: int = 1,
     watch: tuple[int, int] = (0, 1),
+    alarm: tuple[bool, float | None] = (False, None),
     progress: Progress | None = None,
     progress_every: int = 1000,
 ) -> ReplayResult:
@@ -143,6 +146,10 @@ def replay(
     ``watch``: the live monitor's closer flushes (``MonitorConfig.watch``: steps, flush_every): after a block with
     trouble in it, or with an incident open, the blocks are that many records for that many steps, as they were
     live (``(0, 1)``: never).
+    ``alarm``: the live monitor's loss alarm (``MonitorConfig.flush_on_nonfinite``, ``flush_on_rise``): a block
+    ends at a record whose loss it rings on (NaN or inf, or a jump over its running mean), as the live flush did
+    (``(False, None)``: never). The live alarm's own rule judges the recorded losses
+    (:class:`~stabmon.collect.signals.jump.LossJump`).
     """
     if flush_every < 1:
         raise ValueError(f"replay.flush_every must be >= 1, got {flush_every}")
@@ -163,7 +170,9 @@ def replay(
     process = pipeline.process
     begin_block = target.begin_block
     closer = _Closer(*watch, pipeline=pipeline) if watch[0] and flush_every > 1 else None
-    blocks = closer.blocks(records, flush_every) if closer is not None else _blocks(records, flush_every)
+    rings = LossJump(alarm[1]) if alarm[0] and flush_every > 1 else None
+    blocks = (_blocks(records, flush_every, closer, rings) if closer is not None or rings is not None
+              else _chunks(records, flush_every))
     for block in blocks:
         begin_block(block)
         first = len(events)
@@ -199,33 +208,30 @@ class _Closer:
         self.steps, self.every, self.pipeline = steps, every, pipeline
         self.until = 0  # the step before which blocks are ``every`` records (the live monitor's ``_watch_until``)
 
-    def blocks(self, records: Iterable[StepRecord], size: int) -> Iterator[list[StepRecord]]:
-        block: list[StepRecord] = []
-        for record in records:
-            block.append(record)
-            if len(block) >= size or (record.step + 1 < self.until and len(block) >= self.every):
-                yield block  # (the caller processes it and calls flushed() before the next is built)
-                block = []
-        if block:
-            yield block
-
     def flushed(self, last_step: int, events: Sequence[Event]) -> None:
         if calls_for_closer_flushes(events, self.pipeline.engine):
             self.until = last_step + 1 + self.steps
 
 
-def _blocks(records: Iterable[StepRecord], size: int) -> Iterable[Sequence[StepRecord]]:
+def _chunks(records: Iterable[StepRecord], size: int) -> Iterable[Sequence[StepRecord]]:
+    """Blocks of ``size`` records: the live flush cadence alone."""
     if size == 1:  # the common case: one record per flush, as 1-tuples made in C (no generator to resume)
         return zip(records)
-    return _chunks(records, size)
+    return _blocks(records, size, None, None)
 
 
-def _chunks(records: Iterable[StepRecord], size: int) -> Iterator[list[StepRecord]]:
+def _blocks(records: Iterable[StepRecord], size: int, closer: _Closer | None,
+            alarm: LossJump | None) -> Iterator[list[StepRecord]]:
+    """The live monitor's flushes as blocks: ``size`` records, ``closer.every`` in a watch window, and a block
+    ends at a record the loss ``alarm`` rings on (the live monitor's ``end_step``)."""
     block: list[StepRecord] = []
     for record in records:
         block.append(record)
-        if len(block) >= size:
-            yield block
+        loss = record.get(Metric.LOSS) if alarm is not None else None
+        rang = alarm is not None and loss is not None and alarm.judge(loss)
+        watching = closer is not None and record.step + 1 < closer.until and len(block) >= closer.every
+        if len(block) >= size or watching or rang:
+            yield block  # (the caller processes it and calls flushed() before the next is built)
             block = []
     if block:
         yield block

@@ -2,7 +2,8 @@
 end of the step it is read in, not up to ``flush_every`` steps later, so the detectors see it and the runbook
 answers before the run trains on for the rest of the interval.
 
-The jump (``rise``, ``MonitorConfig.flush_on_rise``): a finite loss above ``rise`` times the running mean of the
+The jump (``rise``, ``MonitorConfig.flush_on_rise``; judged by :class:`~stabmon.collect.signals.jump.LossJump`, on
+the host): a finite loss above ``rise`` times the running mean of the
 losses before it, and above that mean by ``z`` (6) times their running absolute deviation from it (exponential
 means, decay ``0.95``, plain averages while they hold fewer than 20 losses; a positive mean; nothing rings over
 the first ``warmup`` losses): a small batch's loss that moves +-50% from step to step does not ring on its noise.
@@ -37,10 +38,11 @@ True
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
+
+from stabmon.collect.signals.jump import LossJump
 
 _SLOTS = 4
 
@@ -49,11 +51,7 @@ class NonfiniteAlarm:
     """See the module docstring: :meth:`watch` each step's loss, :meth:`rang` at the step's end."""
 
     def __init__(self, rise: float | None = None, *, z: float = 6.0, warmup: int = 20, decay: float = 0.95) -> None:
-        if rise is not None and not rise > 1.0:
-            raise ValueError(f"the alarm's rise must be > 1 or None, got {rise}")
-        self.rise, self.z, self.warmup, self.decay = rise, z, warmup, decay
-        self._means: tuple[float, float] | None = None  # the running mean of the finite losses, and their deviation
-        self._seen = 0  # finite losses read
+        self._jump = LossJump(rise, z=z, warmup=warmup, decay=decay)
         self._rung = False
         self._slots: list[tuple[torch.Tensor, Any]] = []  # (pinned host value, CUDA event or None: free)
         self._busy: list[int] = []  # slot indices in flight, oldest first
@@ -63,7 +61,7 @@ class NonfiniteAlarm:
         if loss is None:
             return
         if not isinstance(loss, torch.Tensor):
-            self._rung |= self._judge(float(loss))
+            self._rung |= self._jump.judge(float(loss))
             return
         if loss.device.type == "meta":
             return
@@ -88,28 +86,13 @@ class NonfiniteAlarm:
         self._slots[i] = (host, event)
         self._busy.append(i)
 
-    def _judge(self, loss: float) -> bool:
-        """Whether this loss rings (non-finite, or after the warm-up a jump over the means), then learn it."""
-        if not math.isfinite(loss):
-            return True
-        if self.rise is None:
-            return False
-        self._seen += 1
-        if self._means is None or not self._means[0] > 0:  # (a loss that is not positive: no jump to judge)
-            self._means = (loss, 0.0)
-            return False
-        mean, dev = self._means
-        d = min(self.decay, 1 - 1 / self._seen)  # a plain average until it holds 1 / (1 - decay) losses
-        self._means = (d * mean + (1 - d) * loss, d * dev + (1 - d) * abs(loss - mean))
-        return self._seen > self.warmup and loss > self.rise * mean and loss > mean + self.z * dev
-
     def _drain(self) -> None:
         """Read the slots whose copy has landed, oldest first; stop at the first still in flight."""
         while self._busy:
             host, event = self._slots[self._busy[0]]
             if event is not None and not event.query():
                 return
-            self._rung |= self._judge(self._read(host))
+            self._rung |= self._jump.judge(self._read(host))
             self._busy.pop(0)
 
     @staticmethod
