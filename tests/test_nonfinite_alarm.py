@@ -4,6 +4,7 @@ runbook answers within steps; by construction (the weights are made NaN before s
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,12 +29,22 @@ def _train(tmp_path: Path, *, alarm: bool, steps: int = 12, **monitor: object) -
     data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(steps)]
     mon = Monitor(model, opt, store=None, config=MonitorConfig(flush_every=20, flush_on_nonfinite=alarm,
                                                                hang_timeout=None), **monitor)
-    flushed = []
-    for step, (x, y) in mon.steps(data):
+
+    def loss_at(step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if step == BAD:
             with torch.no_grad():
                 model.weight.fill_(float("nan"))
-        loss = (model(x) - y).pow(2).mean()
+        return (model(x) - y).pow(2).mean()
+
+    return mon, _flushes(mon, opt, data, loss_at)
+
+
+def _flushes(mon: Monitor, opt: torch.optim.Optimizer, data: list[tuple[torch.Tensor, torch.Tensor]],
+             loss_at: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]) -> list[int]:
+    """Train on ``data`` with the loss ``loss_at(step, x, y)``; how many records had been flushed after each step."""
+    flushed = []
+    for step, (x, y) in mon.steps(data):
+        loss = loss_at(step, x, y)
         loss.backward()
         mon.observe(loss=loss)
         opt.step()
@@ -41,7 +52,7 @@ def _train(tmp_path: Path, *, alarm: bool, steps: int = 12, **monitor: object) -
         mon.end_step()
         flushed.append(len(mon.records))
     mon.close()
-    return mon, flushed
+    return flushed
 
 
 def test_a_nan_loss_is_flushed_at_the_end_of_its_step(tmp_path: Path) -> None:
@@ -86,17 +97,8 @@ def _jump(tmp_path: Path, *, rise: float | None, at: int | None, steps: int = 10
     data = [(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)) for _ in range(steps)]
     mon = Monitor(model, opt, store=None, detectors=False,
                   config=MonitorConfig(flush_every=20, flush_on_rise=rise, hang_timeout=None))
-    flushed = []
-    for step, (x, y) in mon.steps(data):
-        loss = (model(x) - (10 * y if at is not None and step >= at else y)).pow(2).mean()
-        loss.backward()
-        mon.observe(loss=loss)
-        opt.step()
-        opt.zero_grad()
-        mon.end_step()
-        flushed.append(len(mon.records))
-    mon.close()
-    return flushed
+    return _flushes(mon, opt, data, lambda step, x, y: (model(x) - (10 * y if at is not None and step >= at else y))
+                    .pow(2).mean())
 
 
 def test_a_loss_that_jumps_is_flushed_at_its_own_step_and_a_steady_one_keeps_the_cadence(tmp_path: Path) -> None:

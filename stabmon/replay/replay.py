@@ -171,8 +171,8 @@ def replay(
     begin_block = target.begin_block
     closer = _Closer(*watch, pipeline=pipeline) if watch[0] and flush_every > 1 else None
     rings = LossJump(alarm[1]) if alarm[0] and flush_every > 1 else None
-    blocks = (_blocks(records, flush_every, closer, rings) if closer is not None or rings is not None
-              else _chunks(records, flush_every))
+    # one record per flush, the common case: 1-tuples made in C (no generator to resume)
+    blocks = zip(records) if flush_every == 1 else _blocks(records, flush_every, closer, rings)
     for block in blocks:
         begin_block(block)
         first = len(events)
@@ -213,13 +213,6 @@ class _Closer:
             self.until = last_step + 1 + self.steps
 
 
-def _chunks(records: Iterable[StepRecord], size: int) -> Iterable[Sequence[StepRecord]]:
-    """Blocks of ``size`` records: the live flush cadence alone."""
-    if size == 1:  # the common case: one record per flush, as 1-tuples made in C (no generator to resume)
-        return zip(records)
-    return _blocks(records, size, None, None)
-
-
 def _blocks(records: Iterable[StepRecord], size: int, closer: _Closer | None,
             alarm: LossJump | None) -> Iterator[list[StepRecord]]:
     """The live monitor's flushes as blocks: ``size`` records, ``closer.every`` in a watch window, and a block
@@ -227,8 +220,7 @@ def _blocks(records: Iterable[StepRecord], size: int, closer: _Closer | None,
     block: list[StepRecord] = []
     for record in records:
         block.append(record)
-        loss = record.get(Metric.LOSS) if alarm is not None else None
-        rang = alarm is not None and loss is not None and alarm.judge(loss)
+        rang = alarm is not None and (loss := record.get(Metric.LOSS)) is not None and alarm.judge(loss)
         watching = closer is not None and record.step + 1 < closer.until and len(block) >= closer.every
         if len(block) >= size or watching or rang:
             yield block  # (the caller processes it and calls flushed() before the next is built)

@@ -2,11 +2,11 @@
 end of the step it is read in, not up to ``flush_every`` steps later, so the detectors see it and the runbook
 answers before the run trains on for the rest of the interval.
 
-The jump (``rise``, ``MonitorConfig.flush_on_rise``; judged by :class:`~stabmon.collect.signals.jump.LossJump`, on
-the host): a finite loss above ``rise`` times the running mean of the
-losses before it, and above that mean by ``z`` (6) times their running absolute deviation from it (exponential
-means, decay ``0.95``, plain averages while they hold fewer than 20 losses; a positive mean; nothing rings over
-the first ``warmup`` losses): a small batch's loss that moves +-50% from step to step does not ring on its noise.
+The jump (``rise``, ``MonitorConfig.flush_on_rise``; judged on the host by
+:class:`~stabmon.collect.signals.jump.LossJump`): a finite loss above ``rise`` times the running mean of the losses
+before it, and above that mean by ``z`` (6) times their running absolute deviation from it (exponential means,
+decay ``0.95``, plain averages while they hold fewer than 20 losses; a positive mean; nothing rings over the first
+``warmup`` losses): a small batch's loss that moves +-50% from step to step does not ring on its noise.
 The means take in every finite loss, the jump's too, so a loss that stays up rings for a few steps while they
 catch up, not for ever. The alarm only moves a flush earlier: what the detectors report on the records, and so
 every decision, is theirs; on a healthy run it costs at most a few extra flushes.
