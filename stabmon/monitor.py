@@ -51,6 +51,7 @@ from stabmon.collect.build import (
     build_training_state,
     kill_switch,
 )
+from stabmon.collect.checkpoint.landing import RerunLanding
 from stabmon.collect.checkpoint.monitor_state import build_monitor_state
 from stabmon.collect.checkpoint.recovery import Recovery
 from stabmon.collect.checkpoint.resume import ResumeCheck
@@ -154,15 +155,16 @@ class Monitor:
         rollback_from: CheckpointStore | None = checkpoints
         if self.snapshots is not None and checkpoints is not None:
             rollback_from = TieredCheckpoints(checkpoints, self.snapshots)
+        landing = RerunLanding(training, run)  # a diagnosis' re-run hands it over, the rollback after it lands there
         self._diagnoser = build_diagnoser(
             model=model, optimizer=optimizer, scaler=scaler, grads=self.signals.grads, hooks=self._hooks,
             batches=self.batches, records=self.records, checkpoints=rollback_from, check=training.mismatch,
             loss_fn=spec.loss_fn, own=self.signals.rank_values.own if self.signals.rank_values is not None else None,
-            rank=self.rank, world_size=self.world_size, channel=self._channel)
+            rank=self.rank, world_size=self.world_size, channel=self._channel, land=landing.offer)
         handed: deque[Event] = deque()  # a joint action's disagreements, for the flush's publish
         self.recovery = Recovery(run, state=training, outbox=self.outbox, failsafe=self.failsafe,
                                  stop_code=cfg.exit_code, checkpoints=rollback_from, policy=self.policy,
-                                 channel=self._channel, reports=handed)
+                                 channel=self._channel, reports=handed, landing=landing)
         hooks = self.signals.hooks
         self.handle = self.recovery.handle(hparams=hooks.hparams, diagnose=self._diagnoser,
                                            loss_first=lambda: hooks.loss_first)
@@ -548,6 +550,8 @@ class Monitor:
             pass
         finally:
             self._flushing = False
+            if self.recovery.landing is not None:  # a re-run's landing lives for the flush that made it
+                self.recovery.landing.drop()
         checkpoints = self.recovery.checkpoints
         if checkpoints is not None:  # the checkpoints saved while an incident is open keep its rollback's target
             checkpoints.hold_before = open_onset(self.pipeline.engine)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-FAULT_STEPS = (40, 41, 42)
+FAULT_STEPS = (44, 45, 46)
 """The steps whose loss is multiplied by :data:`FAULT_SCALE` the first time the run reaches them."""
 FAULT_SCALE = 1e3
 
@@ -302,12 +302,18 @@ class Invariants:
             assert any(traits_of(r.action).stops_run for r in records), f"{self.cell}: no stop recorded"
         rollbacks = [r for r in records if traits_of(r.action).rewinds_step and changed_training(r)]
         if action == "diagnose":  # its verdict's restart followed, and a cleared state is where it landed
-            verdict, cleared = forced[0].after.get("verdict"), forced[0].after.get("checkpoint_step")
+            diagnosis = forced[0].after
+            verdict, checkpoint = diagnosis.get("verdict"), diagnosis.get("checkpoint_step")
+            cleared = diagnosis.get("cleared_step", checkpoint)  # (a transient fault: the step that did not reproduce)
             restarts = [r for r in rollbacks if r.before.get("cleared_step") is not None]
+            landing = diagnosis.get("landing") or {}
+            # where one process kept the re-run's state it landed there; else on the newest checkpoint up to it
+            where = [cleared] if landing and "refused" not in landing else list(range(checkpoint, cleared + 1))
             if verdict in ("data", "hardware_suspect"):
-                assert restarts and all(r.after["checkpoint_step"] == r.before["cleared_step"] == cleared
+                assert restarts and all(r.before["cleared_step"] == cleared and r.after["checkpoint_step"] in where
                                         for r in restarts), (
-                    f"{self.cell}: verdict {verdict}, rollbacks {[(r.before, r.after) for r in rollbacks]}")
+                    f"{self.cell}: verdict {verdict}, landing {landing}, rollbacks "
+                    f"{[(r.before, r.after) for r in rollbacks]}")
         abandoned = sum(int(r.after["from_step"]) - int(r.after["checkpoint_step"]) for r in rollbacks)
         assert ledger.cause("rollback").steps >= abandoned, (
             f"{self.cell}: {abandoned} steps rolled back, goodput books {ledger.cause('rollback').steps}")

@@ -9,18 +9,15 @@ Another seed or thread count: ``STABMON_TEST_SEED=7 STABMON_TEST_THREADS=2 pytes
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
-import sys
-from functools import cache
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from scenario_support import scenarios
 from typer.testing import CliRunner
 
 from stabmon.collect.batches import BatchLog
@@ -32,19 +29,10 @@ from stabmon.events import InterventionRecord, Metric, StepRecord
 from stabmon.monitor import Monitor, MonitorConfig
 from stabmon.runbook.trace import diagnosis_lines
 
-REPO = Path(__file__).resolve().parent.parent
 SEED = int(os.environ.get("STABMON_TEST_SEED", "5"))
 THREADS = int(os.environ.get("STABMON_TEST_THREADS", "1"))
 
 
-@cache
-def scenarios() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("scenarios_diagnose", REPO / "examples" / "scenarios.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def train(scenario: str, steps: int, tmp_path: Path, snapshots: SnapshotConfig | None = None,

@@ -115,6 +115,9 @@ def test_a_fault_in_one_execution_on_rank_1_is_hardware_suspect_naming_rank_1(tm
     rerun = ev["rerun"]
     assert rerun["mismatch"]["step"] == 110 and rerun["mismatch"]["rank"] == 1 and rerun["suspect_ranks"] == [1]
     assert ev["rank"] == 1 and ev["host"] and "rank 1" in ev["summary"]
+    # every step before 110 reproduced on both ranks, but no rank keeps its re-run's state: the restart lands on a
+    # checkpoint (each rank re-ran every step, the landing is one process's)
+    assert ev["cleared_step"] == 110 and "landing" not in ev
     by_rank = {r["rank"]: r for r in rerun["ranks"]}
     assert by_rank[1]["recorded"]["loss"] == "nan" and isinstance(by_rank[1]["rerun"]["loss"], float)
     assert by_rank[0]["recorded"]["loss"] == pytest.approx(by_rank[0]["rerun"]["loss"], rel=1e-4)  # rank 0 reproduced

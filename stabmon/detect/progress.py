@@ -61,6 +61,10 @@ class RegressionConfig(DetectorConfig):
     evidence: int = param(48, at_least_one, "length of the (step, value) evidence window")
 
 
+BESTS = 128
+"""The most (step, best) entries :class:`LossRegression` keeps to know the best a rollback goes back to."""
+
+
 class LossRegression(Rule):
     """The loss's rolling median stays above the best rolling median the run has reached, by more than ``rise``
     (10%) *and* by more than ``z`` (8) standard errors of that median measured from the run's own noise, for
@@ -82,6 +86,11 @@ class LossRegression(Rule):
     the typical one, hence 8). On the 40 healthy Hugging Face fine-tunes of ``real-finetunes`` the largest
     excursion of a 12-record median over its best is 0-10 standard errors with no patience; the labelled
     divergences reach 17 and 42 (docs/detectors.md).
+
+    **Rollbacks.** The step counter going back starts a new timeline, judged against the best the run had
+    reached before the step it went back to: a restart from step 0 (a run that did not learn) is not a regression
+    against the best of the steps it undid, while one from a checkpoint before an incident still has to come back
+    to the level it had there.
 
     **Restarts.** A learning rate that rises again after decaying below half its peak (a cyclic or restarted
     schedule) starts a new baseline: the loss is expected to rise with it. An evaluation entry is its own metric
@@ -105,14 +114,15 @@ class LossRegression(Rule):
     kind = "regression"
     Config = RegressionConfig
     config: RegressionConfig
-    _state_attrs = ("_recent", "_steps", "_best", "_since", "_above_since", "_above_n", "_reported", "_last_step",
-                    "_positive", "_cadence", "_noise", "_lr_peak", "_lr_last", "_ready")
+    _state_attrs = ("_recent", "_steps", "_best", "_bests", "_since", "_above_since", "_above_n", "_reported",
+                    "_last_step", "_positive", "_cadence", "_noise", "_lr_peak", "_lr_last", "_ready")
 
     def _reset(self) -> None:
         self._recent: deque[float] = deque()
         self._steps: deque[int] = deque()  # the training step of each value in _recent
         self._sorted: list[float] = []  # the same values, sorted (derived, not saved)
         self._best = float("inf")
+        self._bests: list[list[float]] = []  # [step, best] each time the best fell, oldest first (at most BESTS)
         self._since: int | None = None  # first step of this timeline (the window is full ``window`` steps on)
         self._above_since: int | None = None
         self._above_n = 0  # records above the threshold in the current excursion
@@ -138,8 +148,9 @@ class LossRegression(Rule):
         self._ready = False
 
     def update(self, step: int, x: X) -> Anomaly | None:
-        if step <= self._last_step:  # the step counter went back (a rollback): a new timeline, same best
-            self._new_timeline()
+        if step <= self._last_step:  # the step counter went back (a rollback): a new timeline, judged against the
+            self._new_timeline()  # best reached before the step it went back to (the later steps were undone)
+            self._rewind_best(step)
         self._last_step = step
         lr = x.get(self._lr_metric)
         if lr is not None and 0.0 < lr < math.inf:  # a restart: the LR rises again after decaying below half its peak
@@ -147,7 +158,7 @@ class LossRegression(Rule):
             if lr > 1.5 * last and last < 0.5 * self._lr_peak:
                 self._lr_peak = lr
                 self._new_timeline()  # a new schedule cycle: a new baseline too
-                self._best = float("inf")
+                self._best, self._bests = float("inf"), []
             elif lr > self._lr_peak:
                 self._lr_peak = lr
         raw = x.get(self.metric)
@@ -180,12 +191,16 @@ class LossRegression(Rule):
         median = window.median(ordered)
         best = self._best
         if median <= best * self._rise:  # under the floor: no regression whatever the noise (the common case)
+            if median < best:
+                self._fell(step, median)
             if median < best or self._above_since is not None or self._reported:
                 self._best, self._above_since, self._above_n, self._reported = min(best, median), None, 0, False
             return None
         sigma = self._noise.sigma(median)
         needed = max(math.log1p(c.rise), c.z * 1.2533 * sigma / math.sqrt(n))
         if math.log(median / best) <= needed:
+            if median < best:
+                self._fell(step, median)
             if median < best or self._above_since is not None or self._reported:
                 self._best, self._above_since, self._above_n, self._reported = min(best, median), None, 0, False
             return None
@@ -202,6 +217,24 @@ class LossRegression(Rule):
         self._threshold_now, self._sigma_now = math.exp(needed), sigma
         anomaly = self._report(step, raw, median / best)
         return dataclasses.replace(anomaly, threshold=self._threshold_now)
+
+    def _fell(self, step: int, best: float) -> None:
+        """Remember that the best fell to ``best`` at ``step`` (for :meth:`_rewind_best`); past :data:`BESTS`
+        entries, every other one of the older half is dropped (a rollback that far back is judged against a best
+        a little higher than the one it had: a regression there is reported a little later, never sooner)."""
+        bests = self._bests
+        if bests and bests[-1][0] == step:
+            bests[-1][1] = best
+        else:
+            bests.append([step, best])
+        if len(bests) > BESTS:
+            half = len(bests) // 2
+            self._bests = bests[:half:2] + bests[half:]
+
+    def _rewind_best(self, step: int) -> None:
+        """A rollback to ``step``: the best is the one reached before it (none: the window learns a new one)."""
+        self._bests = [e for e in self._bests if e[0] < step]
+        self._best = self._bests[-1][1] if self._bests else float("inf")
 
     def _excursion_start(self, level: float, step: int) -> tuple[int, int]:
         """The first step, and the number of records, of the unbroken run of recent values above ``level`` that

@@ -104,6 +104,7 @@ def build_diagnoser(
     rank: int,
     world_size: int,
     channel: RankChannel,
+    land: Callable[..., str | None] | None = None,
 ) -> CrossRank:
     """The diagnoser of a live run.
 
@@ -115,7 +116,8 @@ def build_diagnoser(
     ``loss_fn``: a batch's loss (None: :func:`~stabmon.diagnose.experiments.call_model`);
     ``own``: this rank's own recorded values per step (torch.distributed; None in one process). Under
     torch.distributed every rank must call it at the same point; ``channel``: the ranks' own exchanges (the
-    monitor's joint-action group)."""
+    monitor's joint-action group); ``land``: where one process hands the state a re-run that did not reproduce
+    left (:meth:`~stabmon.collect.checkpoint.landing.RerunLanding.offer`)."""
     if batches is None:
         return CrossRank(_no_batch_log, rank=rank, world_size=world_size)
 
@@ -133,7 +135,7 @@ def build_diagnoser(
     bench = Bench(model=model, optimizer=optimizer, grads=grads, loss_fn=loss_fn or call_model, batches=batches,
                   records=records, checkpoints=checkpoints, check=check, paused=paused,
                   scaler=scaler if scaler is not None and scaler.is_enabled() else None, own=own,
-                  channel=channel, rank=rank)
+                  channel=channel, rank=rank, land=land if world_size == 1 else None)
 
     def diagnose(**params: Any) -> Diagnosis:
         return run(bench, **params)

@@ -80,6 +80,9 @@ class Bench:
     own: Mapping[int, Mapping[str, float]] | None = None
     channel: RankChannel | None = None
     rank: int = 0
+    land: Callable[..., str | None] | None = None
+    """Where one process hands the state a re-run that did not reproduce left (``RerunLanding.offer``; it returns
+    why it cannot keep it); None: nowhere."""
 
 
 @dataclass
@@ -251,22 +254,45 @@ def _local(bench: Bench, plan: Plan, rtol: float, recur: float, host: str) -> di
     pick = 0 if plan.signal == Metric.LOSS else 1
     mine: dict[str, Any] = {"rank": bench.rank, "host": host, "measured": None}
     alone = bench.channel is None or bench.channel.world_size == 1
+    trained: dict[str, Any] | None = None
     try:
         with bench.paused(), _restored(bench):
             _load(bench, plan.state)
             mine["rerun"] = _rerun(bench, plan, rtol, first_mismatch=alone)
             if alone and mine["rerun"].get("reproduced") is False:
-                return mine
-            _load(bench, plan.state)  # the replay is at the checkpoint's state, not the re-run's
-            measured: dict[int, float] = {}
-            for part in _halves(plan) if alone else [plan.incident + plan.reference]:
-                measured.update({s: _measure(bench, plan.entries[s])[pick] for s in part})
-                mine["measured"] = measured
-                if alone and _settled(plan, measured, recur):
-                    break
+                trained = _trained(bench) if bench.land is not None else None
+            else:
+                _load(bench, plan.state)  # the replay is at the checkpoint's state, not the re-run's
+                measured: dict[int, float] = {}
+                for part in _halves(plan) if alone else [plan.incident + plan.reference]:
+                    measured.update({s: _measure(bench, plan.entries[s])[pick] for s in part})
+                    mine["measured"] = measured
+                    if alone and _settled(plan, measured, recur):
+                        break
+        if trained is not None and bench.land is not None:  # (restored by now: the live state is the run's again)
+            mine["landing"] = _landing(bench, plan, mine["rerun"], trained)
     except Exception as exc:  # noqa: BLE001 - the other ranks must still hear from this one
         mine["error"] = f"{type(exc).__name__}: {exc}"
     return mine
+
+
+def _trained(bench: Bench) -> dict[str, Any]:
+    """The state a re-run left, to outlive the restore: a copy of the weights (the restore copies into them), the
+    optimizer's state by reference (the restore replaces its tensors), the GradScaler's."""
+    out = {"model": copy.deepcopy(bench.model.state_dict()), "optimizer": bench.optimizer.state_dict()}
+    if bench.scaler is not None:
+        out["scaler"] = copy.deepcopy(bench.scaler.state_dict())
+    return out
+
+
+def _landing(bench: Bench, plan: Plan, rerun: Mapping[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
+    """The re-run's state offered as the restart's landing (the state before the first step that did not
+    reproduce); the record says where, or why not."""
+    stop = int(rerun["to_step"])
+    assert bench.land is not None
+    why = bench.land(checkpoint=plan.state, start=plan.checkpoint.step, stop=stop, trained=trained,
+                     recorded=plan.recorded, batches=bench.batches)
+    return {"step": stop} if why is None else {"step": stop, "refused": why}
 
 
 def _halves(plan: Plan) -> list[list[int]]:
@@ -333,6 +359,12 @@ def _verdict(plan: Plan, evidence: Sequence[dict[str, Any]], recur: float, where
     found = {"signal": signal, "checkpoint_step": plan.checkpoint.step, "checkpoint_path": str(plan.checkpoint.path),
              "incident_steps": incident, "reference_steps": reference, "replay": replay, "rerun": rerun,
              "batches": batches}
+    if verdict == "hardware_suspect" and isinstance((rerun.get("mismatch") or {}).get("step"), int):
+        # every step before the first one that did not reproduce did, on every rank: the state after them is good
+        found["cleared_step"] = rerun["mismatch"]["step"]
+    landing = evidence[0].get("landing") if len(evidence) == 1 else None
+    if landing is not None:
+        found["landing"] = landing
     named = (rerun.get("mismatch") or {}).get("rank")
     if verdict == "hardware_suspect" and named is not None:  # the rank and host to move away from
         where = {**where, "rank": named, "host": rerun["mismatch"]["host"]}

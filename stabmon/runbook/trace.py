@@ -185,6 +185,12 @@ def diagnosis_lines(iv: dict[str, Any]) -> list[str]:
         for r in ranks if len(ranks) > 1 else []:
             lines.append(f"               rank {r['rank']} on {r['host']} at step {r['step']}: "
                          f"recorded {_values(r['recorded'])}; re-run {_values(r['rerun'])}")
+        landing = after.get("landing") or {}
+        if landing:  # the state before the step that did not reproduce: where the restart after it lands
+            lines.append(f"               the re-run's state at step {landing.get('step')} kept for the restart"
+                         if "refused" not in landing else
+                         f"               the re-run's state at step {landing.get('step')} not kept for the restart: "
+                         f"{landing['refused']}")
     replay = after.get("replay") or {}
     skipped = replay.get("skipped")
     if skipped:

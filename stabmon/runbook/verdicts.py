@@ -62,8 +62,10 @@ def note_verdict(incident: Incident, decision: Decision, record: InterventionRec
     verdict = record.after.get("verdict")
     if verdict in VERDICTS:
         incident.diagnosis = verdict
-        checkpoint = record.after.get("checkpoint_step")
+        # the state is not to blame: the one it was judged at (or, after a step that did not reproduce, the one
+        # before that step: every step up to it did) is a good landing
+        checkpoint = record.after.get("cleared_step", record.after.get("checkpoint_step"))
         if verdict != "state" and isinstance(checkpoint, int) and not isinstance(checkpoint, bool):
-            incident.cleared = checkpoint  # the state is not to blame: the one it was judged at is a good landing
+            incident.cleared = checkpoint
     else:
         incident.error = f"no verdict ({verdict}): {record.after.get('summary', 'no evidence')}"

@@ -46,6 +46,7 @@ from functools import partial
 from typing import Any
 
 from stabmon.checkpoints import CheckpointStore
+from stabmon.collect.checkpoint.landing import RerunLanding
 from stabmon.collect.checkpoint.restore import ROLLBACK, TrainingState
 from stabmon.collect.cluster.joint import LANDING, Agreement, Joint, RankChannel, restore_agreed
 from stabmon.collect.cluster.rank_policy import RankPolicy, SavePath
@@ -81,8 +82,12 @@ class Recovery:
         policy: RankPolicy | None = None,
         channel: RankChannel | None = None,
         reports: deque[Event] | None = None,
+        landing: RerunLanding | None = None,
     ) -> None:
         self.run = run
+        self.landing = landing
+        """The state a diagnosis' re-run left in this flush, which a rollback lands on first
+        (:mod:`stabmon.collect.checkpoint.landing`; one process only)."""
         self.state, self.outbox, self.failsafe = state, outbox, failsafe
         self.stop_code = stop_code
         self.policy = policy if policy is not None else RankPolicy()
@@ -238,6 +243,13 @@ class Recovery:
 
     def _own(self, manager: CheckpointStore, before_step: int, restore: Callable[[dict[str, Any]], int]
              ) -> tuple[Any, dict[str, Any]]:
+        if self.landing is not None:  # a diagnosis' re-run left the state after the steps that reproduced
+            newest = next(iter(manager.candidates(before_step)), None)
+            landed = self.landing.take(before_step, newest=newest.step if newest is not None else None,
+                                       check=self.state.mismatch)
+            if landed is not None:
+                restore(landed.state)
+                return landed.info, {"landed_on_rerun": [landed.start, landed.info.step]}
         info, state = manager.last_known_good(before_step=before_step, check=self.state.mismatch)
         restore(state)
         return info, {}

@@ -81,18 +81,20 @@ def _clone(obj: Any) -> Any:
     return _tree_map(obj, torch.Tensor.clone)
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a state tree (dicts, lists, tuples), depth first."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
+        return [t for v in obj.values() for t in tensors(v)]
     if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
+        return [t for v in obj for t in tensors(v)]
     return []
 
 
-def _nbytes(obj: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(obj))
+def nbytes(obj: Any) -> int:
+    """The bytes of every tensor in a state tree."""
+    return sum(t.numel() * t.element_size() for t in tensors(obj))
 
 
 class HostSnapshots:
@@ -115,7 +117,7 @@ class HostSnapshots:
         """Snapshot ``state()`` as the state after ``step`` steps (the oldest dropped beyond ``keep``); None when
         one snapshot would exceed ``max_bytes`` (said once)."""
         tree = dict(state())
-        size = _nbytes(tree)
+        size = nbytes(tree)
         if self.max_bytes is not None and size > self.max_bytes:
             self.skipped += 1
             if not self._warned:
@@ -127,7 +129,7 @@ class HostSnapshots:
                 self.max_bytes is not None and size + sum(i.nbytes for i, _, _ in self._held) > self.max_bytes)):
             self._held.popleft()
         ready = None
-        if torch.cuda.is_available() and any(t.device.type == "cuda" for t in _tensors(tree)):
+        if torch.cuda.is_available() and any(t.device.type == "cuda" for t in tensors(tree)):
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
             self._stream.wait_stream(torch.cuda.current_stream())
@@ -257,4 +259,4 @@ class TieredCheckpoints:
         self.disk.attach(sink=sink, run_id=run_id)
 
 
-__all__ = ["PREFIX", "HostSnapshots", "NoValidCheckpointError", "TieredCheckpoints"]
+__all__ = ["PREFIX", "HostSnapshots", "NoValidCheckpointError", "TieredCheckpoints", "nbytes", "tensors"]

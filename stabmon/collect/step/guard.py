@@ -226,10 +226,20 @@ class SkipGuard:
     def learn_host(self, grad_norm: float | None, skipped: bool) -> None:
         """Update the host running mean from one flushed record (seeds the device mean when the guard turns
         on)."""
+        self.ema_host = self.folded(self.ema_host, grad_norm, skipped, self.ema_decay)
+
+    @staticmethod
+    def folded(ema: float | None, grad_norm: float | None, skipped: bool, decay: float) -> float | None:
+        """The host running mean ``ema`` after one flushed record (a skipped or non-finite one leaves it).
+
+        >>> SkipGuard.folded(None, 2.0, False, 0.5), SkipGuard.folded(2.0, 4.0, False, 0.5)
+        (2.0, 3.0)
+        >>> SkipGuard.folded(2.0, float("nan"), False, 0.5), SkipGuard.folded(2.0, 4.0, True, 0.5)
+        (2.0, 2.0)
+        """
         if grad_norm is None or skipped or grad_norm != grad_norm or grad_norm in (float("inf"), float("-inf")):
-            return
-        d = self.ema_decay
-        self.ema_host = grad_norm if self.ema_host is None else d * self.ema_host + (1 - d) * grad_norm
+            return ema
+        return grad_norm if ema is None else decay * ema + (1 - decay) * grad_norm
 
     def state_dict(self) -> dict[str, Any]:
         return {"ema_host": self.ema_host}

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -452,6 +452,14 @@ class OptimizerHooks:
     def learn_host(self, grad_norm: float | None, skipped: bool) -> None:
         """Keep the guard's host running mean of the grad norm (updated at flushes)."""
         self.guard.learn_host(grad_norm, skipped)
+
+    def learned(self, state: Mapping[str, Any], records: Iterable[tuple[float | None, bool]]) -> dict[str, Any]:
+        """What :meth:`state_dict` would say after loading ``state`` and learning ``records`` ((grad norm,
+        skipped) of each flushed step, in order); nothing here is touched."""
+        ema = state.get("ema_host")
+        for grad_norm, skipped in records:
+            ema = SkipGuard.folded(ema, grad_norm, skipped, self.guard.ema_decay)
+        return {**state, "ema_host": ema}
 
     def state_dict(self) -> dict[str, Any]:
         return self.guard.state_dict()
