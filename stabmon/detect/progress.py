@@ -199,8 +199,6 @@ class LossRegression(Rule):
         sigma = self._noise.sigma(median)
         needed = max(math.log1p(c.rise), c.z * 1.2533 * sigma / math.sqrt(n))
         if math.log(median / best) <= needed:
-            if median < best:
-                self._fell(step, median)
             if median < best or self._above_since is not None or self._reported:
                 self._best, self._above_since, self._above_n, self._reported = min(best, median), None, 0, False
             return None
